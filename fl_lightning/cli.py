@@ -1,0 +1,151 @@
+"""``flrun``: the command line. ``flrun fit --config recipes/quickstart.yaml [--key.sub value ...]``.
+
+The parser is generated from the typed signature of :func:`fl_lightning.fit.fit` (jsonargparse), so
+``flrun fit --help`` documents every knob and recipes name components by ``class_path`` / ``init_args``.
+Every user error ends as one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+USAGE = """usage: flrun COMMAND [options]
+
+commands:
+  fit      run a federated experiment from a recipe: flrun fit --config recipes/quickstart.yaml
+  models   list the registered model builders with their parameter counts
+
+Run `flrun COMMAND --help` for the options of a command."""
+
+DEFAULTS = {"training.optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}}}
+
+
+def fit_parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from .fit import fit
+
+    parser = ArgumentParser(prog="flrun fit", description="Run a federated experiment from a recipe.",
+                            exit_on_error=False, env_prefix="FLRUN", default_env=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="recipe YAML file (may be given more than once)")
+    parser.add_function_arguments(fit, skip={"resolved_config"})
+    parser.set_defaults(DEFAULTS)
+    return parser
+
+
+def run_fit(argv: list[str]) -> int:
+    from jsonargparse import ArgumentError
+
+    from .fit import fit, summary_metrics
+
+    parser = fit_parser()
+    _check_config_files(argv)
+    try:
+        cfg = parser.parse_args(argv)
+    except ArgumentError as err:
+        raise _UserError(_readable(str(err))) from None
+    if cfg.get("name") is None:
+        cfg.name = _recipe_name(argv)
+    resolved = parser.dump(cfg, skip_none=False)
+    init = parser.instantiate(cfg)
+    kwargs = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
+    summary = fit(**kwargs, resolved_config=resolved)
+    print(summary_metrics(summary))
+    print(f"run files: {kwargs['output_dir'] or Path('runs') / cfg.name / f'seed{cfg.seed}'}")
+    return 0
+
+
+def run_models(argv: list[str]) -> int:
+    import json
+
+    from .models import registered_models
+
+    rows = []
+    for name, builder in registered_models().items():
+        model = builder()
+        params = sum(p.numel() for p in model.parameters())
+        rows.append({"name": name, "parameters": params, "size_mb": params * 4 / 2**20,
+                     "doc": (builder.__doc__ or "").strip().splitlines()[0]})
+    if "--json" in argv:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            print(f"{row['name']:<14} {row['parameters']:>12,} params {row['size_mb']:8.3f} MB  {row['doc']}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"fit": run_fit, "models": run_models}
+
+
+class _UserError(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"flrun: error: unknown command {command!r}; use one of {', '.join(COMMANDS)}.", file=sys.stderr)
+        return 2
+    os.environ.setdefault("WANDB_SILENT", "true")
+    from .errors import ConfigError
+
+    try:
+        return COMMANDS[command](rest)
+    except (_UserError, ConfigError) as err:
+        print(f"flrun {command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"flrun {command}: interrupted; the last checkpoint is kept, continue with --resume auto.",
+              file=sys.stderr)
+        return 130
+
+
+def _check_config_files(argv: list[str]) -> None:
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.partition("=")[2] if arg.startswith("--config=") else None
+        if path is not None and not Path(path).is_file():
+            raise _UserError(f"config file {path!r} does not exist; recipes live in recipes/, e.g. "
+                             "--config recipes/quickstart.yaml.")
+
+
+def _recipe_name(argv: list[str]) -> str:
+    configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    configs += [a.partition("=")[2] for a in argv if a.startswith("--config=")]
+    return Path(configs[-1]).stem if configs else "run"
+
+
+def _readable(message: str) -> str:
+    """One sentence from jsonargparse's nested error text, with a hint of how to fix it."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    text = " ".join(lines)
+    unknown = re.search(r"unrecognized arguments: (\S+)", text)
+    if unknown:
+        return f"unknown option {unknown.group(1)}; see `flrun fit --help` for the options."
+    key = re.search(r"Key ['\"]([^'\"]+)['\"] is not expected", text) or re.search(r"[Kk]ey ['\"]?([\w.]+)['\"]? .*not expected", text)
+    if key:
+        return f"unknown key {key.group(1)!r} in the recipe; check its spelling against `flrun fit --help`."
+    path = re.search(r"[Pp]roblem with given class_path ['\"]([^'\"]+)['\"]", text) or \
+        re.search(r"[Ii]mport path ['\"]?([\w.]+)['\"]? .*", text) or re.search(r"class_path ['\"]?([\w.]+)", text)
+    if path and ("import" in text.lower() or "not a subclass" in text.lower() or "class_path" in text):
+        return (f"class_path {path.group(1)!r} cannot be used here ({_first_reason(lines)}); give the full dotted "
+                "path of a class that exists, e.g. fl_lightning.strategies.FedAvg.")
+    return f"{_first_reason(lines)} (see `flrun fit --help`)."
+
+
+def _first_reason(lines: list[str]) -> str:
+    interesting = [line for line in lines if not line.startswith("- ") and "expect one of" not in line
+                   and not line.startswith("Given value type")]
+    reason = interesting[-1] if interesting else (lines[0] if lines else "invalid configuration")
+    return reason.rstrip(".")[:300]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""What a strategy's ``client_update`` sees of one client: its data, its state and the role slots."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..data import ClientData, FederatedData
+from ..types import ClientSpec, StateDict
+from .loop import LocalLoop, ModelSlot, StepFn, batch_stream
+from .module import ClientModule
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (run seed, round, client, stream), independent of call order."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+class ClientContext:
+    """One client's view during one round.
+
+    Attributes:
+        client: id, tier and roles.
+        round: the round number (from 1).
+        state: the client's persistent state across rounds (personal weights, buffers); saved in
+            checkpoints. Strategies store tensors here, never Python objects that cannot be pickled.
+        generator: the client's random stream for this round (batch order, augmentation).
+    """
+
+    def __init__(self, client: ClientSpec, rnd: int, loop: LocalLoop, data: FederatedData, state: dict, seed: int):
+        self.client = client
+        self.round = rnd
+        self.state = state
+        self.loop = loop
+        self._data = data
+        self.generator = torch.Generator().manual_seed(derive_seed(seed, rnd, client.id, 1))
+        self._loaded: set[str] = set()
+
+    # ------------------------------------------------------------------ data
+    @property
+    def indices(self) -> ClientData:
+        return self._data.clients[self.client.id]
+
+    def num_examples(self, split: str = "train") -> int:
+        return len(getattr(self.indices, split))
+
+    def batches(self, split: str = "train", steps: int | None = None, batch_size: int | None = None) -> Iterator[tuple]:
+        """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``)."""
+        idx = getattr(self.indices, split)
+        steps = steps if steps is not None else self.loop.num_steps(len(idx))
+        y = None if split == "unlabeled" else self._data.y
+        return batch_stream(self._data.x, y, idx, batch_size or self.loop.training.batch_size, steps,
+                            self.generator, self._data.augment)
+
+    # ------------------------------------------------------------------ models
+    def load(self, role: str, weights: StateDict | None = None) -> ClientModule:
+        """Loads ``weights`` (if given) into the role's shared instance and prepares its optimizer."""
+        slot = self.slot(role)
+        if weights is not None:
+            slot.module.model.load_state_dict(weights)
+        mode = self.loop.training.optimizer_state
+        if mode == "reset":
+            slot.optimizer.state.clear()
+        elif mode == "per_client":
+            saved = self.state.get(f"optimizer/{role}")
+            if saved is None:
+                slot.optimizer.state.clear()
+            else:
+                slot.optimizer.load_state_dict(saved)
+        self._loaded.add(role)
+        return slot.module
+
+    def fit(self, role: str, split: str = "train", step_fn: StepFn | None = None, steps: int | None = None) -> dict[str, float]:
+        """Trains the loaded role on a local split with ``step_fn`` (default cross-entropy)."""
+        return self.loop.fit(self.slot(role), self.batches(split, steps), self.round, step_fn)
+
+    def weights(self, role: str) -> StateDict:
+        """A copy of the role's current weights, safe to keep after the next client reuses the instance."""
+        return {k: v.detach().clone() for k, v in self.slot(role).module.model.state_dict().items()}
+
+    def slot(self, role: str) -> ModelSlot:
+        if role not in self.client.roles:
+            raise KeyError(f"client {self.client.id} (tier {self.client.tier}) does not train role {role!r}")
+        return self.loop.slots[role]
+
+    def finish(self) -> None:
+        """Keeps per-client optimizer state, when the recipe asks for it."""
+        if self.loop.training.optimizer_state == "per_client":
+            for role in self._loaded:
+                state = self.loop.slots[role].optimizer.state_dict()
+                self.state[f"optimizer/{role}"] = {
+                    "state": {k: {n: v.clone() if isinstance(v, Tensor) else v for n, v in s.items()}
+                              for k, s in state["state"].items()},
+                    "param_groups": state["param_groups"],
+                }

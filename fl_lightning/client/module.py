@@ -1,0 +1,52 @@
+"""ClientModule: the LightningModule wrapper of one client model role."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..models import FeatureClassifier
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class ClientModule(L.LightningModule):
+    """Wraps a :class:`FeatureClassifier` with the supervised steps every method starts from.
+
+    One instance exists per model role and is reused by every client of that role: a client's weights
+    are loaded into it, never a fresh module built. Strategies that change the objective pass their own
+    step function to the local loop; ``training_step`` is the plain cross-entropy default.
+    """
+
+    def __init__(self, model: FeatureClassifier, role: str, optimizer: OptimizerFactory):
+        super().__init__()
+        self.model = model
+        self.role = role
+        self._optimizer_factory = optimizer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.model.features(x)
+
+    def head(self, f: Tensor) -> Tensor:
+        return self.model.head(f)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    @torch.no_grad()
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> tuple[Tensor, Tensor]:
+        """Summed loss and number correct of a batch (sums, so batches of any size combine exactly)."""
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self._optimizer_factory(self.parameters())

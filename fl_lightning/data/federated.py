@@ -1,0 +1,159 @@
+"""FederatedData: a data set held as tensors in memory plus per-client index sets.
+
+Subclasses only implement :meth:`FederatedData.load` (the raw arrays); the split into a server
+(public / distillation) set, client partitions, labeled / unlabeled parts and local train / val / test
+splits is common and lives here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from .partition import IidPartitioner, Partitioner
+
+
+@dataclass
+class DataArrays:
+    """Raw arrays of a data set: the training pool, the global test set, optional natural ids."""
+
+    x: Tensor  # [N, ...]
+    y: Tensor  # [N] int64
+    test_x: Tensor
+    test_y: Tensor
+    groups: np.ndarray | None = None  # [N] natural client id per example, if any
+    num_classes: int | None = None
+
+
+@dataclass
+class ClientData:
+    """Index sets (into the pool ``FederatedData.x``) of one client.
+
+    ``train`` is labeled local training data; ``unlabeled`` has its labels withheld from training;
+    ``val`` and ``test`` are the local splits used to evaluate personalized models.
+    """
+
+    train: Tensor
+    unlabeled: Tensor
+    val: Tensor
+    test: Tensor
+
+
+class FederatedData:
+    """Base class of federated data sets.
+
+    Args:
+        partitioner: how the pool is split among clients (IID, Dirichlet, pathological, natural id).
+        server_fraction: share of the pool held back as the server's unlabeled public / distillation set.
+        unlabeled_fraction: share of each client's local training data whose labels are withheld.
+        local_split: fractions (train, val, test) of each client's data; e.g. [0.8, 0.1, 0.1] for
+            personalized evaluation as in FedGH. [1, 0, 0] keeps all local data for training.
+        partition_seed: seed of the split; ``None`` uses the run's seed. Fix it to compare seeds of
+            training on one partition.
+    """
+
+    def __init__(self, partitioner: Partitioner | None = None, server_fraction: float = 0.0,
+                 unlabeled_fraction: float = 0.0, local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+                 partition_seed: int | None = None):
+        self.partitioner = partitioner or IidPartitioner()
+        for name, value in (("server_fraction", server_fraction), ("unlabeled_fraction", unlabeled_fraction)):
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {value}.")
+        if len(local_split) != 3 or min(local_split) < 0 or abs(sum(local_split) - 1.0) > 1e-6 or local_split[0] <= 0:
+            raise ConfigError(f"local_split must be three non-negative fractions (train, val, test) summing to 1 "
+                              f"with a positive train share, got {list(local_split)}.")
+        self.server_fraction = server_fraction
+        self.unlabeled_fraction = unlabeled_fraction
+        self.local_split = tuple(local_split)
+        self.partition_seed = partition_seed
+        self.clients: list[ClientData] = []
+
+    # ------------------------------------------------------------------ to override
+    def load(self) -> DataArrays:
+        """Returns the raw arrays; subclasses read local files or download them."""
+        raise NotImplementedError
+
+    def augment(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        """Training-time augmentation of a batch (identity by default; CIFAR crop / flip override it)."""
+        return x
+
+    # ------------------------------------------------------------------ common splitting
+    def setup(self, num_clients: int, seed: int) -> None:
+        """Loads the arrays and builds every client's index sets, deterministically from the seed."""
+        arrays = self.load()
+        self.x, self.y = arrays.x, arrays.y.long()
+        self.test_x, self.test_y = arrays.test_x, arrays.test_y.long()
+        self.num_classes = arrays.num_classes or int(torch.cat([self.y, self.test_y]).max()) + 1
+        rng = np.random.default_rng(self.partition_seed if self.partition_seed is not None else seed)
+        labels = self.y.numpy()
+
+        pool = np.arange(len(labels))
+        self.server_idx = torch.empty(0, dtype=torch.long)
+        if self.server_fraction > 0:
+            server = _stratified_take(labels, self.server_fraction, rng)
+            self.server_idx = torch.from_numpy(np.sort(server))
+            pool = np.setdiff1d(pool, server)
+        groups = arrays.groups[pool] if arrays.groups is not None else None
+        parts = self.partitioner(labels[pool], num_clients, rng, groups=groups)
+        self.clients = [self._split_client(pool[part], rng) for part in parts]
+
+    def _split_client(self, idx: np.ndarray, rng: np.random.Generator) -> ClientData:
+        idx = rng.permutation(idx)
+        n_val = int(round(len(idx) * self.local_split[1]))
+        n_test = int(round(len(idx) * self.local_split[2]))
+        train, val, test = np.split(idx, [len(idx) - n_val - n_test, len(idx) - n_test])
+        n_unlabeled = int(round(len(train) * self.unlabeled_fraction))
+        unlabeled, train = train[:n_unlabeled], train[n_unlabeled:]
+        as_tensor = lambda a: torch.from_numpy(np.sort(a)).long()  # noqa: E731
+        return ClientData(as_tensor(train), as_tensor(unlabeled), as_tensor(val), as_tensor(test))
+
+    def to(self, device: torch.device | str) -> None:
+        """Moves every tensor (pool, test set, client indices) to ``device`` once, before training."""
+        self.x, self.y = self.x.to(device), self.y.to(device)
+        self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
+        self.server_idx = self.server_idx.to(device)
+        self.clients = [ClientData(*(getattr(c, f).to(device) for f in ("train", "unlabeled", "val", "test")))
+                        for c in self.clients]
+
+    # ------------------------------------------------------------------ inspection
+    def client_class_counts(self) -> np.ndarray:
+        """``[num_clients, num_classes]`` counts of labeled training examples."""
+        counts = np.zeros((len(self.clients), self.num_classes), dtype=np.int64)
+        for i, client in enumerate(self.clients):
+            counts[i] = np.bincount(self.y[client.train].cpu().numpy(), minlength=self.num_classes)
+        return counts
+
+    def partition_summary(self) -> dict:
+        """Sizes, class counts and a hash of every client's indices, to audit and to check on resume."""
+        digest = hashlib.sha256()
+        for client in self.clients:
+            for part in (client.train, client.unlabeled, client.val, client.test):
+                digest.update(part.cpu().numpy().tobytes())
+                digest.update(b"|")
+        digest.update(self.server_idx.cpu().numpy().tobytes())
+        return {
+            "num_clients": len(self.clients),
+            "num_classes": self.num_classes,
+            "server_size": len(self.server_idx),
+            "test_size": len(self.test_y),
+            "sha256": digest.hexdigest(),
+            "clients": [
+                {"train": len(c.train), "unlabeled": len(c.unlabeled), "val": len(c.val), "test": len(c.test),
+                 "class_counts": counts.tolist()}
+                for c, counts in zip(self.clients, self.client_class_counts())
+            ],
+        }
+
+
+def _stratified_take(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Indices of ``fraction`` of each class, drawn at random."""
+    taken = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        taken.append(rng.choice(idx, int(round(len(idx) * fraction)), replace=False))
+    return np.concatenate(taken)

@@ -1,0 +1,141 @@
+"""Partitioners: split example indices among clients.
+
+The semantics follow flwr-datasets' partitioners (IID, Dirichlet with a minimum partition size and
+retries, pathological k-classes-per-client, natural id), reimplemented on index arrays because our
+data stay tensors in memory and flwr-datasets 0.6 pins ``datasets<5``, which conflicts with current
+``transformers`` (see docs/architecture.md). Every partitioner is deterministic given its generator
+and raises :class:`ConfigError` with a fix when the requested split is impossible.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+class Partitioner:
+    """Splits ``labels`` (one per example) into ``num_clients`` disjoint index arrays."""
+
+    def __call__(self, labels: np.ndarray, num_clients: int, rng: np.random.Generator,
+                 groups: np.ndarray | None = None) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _check_count(n: int, num_clients: int, min_size: int) -> None:
+        if num_clients < 1:
+            raise ConfigError(f"num_clients must be at least 1, got {num_clients}.")
+        if n < num_clients * min_size:
+            raise ConfigError(
+                f"cannot give {num_clients} clients at least {min_size} example(s) each from {n} examples; "
+                "use fewer clients, a smaller minimum partition size or more data."
+            )
+
+
+class IidPartitioner(Partitioner):
+    """Uniformly random, near-equal shards (sizes differ by at most one)."""
+
+    def __call__(self, labels, num_clients, rng, groups=None):
+        self._check_count(len(labels), num_clients, 1)
+        return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), num_clients)]
+
+
+class DirichletPartitioner(Partitioner):
+    """Label skew: for each class, client shares are drawn from Dirichlet(alpha, ..., alpha).
+
+    Args:
+        alpha: concentration; small values give few classes per client (0.1 in paper 001, 0.5 in 003).
+        min_partition_size: every client must receive at least this many examples; the draw is
+            repeated (fresh randomness) up to ``max_tries`` times until it does.
+        max_tries: draws before giving up with an error.
+    """
+
+    def __init__(self, alpha: float = 0.5, min_partition_size: int = 10, max_tries: int = 10):
+        if alpha <= 0:
+            raise ConfigError(f"Dirichlet alpha must be positive, got {alpha}.")
+        self.alpha = alpha
+        self.min_partition_size = min_partition_size
+        self.max_tries = max_tries
+
+    def __call__(self, labels, num_clients, rng, groups=None):
+        self._check_count(len(labels), num_clients, self.min_partition_size)
+        classes = np.unique(labels)
+        for _ in range(self.max_tries):
+            parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+            for c in classes:
+                idx = rng.permutation(np.flatnonzero(labels == c))
+                shares = rng.dirichlet(np.full(num_clients, self.alpha))
+                cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(int)
+                for client, piece in enumerate(np.split(idx, cuts)):
+                    parts[client].append(piece)
+            result = [np.sort(np.concatenate(p)) for p in parts]
+            if min(len(p) for p in result) >= self.min_partition_size:
+                return result
+        raise ConfigError(
+            f"Dirichlet(alpha={self.alpha}) did not give all {num_clients} clients at least "
+            f"{self.min_partition_size} examples (of {len(labels)}) in {self.max_tries} draws; "
+            "raise alpha, lower min_partition_size or use fewer clients."
+        )
+
+
+class PathologicalPartitioner(Partitioner):
+    """Each client holds exactly ``classes_per_client`` classes (e.g. 2 of 10, 10 of 100 in FedGH).
+
+    Each class is split evenly among the clients holding it; a class no client holds is unused.
+
+    Args:
+        classes_per_client: k.
+        assignment: ``random`` (k distinct classes drawn per client) or ``deterministic``
+            (client i holds classes i, i+1, ..., i+k-1 modulo C, so every class is used when N >= C).
+        min_partition_size: smallest acceptable client.
+    """
+
+    def __init__(self, classes_per_client: int = 2, assignment: str = "deterministic", min_partition_size: int = 1):
+        if assignment not in ("random", "deterministic"):
+            raise ConfigError(f"assignment must be 'random' or 'deterministic', got {assignment!r}.")
+        self.k = classes_per_client
+        self.assignment = assignment
+        self.min_partition_size = min_partition_size
+
+    def __call__(self, labels, num_clients, rng, groups=None):
+        classes = np.unique(labels)
+        if not 1 <= self.k <= len(classes):
+            raise ConfigError(
+                f"classes_per_client={self.k} is impossible with {len(classes)} classes; choose 1..{len(classes)}."
+            )
+        self._check_count(len(labels), num_clients, self.min_partition_size)
+        if self.assignment == "deterministic":
+            held = [classes[(i + np.arange(self.k)) % len(classes)] for i in range(num_clients)]
+        else:
+            held = [rng.choice(classes, self.k, replace=False) for _ in range(num_clients)]
+        holders = {c: [i for i in range(num_clients) if c in held[i]] for c in classes}
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for c, owners in holders.items():
+            if owners:
+                idx = rng.permutation(np.flatnonzero(labels == c))
+                for owner, piece in zip(owners, np.array_split(idx, len(owners))):
+                    parts[owner].append(piece)
+        result = [np.sort(np.concatenate(p)) if p else np.empty(0, dtype=np.int64) for p in parts]
+        smallest = min(len(p) for p in result)
+        if smallest < self.min_partition_size:
+            raise ConfigError(
+                f"a client received {smallest} examples with {self.k} classes per client over {num_clients} clients "
+                f"(minimum {self.min_partition_size}); use fewer clients or more classes per client."
+            )
+        return result
+
+
+class NaturalIdPartitioner(Partitioner):
+    """One client per natural group (FEMNIST writer, speaker, StackOverflow user).
+
+    If ``num_clients`` is smaller than the number of groups, that many groups are sampled.
+    """
+
+    def __call__(self, labels, num_clients, rng, groups=None):
+        if groups is None:
+            raise ConfigError("NaturalIdPartitioner needs a data set with natural client ids (writers, speakers, users).")
+        ids = np.unique(groups)
+        if num_clients > len(ids):
+            raise ConfigError(f"the data set has {len(ids)} natural clients, fewer than num_clients={num_clients}.")
+        chosen = ids if num_clients == len(ids) else np.sort(rng.choice(ids, num_clients, replace=False))
+        return [np.flatnonzero(groups == g) for g in chosen]

@@ -1,0 +1,50 @@
+"""Evaluation of global and personalized models on held-out data."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .client.loop import LocalLoop
+from .data import FederatedData
+from .types import StateDict
+
+
+class Evaluator:
+    """Evaluates role weights on the global test set or a client's local split.
+
+    Weights are loaded into the role's shared instance (no new module is built); results are exact
+    sums over the whole split, independent of the batch size.
+    """
+
+    def __init__(self, loop: LocalLoop, data: FederatedData):
+        self.loop = loop
+        self.data = data
+
+    def global_model(self, role: str, weights: StateDict | None) -> dict[str, float]:
+        """Accuracy and mean cross-entropy of ``weights`` on the global test set."""
+        return self._run(role, weights, self.data.test_x, self.data.test_y)
+
+    def personal(self, role: str, weights: StateDict | None, client_id: int, split: str = "test") -> dict[str, float]:
+        """Accuracy and loss of a client's model on its local ``split`` (``test`` or ``val``)."""
+        idx = getattr(self.data.clients[client_id], split)
+        if len(idx) == 0:
+            raise ValueError(f"client {client_id} has an empty local {split} split; set data.local_split, e.g. [0.8, 0.1, 0.1]")
+        return self._run(role, weights, self.data.x[idx], self.data.y[idx])
+
+    @torch.no_grad()
+    def _run(self, role: str, weights: StateDict | None, x: Tensor, y: Tensor) -> dict[str, float]:
+        module = self.loop.slots[role].module
+        if weights is not None:
+            module.model.load_state_dict(weights)
+        module.eval()
+        loss_sum = torch.zeros((), device=x.device)
+        correct = torch.zeros((), dtype=torch.long, device=x.device)
+        size = self.loop.training.eval_batch_size
+        with self.loop.fabric.autocast():
+            for start in range(0, len(y), size):
+                loss, right = module.test_step((x[start:start + size], y[start:start + size]))
+                loss_sum += loss.float()
+                correct += right
+        n = max(len(y), 1)
+        return {"acc": correct.item() / n, "loss": loss_sum.item() / n}

@@ -1,0 +1,108 @@
+"""Clients, tiers and the model roles each tier trains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConfigError
+from .types import ClientId, ClientSpec, Role
+
+
+@dataclass
+class Tier:
+    """A group of clients with the same compute budget.
+
+    Attributes:
+        name: e.g. ``weak``, ``strong`` or one name per architecture.
+        roles: the model roles (keys of ``models``) these clients train.
+        fraction: share of the population in this tier; the last tier without ``fraction`` or
+            ``count`` takes the rest.
+        count: exact number of clients (overrides ``fraction``).
+    """
+
+    name: str
+    roles: list[str]
+    fraction: float | None = None
+    count: int | None = None
+
+
+@dataclass
+class Population:
+    """The federation's clients and their tiers.
+
+    Attributes:
+        num_clients: total number of clients.
+        tiers: the tiers; one tier ``all`` training role ``global`` by default.
+        assignment: how client ids map to tiers: ``contiguous`` (tier 0 gets ids 0..n0-1, as paper 001's
+            code makes clients 0-19 strong), ``interleaved`` (client k in tier k mod T, as FedGH gives
+            client k CNN-((k mod 5)+1)) or ``random`` (seeded by the run seed).
+    """
+
+    num_clients: int = 20
+    tiers: list[Tier] = field(default_factory=lambda: [Tier(name="all", roles=["global"])])
+    assignment: str = "contiguous"
+
+    def build(self, seed: int) -> list[ClientSpec]:
+        """The clients, each with its tier and roles."""
+        counts = self.tier_counts()
+        if self.assignment == "contiguous":
+            tier_of = np.repeat(np.arange(len(self.tiers)), counts)
+        elif self.assignment == "interleaved":
+            tier_of = np.array(_interleave(counts))
+        elif self.assignment == "random":
+            tier_of = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(self.tiers)), counts))
+        else:
+            raise ConfigError(f"population.assignment must be contiguous, interleaved or random, got {self.assignment!r}.")
+        return [ClientSpec(i, self.tiers[t].name, tuple(self.tiers[t].roles)) for i, t in enumerate(tier_of)]
+
+    def tier_counts(self) -> list[int]:
+        if self.num_clients < 1:
+            raise ConfigError(f"population.num_clients must be at least 1, got {self.num_clients}.")
+        if not self.tiers:
+            raise ConfigError("population.tiers is empty; give at least one tier with its roles.")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}.")
+        counts: list[int | None] = []
+        for tier in self.tiers:
+            if tier.count is not None:
+                counts.append(tier.count)
+            elif tier.fraction is not None:
+                counts.append(int(round(tier.fraction * self.num_clients)))
+            else:
+                counts.append(None)
+        rest = [i for i, c in enumerate(counts) if c is None]
+        if len(rest) > 1:
+            raise ConfigError("only one tier may leave out both fraction and count (it takes the remaining clients).")
+        fixed = sum(c for c in counts if c is not None)
+        if rest:
+            counts[rest[0]] = self.num_clients - fixed
+        if sum(counts) != self.num_clients or min(counts) < 0:
+            raise ConfigError(
+                f"tier sizes {dict(zip(names, counts))} do not add up to num_clients={self.num_clients}; "
+                "adjust the fractions / counts or leave one tier without either."
+            )
+        return counts  # type: ignore[return-value]
+
+    def roles(self) -> list[Role]:
+        """Every role some tier trains, in first-seen order."""
+        seen: dict[str, None] = {}
+        for tier in self.tiers:
+            seen.update(dict.fromkeys(tier.roles))
+        return list(seen)
+
+
+def _interleave(counts: list[int]) -> list[int]:
+    left, order = list(counts), []
+    while any(left):
+        for t, n in enumerate(left):
+            if n:
+                order.append(t)
+                left[t] -= 1
+    return order
+
+
+def clients_with_role(clients: list[ClientSpec], role: Role) -> list[ClientId]:
+    return [c.id for c in clients if role in c.roles]

@@ -1,0 +1,46 @@
+"""Client samplers: which clients take part in a round."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ConfigError
+from .types import ClientSpec
+
+
+class ClientSampler:
+    """Chooses the round's clients. ``rng`` is derived from (seed, round), so sampling is resumable."""
+
+    def sample(self, rnd: int, clients: list[ClientSpec], rng: np.random.Generator) -> list[ClientSpec]:
+        raise NotImplementedError
+
+
+class UniformSampler(ClientSampler):
+    """Draws clients uniformly without replacement.
+
+    Args:
+        fraction: share of eligible clients per round (used when ``num_per_round`` is not set).
+        num_per_round: exact number of clients per round.
+        tiers: only clients of these tiers are eligible (e.g. ``[strong]`` for the strong-only baseline).
+    """
+
+    def __init__(self, fraction: float = 1.0, num_per_round: int | None = None, tiers: list[str] | None = None):
+        if num_per_round is None and not 0.0 < fraction <= 1.0:
+            raise ConfigError(f"sampler fraction must be in (0, 1], got {fraction}.")
+        self.fraction = fraction
+        self.num_per_round = num_per_round
+        self.tiers = tiers
+
+    def sample(self, rnd, clients, rng):
+        eligible = [c for c in clients if self.tiers is None or c.tier in self.tiers]
+        if not eligible:
+            raise ConfigError(f"no client belongs to the sampler's tiers {self.tiers}; check population.tiers names.")
+        k = self.num_per_round if self.num_per_round is not None else max(1, round_half(self.fraction * len(eligible)))
+        if not 1 <= k <= len(eligible):
+            raise ConfigError(f"cannot sample {k} clients per round from {len(eligible)} eligible clients.")
+        chosen = np.sort(rng.choice(len(eligible), k, replace=False))
+        return [eligible[i] for i in chosen]
+
+
+def round_half(value: float) -> int:
+    return int(np.floor(value + 0.5))

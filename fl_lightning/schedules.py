@@ -1,0 +1,67 @@
+"""Learning-rate schedules over rounds: a multiplier of the optimizer's base learning rate.
+
+Rounds are numbered from 1. Each schedule is a small callable so recipes pick one by class path.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import ConfigError
+
+
+class RoundSchedule:
+    """Multiplier of the base learning rate in round ``rnd`` of ``rounds``."""
+
+    def __call__(self, rnd: int, rounds: int) -> float:
+        raise NotImplementedError
+
+
+class ConstantLR(RoundSchedule):
+    """The base learning rate in every round."""
+
+    def __call__(self, rnd, rounds):
+        return 1.0
+
+
+class StepLR(RoundSchedule):
+    """Multiply by ``gamma`` once each milestone round has been completed.
+
+    Args:
+        milestones: rounds after which the rate drops, e.g. [200, 300] (paper 001: x0.1 at rounds 200
+            and 300 of 400). Values in (0, 1) are fractions of the total rounds.
+        gamma: the factor per milestone.
+    """
+
+    def __init__(self, milestones: list[float], gamma: float = 0.1):
+        if any(m <= 0 for m in milestones):
+            raise ConfigError(f"StepLR milestones must be positive, got {milestones}.")
+        self.milestones = milestones
+        self.gamma = gamma
+
+    def __call__(self, rnd, rounds):
+        done = rnd - 1
+        passed = sum(done >= (m * rounds if m < 1 else m) for m in self.milestones)
+        return self.gamma ** passed
+
+
+class LinearDecayLR(RoundSchedule):
+    """Linear decay from 1 in round 1 to ``final`` in the last round (paper 002's server and distillation rates)."""
+
+    def __init__(self, final: float = 0.0):
+        self.final = final
+
+    def __call__(self, rnd, rounds):
+        progress = (rnd - 1) / max(1, rounds - 1)
+        return 1.0 + (self.final - 1.0) * progress
+
+
+class CosineLR(RoundSchedule):
+    """Cosine decay from 1 to ``final`` over the rounds."""
+
+    def __init__(self, final: float = 0.0):
+        self.final = final
+
+    def __call__(self, rnd, rounds):
+        progress = (rnd - 1) / max(1, rounds - 1)
+        return self.final + (1.0 - self.final) * 0.5 * (1.0 + math.cos(math.pi * progress))

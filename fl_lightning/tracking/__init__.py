@@ -1,0 +1,7 @@
+"""Run files (always), W&B and TensorBoard loggers (when asked) and the progress bar."""
+
+from .loggers import RunLogger, TensorBoardLogger, WandbLogger, resolve_loggers
+from .progress import RoundProgress
+from .run_files import RunFiles
+
+__all__ = ["RoundProgress", "RunFiles", "RunLogger", "TensorBoardLogger", "WandbLogger", "resolve_loggers"]

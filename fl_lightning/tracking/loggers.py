@@ -1,0 +1,125 @@
+"""Experiment loggers beyond the always-written CSV: Weights & Biases and TensorBoard.
+
+``--logger wandb`` (or ``tensorboard``) picks a logger with default options; the class-path form sets
+them, e.g. ``{class_path: fl_lightning.tracking.WandbLogger, init_args: {project: fl, tags: [cifar]}}``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+
+class RunLogger:
+    """Receives the config once, metrics per round and the summary at the end."""
+
+    def start(self, output_dir: Path, name: str, config: dict[str, Any], state: dict[str, Any] | None) -> None:
+        """``state`` is what :meth:`state_dict` returned before a resume (e.g. the W&B run id)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def log_files(self, paths: list[Path]) -> None:
+        """Optional: store files (checkpoints) with the run."""
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class WandbLogger(RunLogger):
+    """Weights & Biases. Works offline with ``WANDB_MODE=offline`` (or ``mode: offline``).
+
+    Args:
+        project: W&B project.
+        entity: W&B entity (user or team); the default entity when not given.
+        group: run group, e.g. a recipe or a sweep study; the run name's recipe when not given.
+        tags: tags of the run.
+        mode: ``online``, ``offline`` or ``disabled``; ``WANDB_MODE`` decides when not given.
+        log_checkpoints: upload the final checkpoint as an artifact.
+    """
+
+    def __init__(self, project: str = "fl-lightning", entity: str | None = None, group: str | None = None,
+                 tags: list[str] | None = None, mode: str | None = None, log_checkpoints: bool = False):
+        self.project, self.entity, self.group = project, entity, group
+        self.tags, self.mode, self.log_checkpoints = tags or [], mode, log_checkpoints
+        self.run = None
+
+    def start(self, output_dir, name, config, state):
+        try:
+            import wandb
+        except ImportError:  # pragma: no cover - wandb is a dependency
+            raise ConfigError("the wandb logger needs the wandb package: pip install wandb") from None
+        run_id = (state or {}).get("run_id")
+        self.run = wandb.init(
+            project=self.project, entity=self.entity, group=self.group or name.split("/")[0], tags=self.tags,
+            name=name, config=config, dir=str(output_dir), mode=self.mode or os.environ.get("WANDB_MODE"),
+            id=run_id, resume="allow" if run_id else None, reinit="finish_previous",
+        )
+
+    def log_metrics(self, metrics, step):
+        self.run.log(metrics, step=step)
+
+    def log_files(self, paths):
+        if self.log_checkpoints and paths:
+            import wandb
+
+            artifact = wandb.Artifact(f"{self.run.id}-checkpoint", type="model")
+            for path in paths:
+                artifact.add_file(str(path))
+            self.run.log_artifact(artifact)
+
+    def finish(self, summary):
+        for section in ("final", "best"):
+            for key, value in summary.get(section, {}).items():
+                self.run.summary[f"{section}/{key}"] = value
+        for key, value in summary.get("comm", {}).items():
+            if isinstance(value, (int, float)):
+                self.run.summary[f"comm/{key}"] = value
+        self.run.finish()
+
+    def state_dict(self):
+        return {"run_id": self.run.id} if self.run is not None else {}
+
+
+class TensorBoardLogger(RunLogger):
+    """TensorBoard event files under ``<output_dir>/tensorboard`` (needs the ``tensorboard`` package)."""
+
+    def start(self, output_dir, name, config, state):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("the tensorboard logger needs the tensorboard package: "
+                              "pip install 'fl-lightning[tensorboard]'") from None
+        self.writer = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+
+    def log_metrics(self, metrics, step):
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def finish(self, summary):
+        self.writer.close()
+
+
+_SHORTHANDS = {"wandb": WandbLogger, "tensorboard": TensorBoardLogger}
+
+
+def resolve_loggers(spec: str | RunLogger | list | None) -> list[RunLogger]:
+    """Turns ``--logger`` (a name, a logger, or a list of either) into logger objects; ``csv`` adds none."""
+    items = spec if isinstance(spec, list) else [spec]
+    loggers: list[RunLogger] = []
+    for item in items:
+        if item is None or item in ("csv", "none"):
+            continue
+        if isinstance(item, RunLogger):
+            loggers.append(item)
+        elif isinstance(item, str) and item in _SHORTHANDS:
+            loggers.append(_SHORTHANDS[item]())
+        else:
+            raise ConfigError(f"unknown logger {item!r}; use csv, wandb, tensorboard or a class_path to a RunLogger.")
+    return loggers
