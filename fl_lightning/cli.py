@@ -51,7 +51,10 @@ def run_fit(argv: list[str]) -> int:
     if cfg.get("name") is None:
         cfg.name = _recipe_name(argv)
     resolved = parser.dump(cfg, skip_none=False)
-    init = parser.instantiate(cfg)
+    try:
+        init = parser.instantiate(cfg)
+    except Exception as err:  # a component's own validation, wrapped by jsonargparse
+        raise _UserError(_root_cause(err)) from None
     kwargs = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
     summary = fit(**kwargs, resolved_config=resolved)
     print(summary_metrics(summary))
@@ -129,15 +132,35 @@ def _readable(message: str) -> str:
     unknown = re.search(r"unrecognized arguments: (\S+)", text)
     if unknown:
         return f"unknown option {unknown.group(1)}; see `flrun fit --help` for the options."
-    key = re.search(r"Key ['\"]([^'\"]+)['\"] is not expected", text) or re.search(r"[Kk]ey ['\"]?([\w.]+)['\"]? .*not expected", text)
+    key = re.search(r"(?:Option|Key) ['\"]([^'\"]+)['\"] is not (?:accepted|expected)", text)
     if key:
         return f"unknown key {key.group(1)!r} in the recipe; check its spelling against `flrun fit --help`."
+    keys = " -> ".join(re.findall(r'Parser key "([^"]+)"', text))
+    value = re.search(r"Expected a <class '([\w.]+)'>\. Got value: (.*?)(?: - |$)", text)
+    if value:
+        where = f" for {keys}" if keys else ""
+        return f"bad value {value.group(2).strip()!r}{where}: expected {value.group(1)}."
     path = re.search(r"[Pp]roblem with given class_path ['\"]([^'\"]+)['\"]", text) or \
-        re.search(r"[Ii]mport path ['\"]?([\w.]+)['\"]? .*", text) or re.search(r"class_path ['\"]?([\w.]+)", text)
-    if path and ("import" in text.lower() or "not a subclass" in text.lower() or "class_path" in text):
-        return (f"class_path {path.group(1)!r} cannot be used here ({_first_reason(lines)}); give the full dotted "
-                "path of a class that exists, e.g. fl_lightning.strategies.FedAvg.")
+        re.search(r"Import path ([\w.]+) does not correspond", text)
+    broken = re.search(r"(No module named [^ ]+|has no attribute '[^']+'|does not correspond to a subclass of \w+)", text)
+    if path or broken:
+        name = path.group(1) if path else "given"
+        reason = broken.group(1) if broken else _first_reason(lines)
+        return (f"class_path {name!r} cannot be used{' for ' + keys if keys else ''} ({reason}); give the full "
+                "dotted path of a class that exists, e.g. fl_lightning.strategies.FedAvg.")
     return f"{_first_reason(lines)} (see `flrun fit --help`)."
+
+
+def _root_cause(err: BaseException) -> str:
+    """The message of the first ConfigError in an exception chain, else a readable jsonargparse message."""
+    from .errors import ConfigError
+
+    seen = err
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return _readable(str(err))
 
 
 def _first_reason(lines: list[str]) -> str:

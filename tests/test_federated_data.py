@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+import torch
+
+from fl_lightning.data import DigitsData, IidPartitioner
+from fl_lightning.errors import ConfigError
+
+
+def test_digits_is_the_real_bundled_set_with_a_fixed_test_split():
+    data = DigitsData(test_fraction=0.2)
+    data.setup(num_clients=5, seed=0)
+    assert data.x.shape[1:] == (1, 8, 8) and data.x.dtype == torch.float32
+    assert len(data.x) + len(data.test_x) == 1797
+    assert len(data.test_y) == pytest.approx(0.2 * 1797, abs=10)
+    assert 0.0 <= float(data.x.min()) and float(data.x.max()) <= 1.0
+    other = DigitsData(test_fraction=0.2)
+    other.setup(num_clients=5, seed=1)  # another run seed keeps the global test set
+    assert torch.equal(data.test_y, other.test_y) and torch.equal(data.test_x, other.test_x)
+
+
+def test_server_unlabeled_and_local_splits_have_requested_sizes_and_are_disjoint():
+    data = DigitsData(partitioner=IidPartitioner(), server_fraction=0.1, unlabeled_fraction=0.5,
+                      local_split=(0.8, 0.1, 0.1))
+    data.setup(num_clients=4, seed=0)
+    pool = len(data.x)
+    assert len(data.server_idx) == pytest.approx(0.1 * pool, abs=10)
+    everything = [data.server_idx]
+    for client in data.clients:
+        total = sum(len(p) for p in (client.train, client.unlabeled, client.val, client.test))
+        assert len(client.val) == round(0.1 * total) and len(client.test) == round(0.1 * total)
+        local_train = len(client.train) + len(client.unlabeled)
+        assert len(client.unlabeled) == round(0.5 * local_train)
+        everything += [client.train, client.unlabeled, client.val, client.test]
+    flat = torch.cat(everything).numpy()
+    assert len(flat) == len(np.unique(flat)) == pool  # disjoint and nothing lost
+
+
+def test_partition_summary_is_deterministic_by_seed():
+    a, b, c = DigitsData(), DigitsData(), DigitsData()
+    a.setup(6, 0), b.setup(6, 0), c.setup(6, 1)
+    assert a.partition_summary()["sha256"] == b.partition_summary()["sha256"] != c.partition_summary()["sha256"]
+    counts = a.client_class_counts()
+    assert counts.shape == (6, 10) and counts.sum() == sum(len(cl.train) for cl in a.clients)
+
+
+def test_bad_fractions_are_rejected():
+    with pytest.raises(ConfigError, match="local_split"):
+        DigitsData(local_split=(0.5, 0.1, 0.1))
+    with pytest.raises(ConfigError, match="unlabeled_fraction"):
+        DigitsData(unlabeled_fraction=1.0)

@@ -1,0 +1,101 @@
+"""End to end through the CLI entry point on the real digits data."""
+
+import csv
+import json
+
+import pytest
+
+from conftest import ROOT, read_summary, run_cli, write_recipe
+
+
+def _final_metrics(summary):
+    return {"final": summary["final"], "best": summary["best"], "comm": summary["comm"]}
+
+
+def test_quickstart_recipe_reaches_90_percent(tmp_path):
+    out = tmp_path / "qs"
+    assert run_cli("fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--output_dir", str(out),
+                   "--runtime.progress", "false") == 0
+    summary = read_summary(out)
+    assert summary["final"]["global/test_acc"] >= 0.90
+    assert summary["rounds"] == 40 and summary["complete"] and summary["seed"] == 0
+    assert summary["comm"]["uplink_bytes"] > 0 and summary["comm"]["downlink_bytes"] > 0
+
+
+def test_run_files_and_metrics_rows(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml")
+    out = tmp_path / "run"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out)) == 0
+    for name in ("config.yaml", "metrics.csv", "summary.json", "partition.json", "checkpoints/last.ckpt"):
+        assert (out / name).is_file(), name
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["round"]) for r in rows] == [2, 4]  # eval_every 2 of 4 rounds
+    summary = read_summary(out)
+    assert set(summary) >= {"final", "best", "comm", "rounds", "seed", "wall_time_s"}
+    assert any("acc" in k for k in summary["final"]) and any("acc" in k for k in summary["best"])
+    assert float(rows[-1]["comm/uplink_bytes"]) == summary["comm"]["uplink_bytes"]
+    assert "rounds: 4" in (out / "config.yaml").read_text()
+
+
+def test_fedavg_ledger_counts_model_bytes_per_client(tmp_path):
+    # digits_mlp(hidden=32): 64*32 + 32 + 32*10 + 10 = 2,410 float32 parameters = 9,640 bytes.
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=3, eval_every=3)
+    out = tmp_path / "run"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out)) == 0
+    summary = read_summary(out)
+    clients_per_round = 4  # fraction 0.5 of 8
+    assert summary["comm"]["uplink_bytes"] == 3 * clients_per_round * 9_640
+    assert summary["comm"]["downlink_bytes"] == 3 * clients_per_round * 9_640
+
+
+def test_same_seed_same_numbers(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml")
+    summaries = []
+    for name in ("a", "b"):
+        assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / name)) == 0
+        summaries.append(_final_metrics(read_summary(tmp_path / name)))
+    assert summaries[0] == summaries[1]
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "c"), "--seed", "1") == 0
+    assert _final_metrics(read_summary(tmp_path / "c")) != summaries[0]
+
+
+@pytest.mark.parametrize("optimizer_state", ["reset", "per_client", "shared"])
+def test_resume_gives_exactly_the_uninterrupted_result(tmp_path, optimizer_state):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=6, eval_every=1)
+    common = ("--config", str(recipe), "--training.optimizer_state", optimizer_state)
+    assert run_cli("fit", *common, "--output_dir", str(tmp_path / "full")) == 0
+    assert run_cli("fit", *common, "--output_dir", str(tmp_path / "cut"), "--stop_after", "2") == 0
+    stopped = read_summary(tmp_path / "cut")
+    assert stopped["rounds"] == 2 and not stopped["complete"]
+    assert run_cli("fit", *common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto") == 0
+    full, resumed = read_summary(tmp_path / "full"), read_summary(tmp_path / "cut")
+    assert _final_metrics(resumed) == _final_metrics(full)
+    assert resumed["rounds"] == 6 and resumed["complete"]
+    assert (tmp_path / "full/metrics.csv").read_text().count("\n") == (tmp_path / "cut/metrics.csv").read_text().count("\n")
+
+
+def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 2
+    assert "--resume auto" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_different_partition(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=3)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x"), "--stop_after", "1") == 0
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x"), "--resume", "auto",
+                   "--population.num_clients", "6") == 2
+    assert "different data partition" in capsys.readouterr().err
+
+
+def test_wandb_offline_and_tensorboard_write_their_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=2, eval_every=1)
+    out = tmp_path / "run"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), "--logger", "[wandb, tensorboard]") == 0
+    offline = list((out / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    config = json.loads(json.dumps(read_summary(out)))
+    assert config["final"]

@@ -1,0 +1,47 @@
+import pytest
+import torch
+from torch import nn
+
+from fl_lightning.knowledge import WeightedAverage, weighted_average
+from fl_lightning.ledger import CommunicationLedger
+from fl_lightning.types import ModelWeights, TensorPayload, tensor_bytes
+
+
+def test_weighted_average_matches_hand_computation():
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(10)}
+    b = {"w": torch.tensor([4.0, 8.0]), "n": torch.tensor(20)}
+    out = weighted_average([a, b], [1.0, 2.0])
+    # (1*1 + 2*4)/3 = 3, (1*2 + 2*8)/3 = 6; integer buffer (10 + 40)/3 = 16.67 -> 17
+    assert torch.allclose(out["w"], torch.tensor([3.0, 6.0]))
+    assert out["n"].dtype == torch.int64 and out["n"].item() == 17
+
+
+def test_weighted_average_rejects_mismatched_architectures_and_bad_weights():
+    avg = WeightedAverage()
+    avg.add({"w": torch.zeros(2)}, 1.0)
+    with pytest.raises(ValueError, match="different keys"):
+        avg.add({"v": torch.zeros(2)}, 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        avg.add({"w": torch.zeros(2)}, 0.0)
+
+
+def test_payload_bytes_are_numel_times_element_size():
+    layer = nn.Linear(3, 2)  # 6 weights + 2 biases, float32
+    assert ModelWeights("m", layer.state_dict()).nbytes == 8 * 4
+    assert TensorPayload("logits", {"z": torch.zeros(10, 11, dtype=torch.float64)}).nbytes == 110 * 8
+    assert tensor_bytes(torch.zeros(3, dtype=torch.int64)) == 24
+
+
+def test_ledger_counts_per_round_direction_and_payload():
+    ledger = CommunicationLedger()
+    w = ModelWeights("m", {"w": torch.zeros(5)})  # 20 bytes
+    ledger.record(1, "downlink", {"m": w})
+    ledger.record(1, "downlink", {"m": w})
+    ledger.record(1, "uplink", {"m": w, "z": TensorPayload("logits", {"z": torch.zeros(2)})})
+    ledger.record(2, "uplink", {"m": w})
+    assert ledger.per_round[1] == {"downlink": 40, "uplink": 28}
+    assert ledger.uplink_bytes == 48 and ledger.downlink_bytes == 40
+    assert ledger.summary()["by_payload"]["uplink"] == {"m": 40, "z": 8}
+    restored = CommunicationLedger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.summary() == ledger.summary()

@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+
+from fl_lightning.data import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner, PathologicalPartitioner
+from fl_lightning.errors import ConfigError
+
+LABELS = np.repeat(np.arange(10), 100)  # 1,000 examples, 100 per class
+
+
+def _check_disjoint_cover(parts, n):
+    flat = np.concatenate(parts)
+    assert len(flat) == len(np.unique(flat)), "partitions overlap"
+    return set(flat.tolist()) <= set(range(n))
+
+
+def test_iid_sizes_are_near_equal_and_cover_everything():
+    parts = IidPartitioner()(np.zeros(10), 3, np.random.default_rng(0))
+    assert sorted(len(p) for p in parts) == [3, 3, 4]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(10))
+
+
+def test_dirichlet_is_deterministic_by_seed_and_disjoint():
+    part = DirichletPartitioner(alpha=0.5)
+    a = part(LABELS, 10, np.random.default_rng(3))
+    b = part(LABELS, 10, np.random.default_rng(3))
+    c = part(LABELS, 10, np.random.default_rng(4))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    _check_disjoint_cover(a, len(LABELS))
+    assert sum(len(p) for p in a) == len(LABELS)  # no example is dropped
+    assert min(len(p) for p in a) >= 10
+
+
+def _mean_top_class_share(parts):
+    return np.mean([np.bincount(LABELS[p], minlength=10).max() / len(p) for p in parts])
+
+
+def test_dirichlet_alpha_controls_label_skew():
+    rng = np.random.default_rng(0)
+    skewed = _mean_top_class_share(DirichletPartitioner(alpha=0.1, min_partition_size=1)(LABELS, 10, rng))
+    balanced = _mean_top_class_share(DirichletPartitioner(alpha=1000.0)(LABELS, 10, rng))
+    # With alpha -> inf every client sees each class ~10% of the time; with alpha = 0.1 one class dominates.
+    assert balanced < 0.2
+    assert skewed > 0.5
+
+
+def test_dirichlet_impossible_partition_says_how_to_fix_it():
+    with pytest.raises(ConfigError, match="raise alpha, lower min_partition_size or use fewer clients"):
+        DirichletPartitioner(alpha=0.001, min_partition_size=20)(LABELS, 40, np.random.default_rng(0))
+    with pytest.raises(ConfigError, match="cannot give 200 clients at least 10"):
+        DirichletPartitioner(alpha=1.0, min_partition_size=10)(LABELS, 200, np.random.default_rng(0))
+    with pytest.raises(ConfigError, match="alpha must be positive"):
+        DirichletPartitioner(alpha=0.0)
+
+
+def test_pathological_gives_exactly_k_classes_split_evenly():
+    parts = PathologicalPartitioner(classes_per_client=2)(LABELS, 10, np.random.default_rng(0))
+    for i, p in enumerate(parts):
+        classes = sorted(set(LABELS[p].tolist()))
+        assert classes == sorted({i % 10, (i + 1) % 10})  # deterministic assignment: i, i+1
+        assert len(p) == 100  # each class is held by two clients: 50 + 50
+    _check_disjoint_cover(parts, len(LABELS))
+
+
+def test_pathological_random_assignment_and_impossible_k():
+    parts = PathologicalPartitioner(classes_per_client=3, assignment="random")(LABELS, 20, np.random.default_rng(1))
+    assert all(len(set(LABELS[p].tolist())) == 3 for p in parts)
+    with pytest.raises(ConfigError, match="classes_per_client=11 is impossible with 10 classes"):
+        PathologicalPartitioner(classes_per_client=11)(LABELS, 5, np.random.default_rng(0))
+
+
+def test_natural_id_one_client_per_group_and_sampling():
+    groups = np.repeat(np.array([7, 3, 9]), [2, 3, 4])
+    parts = NaturalIdPartitioner()(np.zeros(9), 3, np.random.default_rng(0), groups=groups)
+    assert [p.tolist() for p in parts] == [[2, 3, 4], [0, 1], [5, 6, 7, 8]]  # sorted by id: 3, 7, 9
+    assert len(NaturalIdPartitioner()(np.zeros(9), 2, np.random.default_rng(0), groups=groups)) == 2
+    with pytest.raises(ConfigError, match="3 natural clients, fewer than num_clients=4"):
+        NaturalIdPartitioner()(np.zeros(9), 4, np.random.default_rng(0), groups=groups)
