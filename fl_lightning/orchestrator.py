@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .client.context import ClientContext, derive_seed
+from .client.context import ClientContext, derive_seed, seed_torch
 from .client.loop import LocalLoop
 from .data import FederatedData
 from .errors import ConfigError
@@ -106,7 +106,7 @@ class FederationOrchestrator:
         tasks = self.strategy.configure_round(rnd, sampled)
         client_metrics: dict[str, list[float]] = {}
         updates = self._client_updates(rnd, tasks, client_metrics)
-        torch.manual_seed(derive_seed(self.seed, rnd, SERVER_STREAM, 0))  # server-side randomness
+        seed_torch(derive_seed(self.seed, rnd, SERVER_STREAM, 0))  # server-side randomness
         server_metrics = self.strategy.aggregate(rnd, updates) or {}
         if next(updates, None) is not None:
             raise RuntimeError(f"{type(self.strategy).__name__}.aggregate did not consume every client update")
@@ -125,7 +125,7 @@ class FederationOrchestrator:
         for task in tasks:
             self.ledger.record(rnd, "downlink", task.downlink)
             client = task.client
-            torch.manual_seed(derive_seed(self.seed, rnd, client.id, 0))  # dropout and the like
+            seed_torch(derive_seed(self.seed, rnd, client.id, 0))  # dropout and the like
             state = self.client_states.setdefault(client.id, {})
             ctx = ClientContext(client, rnd, self.loop, self.data, state, self.seed)
             update = self.strategy.client_update(task, ctx)

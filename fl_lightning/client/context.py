@@ -19,6 +19,17 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def seed_torch(seed: int) -> None:
+    """Seeds torch's global CPU generator (and CUDA's, once CUDA is in use).
+
+    ``torch.manual_seed`` also queues a lazy CUDA seeding that captures a Python stack trace on every
+    call; per client and round that cost 0.3 ms, several percent of a small model's round.
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 class ClientContext:
     """One client's view during one round.
 

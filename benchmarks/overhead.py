@@ -1,0 +1,189 @@
+"""Overhead of fl-lightning against a hand-written PyTorch loop doing the same FedAvg steps.
+
+Both sides run the same rounds: the same model and initial weights, the same data partition, the same
+sampled clients and the same batch order (both draw from the seeds fl-lightning derives from
+(seed, round, client)), so their per-round mean training losses must agree to float rounding. Each side
+runs in its own process so that peak memory (max RSS) is measured separately.
+
+    python benchmarks/overhead.py                       # digits CNN and ResNet20, prints a table
+    python benchmarks/overhead.py --model resnet20 --rounds 2
+
+The ResNet20 case feeds random 32x32 images (a timing workload only: no accuracy is claimed on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fl_lightning.client.context import derive_seed
+from fl_lightning.client.loop import LocalLoop, LocalTraining, role_seed
+from fl_lightning.data import DataArrays, DigitsData, DirichletPartitioner, FederatedData
+from fl_lightning.fit import Runtime
+from fl_lightning.models import ModelSpec
+from fl_lightning.orchestrator import SERVER_STREAM, FederationOrchestrator
+from fl_lightning.population import Population
+from fl_lightning.sampling import UniformSampler
+from fl_lightning.strategies import FedAvg
+from fl_lightning.tracking import RunFiles, RunLogger
+
+CASES = {
+    # name: (builder args, data, clients, clients per round, local steps, batch size)
+    "digits_cnn": ({"builder": "digits_cnn", "args": {}}, "digits", 20, 10, 20, 16),
+    "digits_mlp": ({"builder": "digits_mlp", "args": {}}, "digits", 20, 10, 20, 16),
+    "resnet20": ({"builder": "resnet20", "args": {}}, "random32", 8, 4, 5, 32),
+}
+
+
+class RandomImages(FederatedData):
+    """Random 32x32 RGB tensors with random labels: a ResNet20-sized timing workload."""
+
+    def load(self) -> DataArrays:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(2000, 3, 32, 32, generator=g), torch.randint(0, 10, (2000,), generator=g)
+        return DataArrays(x, y, x[:200], y[:200], num_classes=10)
+
+
+def make_data(kind: str) -> FederatedData:
+    partitioner = DirichletPartitioner(alpha=0.5, min_partition_size=10)
+    return DigitsData(partitioner=partitioner) if kind == "digits" else RandomImages(partitioner=partitioner)
+
+
+class LossRecorder(RunLogger):
+    def __init__(self):
+        self.losses = []
+
+    def log_metrics(self, metrics, step):
+        self.losses.append(metrics["train/loss"])
+
+
+def run_framework(case: str, rounds: int, seed: int, threads: int) -> dict:
+    spec, kind, num_clients, per_round, steps, batch = CASES[case]
+    fabric = Runtime(accelerator="cpu", num_threads=threads, progress=False).apply()
+    population = Population(num_clients=num_clients)
+    clients = population.build(seed)
+    data = make_data(kind)
+    data.setup(num_clients, seed)
+    training = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), local_steps=steps,
+                             batch_size=batch)
+    loop = LocalLoop(fabric, training, rounds)
+    loop.build_slots({"global": ModelSpec(**spec)}, ["global"], seed, num_classes=10,
+                     in_channels=int(data.x.shape[1]))
+    recorder = LossRecorder()
+    with tempfile.TemporaryDirectory() as tmp:
+        orchestrator = FederationOrchestrator(
+            FedAvg(), clients, UniformSampler(num_per_round=per_round), loop, data, RunFiles(tmp), [recorder],
+            rounds, seed, eval_every=rounds, checkpoint_every=rounds, progress=False)
+        start = time.perf_counter()
+        summary = orchestrator.run()
+        elapsed = time.perf_counter() - start
+    return {"losses": recorder.losses, "time_s": elapsed, "acc": summary["final"]["global/test_acc"]}
+
+
+def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
+    """Plain PyTorch: sample, load weights, SGD steps over index batches, weighted average, evaluate."""
+    spec, kind, num_clients, per_round, steps, batch = CASES[case]
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    data = make_data(kind)
+    data.setup(num_clients, seed)
+    torch.manual_seed(role_seed(seed, "global"))
+    model = ModelSpec(**spec).build(num_classes=10, in_channels=int(data.x.shape[1]))
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    start = time.perf_counter()
+    for rnd in range(1, rounds + 1):
+        rng = np.random.default_rng(derive_seed(seed, rnd, SERVER_STREAM, 2))
+        chosen = np.sort(rng.choice(num_clients, per_round, replace=False))
+        sums, total_weight, round_losses = None, 0.0, []
+        for cid in chosen:
+            torch.default_generator.manual_seed(derive_seed(seed, rnd, int(cid), 0))
+            generator = torch.Generator().manual_seed(derive_seed(seed, rnd, int(cid), 1))
+            model.load_state_dict(global_state)
+            optimizer.state.clear()
+            model.train()
+            idx = data.clients[cid].train
+            loss_sum, done = torch.zeros(()), 0
+            while done < steps:
+                order = idx[torch.randperm(len(idx), generator=generator)]
+                for s in range(0, len(idx), batch):
+                    if done == steps:
+                        break
+                    chosen_idx = order[s:s + batch]
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = F.cross_entropy(model(data.x[chosen_idx]), data.y[chosen_idx])
+                    loss.backward()
+                    optimizer.step()
+                    loss_sum += loss.detach()
+                    done += 1
+            round_losses.append((loss_sum / steps).item())
+            weight = float(len(idx))
+            state = model.state_dict()
+            if sums is None:
+                sums = {k: v.detach().double() * weight for k, v in state.items()}
+            else:
+                for k, v in state.items():
+                    sums[k].add_(v.detach().double(), alpha=weight)
+            total_weight += weight
+        global_state = {k: (s / total_weight).to(global_state[k].dtype) if global_state[k].is_floating_point()
+                        else (s / total_weight).round().to(global_state[k].dtype) for k, s in sums.items()}
+        losses.append(float(np.mean(round_losses)))
+    model.load_state_dict(global_state)
+    model.eval()
+    with torch.no_grad():
+        acc = (model(data.test_x).argmax(1) == data.test_y).float().mean().item()
+    return {"losses": losses, "time_s": time.perf_counter() - start, "acc": acc}
+
+
+def measure(side: str, case: str, rounds: int, seed: int, threads: int) -> dict:
+    command = [sys.executable, __file__, "--worker", side, "--model", case, "--rounds", str(rounds),
+               "--seed", str(seed), "--threads", str(threads)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(CASES), action="append")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default: 30 digits, 2 resnet20)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; the best time counts")
+    parser.add_argument("--worker", choices=["framework", "hand"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        fn = run_framework if args.worker == "framework" else run_hand_written
+        result = fn(args.model[0], args.rounds, args.seed, args.threads)
+        result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+    print("| model | rounds | hand-written s | fl-lightning s | ratio | max loss diff | peak RSS hand / fl (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for case in args.model or ["digits_cnn", "resnet20"]:
+        rounds = args.rounds or (2 if case == "resnet20" else 30)
+        hand, framework = [], []
+        for _ in range(args.repeats):  # alternate so both sides see the same machine load
+            hand.append(measure("hand", case, rounds, args.seed, args.threads))
+            framework.append(measure("framework", case, rounds, args.seed, args.threads))
+        diff = max(abs(a - b) for a, b in zip(hand[0]["losses"], framework[0]["losses"]))
+        t_hand = min(r["time_s"] for r in hand)
+        t_fl = min(r["time_s"] for r in framework)
+        print(f"| {case} | {rounds} | {t_hand:.3f} | {t_fl:.3f} | {t_fl / t_hand:.3f} | {diff:.2e} | "
+              f"{hand[0]['max_rss_mb']:.0f} / {framework[0]['max_rss_mb']:.0f} |", flush=True)
+        if diff > 1e-4:
+            raise SystemExit(f"losses differ by {diff:.2e}: the two loops did not run the same steps")
+
+
+if __name__ == "__main__":
+    main()
