@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from .client.loop import LocalLoop
 from .data import FederatedData
-from .types import StateDict
+from .types import ClientSpec, StateDict
 
 
 class Evaluator:
@@ -17,9 +20,12 @@ class Evaluator:
     sums over the whole split, independent of the batch size.
     """
 
-    def __init__(self, loop: LocalLoop, data: FederatedData):
+    def __init__(self, loop: LocalLoop, data: FederatedData, clients: list[ClientSpec] | None = None,
+                 client_states: dict[int, dict] | None = None):
         self.loop = loop
         self.data = data
+        self.clients = clients or []
+        self.client_states = client_states if client_states is not None else {}
 
     def global_model(self, role: str, weights: StateDict | None) -> dict[str, float]:
         """Accuracy and mean cross-entropy of ``weights`` on the global test set."""
@@ -31,6 +37,30 @@ class Evaluator:
         if len(idx) == 0:
             raise ValueError(f"client {client_id} has an empty local {split} split; set data.local_split, e.g. [0.8, 0.1, 0.1]")
         return self._run(role, weights, self.data.x[idx], self.data.y[idx])
+
+    def personalized(self, weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]], split: str = "global",
+                     prefix: str = "personal") -> dict[str, float]:
+        """Mean, spread and per-tier mean accuracy of every client's own model.
+
+        Args:
+            weights_of: gives a client's (role, weights) from the client and its persistent state.
+            split: ``global`` evaluates each client on the global test set (FedHe, Felo); ``test`` on its
+                local test split (FedGH's 8:1:1 setting).
+            prefix: metric name prefix.
+        """
+        accs: dict[str, list[float]] = {}
+        losses = []
+        for client in self.clients:
+            role, weights = weights_of(client, self.client_states.get(client.id, {}))
+            result = self.global_model(role, weights) if split == "global" else self.personal(role, weights, client.id, split)
+            accs.setdefault(client.tier, []).append(result["acc"])
+            losses.append(result["loss"])
+        every = [a for tier in accs.values() for a in tier]
+        metrics = {f"{prefix}/test_acc": float(np.mean(every)), f"{prefix}/test_acc_std": float(np.std(every)),
+                   f"{prefix}/test_acc_min": float(np.min(every)), f"{prefix}/test_loss": float(np.mean(losses))}
+        if len(accs) > 1:
+            metrics.update({f"{prefix}/{tier}/test_acc": float(np.mean(v)) for tier, v in accs.items()})
+        return metrics
 
     @torch.no_grad()
     def _run(self, role: str, weights: StateDict | None, x: Tensor, y: Tensor) -> dict[str, float]:

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 
 from . import __version__
+from .asynchrony import AsynchronousSchedule
 from .checkpoint import load_checkpoint
 from .client.loop import LocalLoop, LocalTraining
 from .data import FederatedData
@@ -65,6 +66,7 @@ def fit(
     strategy: Strategy,
     population: Population = Population(),
     sampler: ClientSampler | None = None,
+    schedule: AsynchronousSchedule | None = None,
     training: LocalTraining = LocalTraining(),
     rounds: int = 50,
     eval_every: int = 1,
@@ -88,6 +90,8 @@ def fit(
         strategy: the federated algorithm (class_path of a Strategy, e.g. fl_lightning.strategies.FedAvg).
         population: clients, tiers and the roles each tier trains.
         sampler: which clients join each round (all clients when not given).
+        schedule: asynchronous mode (fl_lightning.asynchrony.AsynchronousSchedule: simulated client speeds,
+            the server handles each arrival as it comes); synchronous rounds when not given.
         training: local training of every client (optimizer, steps or epochs, batch size, schedule).
         rounds: number of communication rounds.
         eval_every: evaluate every k rounds (and after the last round).
@@ -133,7 +137,7 @@ def fit(
     orchestrator = FederationOrchestrator(
         strategy, clients, sampler or UniformSampler(), loop, data, files, loggers, rounds, seed,
         eval_every=eval_every, checkpoint_every=checkpoint_every, stop_after=stop_after, monitor=monitor,
-        progress=runtime.progress, run_info=run_info,
+        progress=runtime.progress, run_info=run_info, schedule=schedule,
     )
     config_dict = _config_dict(resolved_config)
     for i, run_logger in enumerate(loggers):

@@ -19,6 +19,7 @@ from .data import FederatedData
 from .errors import ConfigError
 from .evaluation import Evaluator
 from .ledger import CommunicationLedger
+from .asynchrony import AsynchronousSchedule
 from .sampling import ClientSampler
 from .strategies.base import ServerContext, Strategy
 from .tracking import RoundProgress, RunFiles, RunLogger
@@ -46,12 +47,14 @@ class FederationOrchestrator:
         monitor: metric deciding the best round; the strategy's default when not given.
         progress: show the rich progress bar.
         run_info: extra entries for summary.json (name, config hash, versions).
+        schedule: asynchronous mode (simulated clock and client speeds); synchronous rounds when None.
     """
 
     def __init__(self, strategy: Strategy, clients: list[ClientSpec], sampler: ClientSampler, loop: LocalLoop,
                  data: FederatedData, files: RunFiles, loggers: list[RunLogger], rounds: int, seed: int,
                  eval_every: int = 1, checkpoint_every: int = 1, stop_after: int | None = None,
-                 monitor: str | None = None, progress: bool = True, run_info: dict[str, Any] | None = None):
+                 monitor: str | None = None, progress: bool = True, run_info: dict[str, Any] | None = None,
+                 schedule: AsynchronousSchedule | None = None):
         if rounds < 1:
             raise ConfigError(f"rounds must be at least 1, got {rounds}.")
         if eval_every < 1 or checkpoint_every < 1:
@@ -62,13 +65,18 @@ class FederationOrchestrator:
         self.eval_every, self.checkpoint_every, self.stop_after = eval_every, checkpoint_every, stop_after
         self.progress_enabled = progress
         self.run_info = run_info or {}
-        self.evaluator = Evaluator(loop, data)
-        self.ledger = CommunicationLedger()
         self.client_states: dict[int, dict] = {}
+        self.evaluator = Evaluator(loop, data, clients, self.client_states)
+        self.ledger = CommunicationLedger()
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
         self.elapsed = 0.0
         self.rounds_done = 0
+        self.schedule = schedule
+        if schedule is not None:
+            if len(strategy.phases) > 1:
+                raise ConfigError(f"{type(strategy).__name__} has several phases per round and cannot run asynchronously.")
+            schedule.setup(clients, derive_seed(seed, 0, SERVER_STREAM, 5))
         strategy.setup(ServerContext(clients, list(loop.slots), data, rounds, seed, loop))
         self.monitor = monitor or strategy.monitor
 
@@ -102,16 +110,14 @@ class FederationOrchestrator:
         return self._summary()
 
     def _round(self, rnd: int) -> dict[str, Any]:
-        sampled = self.sampler.sample(rnd, self.clients, np.random.default_rng(derive_seed(self.seed, rnd, SERVER_STREAM, 2)))
-        tasks = self.strategy.configure_round(rnd, sampled)
         client_metrics: dict[str, list[float]] = {}
-        updates = self._client_updates(rnd, tasks, client_metrics)
-        seed_torch(derive_seed(self.seed, rnd, SERVER_STREAM, 0))  # server-side randomness
-        server_metrics = self.strategy.aggregate(rnd, updates) or {}
-        if next(updates, None) is not None:
-            raise RuntimeError(f"{type(self.strategy).__name__}.aggregate did not consume every client update")
+        server_metrics: dict[str, float] = {}
+        if self.schedule is None:
+            num_tasks = self._synchronous(rnd, client_metrics, server_metrics)
+        else:
+            num_tasks = self._asynchronous(rnd, client_metrics, server_metrics)
         traffic = self.ledger.per_round.get(rnd, {"uplink": 0, "downlink": 0})
-        row: dict[str, Any] = {"round": rnd, "clients": len(tasks)}
+        row: dict[str, Any] = {"round": rnd, "clients": num_tasks}
         row.update({f"train/{k}": float(np.mean(v)) for k, v in client_metrics.items()})
         if client_metrics:
             row["train/loss"] = float(np.mean([np.mean(v) for k, v in client_metrics.items() if k.endswith("loss")]))
@@ -120,22 +126,71 @@ class FederationOrchestrator:
                     "comm/uplink_bytes": self.ledger.uplink_bytes, "comm/downlink_bytes": self.ledger.downlink_bytes})
         return row
 
+    def _synchronous(self, rnd: int, client_metrics: dict, server_metrics: dict) -> int:
+        sampled = self.sampler.sample(rnd, self.clients, np.random.default_rng(derive_seed(self.seed, rnd, SERVER_STREAM, 2)))
+        num_tasks = 0
+        for number, phase in enumerate(self.strategy.phases):
+            tasks = self.strategy.configure_round(rnd, sampled, phase)
+            for task in tasks:
+                task.phase = phase
+            num_tasks += len(tasks)
+            updates = self._client_updates(rnd, tasks, client_metrics)
+            seed_torch(derive_seed(self.seed, rnd, SERVER_STREAM, 10 + number))  # server-side randomness
+            server_metrics.update(self.strategy.aggregate(rnd, updates, phase) or {})
+            if next(updates, None) is not None:
+                raise RuntimeError(f"{type(self.strategy).__name__}.aggregate did not consume every client update")
+        return num_tasks
+
+    def _asynchronous(self, rnd: int, client_metrics: dict, server_metrics: dict) -> int:
+        """Handles ``arrivals_per_round`` arrivals in simulated-time order (FedHe Algorithm 1)."""
+        schedule = self.schedule
+        if not schedule.started:  # every client (or `concurrency` of them) starts from the initial state
+            rng = np.random.default_rng(derive_seed(self.seed, 0, SERVER_STREAM, 6))
+            first = self.clients if schedule.concurrency is None else \
+                [self.clients[i] for i in np.sort(rng.choice(len(self.clients), schedule.concurrency, replace=False))]
+            for client in first:
+                self._dispatch(rnd, client, client_metrics)
+            schedule.started = True
+        staleness = []
+        for _ in range(schedule.arrivals_per_round):
+            arrival = schedule.pop()
+            staleness.append(schedule.version - arrival.version)
+            self.ledger.record(rnd, "uplink", arrival.update.uplink)
+            seed_torch(derive_seed(self.seed, schedule.seq, SERVER_STREAM, 10))
+            server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
+            schedule.version += 1
+            self._dispatch(rnd, self.clients[arrival.client_id], client_metrics)
+        server_metrics.update({"async/staleness_mean": float(np.mean(staleness)),
+                               "async/staleness_max": float(np.max(staleness)), "async/clock": schedule.clock})
+        return len(staleness)
+
+    def _dispatch(self, rnd: int, client: ClientSpec, client_metrics: dict) -> None:
+        """Sends a client the current server state and computes its update, delivered at its arrival."""
+        task = self.strategy.configure_round(rnd, [client])[0]
+        stream = self.schedule.seq + 1
+        update = self._run_client(rnd, task, client_metrics, stream)
+        self.schedule.push(client.id, update, np.random.default_rng(derive_seed(self.seed, stream, client.id, 4)))
+
     def _client_updates(self, rnd: int, tasks: list[ClientTask], metrics: dict[str, list[float]]) -> Iterator[ClientUpdate]:
         """Runs clients one at a time, as the strategy's ``aggregate`` asks for their updates."""
         for task in tasks:
-            self.ledger.record(rnd, "downlink", task.downlink)
-            client = task.client
-            seed_torch(derive_seed(self.seed, rnd, client.id, 0))  # dropout and the like
-            state = self.client_states.setdefault(client.id, {})
-            ctx = ClientContext(client, rnd, self.loop, self.data, state, self.seed)
-            update = self.strategy.client_update(task, ctx)
-            ctx.finish()
-            if not state:
-                del self.client_states[client.id]
+            update = self._run_client(rnd, task, metrics)
             self.ledger.record(rnd, "uplink", update.uplink)
-            for key, value in update.metrics.items():
-                metrics.setdefault(key, []).append(value)
             yield update
+
+    def _run_client(self, rnd: int, task: ClientTask, metrics: dict[str, list[float]], stream: int = 0) -> ClientUpdate:
+        self.ledger.record(rnd, "downlink", task.downlink)
+        client = task.client
+        seed_torch(derive_seed(self.seed, rnd, client.id, 0, stream) if stream else derive_seed(self.seed, rnd, client.id, 0))
+        state = self.client_states.setdefault(client.id, {})
+        ctx = ClientContext(client, rnd, self.loop, self.data, state, self.seed, stream)
+        update = self.strategy.client_update(task, ctx)
+        ctx.finish()
+        if not state:
+            del self.client_states[client.id]
+        for key, value in update.metrics.items():
+            metrics.setdefault(key, []).append(value)
+        return update
 
     def _evaluate(self, rnd: int) -> dict[str, float]:
         metrics = self.strategy.evaluate(self.evaluator)
@@ -163,6 +218,7 @@ class FederationOrchestrator:
             "rng": rng_state(),
             "loggers": [logger.state_dict() for logger in self.loggers],
             "run_info": self.run_info,
+            "schedule": self.schedule.state_dict() if self.schedule is not None else None,
         }
         save_checkpoint(self.files.last_checkpoint, state)
 
@@ -173,7 +229,8 @@ class FederationOrchestrator:
                               "changed); resume with the original recipe or start a new --output_dir.")
         self.rounds_done = state["rounds_done"]
         self.strategy.load_state_dict(state["strategy"])
-        self.client_states = state["client_states"]
+        self.client_states.clear()  # in place: the evaluator holds the same dict
+        self.client_states.update(state["client_states"])
         for role, opt_state in state["shared_optimizers"].items():
             self.loop.slots[role].optimizer.load_state_dict(opt_state)
         self.ledger.load_state_dict(state["ledger"])
@@ -181,6 +238,8 @@ class FederationOrchestrator:
         if state.get("last_eval") is not None:
             self.last_eval = state["last_eval"]
         set_rng_state(state["rng"])
+        if self.schedule is not None:
+            self.schedule.load_state_dict(state["schedule"])
 
     def _summary(self) -> dict[str, Any]:
         last = getattr(self, "last_eval", None)

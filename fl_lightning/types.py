@@ -73,6 +73,7 @@ class ClientTask:
     round: int
     downlink: dict[str, Payload] = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    phase: str = "train"
 
 
 @dataclass

@@ -41,13 +41,16 @@ class ClientContext:
         generator: the client's random stream for this round (batch order, augmentation).
     """
 
-    def __init__(self, client: ClientSpec, rnd: int, loop: LocalLoop, data: FederatedData, state: dict, seed: int):
+    def __init__(self, client: ClientSpec, rnd: int, loop: LocalLoop, data: FederatedData, state: dict, seed: int,
+                 stream: int = 0):
         self.client = client
         self.round = rnd
         self.state = state
         self.loop = loop
         self._data = data
-        self.generator = torch.Generator().manual_seed(derive_seed(seed, rnd, client.id, 1))
+        # `stream` tells apart several updates of one client in one round (asynchronous mode)
+        parts = (seed, rnd, client.id, 1, stream) if stream else (seed, rnd, client.id, 1)
+        self.generator = torch.Generator().manual_seed(derive_seed(*parts))
         self._loaded: set[str] = set()
 
     # ------------------------------------------------------------------ data

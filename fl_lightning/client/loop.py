@@ -90,6 +90,7 @@ class LocalLoop:
 
     def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
         """Builds one module per role (weights seeded per role) and its optimizer, once per run."""
+        self.specs, self.context = models, context
         missing = [r for r in roles if r not in models]
         if missing:
             raise ConfigError(
@@ -103,6 +104,12 @@ class LocalLoop:
             module = self.fabric.setup_module(module).module  # device and precision from Fabric
             optimizer = module.configure_optimizers()
             self.slots[role] = ModelSlot(role, module, optimizer, [g["lr"] for g in optimizer.param_groups])
+
+    def fresh_weights(self, role: str, seed: int) -> dict[str, Tensor]:
+        """Weights of a newly built model of ``role`` (seeded); used once per client by personalized methods."""
+        torch.manual_seed(seed)
+        model = self.specs[role].build(**self.context)
+        return {k: v.to(self.fabric.device) for k, v in model.state_dict().items()}
 
     def num_steps(self, num_examples: int) -> int:
         if self.training.local_steps is not None:

@@ -2,5 +2,6 @@
 
 from .base import ServerContext, Strategy
 from .fedavg import FedAvg
+from .fedhe import FedHe
 
-__all__ = ["FedAvg", "ServerContext", "Strategy"]
+__all__ = ["FedAvg", "FedHe", "ServerContext", "Strategy"]

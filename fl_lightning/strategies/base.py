@@ -2,10 +2,14 @@
 
 The orchestrator owns the round loop and calls, per round::
 
-    tasks   = strategy.configure_round(rnd, sampled_clients)      # what each client receives
-    updates = (strategy.client_update(task, ctx) for each task)   # run lazily, one client at a time
-    strategy.aggregate(rnd, updates)                              # server-side math, streaming
-    strategy.evaluate(evaluator)                                  # every eval_every rounds and at the end
+    for phase in strategy.phases:                                     # usually just ("train",)
+        tasks   = strategy.configure_round(rnd, sampled_clients, phase)   # what each client receives
+        updates = (strategy.client_update(task, ctx) for each task)       # lazily, one client at a time
+        strategy.aggregate(rnd, updates, phase)                           # server-side math, streaming
+    strategy.evaluate(evaluator)                                      # every eval_every rounds and at the end
+
+A round has several phases when the server must aggregate between two client steps (paper 001: the
+auxiliary model is averaged before strong clients distill from it).
 
 Payloads in ``ClientTask.downlink`` and ``ClientUpdate.uplink`` are all that crosses the network, so the
 communication ledger counts them without any help from the strategy.
@@ -16,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..client.context import ClientContext
+from ..client.context import ClientContext, derive_seed
 from ..client.loop import LocalLoop
 from ..data import FederatedData
 from ..evaluation import Evaluator
@@ -34,9 +38,15 @@ class ServerContext:
     seed: int
     loop: LocalLoop
 
-    def initial_weights(self, role: str) -> StateDict:
-        """The role's weights as built from the run seed (identical for every client)."""
-        return {k: v.detach().clone() for k, v in self.loop.slots[role].module.model.state_dict().items()}
+    def initial_weights(self, role: str, client_id: int | None = None) -> StateDict:
+        """The role's initial weights: the run's global initialisation, or a client's own one.
+
+        A client's own initialisation (personalized methods, where every client starts from its own
+        random model as in FedHe's and Felo's code) is built once from a seed derived from the client id.
+        """
+        if client_id is None:
+            return {k: v.detach().clone() for k, v in self.loop.slots[role].module.model.state_dict().items()}
+        return self.loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, 3))
 
 
 class Strategy:
@@ -47,18 +57,21 @@ class Strategy:
     """
 
     state_attributes: tuple[str, ...] = ()
+    phases: tuple[str, ...] = ("train",)
 
     def setup(self, server: ServerContext) -> None:
         """Called once before the first round (and before a checkpoint is restored)."""
         self.server = server
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+        """The tasks of ``phase``: usually one per sampled client, but a strategy may address any client
+        of ``self.server.clients`` (paper 001's strong clients join every round)."""
         raise NotImplementedError
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         raise NotImplementedError
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         """Consumes the round's updates (each exactly once) and updates the server state.
 
         Returns server-side metrics to log (may be empty).

@@ -40,7 +40,7 @@ class FedAvg(Strategy):
         self.roles = list(roles)
         self.global_weights = {role: server.initial_weights(role) for role in self.roles}
 
-    def configure_round(self, rnd, clients):
+    def configure_round(self, rnd, clients, phase="train"):
         tasks = []
         for client in clients:
             roles = [r for r in self.roles if r in client.roles]
@@ -56,7 +56,7 @@ class FedAvg(Strategy):
             uplink[role] = ModelWeights(role, ctx.weights(role))
         return ClientUpdate(task.client, ctx.num_examples("train"), uplink, metrics)
 
-    def aggregate(self, rnd, updates):
+    def aggregate(self, rnd, updates, phase="train"):
         averages = {role: WeightedAverage() for role in self.roles}
         for update in updates:
             for role, payload in update.uplink.items():

@@ -1,0 +1,51 @@
+"""Per-class statistics: class sums on a client and the server's per-class averages."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def class_sums(values: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Per-class sums ``[C, D]`` of ``values`` ``[B, D]`` and counts ``[C]``."""
+    sums = torch.zeros(num_classes, values.shape[1], dtype=values.dtype, device=values.device)
+    sums.index_add_(0, labels, values)
+    counts = torch.bincount(labels, minlength=num_classes)
+    return sums, counts
+
+
+class ClassBank:
+    """The server's store of per-class vectors (FedHe eq. 9-10, Felo's class averages).
+
+    Storing every received vector and averaging them equals keeping a per-class sum and count, which
+    is what is kept (float64). ``mean()`` is ``S_c / n_c`` and ``available`` marks classes with n_c > 0.
+    """
+
+    def __init__(self, num_classes: int, dim: int, device: torch.device | str = "cpu"):
+        self.sums = torch.zeros(num_classes, dim, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(num_classes, dtype=torch.float64, device=device)
+
+    def add(self, vectors: Tensor, present: Tensor, weights: Tensor | None = None) -> None:
+        """Adds one upload: ``vectors`` ``[C, D]`` for the classes where ``present`` ``[C]`` is true."""
+        w = present.to(torch.float64) if weights is None else weights.to(torch.float64) * present
+        self.sums += vectors.to(torch.float64) * w[:, None]
+        self.counts += w
+
+    @property
+    def available(self) -> Tensor:
+        return self.counts > 0
+
+    def mean(self) -> Tensor:
+        """``[C, D]`` float32 class averages; zeros where no class vector was received."""
+        return (self.sums / self.counts.clamp(min=1e-12)[:, None]).float() * self.available[:, None]
+
+    def collapse(self) -> None:
+        """Keeps the averages but weighs them as one upload (FedHe's code resets every 10N iterations)."""
+        self.sums = self.mean().double()
+        self.counts = self.available.double()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"sums": self.sums, "counts": self.counts}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.sums, self.counts = state["sums"], state["counts"]

@@ -1,0 +1,39 @@
+"""Distillation losses."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def kd_kl_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Hinton et al.'s distillation loss ``T^2 * KL(softmax(t/T) || softmax(s/T))``.
+
+    The KL is summed over classes and averaged over the batch (paper 001's code); the ``T^2`` keeps
+    gradient magnitudes comparable across temperatures.
+
+    Args:
+        student_logits: ``[B, C]``.
+        teacher_logits: ``[B, C]`` (no gradient flows into them).
+        temperature: T.
+    """
+    targets = F.softmax(teacher_logits.detach() / temperature, dim=1)
+    return kl_to_targets(student_logits, targets, temperature)
+
+
+def kl_to_targets(student_logits: Tensor, target_probs: Tensor, temperature: float = 1.0) -> Tensor:
+    """``T^2 * KL(targets || softmax(s/T))`` summed over classes, mean over the batch."""
+    log_student = F.log_softmax(student_logits / temperature, dim=1)
+    return F.kl_div(log_student, target_probs, reduction="batchmean") * temperature**2
+
+
+def ramp_up(rnd: int, weight: float, ramp_rounds: int) -> float:
+    """Sigmoid-shaped ramp-up of a loss weight (Laine & Aila 2017), as in paper 001's code.
+
+    ``weight * exp(-5 (1 - r / R)^2)`` for the 0-based round ``r < R``, then ``weight``.
+    """
+    if ramp_rounds <= 0 or rnd >= ramp_rounds:
+        return weight
+    import math
+
+    return weight * math.exp(-5.0 * (1.0 - rnd / ramp_rounds) ** 2)

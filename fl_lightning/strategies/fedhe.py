@@ -1,0 +1,123 @@
+"""FedHe: Chan & Ngai, "FedHe: Heterogeneous Models and Communication-Efficient Federated Learning", MSN 2021."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..client.context import ClientContext
+from ..errors import ConfigError
+from ..evaluation import Evaluator
+from ..knowledge.banks import ClassBank, class_sums
+from ..types import ClientTask, ClientUpdate, TensorPayload
+from .base import ServerContext, Strategy
+
+
+def pack_class_logits(logits: torch.Tensor, present: torch.Tensor) -> TensorPayload:
+    """``(p_y, y)`` pairs of FedHe as one payload: logits ``[C, C]`` float32 and labels ``[C]`` int32.
+
+    A class without data is sent with label -1, so an upload is always C x (C + 1) numbers (paper
+    Tables III-IV count the same).
+    """
+    labels = torch.where(present, torch.arange(len(present), device=present.device), -1).to(torch.int32)
+    return TensorPayload("class_logits", {"logits": logits.float(), "labels": labels})
+
+
+class FedHe(Strategy):
+    """FedHe: personalized heterogeneous models that exchange per-class average logits.
+
+    Client (eq. 7-8): while training on its batches, client k sums the logits ``p_j`` of each class y
+    and counts them (``V_k,y``), then uploads ``p_k,y / (V_k,y + 1)`` with the label y. Server (eq. 9-10):
+    stores every received class logit and answers with their per-class average ``p_s,y``. Client loss
+    (eq. 11-13): ``CE(z, y) + alpha * l_logit(z, p_s,y)`` with ``l_logit`` the MSE on logits (the
+    official code's choice; the paper leaves it open). Classes the server has no logits for yet train on
+    cross-entropy alone (cold start). Every client keeps its own model; no weights are exchanged.
+
+    In asynchronous mode (``schedule: AsynchronousSchedule``) each arrival is answered with the current
+    class averages, exactly as Algorithm 1's server loop.
+
+    Args:
+        alpha: weight of the logit loss (1 in the paper's experiments).
+        plus_one: divide by ``V + 1`` as eq. 8 (paper); ``false`` divides by ``V`` as the official code.
+        logit_loss: ``mse`` (code) or ``kl`` (KL divergence of softmax outputs at temperature 1).
+        warmup_rounds: rounds of cross-entropy only before the logit term starts (the code waits N
+            iterations); 0 uses server logits as soon as there are any.
+        reset_every: every k rounds collapse the bank to its current averages weighted as one upload
+            (the code's periodic reset, not in the paper); ``None`` never does.
+    """
+
+    state_attributes = ("bank",)
+
+    def __init__(self, alpha: float = 1.0, plus_one: bool = True, logit_loss: str = "mse", warmup_rounds: int = 0,
+                 reset_every: int | None = None):
+        if logit_loss not in ("mse", "kl"):
+            raise ConfigError(f"FedHe logit_loss must be mse or kl, got {logit_loss!r}.")
+        self.alpha, self.plus_one, self.logit_loss = alpha, plus_one, logit_loss
+        self.warmup_rounds, self.reset_every = warmup_rounds, reset_every
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        several = [c.id for c in server.clients if len(c.roles) != 1]
+        if several:
+            raise ConfigError("FedHe gives every client exactly one model; tiers must list one role each "
+                              f"(clients {several[:5]} have {len(server.clients[several[0]].roles)}).")
+        self.num_classes = server.data.num_classes
+        self.bank = ClassBank(self.num_classes, self.num_classes)
+
+    def configure_round(self, rnd, clients, phase="train"):
+        payload = pack_class_logits(self.bank.mean(), self.bank.available)
+        return [ClientTask(c, rnd, {"class_logits": payload}) for c in clients]
+
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = task.client.roles[0]
+        weights = ctx.state.get("weights")
+        ctx.load(role, weights if weights is not None else self.server.initial_weights(role, task.client.id))
+        received = task.downlink["class_logits"].tensors
+        server_logits, available = received["logits"], received["labels"] >= 0
+        use_logits = task.round > self.warmup_rounds and bool(available.any())
+        sums = torch.zeros(self.num_classes, self.num_classes, device=server_logits.device)
+        counts = torch.zeros(self.num_classes, dtype=torch.long, device=server_logits.device)
+
+        def step(module, batch, i):
+            x, y = batch
+            z = module(x)  # [B, C] training-mode logits, collected before the step (eq. 7)
+            s, c = class_sums(z.detach(), y, self.num_classes)
+            sums.add_(s)
+            counts.add_(c)
+            loss = F.cross_entropy(z, y)
+            if use_logits:
+                mask = available[y]
+                if mask.any():
+                    loss = loss + self.alpha * self.logit_term(z[mask], server_logits[y[mask]])
+            return loss
+
+        stats = ctx.fit(role, step_fn=step)
+        ctx.state["weights"] = ctx.weights(role)
+        denominator = counts + 1 if self.plus_one else counts.clamp(min=1)
+        upload = pack_class_logits(sums / denominator[:, None], counts > 0)
+        return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
+
+    def logit_term(self, z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.logit_loss == "mse":
+            return F.mse_loss(z, target)  # mean over batch x classes, as the code
+        return F.kl_div(F.log_softmax(z, 1), F.softmax(target, 1), reduction="batchmean")
+
+    def aggregate(self, rnd, updates, phase="train"):
+        for update in updates:
+            received = update.uplink["class_logits"].tensors
+            self.bank.add(received["logits"], received["labels"] >= 0)
+        if self.reset_every and rnd % self.reset_every == 0:
+            self.bank.collapse()
+        return {"server/classes_with_logits": float(self.bank.available.sum())}
+
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        return evaluator.personalized(self.personal_weights, split="global")
+
+    def personal_weights(self, client, state):
+        role = client.roles[0]
+        weights = state.get("weights")
+        return role, weights if weights is not None else self.server.initial_weights(role, client.id)
+
+    @property
+    def monitor(self) -> str:
+        return "personal/test_acc"
