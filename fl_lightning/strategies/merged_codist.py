@@ -1,0 +1,54 @@
+"""MergedCodist: Lichtarge et al., federated codistillation (paper 002), Algorithm 2 and eq. 2."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..knowledge.codistill import Codistillation
+from ..knowledge.server_optim import global_norm, merge_gradients
+from .base import ServerContext
+from .fedadam import FedAdam
+from .periodic_codist import codistillation_set
+
+
+class MergedCodist(FedAdam):
+    """Two FedAdam pools whose server update merges the FedAvg and the distillation directions each round.
+
+    Each round: average the clients into the pseudo-gradient ``g`` per pool; distill students from the
+    current models (teachers: frozen copies of the other pool) for ``distillation.steps`` steps; take
+    the distillation gradient ``delta = theta - theta_student``; feed FedAdam
+    ``alpha * g + (1 - alpha) * delta * ||g|| / ||delta||`` (eq. 2). ``alpha = 1`` is FedAdam exactly.
+
+    Args:
+        alpha: the merging factor in [0, 1].
+        (small_role, large_role, distillation, server optimizer settings: as PeriodicCodist)
+    """
+
+    def __init__(self, small_role: str = "small", large_role: str = "large", alpha: float = 0.5,
+                 distillation: Codistillation | None = None, server_lr: float | dict[str, float] = 0.01,
+                 server_lr_final: float = 1.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-5,
+                 weighted: bool = True):
+        super().__init__([small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps)
+        if not 0.0 <= alpha <= 1.0:
+            raise ConfigError(f"MergedCodist alpha must be in [0, 1], got {alpha}.")
+        self.alpha = alpha
+        self.distillation = distillation or Codistillation()
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        self.server_x = codistillation_set(server)
+
+    def aggregate(self, rnd, updates, phase="train"):
+        averages = self.client_averages(updates)
+        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        progress = (rnd - 1) / max(1, self.server.rounds - 1)
+        students = self.distillation.run(self.server.loop.slots, self.global_weights, tuple(self.roles),
+                                         self.server_x, progress, generator)
+        metrics = {}
+        for role, average in averages.items():
+            g = self.pseudo_gradient(role, average)
+            delta = {k: self.global_weights[role][k] - students[role][k] for k in g}
+            metrics[f"server/{role}/distill_to_fedavg_norm"] = float(global_norm(delta) / max(global_norm(g), 1e-12))
+            self.apply(role, merge_gradients(g, delta, self.alpha), average, rnd)
+        return metrics

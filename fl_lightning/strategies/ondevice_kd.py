@@ -1,0 +1,124 @@
+"""On-device KD with a small auxiliary model: Lim, Jo, Zhang, Lee (paper 001), Section 3.2, eq. 1-2."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ..client.context import ClientContext
+from ..errors import ConfigError
+from ..evaluation import Evaluator
+from ..knowledge import WeightedAverage
+from ..knowledge.distillation import kd_kl_loss, ramp_up
+from ..types import ClientTask, ClientUpdate, ModelWeights
+from .base import ServerContext, Strategy
+
+
+class OnDeviceKD(Strategy):
+    """Weak clients train a small auxiliary model; strong clients also distill it into a large target.
+
+    Phase ``auxiliary`` (eq. 1): every sampled client runs the local steps on the auxiliary model with
+    its labeled data; the server averages them. Phase ``target`` (eq. 2): strong clients receive the new
+    auxiliary model and the target model, run the local steps of cross-entropy on the target with their
+    labeled data, then the same number of distillation steps on their unlabeled data with loss
+    ``w(r) * T^2 * KL(softmax(aux/T) || softmax(target/T))``; the server averages the targets.
+
+    ``w(r)`` ramps up as ``kd_weight * exp(-5 (1 - r/R)^2)`` over the first ``ramp_rounds`` rounds
+    (Appendix 6.3, Tables 8-12; the code's schedule). Following the official code (FIDELITY), CE and KD
+    are separate steps (``kd_mode: sequential``), the teacher runs in training mode (batch statistics),
+    every strong client joins every round and averaging is uniform; ``kd_mode: joint`` sums CE and KD in
+    each step as the paper's eq. 2 is written.
+
+    Args:
+        aux_role: role of the auxiliary (small) model, trained by every tier.
+        target_role: role of the target (large) model, trained by the strong tier.
+        temperature: T (3 in the paper).
+        kd_weight: lambda, the KL weight after the ramp-up (0.5 for CIFAR-10, 1 elsewhere).
+        ramp_rounds: rounds of ramp-up (300 of 400 for CIFAR-10, 80 for IMDB / Speech Commands); 0: none.
+        kd_mode: ``sequential`` (code) or ``joint`` (eq. 2).
+        teacher_mode: ``train`` (code: batch statistics) or ``eval`` (running statistics).
+        all_strong_every_round: strong clients join every round (code) or only when sampled.
+        weighted: weight averages by labeled examples instead of uniformly.
+    """
+
+    phases = ("auxiliary", "target")
+    state_attributes = ("global_weights",)
+
+    def __init__(self, aux_role: str = "aux", target_role: str = "target", temperature: float = 3.0,
+                 kd_weight: float = 0.5, ramp_rounds: int = 0, kd_mode: str = "sequential", teacher_mode: str = "train",
+                 all_strong_every_round: bool = True, weighted: bool = False):
+        if kd_mode not in ("sequential", "joint") or teacher_mode not in ("train", "eval"):
+            raise ConfigError("OnDeviceKD kd_mode must be sequential or joint and teacher_mode train or eval.")
+        self.aux_role, self.target_role = aux_role, target_role
+        self.temperature, self.kd_weight, self.ramp_rounds = temperature, kd_weight, ramp_rounds
+        self.kd_mode, self.teacher_mode = kd_mode, teacher_mode
+        self.all_strong_every_round, self.weighted = all_strong_every_round, weighted
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        for role in (self.aux_role, self.target_role):
+            if role not in server.roles:
+                raise ConfigError(f"OnDeviceKD needs model role {role!r}; the tiers train {server.roles}.")
+        self.strong = [c for c in server.clients if self.target_role in c.roles]
+        if not self.strong:
+            raise ConfigError(f"no tier trains {self.target_role!r}; give the strong tier roles [aux, target].")
+        self.global_weights = {r: server.initial_weights(r) for r in (self.aux_role, self.target_role)}
+
+    def configure_round(self, rnd, clients, phase="auxiliary"):
+        aux = ModelWeights(self.aux_role, self.global_weights[self.aux_role])
+        if phase == "auxiliary":
+            return [ClientTask(c, rnd, {self.aux_role: aux}) for c in clients if self.aux_role in c.roles]
+        strong = self.strong if self.all_strong_every_round else [c for c in clients if self.target_role in c.roles]
+        target = ModelWeights(self.target_role, self.global_weights[self.target_role])
+        return [ClientTask(c, rnd, {self.aux_role: aux, self.target_role: target}) for c in strong]
+
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        if task.phase == "auxiliary":
+            ctx.load(self.aux_role, task.downlink[self.aux_role].state)
+            loss = ctx.fit(self.aux_role)["loss"]
+            return ClientUpdate(task.client, ctx.num_examples(), {self.aux_role: ModelWeights(self.aux_role, ctx.weights(self.aux_role))},
+                                {f"{self.aux_role}/loss": loss})
+        teacher = ctx.load(self.aux_role, task.downlink[self.aux_role].state)
+        teacher.train(self.teacher_mode == "train")
+        ctx.load(self.target_role, task.downlink[self.target_role].state)
+        weight = ramp_up(task.round - 1, self.kd_weight, self.ramp_rounds)
+
+        def kd_step(module, batch, i):
+            x = batch[0]
+            with_teacher = teacher(x).detach()
+            return weight * kd_kl_loss(module(x), with_teacher, self.temperature)
+
+        metrics = {}
+        if self.kd_mode == "sequential":
+            metrics[f"{self.target_role}/loss"] = ctx.fit(self.target_role)["loss"]
+            if ctx.num_examples("unlabeled"):
+                metrics[f"{self.target_role}/kd_loss"] = ctx.fit(self.target_role, "unlabeled", kd_step)["loss"]
+        else:
+            unlabeled = ctx.batches("unlabeled", steps=ctx.loop.num_steps(ctx.num_examples()))
+
+            def joint_step(module, batch, i):
+                x, y = batch
+                return F.cross_entropy(module(x), y) + kd_step(module, next(unlabeled), i)
+
+            metrics[f"{self.target_role}/loss"] = ctx.fit(self.target_role, step_fn=joint_step)["loss"]
+        uplink = {self.target_role: ModelWeights(self.target_role, ctx.weights(self.target_role))}
+        return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
+
+    def aggregate(self, rnd, updates, phase="auxiliary"):
+        role = self.aux_role if phase == "auxiliary" else self.target_role
+        average = WeightedAverage()
+        for update in updates:
+            average.add(update.uplink[role].state, update.num_samples if self.weighted else 1.0)
+        if average.count:
+            self.global_weights[role] = average.result()
+        return {"server/kd_weight": ramp_up(rnd - 1, self.kd_weight, self.ramp_rounds)} if phase == "target" else {}
+
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        metrics = {}
+        for role in (self.aux_role, self.target_role):
+            for name, value in evaluator.global_model(role, self.global_weights[role]).items():
+                metrics[f"{role}/test_{name}"] = value
+        return metrics
+
+    @property
+    def monitor(self) -> str:
+        return f"{self.target_role}/test_acc"

@@ -1,0 +1,62 @@
+"""PeriodicCodist: Lichtarge et al., federated codistillation (paper 002), Algorithm 1."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..knowledge.codistill import Codistillation
+from .base import ServerContext
+from .fedadam import FedAdam
+
+
+class PeriodicCodist(FedAdam):
+    """Two FedAdam pools that exchange knowledge by server-side codistillation every ``period`` rounds.
+
+    All clients train the small model; high-capacity clients (the tiers that also list the large role)
+    train the large one. Every ``period`` rounds the server distills each model from a frozen copy of
+    the other on its unlabeled set (``data.server_fraction``) for ``distillation.steps`` steps, replaces
+    both models by the students and resets the FedAdam moments (``reset_server_optimizer``).
+
+    Args:
+        small_role, large_role: the two pools' roles.
+        period: p, rounds between codistillation rounds.
+        distillation: steps, batch size, learning rates, temperatures and student regularization.
+        reset_server_optimizer: forget the Adam moments after replacing the models.
+        (server_lr, server_lr_final, beta1, beta2, eps, weighted: as FedAdam)
+    """
+
+    def __init__(self, small_role: str = "small", large_role: str = "large", period: int = 5,
+                 distillation: Codistillation | None = None, reset_server_optimizer: bool = True,
+                 server_lr: float | dict[str, float] = 0.01, server_lr_final: float = 1.0, beta1: float = 0.9,
+                 beta2: float = 0.999, eps: float = 1e-5, weighted: bool = True):
+        super().__init__([small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps)
+        if period < 1:
+            raise ConfigError(f"PeriodicCodist period must be at least 1, got {period}.")
+        self.period, self.reset_server_optimizer = period, reset_server_optimizer
+        self.distillation = distillation or Codistillation()
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        self.server_x = codistillation_set(server)
+
+    def aggregate(self, rnd, updates, phase="train"):
+        super().aggregate(rnd, updates, phase)
+        if rnd % self.period:
+            return {}
+        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        progress = (rnd - 1) / max(1, self.server.rounds - 1)
+        students = self.distillation.run(self.server.loop.slots, self.global_weights, tuple(self.roles),
+                                         self.server_x, progress, generator)
+        self.global_weights.update(students)
+        if self.reset_server_optimizer:
+            for optimizer in self.server_optimizers.values():
+                optimizer.reset()
+        return {"server/codistilled": 1.0}
+
+
+def codistillation_set(server: ServerContext) -> torch.Tensor:
+    """The server's unlabeled examples (labels are never read)."""
+    if len(server.data.server_idx) == 0:
+        raise ConfigError("codistillation needs unlabeled server data; set data.init_args.server_fraction, e.g. 0.2.")
+    return server.data.x[server.data.server_idx]
