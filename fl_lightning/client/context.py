@@ -58,6 +58,15 @@ class ClientContext:
     def indices(self) -> ClientData:
         return self._data.clients[self.client.id]
 
+    @property
+    def data_x(self) -> Tensor:
+        """The data pool; index it with ``indices`` (for passes that are not training steps, e.g. LARs)."""
+        return self._data.x
+
+    @property
+    def data_y(self) -> Tensor:
+        return self._data.y
+
     def num_examples(self, split: str = "train") -> int:
         return len(getattr(self.indices, split))
 

@@ -3,9 +3,12 @@
 from .base import ServerContext, Strategy
 from .fedadam import FedAdam
 from .fedavg import FedAvg
+from .fedgh import FedGH
 from .fedhe import FedHe
+from .felo import Felo
 from .merged_codist import MergedCodist
 from .ondevice_kd import OnDeviceKD
 from .periodic_codist import PeriodicCodist
+from .velo import Velo
 
-__all__ = ["FedAdam", "FedAvg", "FedHe", "MergedCodist", "OnDeviceKD", "PeriodicCodist", "ServerContext", "Strategy"]
+__all__ = ["FedAdam", "FedAvg", "FedGH", "FedHe", "Felo", "MergedCodist", "OnDeviceKD", "PeriodicCodist", "ServerContext", "Strategy", "Velo"]

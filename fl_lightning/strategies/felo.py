@@ -1,0 +1,182 @@
+"""Felo: Chan & Ngai, heterogeneous federated learning with mid-level features and logits (paper 003)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..client.context import ClientContext
+from ..errors import ConfigError
+from ..evaluation import Evaluator
+from ..knowledge import WeightedAverage
+from ..knowledge.banks import ClassBank, class_sums
+from ..types import ClientTask, ClientUpdate, ModelWeights, TensorPayload
+from .base import ServerContext, Strategy
+
+
+class Felo(Strategy):
+    """Heterogeneous clients exchange per-class mean features and logits; same architectures average weights.
+
+    Client: trains on ``CE + alpha * (MSE(f, f_s[y]) + D(z, z_s[y]))`` (eq. 1), where ``f`` is the
+    mid-level feature (the model's ``features`` output), ``z`` the logits and ``f_s``, ``z_s`` the
+    server's class vectors; D is the KL divergence (paper) or the MSE on logits (official code's
+    default). While training it sums features and logits per class (training-mode forward, before each
+    step) and uploads their class means with the labels. Server: averages the class vectors it
+    received (``ClassBank``) and, as Sec. 3.1.2 describes, averages weights only among clients of the
+    same architecture (one role per architecture); ``average_weights: false`` keeps personal models
+    as the official code does.
+
+    Every role must have the same feature dimension, since features of different architectures are
+    compared directly.
+
+    Args:
+        alpha: weight of the feature + logit terms (0.5 in the code).
+        logit_loss: ``kl`` (paper) or ``mse`` (code default).
+        average_weights: FedAvg per architecture (paper) or personal models (code).
+        warmup_rounds: cross-entropy only for these rounds (the code starts at 5% of the run).
+        forget: each round, old class vectors are down-weighted by ``1 - forget`` (0 keeps the
+            all-time average; the code keeps a FIFO of recent uploads).
+    """
+
+    state_attributes = ("global_weights", "logit_bank", "feature_bank")
+
+    def __init__(self, alpha: float = 0.5, logit_loss: str = "kl", average_weights: bool = True,
+                 warmup_rounds: int = 0, forget: float = 0.0):
+        if logit_loss not in ("kl", "mse"):
+            raise ConfigError(f"{type(self).__name__} logit_loss must be kl or mse, got {logit_loss!r}.")
+        self.alpha, self.logit_loss, self.average_weights = alpha, logit_loss, average_weights
+        self.warmup_rounds, self.forget = warmup_rounds, forget
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        if any(len(c.roles) != 1 for c in server.clients):
+            raise ConfigError(f"{type(self).__name__} gives every client one model; tiers must list one role each.")
+        dims = {r: server.loop.slots[r].module.model.feature_dim for r in server.roles}
+        if len(set(dims.values())) != 1:
+            raise ConfigError(f"{type(self).__name__} compares features across architectures, so every role needs the "
+                              f"same feature dimension; got {dims}. Set the builders' feature sizes equal.")
+        self.feature_dim = next(iter(dims.values()))
+        self.num_classes = server.data.num_classes
+        self.logit_bank = ClassBank(self.num_classes, self.num_classes)
+        self.feature_bank = ClassBank(self.num_classes, self.feature_dim)
+        self.global_weights = {r: server.initial_weights(r) for r in server.roles} if self.average_weights else {}
+
+    # ------------------------------------------------------------------ server -> client
+    def server_features(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Class features sent to clients and which classes have one (Velo replaces this)."""
+        return self.feature_bank.mean(), self.feature_bank.available
+
+    def configure_round(self, rnd, clients, phase="train"):
+        features, have_features = self.server_features()
+        knowledge = TensorPayload("class_knowledge", {
+            "features": features, "logits": self.logit_bank.mean(),
+            "labels": torch.where(self.logit_bank.available & have_features, torch.arange(self.num_classes), -1).to(torch.int32),
+        })
+        tasks = []
+        for c in clients:
+            downlink = {"class_knowledge": knowledge}
+            if self.average_weights:
+                downlink["weights"] = ModelWeights(c.roles[0], self.global_weights[c.roles[0]])
+            tasks.append(ClientTask(c, rnd, downlink))
+        return tasks
+
+    # ------------------------------------------------------------------ client
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = task.client.roles[0]
+        if self.average_weights:
+            weights = task.downlink["weights"].state
+        else:
+            weights = ctx.state.get("weights")
+            weights = weights if weights is not None else self.server.initial_weights(role, task.client.id)
+        ctx.load(role, weights)
+        knowledge = task.downlink["class_knowledge"].tensors
+        server_f, server_z, available = knowledge["features"], knowledge["logits"], knowledge["labels"] >= 0
+        use = task.round > self.warmup_rounds and bool(available.any())
+        f_sums = torch.zeros(self.num_classes, self.feature_dim, device=server_f.device)
+        z_sums = torch.zeros(self.num_classes, self.num_classes, device=server_f.device)
+        counts = torch.zeros(self.num_classes, dtype=torch.long, device=server_f.device)
+
+        def step(module, batch, i):
+            x, y = batch
+            f = module.features(x)
+            z = module.head(f)
+            with torch.no_grad():
+                f_sums.add_(class_sums(f.detach(), y, self.num_classes)[0])
+                s, c = class_sums(z.detach(), y, self.num_classes)
+                z_sums.add_(s)
+                counts.add_(c)
+            loss = F.cross_entropy(z, y)
+            if use:
+                mask = available[y]
+                if mask.any():
+                    loss = loss + self.alpha * (F.mse_loss(f[mask], server_f[y[mask]])
+                                                + self.logit_term(z[mask], server_z[y[mask]]))
+            return loss
+
+        stats = ctx.fit(role, step_fn=step)
+        present = counts > 0
+        denominator = counts.clamp(min=1)[:, None]
+        uplink = {"class_knowledge": TensorPayload("class_knowledge", {
+            "features": f_sums / denominator, "logits": z_sums / denominator,
+            "labels": torch.where(present, torch.arange(self.num_classes, device=present.device), -1).to(torch.int32),
+        })}
+        if self.average_weights:
+            uplink["weights"] = ModelWeights(role, ctx.weights(role))
+        else:
+            ctx.state["weights"] = ctx.weights(role)
+        return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
+
+    def logit_term(self, z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.logit_loss == "mse":
+            return F.mse_loss(z, target)
+        return F.kl_div(F.log_softmax(z, 1), F.softmax(target, 1), reduction="batchmean")
+
+    # ------------------------------------------------------------------ server
+    def aggregate(self, rnd, updates, phase="train"):
+        if self.forget:
+            for bank in (self.logit_bank, self.feature_bank):
+                bank.sums *= 1 - self.forget
+                bank.counts *= 1 - self.forget
+        averages: dict[str, WeightedAverage] = {}
+        for update in updates:
+            knowledge = update.uplink["class_knowledge"].tensors
+            present = knowledge["labels"] >= 0
+            self.logit_bank.add(knowledge["logits"], present)
+            self.feature_bank.add(knowledge["features"], present)
+            self.receive_features(knowledge["features"], present)
+            if self.average_weights:
+                role = update.client.roles[0]
+                averages.setdefault(role, WeightedAverage()).add(update.uplink["weights"].state, update.num_samples)
+        for role, average in averages.items():
+            self.global_weights[role] = average.result()
+        return self.server_step(rnd)
+
+    def receive_features(self, features: torch.Tensor, present: torch.Tensor) -> None:
+        """Hook for Velo, which keeps every received class feature to train its CVAE."""
+
+    def server_step(self, rnd: int) -> dict[str, float]:
+        """Hook for Velo's CVAE training; Felo has nothing more to do."""
+        return {}
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        if not self.average_weights:
+            return evaluator.personalized(self.personal_weights, split="global")
+        metrics, per_client = {}, []
+        by_role = {r: evaluator.global_model(r, w) for r, w in self.global_weights.items()}
+        for role, result in by_role.items():
+            metrics.update({f"{role}/test_{k}": v for k, v in result.items()})
+        for client in self.server.clients:
+            per_client.append(by_role[client.roles[0]]["acc"])
+        metrics["personal/test_acc"] = float(sum(per_client) / len(per_client))
+        metrics["personal/test_acc_std"] = float(torch.tensor(per_client).std(unbiased=False))
+        return metrics
+
+    def personal_weights(self, client, state):
+        role = client.roles[0]
+        weights = state.get("weights")
+        return role, weights if weights is not None else self.server.initial_weights(role, client.id)
+
+    @property
+    def monitor(self) -> str:
+        return "personal/test_acc"
