@@ -51,3 +51,46 @@ def run_cli(*argv: str) -> int:
 
 def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
+
+
+def constant_logits_model(num_classes: int = 10, in_channels: int = 1):
+    """A model whose logits are its head bias for every input (zero weights), for hand-computed checks."""
+    from torch import nn
+
+    from fl_lightning.models import FeatureClassifier
+
+    features = nn.Sequential(nn.Flatten(), nn.Linear(64, 4))
+    head = nn.Linear(4, num_classes)
+    for layer in (features[1], head):
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
+    with torch.no_grad():
+        head.bias.copy_(torch.arange(num_classes, dtype=torch.float32))
+    return FeatureClassifier(features, head, 4, num_classes)
+
+
+def method_env(strategy, models, tiers, num_clients=4, training=None, data=None, seed=0, rounds=1):
+    """Sets up a strategy on digits without the orchestrator, for unit tests of its hooks."""
+    import lightning as L
+
+    from fl_lightning.client import LocalLoop, LocalTraining
+    from fl_lightning.data import DigitsData
+    from fl_lightning.population import Population
+    from fl_lightning.strategies import ServerContext
+
+    data = data or DigitsData()
+    population = Population(num_clients=num_clients, tiers=tiers)
+    clients = population.build(seed)
+    data.setup(num_clients, seed)
+    loop = LocalLoop(L.Fabric(accelerator="cpu", devices=1), training or LocalTraining(), rounds)
+    loop.build_slots(models, population.roles(), seed, num_classes=10, in_channels=1)
+    server = ServerContext(clients, population.roles(), data, rounds, seed, loop)
+    strategy.setup(server)
+    return server
+
+
+def client_update(strategy, server, task, state=None):
+    from fl_lightning.client import ClientContext
+
+    ctx = ClientContext(task.client, task.round, server.loop, server.data, state if state is not None else {}, 0)
+    return strategy.client_update(task, ctx)

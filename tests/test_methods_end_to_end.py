@@ -1,0 +1,30 @@
+"""Every method's digits recipe learns: accuracy well above chance (0.1) after a shortened run."""
+
+import pytest
+
+from conftest import ROOT, read_summary, run_cli
+
+# recipe, rounds (shortened from the recipe's), metric, minimum accuracy
+CASES = [
+    ("digits_fedhe", 100, "personal/test_acc", 0.5),
+    ("digits_fedhe_async", 40, "personal/test_acc", 0.5),
+    ("digits_ondevice_kd", 30, "target/test_acc", 0.7),
+    ("digits_weak_only", 20, "aux/test_acc", 0.7),
+    ("digits_strong_only", 20, "target/test_acc", 0.6),
+    ("digits_periodic_codist", 15, "large/test_acc", 0.5),
+    ("digits_merged_codist", 15, "large/test_acc", 0.5),
+    ("digits_felo", 20, "personal/test_acc", 0.7),
+    ("digits_velo", 20, "personal/test_acc", 0.7),
+    ("digits_fedgh", 10, "personal/test_acc", 0.7),
+]
+
+
+@pytest.mark.parametrize("recipe, rounds, metric, minimum", CASES, ids=[c[0] for c in CASES])
+def test_method_learns_on_digits(tmp_path, recipe, rounds, metric, minimum):
+    out = tmp_path / recipe
+    assert run_cli("fit", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--output_dir", str(out),
+                   "--rounds", str(rounds), "--eval_every", str(rounds), "--runtime.progress", "false") == 0
+    summary = read_summary(out)
+    assert summary["monitor"] == metric
+    assert summary["final"][metric] >= minimum, summary["final"]
+    assert summary["comm"]["uplink_bytes"] > 0

@@ -1,0 +1,123 @@
+"""The methods' hooks on hand-checkable inputs, their payload sizes and exact equivalences."""
+
+import csv
+
+import torch
+
+from conftest import ROOT, client_update, method_env, read_summary, run_cli
+from fl_lightning.client import LocalTraining
+from fl_lightning.models import ModelSpec
+from fl_lightning.population import Tier
+from fl_lightning.strategies import FedGH, FedHe, Felo
+from fl_lightning.types import ClientUpdate, ModelWeights, TensorPayload
+
+CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
+FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)
+
+
+def test_fedhe_client_uploads_class_logit_sums_over_count_plus_one():
+    strategy = FedHe(plus_one=True)
+    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=FROZEN)
+    task = strategy.configure_round(1, [server.clients[0]])[0]
+    update = client_update(strategy, server, task)
+    sent = update.uplink["class_logits"].tensors
+    counts = torch.bincount(server.data.y[server.data.clients[0].train], minlength=10).float()
+    bias = torch.arange(10.0)  # every example's logits are the head bias (lr 0 keeps it)
+    expected = counts[:, None] * bias[None, :] / (counts + 1)[:, None]  # eq. 7-8
+    assert torch.allclose(sent["logits"], expected)
+    assert sent["labels"].tolist() == [c if n > 0 else -1 for c, n in enumerate(counts.tolist())]
+    assert update.uplink["class_logits"].nbytes == 10 * 11 * 4  # C x (C + 1) numbers
+
+
+def test_fedhe_server_averages_per_class_over_uploads():
+    strategy = FedHe()
+    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])])
+    first = torch.zeros(10, 10)
+    first[0] = 1.0
+    second = torch.zeros(10, 10)
+    second[0], second[1] = 3.0, 5.0
+    labels_a = torch.tensor([0] + [-1] * 9, dtype=torch.int32)
+    labels_b = torch.tensor([0, 1] + [-1] * 8, dtype=torch.int32)
+    updates = [ClientUpdate(server.clients[i], 1, {"class_logits": TensorPayload("class_logits", {"logits": z, "labels": l})})
+               for i, (z, l) in enumerate([(first, labels_a), (second, labels_b)])]
+    strategy.aggregate(1, iter(updates))
+    task = strategy.configure_round(2, [server.clients[2]])[0]
+    received = task.downlink["class_logits"].tensors
+    assert torch.allclose(received["logits"][0], torch.full((10,), 2.0))  # (1 + 3) / 2
+    assert torch.allclose(received["logits"][1], torch.full((10,), 5.0))
+    assert received["labels"][:3].tolist() == [0, 1, -1]
+
+
+def test_felo_averages_weights_only_within_an_architecture():
+    models = {"a": ModelSpec("digits_mlp", {"hidden": 8}), "b": ModelSpec("digits_mlp", {"hidden": 8, "depth": 2})}
+    strategy = Felo(average_weights=True)
+    server = method_env(strategy, models, [Tier("ta", ["a"], count=2), Tier("tb", ["b"])])
+    knowledge = TensorPayload("class_knowledge", {"features": torch.zeros(10, 8), "logits": torch.zeros(10, 10),
+                                                  "labels": torch.full((10,), -1, dtype=torch.int32)})
+
+    def update(client, role, value, n):
+        state = {k: torch.full_like(v, value) for k, v in strategy.global_weights[role].items()}
+        return ClientUpdate(client, n, {"class_knowledge": knowledge, "weights": ModelWeights(role, state)})
+
+    c = server.clients
+    strategy.aggregate(1, iter([update(c[0], "a", 1.0, 1), update(c[1], "a", 4.0, 3), update(c[2], "b", 10.0, 5)]))
+    assert all(torch.allclose(v, torch.full_like(v, 3.25)) for v in strategy.global_weights["a"].values())  # (1 + 12) / 4
+    assert all(torch.allclose(v, torch.full_like(v, 10.0)) for v in strategy.global_weights["b"].values())
+
+
+def test_fedgh_lars_are_class_means_of_representations():
+    models = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
+    strategy = FedGH(header_lr=0.0)
+    server = method_env(strategy, models, [Tier("all", ["m"])], training=FROZEN)
+    task = strategy.configure_round(1, [server.clients[1]])[0]
+    update = client_update(strategy, server, task)
+    lars = update.uplink["lars"].tensors
+    module = server.loop.slots["m"].module.eval()
+    idx = server.data.clients[1].train
+    with torch.no_grad():
+        reps = module.features(server.data.x[idx])
+    y = server.data.y[idx]
+    for row, label in zip(lars["representations"], lars["labels"].tolist()):
+        assert torch.allclose(row, reps[y == label].mean(0), atol=1e-6)
+    assert update.uplink["lars"].nbytes == len(lars["labels"]) * (8 + 1) * 4  # S x (D + 1) numbers
+
+
+def _rows(out):
+    return list(csv.DictReader((out / "metrics.csv").open()))
+
+
+def _fit(tmp_path, recipe, name, *extra):
+    out = tmp_path / name
+    assert run_cli("fit", "--config", str(ROOT / "recipes" / recipe), "--output_dir", str(out),
+                   "--runtime.progress", "false", *extra) == 0
+    return out
+
+
+def test_merged_codist_with_alpha_one_is_exactly_fedadam(tmp_path):
+    merged = _fit(tmp_path, "digits_merged_codist.yaml", "merged", "--rounds", "3", "--eval_every", "1",
+                  "--strategy.init_args.alpha", "1.0")
+    fedadam = _fit(tmp_path, "digits_fedadam.yaml", "fedadam", "--rounds", "3", "--eval_every", "1")
+    assert read_summary(merged)["final"] == read_summary(fedadam)["final"]
+    assert read_summary(merged)["best"] == read_summary(fedadam)["best"]
+
+
+def test_ledger_uplink_per_round_matches_the_papers_sizes(tmp_path):
+    fedhe = _rows(_fit(tmp_path, "digits_fedhe.yaml", "fedhe", "--rounds", "2", "--eval_every", "1"))
+    assert int(fedhe[0]["comm/round_uplink_bytes"]) == 6 * 10 * 11 * 4  # 6 clients x C(C+1) float32 numbers
+    fedgh = _rows(_fit(tmp_path, "digits_fedgh.yaml", "fedgh", "--rounds", "1"))
+    assert int(fedgh[0]["comm/round_uplink_bytes"]) == 15 * 2 * (64 + 1) * 4  # S(D+1) per client, S = 2 classes
+    assert int(fedgh[0]["comm/round_downlink_bytes"]) == 15 * (64 * 10 + 10) * 4  # the header
+    felo_out = _fit(tmp_path, "digits_felo.yaml", "felo", "--rounds", "1")
+    knowledge = 10 * (64 + 10 + 1) * 4  # class features, class logits and labels
+    summary = read_summary(felo_out)
+    assert summary["comm"]["by_payload"]["uplink"]["class_knowledge"] == 6 * knowledge
+
+
+def test_async_fedhe_records_staleness_and_resumes_exactly(tmp_path):
+    args = ("--rounds", "4", "--eval_every", "2")
+    full = _fit(tmp_path, "digits_fedhe_async.yaml", "full", *args)
+    rows = _rows(full)
+    assert float(rows[-1]["async/staleness_mean"]) > 0 and int(rows[-1]["clients"]) == 12
+    _fit(tmp_path, "digits_fedhe_async.yaml", "cut", *args, "--stop_after", "1")
+    _fit(tmp_path, "digits_fedhe_async.yaml", "cut", *args, "--resume", "auto")
+    assert read_summary(tmp_path / "cut")["final"] == read_summary(full)["final"]
