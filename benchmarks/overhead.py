@@ -73,16 +73,27 @@ def run_framework(case: str, rounds: int, seed: int, threads: int) -> dict:
     clients = population.build(seed)
     data = make_data(kind)
     data.setup(num_clients, seed)
-    training = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), local_steps=steps,
-                             batch_size=batch)
+    training = LocalTraining(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), local_steps=steps, batch_size=batch
+    )
     loop = LocalLoop(fabric, training, rounds)
-    loop.build_slots({"global": ModelSpec(**spec)}, ["global"], seed, num_classes=10,
-                     in_channels=int(data.x.shape[1]))
+    loop.build_slots({"global": ModelSpec(**spec)}, ["global"], seed, num_classes=10, in_channels=int(data.x.shape[1]))
     recorder = LossRecorder()
     with tempfile.TemporaryDirectory() as tmp:
         orchestrator = FederationOrchestrator(
-            FedAvg(), clients, UniformSampler(num_per_round=per_round), loop, data, RunFiles(tmp), [recorder],
-            rounds, seed, eval_every=rounds, checkpoint_every=rounds, progress=False)
+            FedAvg(),
+            clients,
+            UniformSampler(num_per_round=per_round),
+            loop,
+            data,
+            RunFiles(tmp),
+            [recorder],
+            rounds,
+            seed,
+            eval_every=rounds,
+            checkpoint_every=rounds,
+            progress=False,
+        )
         start = time.perf_counter()
         summary = orchestrator.run()
         elapsed = time.perf_counter() - start
@@ -120,7 +131,7 @@ def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
                 for s in range(0, len(idx), batch):
                     if done == steps:
                         break
-                    chosen_idx = order[s:s + batch]
+                    chosen_idx = order[s : s + batch]
                     optimizer.zero_grad(set_to_none=True)
                     loss = F.cross_entropy(model(data.x[chosen_idx]), data.y[chosen_idx])
                     loss.backward()
@@ -136,8 +147,12 @@ def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
                 for k, v in state.items():
                     sums[k].add_(v.detach().double(), alpha=weight)
             total_weight += weight
-        global_state = {k: (s / total_weight).to(global_state[k].dtype) if global_state[k].is_floating_point()
-                        else (s / total_weight).round().to(global_state[k].dtype) for k, s in sums.items()}
+        global_state = {
+            k: (s / total_weight).to(global_state[k].dtype)
+            if global_state[k].is_floating_point()
+            else (s / total_weight).round().to(global_state[k].dtype)
+            for k, s in sums.items()
+        }
         losses.append(float(np.mean(round_losses)))
     model.load_state_dict(global_state)
     model.eval()
@@ -147,8 +162,20 @@ def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
 
 
 def measure(side: str, case: str, rounds: int, seed: int, threads: int) -> dict:
-    command = [sys.executable, __file__, "--worker", side, "--model", case, "--rounds", str(rounds),
-               "--seed", str(seed), "--threads", str(threads)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        side,
+        "--model",
+        case,
+        "--rounds",
+        str(rounds),
+        "--seed",
+        str(seed),
+        "--threads",
+        str(threads),
+    ]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -179,8 +206,11 @@ def main() -> None:
         diff = max(abs(a - b) for a, b in zip(hand[0]["losses"], framework[0]["losses"]))
         t_hand = min(r["time_s"] for r in hand)
         t_fl = min(r["time_s"] for r in framework)
-        print(f"| {case} | {rounds} | {t_hand:.3f} | {t_fl:.3f} | {t_fl / t_hand:.3f} | {diff:.2e} | "
-              f"{hand[0]['max_rss_mb']:.0f} / {framework[0]['max_rss_mb']:.0f} |", flush=True)
+        print(
+            f"| {case} | {rounds} | {t_hand:.3f} | {t_fl:.3f} | {t_fl / t_hand:.3f} | {diff:.2e} | "
+            f"{hand[0]['max_rss_mb']:.0f} / {framework[0]['max_rss_mb']:.0f} |",
+            flush=True,
+        )
         if diff > 1e-4:
             raise SystemExit(f"losses differ by {diff:.2e}: the two loops did not run the same steps")
 

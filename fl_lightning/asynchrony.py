@@ -39,8 +39,14 @@ class AsynchronousSchedule:
             each arrival re-dispatches the arriving client.
     """
 
-    def __init__(self, arrivals_per_round: int | None = None, speed_range: tuple[float, float] = (0.2, 1.0),
-                 tier_speeds: dict[str, float] | None = None, jitter: float = 0.5, concurrency: int | None = None):
+    def __init__(
+        self,
+        arrivals_per_round: int | None = None,
+        speed_range: tuple[float, float] = (0.2, 1.0),
+        tier_speeds: dict[str, float] | None = None,
+        jitter: float = 0.5,
+        concurrency: int | None = None,
+    ):
         if min(speed_range) <= 0 or speed_range[0] > speed_range[1]:
             raise ConfigError(f"speed_range must be two positive numbers low <= high, got {list(speed_range)}.")
         self.arrivals_per_round = arrivals_per_round
@@ -67,8 +73,9 @@ class AsynchronousSchedule:
 
     def push(self, client_id: int, update: ClientUpdate, rng: np.random.Generator) -> None:
         self.seq += 1
-        heapq.heappush(self.queue, Pending(self.clock + self.duration(client_id, rng), self.seq, client_id,
-                                           self.version, update))
+        heapq.heappush(
+            self.queue, Pending(self.clock + self.duration(client_id, rng), self.seq, client_id, self.version, update)
+        )
 
     def pop(self) -> Pending:
         item = heapq.heappop(self.queue)
@@ -76,8 +83,13 @@ class AsynchronousSchedule:
         return item
 
     def state_dict(self) -> dict:
-        return {"clock": self.clock, "version": self.version, "seq": self.seq, "queue": self.queue,
-                "started": self.started}
+        return {
+            "clock": self.clock,
+            "version": self.version,
+            "seq": self.seq,
+            "queue": self.queue,
+            "started": self.started,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.clock, self.version, self.seq = state["clock"], state["version"], state["seq"]

@@ -22,12 +22,16 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"checkpoint {path} does not exist; pass --resume auto to resume from the run's output_dir "
-                          "or the path of an existing .ckpt file.")
+        raise ConfigError(
+            f"checkpoint {path} does not exist; pass --resume auto to resume from the run's output_dir "
+            "or the path of an existing .ckpt file."
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # a truncated or foreign file
-        raise ConfigError(f"checkpoint {path} cannot be read ({err}); it may be incomplete, use an earlier one.") from None
+        raise ConfigError(
+            f"checkpoint {path} cannot be read ({err}); it may be incomplete, use an earlier one."
+        ) from None
 
 
 def rng_state() -> dict[str, Any]:

@@ -29,8 +29,13 @@ def fit_parser():
 
     from .fit import fit
 
-    parser = ArgumentParser(prog="flrun fit", description="Run a federated experiment from a recipe.",
-                            exit_on_error=False, env_prefix="FLRUN", default_env=False)
+    parser = ArgumentParser(
+        prog="flrun fit",
+        description="Run a federated experiment from a recipe.",
+        exit_on_error=False,
+        env_prefix="FLRUN",
+        default_env=False,
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="recipe YAML file (may be given more than once)")
     parser.add_function_arguments(fit, skip={"resolved_config"})
     parser.set_defaults(DEFAULTS)
@@ -71,8 +76,14 @@ def run_models(argv: list[str]) -> int:
     for name, builder in registered_models().items():
         model = builder()
         params = sum(p.numel() for p in model.parameters())
-        rows.append({"name": name, "parameters": params, "size_mb": params * 4 / 2**20,
-                     "doc": (builder.__doc__ or "").strip().splitlines()[0]})
+        rows.append(
+            {
+                "name": name,
+                "parameters": params,
+                "size_mb": params * 4 / 2**20,
+                "doc": (builder.__doc__ or "").strip().splitlines()[0],
+            }
+        )
     if "--json" in argv:
         print(json.dumps(rows, indent=2))
     else:
@@ -106,17 +117,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flrun {command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"flrun {command}: interrupted; the last checkpoint is kept, continue with --resume auto.",
-              file=sys.stderr)
+        print(
+            f"flrun {command}: interrupted; the last checkpoint is kept, continue with --resume auto.", file=sys.stderr
+        )
         return 130
 
 
 def _check_config_files(argv: list[str]) -> None:
     for i, arg in enumerate(argv):
-        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.partition("=")[2] if arg.startswith("--config=") else None
+        path = (
+            argv[i + 1]
+            if arg == "--config" and i + 1 < len(argv)
+            else arg.partition("=")[2]
+            if arg.startswith("--config=")
+            else None
+        )
         if path is not None and not Path(path).is_file():
-            raise _UserError(f"config file {path!r} does not exist; recipes live in recipes/, e.g. "
-                             "--config recipes/quickstart.yaml.")
+            raise _UserError(
+                f"config file {path!r} does not exist; recipes live in recipes/, e.g. --config recipes/quickstart.yaml."
+            )
 
 
 def _recipe_name(argv: list[str]) -> str:
@@ -140,14 +159,19 @@ def _readable(message: str) -> str:
     if value:
         where = f" for {keys}" if keys else ""
         return f"bad value {value.group(2).strip()!r}{where}: expected {value.group(1)}."
-    path = re.search(r"[Pp]roblem with given class_path ['\"]([^'\"]+)['\"]", text) or \
-        re.search(r"Import path ([\w.]+) does not correspond", text)
-    broken = re.search(r"(No module named [^ ]+|has no attribute '[^']+'|does not correspond to a subclass of \w+)", text)
+    path = re.search(r"[Pp]roblem with given class_path ['\"]([^'\"]+)['\"]", text) or re.search(
+        r"Import path ([\w.]+) does not correspond", text
+    )
+    broken = re.search(
+        r"(No module named [^ ]+|has no attribute '[^']+'|does not correspond to a subclass of \w+)", text
+    )
     if path or broken:
         name = path.group(1) if path else "given"
         reason = broken.group(1) if broken else _first_reason(lines)
-        return (f"class_path {name!r} cannot be used{' for ' + keys if keys else ''} ({reason}); give the full "
-                "dotted path of a class that exists, e.g. fl_lightning.strategies.FedAvg.")
+        return (
+            f"class_path {name!r} cannot be used{' for ' + keys if keys else ''} ({reason}); give the full "
+            "dotted path of a class that exists, e.g. fl_lightning.strategies.FedAvg."
+        )
     return f"{_first_reason(lines)} (see `flrun fit --help`)."
 
 
@@ -164,8 +188,11 @@ def _root_cause(err: BaseException) -> str:
 
 
 def _first_reason(lines: list[str]) -> str:
-    interesting = [line for line in lines if not line.startswith("- ") and "expect one of" not in line
-                   and not line.startswith("Given value type")]
+    interesting = [
+        line
+        for line in lines
+        if not line.startswith("- ") and "expect one of" not in line and not line.startswith("Given value type")
+    ]
     reason = interesting[-1] if interesting else (lines[0] if lines else "invalid configuration")
     return reason.rstrip(".")[:300]
 

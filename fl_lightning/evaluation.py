@@ -20,8 +20,13 @@ class Evaluator:
     sums over the whole split, independent of the batch size.
     """
 
-    def __init__(self, loop: LocalLoop, data: FederatedData, clients: list[ClientSpec] | None = None,
-                 client_states: dict[int, dict] | None = None):
+    def __init__(
+        self,
+        loop: LocalLoop,
+        data: FederatedData,
+        clients: list[ClientSpec] | None = None,
+        client_states: dict[int, dict] | None = None,
+    ):
         self.loop = loop
         self.data = data
         self.clients = clients or []
@@ -35,11 +40,17 @@ class Evaluator:
         """Accuracy and loss of a client's model on its local ``split`` (``test`` or ``val``)."""
         idx = getattr(self.data.clients[client_id], split)
         if len(idx) == 0:
-            raise ValueError(f"client {client_id} has an empty local {split} split; set data.local_split, e.g. [0.8, 0.1, 0.1]")
+            raise ValueError(
+                f"client {client_id} has an empty local {split} split; set data.local_split, e.g. [0.8, 0.1, 0.1]"
+            )
         return self._run(role, weights, self.data.x[idx], self.data.y[idx])
 
-    def personalized(self, weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]], split: str = "global",
-                     prefix: str = "personal") -> dict[str, float]:
+    def personalized(
+        self,
+        weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]],
+        split: str = "global",
+        prefix: str = "personal",
+    ) -> dict[str, float]:
         """Mean, spread and per-tier mean accuracy of every client's own model.
 
         Args:
@@ -52,12 +63,20 @@ class Evaluator:
         losses = []
         for client in self.clients:
             role, weights = weights_of(client, self.client_states.get(client.id, {}))
-            result = self.global_model(role, weights) if split == "global" else self.personal(role, weights, client.id, split)
+            result = (
+                self.global_model(role, weights)
+                if split == "global"
+                else self.personal(role, weights, client.id, split)
+            )
             accs.setdefault(client.tier, []).append(result["acc"])
             losses.append(result["loss"])
         every = [a for tier in accs.values() for a in tier]
-        metrics = {f"{prefix}/test_acc": float(np.mean(every)), f"{prefix}/test_acc_std": float(np.std(every)),
-                   f"{prefix}/test_acc_min": float(np.min(every)), f"{prefix}/test_loss": float(np.mean(losses))}
+        metrics = {
+            f"{prefix}/test_acc": float(np.mean(every)),
+            f"{prefix}/test_acc_std": float(np.std(every)),
+            f"{prefix}/test_acc_min": float(np.min(every)),
+            f"{prefix}/test_loss": float(np.mean(losses)),
+        }
         if len(accs) > 1:
             metrics.update({f"{prefix}/{tier}/test_acc": float(np.mean(v)) for tier, v in accs.items()})
         return metrics
@@ -73,7 +92,7 @@ class Evaluator:
         size = self.loop.training.eval_batch_size
         with self.loop.fabric.autocast():
             for start in range(0, len(y), size):
-                loss, right = module.test_step((x[start:start + size], y[start:start + size]))
+                loss, right = module.test_step((x[start : start + size], y[start : start + size]))
                 loss_sum += loss.float()
                 correct += right
         n = max(len(y), 1)

@@ -56,8 +56,9 @@ class Runtime:
         try:
             return L.Fabric(accelerator=self.accelerator, devices=1, precision=self.precision)
         except (ValueError, RuntimeError, TypeError) as err:
-            raise ConfigError(f"runtime accelerator={self.accelerator!r} / precision={self.precision!r} "
-                              f"is not usable here: {err}") from None
+            raise ConfigError(
+                f"runtime accelerator={self.accelerator!r} / precision={self.precision!r} is not usable here: {err}"
+            ) from None
 
 
 def fit(
@@ -123,8 +124,13 @@ def fit(
         files.config.write_text(resolved_config)
 
     loop = LocalLoop(fabric, training, rounds)
-    loop.build_slots(models, population.roles(), seed, num_classes=data.num_classes,
-                     in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1)
+    loop.build_slots(
+        models,
+        population.roles(),
+        seed,
+        num_classes=data.num_classes,
+        in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
+    )
     checkpoint = _find_checkpoint(resume, files)
     loggers = resolve_loggers(logger)
     run_info = {
@@ -135,9 +141,22 @@ def fit(
         "versions": _versions(),
     }
     orchestrator = FederationOrchestrator(
-        strategy, clients, sampler or UniformSampler(), loop, data, files, loggers, rounds, seed,
-        eval_every=eval_every, checkpoint_every=checkpoint_every, stop_after=stop_after, monitor=monitor,
-        progress=runtime.progress, run_info=run_info, schedule=schedule,
+        strategy,
+        clients,
+        sampler or UniformSampler(),
+        loop,
+        data,
+        files,
+        loggers,
+        rounds,
+        seed,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        stop_after=stop_after,
+        monitor=monitor,
+        progress=runtime.progress,
+        run_info=run_info,
+        schedule=schedule,
     )
     config_dict = _config_dict(resolved_config)
     for i, run_logger in enumerate(loggers):
@@ -153,8 +172,9 @@ def fit(
 def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:
     if resume is None:
         if files.last_checkpoint.exists():
-            raise ConfigError(f"{files.root} already holds a run; pass --resume auto to continue it or choose "
-                              "another --output_dir.")
+            raise ConfigError(
+                f"{files.root} already holds a run; pass --resume auto to continue it or choose another --output_dir."
+            )
         return None
     if resume == "auto":
         return load_checkpoint(files.last_checkpoint) if files.last_checkpoint.exists() else None
@@ -172,11 +192,16 @@ def _config_dict(resolved_config: str | None) -> dict[str, Any]:
 def _versions() -> dict[str, Any]:
     import lightning
 
-    versions = {"fl_lightning": __version__, "torch": torch.__version__, "lightning": lightning.__version__,
-                "python": platform.python_version()}
+    versions = {
+        "fl_lightning": __version__,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+    }
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).resolve().parent)
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent
+        )
         if commit.returncode == 0:
             versions["git_commit"] = commit.stdout.strip()
     except (OSError, subprocess.SubprocessError):

@@ -10,7 +10,6 @@ import time
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .client.context import ClientContext, derive_seed, seed_torch
@@ -50,11 +49,25 @@ class FederationOrchestrator:
         schedule: asynchronous mode (simulated clock and client speeds); synchronous rounds when None.
     """
 
-    def __init__(self, strategy: Strategy, clients: list[ClientSpec], sampler: ClientSampler, loop: LocalLoop,
-                 data: FederatedData, files: RunFiles, loggers: list[RunLogger], rounds: int, seed: int,
-                 eval_every: int = 1, checkpoint_every: int = 1, stop_after: int | None = None,
-                 monitor: str | None = None, progress: bool = True, run_info: dict[str, Any] | None = None,
-                 schedule: AsynchronousSchedule | None = None):
+    def __init__(
+        self,
+        strategy: Strategy,
+        clients: list[ClientSpec],
+        sampler: ClientSampler,
+        loop: LocalLoop,
+        data: FederatedData,
+        files: RunFiles,
+        loggers: list[RunLogger],
+        rounds: int,
+        seed: int,
+        eval_every: int = 1,
+        checkpoint_every: int = 1,
+        stop_after: int | None = None,
+        monitor: str | None = None,
+        progress: bool = True,
+        run_info: dict[str, Any] | None = None,
+        schedule: AsynchronousSchedule | None = None,
+    ):
         if rounds < 1:
             raise ConfigError(f"rounds must be at least 1, got {rounds}.")
         if eval_every < 1 or checkpoint_every < 1:
@@ -75,7 +88,9 @@ class FederationOrchestrator:
         self.schedule = schedule
         if schedule is not None:
             if len(strategy.phases) > 1:
-                raise ConfigError(f"{type(strategy).__name__} has several phases per round and cannot run asynchronously.")
+                raise ConfigError(
+                    f"{type(strategy).__name__} has several phases per round and cannot run asynchronously."
+                )
             schedule.setup(clients, derive_seed(seed, 0, SERVER_STREAM, 5))
         strategy.setup(ServerContext(clients, list(loop.slots), data, rounds, seed, loop))
         self.monitor = monitor or strategy.monitor
@@ -122,12 +137,20 @@ class FederationOrchestrator:
         if client_metrics:
             row["train/loss"] = float(np.mean([np.mean(v) for k, v in client_metrics.items() if k.endswith("loss")]))
         row.update(server_metrics)
-        row.update({"comm/round_uplink_bytes": traffic["uplink"], "comm/round_downlink_bytes": traffic["downlink"],
-                    "comm/uplink_bytes": self.ledger.uplink_bytes, "comm/downlink_bytes": self.ledger.downlink_bytes})
+        row.update(
+            {
+                "comm/round_uplink_bytes": traffic["uplink"],
+                "comm/round_downlink_bytes": traffic["downlink"],
+                "comm/uplink_bytes": self.ledger.uplink_bytes,
+                "comm/downlink_bytes": self.ledger.downlink_bytes,
+            }
+        )
         return row
 
     def _synchronous(self, rnd: int, client_metrics: dict, server_metrics: dict) -> int:
-        sampled = self.sampler.sample(rnd, self.clients, np.random.default_rng(derive_seed(self.seed, rnd, SERVER_STREAM, 2)))
+        sampled = self.sampler.sample(
+            rnd, self.clients, np.random.default_rng(derive_seed(self.seed, rnd, SERVER_STREAM, 2))
+        )
         num_tasks = 0
         for number, phase in enumerate(self.strategy.phases):
             tasks = self.strategy.configure_round(rnd, sampled, phase)
@@ -146,8 +169,13 @@ class FederationOrchestrator:
         schedule = self.schedule
         if not schedule.started:  # every client (or `concurrency` of them) starts from the initial state
             rng = np.random.default_rng(derive_seed(self.seed, 0, SERVER_STREAM, 6))
-            first = self.clients if schedule.concurrency is None else \
-                [self.clients[i] for i in np.sort(rng.choice(len(self.clients), schedule.concurrency, replace=False))]
+            first = (
+                self.clients
+                if schedule.concurrency is None
+                else [
+                    self.clients[i] for i in np.sort(rng.choice(len(self.clients), schedule.concurrency, replace=False))
+                ]
+            )
             for client in first:
                 self._dispatch(rnd, client, client_metrics)
             schedule.started = True
@@ -160,8 +188,13 @@ class FederationOrchestrator:
             server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
             schedule.version += 1
             self._dispatch(rnd, self.clients[arrival.client_id], client_metrics)
-        server_metrics.update({"async/staleness_mean": float(np.mean(staleness)),
-                               "async/staleness_max": float(np.max(staleness)), "async/clock": schedule.clock})
+        server_metrics.update(
+            {
+                "async/staleness_mean": float(np.mean(staleness)),
+                "async/staleness_max": float(np.max(staleness)),
+                "async/clock": schedule.clock,
+            }
+        )
         return len(staleness)
 
     def _dispatch(self, rnd: int, client: ClientSpec, client_metrics: dict) -> None:
@@ -171,7 +204,9 @@ class FederationOrchestrator:
         update = self._run_client(rnd, task, client_metrics, stream)
         self.schedule.push(client.id, update, np.random.default_rng(derive_seed(self.seed, stream, client.id, 4)))
 
-    def _client_updates(self, rnd: int, tasks: list[ClientTask], metrics: dict[str, list[float]]) -> Iterator[ClientUpdate]:
+    def _client_updates(
+        self, rnd: int, tasks: list[ClientTask], metrics: dict[str, list[float]]
+    ) -> Iterator[ClientUpdate]:
         """Runs clients one at a time, as the strategy's ``aggregate`` asks for their updates."""
         for task in tasks:
             update = self._run_client(rnd, task, metrics)
@@ -181,7 +216,9 @@ class FederationOrchestrator:
     def _run_client(self, rnd: int, task: ClientTask, metrics: dict[str, list[float]], stream: int = 0) -> ClientUpdate:
         self.ledger.record(rnd, "downlink", task.downlink)
         client = task.client
-        seed_torch(derive_seed(self.seed, rnd, client.id, 0, stream) if stream else derive_seed(self.seed, rnd, client.id, 0))
+        seed_torch(
+            derive_seed(self.seed, rnd, client.id, 0, stream) if stream else derive_seed(self.seed, rnd, client.id, 0)
+        )
         state = self.client_states.setdefault(client.id, {})
         ctx = ClientContext(client, rnd, self.loop, self.data, state, self.seed, stream)
         update = self.strategy.client_update(task, ctx)
@@ -195,8 +232,10 @@ class FederationOrchestrator:
     def _evaluate(self, rnd: int) -> dict[str, float]:
         metrics = self.strategy.evaluate(self.evaluator)
         if self.monitor not in metrics:
-            raise ConfigError(f"monitor metric {self.monitor!r} is not among the evaluation metrics "
-                              f"{sorted(metrics)}; set --monitor to one of them.")
+            raise ConfigError(
+                f"monitor metric {self.monitor!r} is not among the evaluation metrics "
+                f"{sorted(metrics)}; set --monitor to one of them."
+            )
         if self.best is None or metrics[self.monitor] > self.best["metrics"][self.monitor]:
             self.best = {"round": rnd, "metrics": dict(metrics)}
         self.last_eval = {"round": rnd, "metrics": dict(metrics)}
@@ -209,7 +248,8 @@ class FederationOrchestrator:
             "strategy": self.strategy.state_dict(),
             "client_states": self.client_states,
             "shared_optimizers": {r: s.optimizer.state_dict() for r, s in self.loop.slots.items()}
-            if self.loop.training.optimizer_state == "shared" else {},
+            if self.loop.training.optimizer_state == "shared"
+            else {},
             "ledger": self.ledger.state_dict(),
             "history": self.history,
             "best": self.best,
@@ -225,8 +265,10 @@ class FederationOrchestrator:
     def _restore(self, state: dict[str, Any]) -> None:
         saved_hash = state["run_info"].get("partition_sha256")
         if saved_hash and saved_hash != self.run_info.get("partition_sha256"):
-            raise ConfigError("the checkpoint was made with a different data partition (data, seed or population "
-                              "changed); resume with the original recipe or start a new --output_dir.")
+            raise ConfigError(
+                "the checkpoint was made with a different data partition (data, seed or population "
+                "changed); resume with the original recipe or start a new --output_dir."
+            )
         self.rounds_done = state["rounds_done"]
         self.strategy.load_state_dict(state["strategy"])
         self.client_states.clear()  # in place: the evaluator holds the same dict

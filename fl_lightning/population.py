@@ -54,7 +54,9 @@ class Population:
         elif self.assignment == "random":
             tier_of = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(self.tiers)), counts))
         else:
-            raise ConfigError(f"population.assignment must be contiguous, interleaved or random, got {self.assignment!r}.")
+            raise ConfigError(
+                f"population.assignment must be contiguous, interleaved or random, got {self.assignment!r}."
+            )
         return [ClientSpec(i, self.tiers[t].name, tuple(self.tiers[t].roles)) for i, t in enumerate(tier_of)]
 
     def tier_counts(self) -> list[int]:

@@ -42,7 +42,7 @@ class StepLR(RoundSchedule):
     def __call__(self, rnd, rounds):
         done = rnd - 1
         passed = sum(done >= (m * rounds if m < 1 else m) for m in self.milestones)
-        return self.gamma ** passed
+        return self.gamma**passed
 
 
 class LinearDecayLR(RoundSchedule):

@@ -14,15 +14,24 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     "rounds": 4,
     "eval_every": 2,
-    "data": {"class_path": "fl_lightning.data.DigitsData",
-             "init_args": {"partitioner": {"class_path": "fl_lightning.data.DirichletPartitioner",
-                                           "init_args": {"alpha": 0.5, "min_partition_size": 10}}}},
+    "data": {
+        "class_path": "fl_lightning.data.DigitsData",
+        "init_args": {
+            "partitioner": {
+                "class_path": "fl_lightning.data.DirichletPartitioner",
+                "init_args": {"alpha": 0.5, "min_partition_size": 10},
+            }
+        },
+    },
     "models": {"global": {"builder": "digits_mlp", "args": {"hidden": 32}}},
     "population": {"num_clients": 8, "tiers": [{"name": "all", "roles": ["global"]}]},
     "sampler": {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"fraction": 0.5}},
     "strategy": {"class_path": "fl_lightning.strategies.FedAvg"},
-    "training": {"optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.9}},
-                 "local_steps": 5, "batch_size": 16},
+    "training": {
+        "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.9}},
+        "local_steps": 5,
+        "batch_size": 16,
+    },
     "runtime": {"progress": False},
 }
 

@@ -12,8 +12,9 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 
 def flrun(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fl_lightning", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fl_lightning", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
@@ -27,8 +28,18 @@ def test_every_recipe_parses(recipe):
 
 
 def test_print_config_shows_overrides(tmp_path):
-    result = flrun("fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--seed", "7", "--rounds", "3",
-                   "--training.batch_size", "8", "--print_config")
+    result = flrun(
+        "fit",
+        "--config",
+        str(ROOT / "recipes/quickstart.yaml"),
+        "--seed",
+        "7",
+        "--rounds",
+        "3",
+        "--training.batch_size",
+        "8",
+        "--print_config",
+    )
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     assert config["seed"] == 7 and config["rounds"] == 3 and config["training"]["batch_size"] == 8
@@ -38,25 +49,43 @@ def test_print_config_shows_overrides(tmp_path):
 def test_help_documents_knobs():
     result = flrun("fit", "--help")
     assert result.returncode == 0
-    for knob in ("--seed", "--rounds", "--output_dir", "--resume", "--training.local_steps", "--population.num_clients",
-                 "--logger", "--runtime.num_threads"):
+    for knob in (
+        "--seed",
+        "--rounds",
+        "--output_dir",
+        "--resume",
+        "--training.local_steps",
+        "--population.num_clients",
+        "--logger",
+        "--runtime.num_threads",
+    ):
         assert knob in result.stdout, knob
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
-    (["--bogus", "1"], "unknown option --bogus"),
-    (["--strategy", "fl_lightning.strategies.NoSuchStrategy"], "class_path 'fl_lightning.strategies.NoSuchStrategy'"),
-    (["--rounds", "many"], "bad value 'many' for rounds: expected int"),
-    (["--data.init_args.partitioner.init_args.alpha", "0.0001"], "raise alpha"),
-    (["--models", "{global: {builder: digits_cnnn}}"], "unknown model builder 'digits_cnnn'"),
-    (["--sampler.init_args.fraction", "2"], "sampler fraction must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+        (["--bogus", "1"], "unknown option --bogus"),
+        (
+            ["--strategy", "fl_lightning.strategies.NoSuchStrategy"],
+            "class_path 'fl_lightning.strategies.NoSuchStrategy'",
+        ),
+        (["--rounds", "many"], "bad value 'many' for rounds: expected int"),
+        (["--data.init_args.partitioner.init_args.alpha", "0.0001"], "raise alpha"),
+        (["--models", "{global: {builder: digits_cnnn}}"], "unknown model builder 'digits_cnnn'"),
+        (["--sampler.init_args.fraction", "2"], "sampler fraction must be in (0, 1]"),
+    ],
+)
 def test_errors_are_one_line_without_traceback(tmp_path, args, expected):
     base = [] if args[0] == "--config" else ["--config", str(write_recipe(tmp_path / "r.yaml"))]
     result = flrun("fit", *base, *args, "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
     assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "Warning" not in line and not line.startswith(" ")]
+    lines = [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and "Warning" not in line and not line.startswith(" ")
+    ]
     assert len(lines) == 1, result.stderr
     assert expected in lines[0] and "Traceback" not in result.stderr
 

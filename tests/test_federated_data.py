@@ -19,8 +19,9 @@ def test_digits_is_the_real_bundled_set_with_a_fixed_test_split():
 
 
 def test_server_unlabeled_and_local_splits_have_requested_sizes_and_are_disjoint():
-    data = DigitsData(partitioner=IidPartitioner(), server_fraction=0.1, unlabeled_fraction=0.5,
-                      local_split=(0.8, 0.1, 0.1))
+    data = DigitsData(
+        partitioner=IidPartitioner(), server_fraction=0.1, unlabeled_fraction=0.5, local_split=(0.8, 0.1, 0.1)
+    )
     data.setup(num_clients=4, seed=0)
     pool = len(data.x)
     assert len(data.server_idx) == pytest.approx(0.1 * pool, abs=10)

@@ -14,8 +14,18 @@ def _final_metrics(summary):
 
 def test_quickstart_recipe_reaches_90_percent(tmp_path):
     out = tmp_path / "qs"
-    assert run_cli("fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--output_dir", str(out),
-                   "--runtime.progress", "false") == 0
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(ROOT / "recipes/quickstart.yaml"),
+            "--output_dir",
+            str(out),
+            "--runtime.progress",
+            "false",
+        )
+        == 0
+    )
     summary = read_summary(out)
     assert summary["final"]["global/test_acc"] >= 0.90
     assert summary["rounds"] == 40 and summary["complete"] and summary["seed"] == 0
@@ -71,7 +81,9 @@ def test_resume_gives_exactly_the_uninterrupted_result(tmp_path, optimizer_state
     full, resumed = read_summary(tmp_path / "full"), read_summary(tmp_path / "cut")
     assert _final_metrics(resumed) == _final_metrics(full)
     assert resumed["rounds"] == 6 and resumed["complete"]
-    assert (tmp_path / "full/metrics.csv").read_text().count("\n") == (tmp_path / "cut/metrics.csv").read_text().count("\n")
+    assert (tmp_path / "full/metrics.csv").read_text().count("\n") == (tmp_path / "cut/metrics.csv").read_text().count(
+        "\n"
+    )
 
 
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
@@ -84,8 +96,20 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
 def test_resume_refuses_a_different_partition(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=3)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x"), "--stop_after", "1") == 0
-    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x"), "--resume", "auto",
-                   "--population.num_clients", "6") == 2
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(recipe),
+            "--output_dir",
+            str(tmp_path / "x"),
+            "--resume",
+            "auto",
+            "--population.num_clients",
+            "6",
+        )
+        == 2
+    )
     assert "different data partition" in capsys.readouterr().err
 
 

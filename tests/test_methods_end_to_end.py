@@ -22,8 +22,22 @@ CASES = [
 @pytest.mark.parametrize("recipe, rounds, metric, minimum", CASES, ids=[c[0] for c in CASES])
 def test_method_learns_on_digits(tmp_path, recipe, rounds, metric, minimum):
     out = tmp_path / recipe
-    assert run_cli("fit", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--output_dir", str(out),
-                   "--rounds", str(rounds), "--eval_every", str(rounds), "--runtime.progress", "false") == 0
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(ROOT / "recipes" / f"{recipe}.yaml"),
+            "--output_dir",
+            str(out),
+            "--rounds",
+            str(rounds),
+            "--eval_every",
+            str(rounds),
+            "--runtime.progress",
+            "false",
+        )
+        == 0
+    )
     summary = read_summary(out)
     assert summary["monitor"] == metric
     assert summary["final"][metric] >= minimum, summary["final"]

@@ -38,8 +38,10 @@ def test_fedhe_server_averages_per_class_over_uploads():
     second[0], second[1] = 3.0, 5.0
     labels_a = torch.tensor([0] + [-1] * 9, dtype=torch.int32)
     labels_b = torch.tensor([0, 1] + [-1] * 8, dtype=torch.int32)
-    updates = [ClientUpdate(server.clients[i], 1, {"class_logits": TensorPayload("class_logits", {"logits": z, "labels": l})})
-               for i, (z, l) in enumerate([(first, labels_a), (second, labels_b)])]
+    updates = [
+        ClientUpdate(server.clients[i], 1, {"class_logits": TensorPayload("class_logits", {"logits": z, "labels": l})})
+        for i, (z, l) in enumerate([(first, labels_a), (second, labels_b)])
+    ]
     strategy.aggregate(1, iter(updates))
     task = strategy.configure_round(2, [server.clients[2]])[0]
     received = task.downlink["class_logits"].tensors
@@ -52,8 +54,14 @@ def test_felo_averages_weights_only_within_an_architecture():
     models = {"a": ModelSpec("digits_mlp", {"hidden": 8}), "b": ModelSpec("digits_mlp", {"hidden": 8, "depth": 2})}
     strategy = Felo(average_weights=True)
     server = method_env(strategy, models, [Tier("ta", ["a"], count=2), Tier("tb", ["b"])])
-    knowledge = TensorPayload("class_knowledge", {"features": torch.zeros(10, 8), "logits": torch.zeros(10, 10),
-                                                  "labels": torch.full((10,), -1, dtype=torch.int32)})
+    knowledge = TensorPayload(
+        "class_knowledge",
+        {
+            "features": torch.zeros(10, 8),
+            "logits": torch.zeros(10, 10),
+            "labels": torch.full((10,), -1, dtype=torch.int32),
+        },
+    )
 
     def update(client, role, value, n):
         state = {k: torch.full_like(v, value) for k, v in strategy.global_weights[role].items()}
@@ -61,7 +69,9 @@ def test_felo_averages_weights_only_within_an_architecture():
 
     c = server.clients
     strategy.aggregate(1, iter([update(c[0], "a", 1.0, 1), update(c[1], "a", 4.0, 3), update(c[2], "b", 10.0, 5)]))
-    assert all(torch.allclose(v, torch.full_like(v, 3.25)) for v in strategy.global_weights["a"].values())  # (1 + 12) / 4
+    assert all(
+        torch.allclose(v, torch.full_like(v, 3.25)) for v in strategy.global_weights["a"].values()
+    )  # (1 + 12) / 4
     assert all(torch.allclose(v, torch.full_like(v, 10.0)) for v in strategy.global_weights["b"].values())
 
 
@@ -88,14 +98,34 @@ def _rows(out):
 
 def _fit(tmp_path, recipe, name, *extra):
     out = tmp_path / name
-    assert run_cli("fit", "--config", str(ROOT / "recipes" / recipe), "--output_dir", str(out),
-                   "--runtime.progress", "false", *extra) == 0
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(ROOT / "recipes" / recipe),
+            "--output_dir",
+            str(out),
+            "--runtime.progress",
+            "false",
+            *extra,
+        )
+        == 0
+    )
     return out
 
 
 def test_merged_codist_with_alpha_one_is_exactly_fedadam(tmp_path):
-    merged = _fit(tmp_path, "digits_merged_codist.yaml", "merged", "--rounds", "3", "--eval_every", "1",
-                  "--strategy.init_args.alpha", "1.0")
+    merged = _fit(
+        tmp_path,
+        "digits_merged_codist.yaml",
+        "merged",
+        "--rounds",
+        "3",
+        "--eval_every",
+        "1",
+        "--strategy.init_args.alpha",
+        "1.0",
+    )
     fedadam = _fit(tmp_path, "digits_fedadam.yaml", "fedadam", "--rounds", "3", "--eval_every", "1")
     assert read_summary(merged)["final"] == read_summary(fedadam)["final"]
     assert read_summary(merged)["best"] == read_summary(fedadam)["best"]

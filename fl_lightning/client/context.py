@@ -41,8 +41,16 @@ class ClientContext:
         generator: the client's random stream for this round (batch order, augmentation).
     """
 
-    def __init__(self, client: ClientSpec, rnd: int, loop: LocalLoop, data: FederatedData, state: dict, seed: int,
-                 stream: int = 0):
+    def __init__(
+        self,
+        client: ClientSpec,
+        rnd: int,
+        loop: LocalLoop,
+        data: FederatedData,
+        state: dict,
+        seed: int,
+        stream: int = 0,
+    ):
         self.client = client
         self.round = rnd
         self.state = state
@@ -75,8 +83,9 @@ class ClientContext:
         idx = getattr(self.indices, split)
         steps = steps if steps is not None else self.loop.num_steps(len(idx))
         y = None if split == "unlabeled" else self._data.y
-        return batch_stream(self._data.x, y, idx, batch_size or self.loop.training.batch_size, steps,
-                            self.generator, self._data.augment)
+        return batch_stream(
+            self._data.x, y, idx, batch_size or self.loop.training.batch_size, steps, self.generator, self._data.augment
+        )
 
     # ------------------------------------------------------------------ models
     def load(self, role: str, weights: StateDict | None = None) -> ClientModule:
@@ -96,7 +105,9 @@ class ClientContext:
         self._loaded.add(role)
         return slot.module
 
-    def fit(self, role: str, split: str = "train", step_fn: StepFn | None = None, steps: int | None = None) -> dict[str, float]:
+    def fit(
+        self, role: str, split: str = "train", step_fn: StepFn | None = None, steps: int | None = None
+    ) -> dict[str, float]:
         """Trains the loaded role on a local split with ``step_fn`` (default cross-entropy)."""
         return self.loop.fit(self.slot(role), self.batches(split, steps), self.round, step_fn)
 
@@ -115,7 +126,9 @@ class ClientContext:
             for role in self._loaded:
                 state = self.loop.slots[role].optimizer.state_dict()
                 self.state[f"optimizer/{role}"] = {
-                    "state": {k: {n: v.clone() if isinstance(v, Tensor) else v for n, v in s.items()}
-                              for k, s in state["state"].items()},
+                    "state": {
+                        k: {n: v.clone() if isinstance(v, Tensor) else v for n, v in s.items()}
+                        for k, s in state["state"].items()
+                    },
                     "param_groups": state["param_groups"],
                 }

@@ -116,7 +116,9 @@ class LocalLoop:
             return self.training.local_steps
         return self.training.local_epochs * -(-num_examples // self.training.batch_size)
 
-    def fit(self, slot: ModelSlot, batches: Iterable[tuple], rnd: int, step_fn: StepFn | None = None) -> dict[str, float]:
+    def fit(
+        self, slot: ModelSlot, batches: Iterable[tuple], rnd: int, step_fn: StepFn | None = None
+    ) -> dict[str, float]:
         """Trains ``slot.module`` on ``batches`` with ``step_fn`` (default: its ``training_step``).
 
         Returns the mean training loss. The loss is accumulated as a tensor so that no step waits
@@ -148,9 +150,15 @@ def _training_step(module: ClientModule, batch: tuple, i: int) -> Tensor:
     return module.training_step(batch, i)
 
 
-def batch_stream(x: Tensor, y: Tensor | None, idx: Tensor, batch_size: int, num_steps: int,
-                 generator: torch.Generator, augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
-                 ) -> Iterator[tuple]:
+def batch_stream(
+    x: Tensor,
+    y: Tensor | None,
+    idx: Tensor,
+    batch_size: int,
+    num_steps: int,
+    generator: torch.Generator,
+    augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
+) -> Iterator[tuple]:
     """``num_steps`` batches gathered from the in-memory pool by index.
 
     Each pass over ``idx`` is a fresh permutation; the last batch of a pass may be smaller, so an epoch
@@ -158,15 +166,17 @@ def batch_stream(x: Tensor, y: Tensor | None, idx: Tensor, batch_size: int, num_
     """
     n = len(idx)
     if n == 0:
-        raise ConfigError("a client has no examples in the split it must train on; check the partition "
-                          "(min_partition_size) and the labeled / local-split fractions.")
+        raise ConfigError(
+            "a client has no examples in the split it must train on; check the partition "
+            "(min_partition_size) and the labeled / local-split fractions."
+        )
     produced = 0
     while produced < num_steps:
         order = idx[torch.randperm(n, generator=generator).to(idx.device)]
         for start in range(0, n, batch_size):
             if produced == num_steps:
                 return
-            chosen = order[start:start + batch_size]
+            chosen = order[start : start + batch_size]
             xb = x[chosen]
             if augment is not None:
                 xb = augment(xb, generator)

@@ -2,8 +2,16 @@
 
 from .digits import DigitsData
 from .federated import ClientData, DataArrays, FederatedData
-from .partition import (DirichletPartitioner, IidPartitioner, NaturalIdPartitioner, PathologicalPartitioner,
-                        Partitioner)
+from .partition import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner, PathologicalPartitioner, Partitioner
 
-__all__ = ["ClientData", "DataArrays", "DigitsData", "DirichletPartitioner", "FederatedData", "IidPartitioner",
-           "NaturalIdPartitioner", "Partitioner", "PathologicalPartitioner"]
+__all__ = [
+    "ClientData",
+    "DataArrays",
+    "DigitsData",
+    "DirichletPartitioner",
+    "FederatedData",
+    "IidPartitioner",
+    "NaturalIdPartitioner",
+    "Partitioner",
+    "PathologicalPartitioner",
+]

@@ -57,16 +57,23 @@ class FederatedData:
             training on one partition.
     """
 
-    def __init__(self, partitioner: Partitioner | None = None, server_fraction: float = 0.0,
-                 unlabeled_fraction: float = 0.0, local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-                 partition_seed: int | None = None):
+    def __init__(
+        self,
+        partitioner: Partitioner | None = None,
+        server_fraction: float = 0.0,
+        unlabeled_fraction: float = 0.0,
+        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        partition_seed: int | None = None,
+    ):
         self.partitioner = partitioner or IidPartitioner()
         for name, value in (("server_fraction", server_fraction), ("unlabeled_fraction", unlabeled_fraction)):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}.")
         if len(local_split) != 3 or min(local_split) < 0 or abs(sum(local_split) - 1.0) > 1e-6 or local_split[0] <= 0:
-            raise ConfigError(f"local_split must be three non-negative fractions (train, val, test) summing to 1 "
-                              f"with a positive train share, got {list(local_split)}.")
+            raise ConfigError(
+                f"local_split must be three non-negative fractions (train, val, test) summing to 1 "
+                f"with a positive train share, got {list(local_split)}."
+            )
         self.server_fraction = server_fraction
         self.unlabeled_fraction = unlabeled_fraction
         self.local_split = tuple(local_split)
@@ -117,8 +124,9 @@ class FederatedData:
         self.x, self.y = self.x.to(device), self.y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
         self.server_idx = self.server_idx.to(device)
-        self.clients = [ClientData(*(getattr(c, f).to(device) for f in ("train", "unlabeled", "val", "test")))
-                        for c in self.clients]
+        self.clients = [
+            ClientData(*(getattr(c, f).to(device) for f in ("train", "unlabeled", "val", "test"))) for c in self.clients
+        ]
 
     # ------------------------------------------------------------------ inspection
     def client_class_counts(self) -> np.ndarray:
@@ -143,8 +151,13 @@ class FederatedData:
             "test_size": len(self.test_y),
             "sha256": digest.hexdigest(),
             "clients": [
-                {"train": len(c.train), "unlabeled": len(c.unlabeled), "val": len(c.val), "test": len(c.test),
-                 "class_counts": counts.tolist()}
+                {
+                    "train": len(c.train),
+                    "unlabeled": len(c.unlabeled),
+                    "val": len(c.val),
+                    "test": len(c.test),
+                    "class_counts": counts.tolist(),
+                }
                 for c, counts in zip(self.clients, self.client_class_counts())
             ],
         }

@@ -17,8 +17,9 @@ from ..errors import ConfigError
 class Partitioner:
     """Splits ``labels`` (one per example) into ``num_clients`` disjoint index arrays."""
 
-    def __call__(self, labels: np.ndarray, num_clients: int, rng: np.random.Generator,
-                 groups: np.ndarray | None = None) -> list[np.ndarray]:
+    def __call__(
+        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator, groups: np.ndarray | None = None
+    ) -> list[np.ndarray]:
         raise NotImplementedError
 
     @staticmethod
@@ -133,7 +134,9 @@ class NaturalIdPartitioner(Partitioner):
 
     def __call__(self, labels, num_clients, rng, groups=None):
         if groups is None:
-            raise ConfigError("NaturalIdPartitioner needs a data set with natural client ids (writers, speakers, users).")
+            raise ConfigError(
+                "NaturalIdPartitioner needs a data set with natural client ids (writers, speakers, users)."
+            )
         ids = np.unique(groups)
         if num_clients > len(ids):
             raise ConfigError(f"the data set has {len(ids)} natural clients, fewer than num_clients={num_clients}.")

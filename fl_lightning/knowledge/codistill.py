@@ -16,11 +16,12 @@ def predict_logits(module: ClientModule, weights: StateDict, x: Tensor, batch_si
     """Eval-mode logits ``[N, C]`` of ``weights`` on ``x`` (teachers are frozen, so this is done once)."""
     module.model.load_state_dict(weights)
     module.eval()
-    return torch.cat([module(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+    return torch.cat([module(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
 
 
-def codistillation_targets(teacher_logits: Tensor, student_logits: Tensor, temperature: float,
-                           student_reg: float) -> Tensor:
+def codistillation_targets(
+    teacher_logits: Tensor, student_logits: Tensor, temperature: float, student_reg: float
+) -> Tensor:
     """Soft labels: ``(1 - beta) softmax(teacher/T) + beta softmax(student_init/T)``.
 
     ``beta`` (student regularization) keeps the student near its parameters at the start of the
@@ -32,8 +33,17 @@ def codistillation_targets(teacher_logits: Tensor, student_logits: Tensor, tempe
     return (1 - student_reg) * teacher + student_reg * F.softmax(student_logits / temperature, dim=1)
 
 
-def distill(module: ClientModule, start: StateDict, x: Tensor, targets: Tensor, steps: int, batch_size: int, lr: float,
-            temperature: float, generator: torch.Generator) -> StateDict:
+def distill(
+    module: ClientModule,
+    start: StateDict,
+    x: Tensor,
+    targets: Tensor,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    temperature: float,
+    generator: torch.Generator,
+) -> StateDict:
     """``steps`` Adam steps of KL(targets || softmax(student/T)) on random batches; returns the student."""
     module.model.load_state_dict(start)
     module.train()
@@ -61,8 +71,15 @@ class Codistillation:
         student_reg: beta, weight of the student's own initial soft labels in its targets.
     """
 
-    def __init__(self, steps: int = 50, batch_size: int = 64, lr: float | dict[str, float] = 1e-3, lr_final: float = 1.0,
-                 temperature: float | dict[str, float] = 1.0, student_reg: float = 0.0):
+    def __init__(
+        self,
+        steps: int = 50,
+        batch_size: int = 64,
+        lr: float | dict[str, float] = 1e-3,
+        lr_final: float = 1.0,
+        temperature: float | dict[str, float] = 1.0,
+        student_reg: float = 0.0,
+    ):
         self.steps, self.batch_size, self.lr, self.lr_final = steps, batch_size, lr, lr_final
         self.temperature, self.student_reg = temperature, student_reg
 
@@ -70,8 +87,15 @@ class Codistillation:
     def _per_role(value, role):
         return value[role] if isinstance(value, dict) else value
 
-    def run(self, slots: dict, weights: dict[str, StateDict], roles: tuple[str, str], x: Tensor, progress: float,
-            generator: torch.Generator) -> dict[str, StateDict]:
+    def run(
+        self,
+        slots: dict,
+        weights: dict[str, StateDict],
+        roles: tuple[str, str],
+        x: Tensor,
+        progress: float,
+        generator: torch.Generator,
+    ) -> dict[str, StateDict]:
         """Students of both roles; ``progress`` in [0, 1] decays the learning rates."""
         logits = {r: predict_logits(slots[r].module, weights[r], x) for r in roles}
         students = {}
@@ -79,6 +103,15 @@ class Codistillation:
             temperature = self._per_role(self.temperature, teacher)
             targets = codistillation_targets(logits[teacher], logits[student], temperature, self.student_reg)
             lr = self._per_role(self.lr, student) * (1.0 + (self.lr_final - 1.0) * progress)
-            students[student] = distill(slots[student].module, weights[student], x, targets, self.steps,
-                                        self.batch_size, lr, temperature, generator)
+            students[student] = distill(
+                slots[student].module,
+                weights[student],
+                x,
+                targets,
+                self.steps,
+                self.batch_size,
+                lr,
+                temperature,
+                generator,
+            )
         return students

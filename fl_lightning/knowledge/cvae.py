@@ -15,14 +15,21 @@ class FeatureCVAE(nn.Module):
     (two dense layers, no activation between them, as in the official code).
     """
 
-    def __init__(self, feature_dim: int, num_classes: int, hidden: int | None = None, latent: int | None = None,
-                 embed: int | None = None):
+    def __init__(
+        self,
+        feature_dim: int,
+        num_classes: int,
+        hidden: int | None = None,
+        latent: int | None = None,
+        embed: int | None = None,
+    ):
         super().__init__()
         hidden, latent, embed = hidden or feature_dim, latent or feature_dim, embed or max(1, feature_dim // 2)
         self.latent = latent
         self.label_embedding = nn.Embedding(num_classes, embed)
-        self.encoder = nn.Sequential(nn.Linear(feature_dim + embed, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
-                                     nn.Linear(hidden, 2 * latent))
+        self.encoder = nn.Sequential(
+            nn.Linear(feature_dim + embed, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 2 * latent)
+        )
         self.decoder = nn.Sequential(nn.Linear(latent + embed, hidden), nn.Linear(hidden, feature_dim))
 
     def forward(self, s: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:

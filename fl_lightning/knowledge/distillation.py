@@ -27,6 +27,17 @@ def kl_to_targets(student_logits: Tensor, target_probs: Tensor, temperature: flo
     return F.kl_div(log_student, target_probs, reduction="batchmean") * temperature**2
 
 
+def logit_matching_loss(z: Tensor, target: Tensor, kind: str = "mse") -> Tensor:
+    """Distance of logits ``z`` ``[B, C]`` to per-example target logits (FedHe, Felo).
+
+    ``mse``: mean over batch x classes (the official FedHe / Felo code); ``kl``: KL(softmax(target) ||
+    softmax(z)) averaged over the batch (Felo's paper).
+    """
+    if kind == "mse":
+        return F.mse_loss(z, target)
+    return F.kl_div(F.log_softmax(z, 1), F.softmax(target, 1), reduction="batchmean")
+
+
 def ramp_up(rnd: int, weight: float, ramp_rounds: int) -> float:
     """Sigmoid-shaped ramp-up of a loss weight (Laine & Aila 2017), as in paper 001's code.
 

@@ -5,5 +5,13 @@ from .digits import digits_cnn, digits_mlp
 from .registry import ModelSpec, register_model, registered_models, resolve_builder
 from .resnet import resnet20
 
-__all__ = ["FeatureClassifier", "ModelSpec", "digits_cnn", "digits_mlp", "register_model",
-           "registered_models", "resnet20", "resolve_builder"]
+__all__ = [
+    "FeatureClassifier",
+    "ModelSpec",
+    "digits_cnn",
+    "digits_mlp",
+    "register_model",
+    "registered_models",
+    "resnet20",
+    "resolve_builder",
+]

@@ -9,8 +9,9 @@ from .registry import register_model
 
 
 @register_model("digits_mlp")
-def digits_mlp(num_classes: int = 10, in_features: int = 64, hidden: int = 128, width: float = 1.0,
-               depth: int = 1) -> FeatureClassifier:
+def digits_mlp(
+    num_classes: int = 10, in_features: int = 64, hidden: int = 128, width: float = 1.0, depth: int = 1
+) -> FeatureClassifier:
     """An MLP on flattened inputs: ``depth`` hidden ReLU layers of ``hidden * width`` units."""
     dim = scaled(hidden, width)
     layers: list[nn.Module] = [nn.Flatten()]
@@ -22,8 +23,9 @@ def digits_mlp(num_classes: int = 10, in_features: int = 64, hidden: int = 128, 
 
 
 @register_model("digits_cnn")
-def digits_cnn(num_classes: int = 10, in_channels: int = 1, channels: int = 32, hidden: int = 64,
-               width: float = 1.0) -> FeatureClassifier:
+def digits_cnn(
+    num_classes: int = 10, in_channels: int = 1, channels: int = 32, hidden: int = 64, width: float = 1.0
+) -> FeatureClassifier:
     """A two-conv CNN for 8x8 images: conv-relu-conv-relu-pool(2) then a dense feature layer.
 
     Args:
@@ -33,10 +35,13 @@ def digits_cnn(num_classes: int = 10, in_channels: int = 1, channels: int = 32, 
     """
     c1, c2, dim = scaled(channels // 2, width), scaled(channels, width), scaled(hidden, width)
     features = nn.Sequential(
-        nn.Conv2d(in_channels, c1, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(in_channels, c1, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(c1, c2, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),  # 8x8 -> 4x4
         nn.Flatten(),
-        nn.Linear(c2 * 16, dim), nn.ReLU(),
+        nn.Linear(c2 * 16, dim),
+        nn.ReLU(),
     )
     return FeatureClassifier(features, nn.Linear(dim, num_classes), dim, num_classes)

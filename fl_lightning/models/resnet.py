@@ -24,7 +24,8 @@ class BasicBlock(nn.Module):
         nn.init.zeros_(self.bn2.weight)  # residual branch starts as identity, as in the reference code
         self.shortcut = (
             nn.Sequential(nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels))
-            if project else nn.Identity()
+            if project
+            else nn.Identity()
         )
         self.relu = nn.ReLU()
 

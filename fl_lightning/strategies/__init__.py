@@ -11,4 +11,16 @@ from .ondevice_kd import OnDeviceKD
 from .periodic_codist import PeriodicCodist
 from .velo import Velo
 
-__all__ = ["FedAdam", "FedAvg", "FedGH", "FedHe", "Felo", "MergedCodist", "OnDeviceKD", "PeriodicCodist", "ServerContext", "Strategy", "Velo"]
+__all__ = [
+    "FedAdam",
+    "FedAvg",
+    "FedGH",
+    "FedHe",
+    "Felo",
+    "MergedCodist",
+    "OnDeviceKD",
+    "PeriodicCodist",
+    "ServerContext",
+    "Strategy",
+    "Velo",
+]

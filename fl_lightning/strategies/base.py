@@ -23,6 +23,7 @@ from typing import Any, Iterator
 from ..client.context import ClientContext, derive_seed
 from ..client.loop import LocalLoop
 from ..data import FederatedData
+from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict
 
@@ -47,6 +48,18 @@ class ServerContext:
         if client_id is None:
             return {k: v.detach().clone() for k, v in self.loop.slots[role].module.model.state_dict().items()}
         return self.loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, 3))
+
+    def own_weights(self, client: ClientSpec, stored: StateDict | None) -> StateDict:
+        """A personalized client's stored weights, or its own initial ones before its first round."""
+        return stored if stored is not None else self.initial_weights(client.roles[0], client.id)
+
+    def require_one_role_per_client(self, method: str) -> None:
+        several = [c.id for c in self.clients if len(c.roles) != 1]
+        if several:
+            raise ConfigError(
+                f"{method} gives every client exactly one model; each tier must list one role "
+                f"(clients {several[:5]} list several)."
+            )
 
 
 class Strategy:

@@ -26,8 +26,16 @@ class FedAdam(FedAvg):
 
     state_attributes = ("global_weights", "server_optimizers")
 
-    def __init__(self, roles: list[str] | None = None, weighted: bool = True, server_lr: float | dict[str, float] = 0.01,
-                 server_lr_final: float = 1.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-5):
+    def __init__(
+        self,
+        roles: list[str] | None = None,
+        weighted: bool = True,
+        server_lr: float | dict[str, float] = 0.01,
+        server_lr_final: float = 1.0,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-5,
+    ):
         super().__init__(roles, weighted)
         self.server_lr, self.server_lr_final = server_lr, server_lr_final
         self.beta1, self.beta2, self.eps = beta1, beta2, eps

@@ -38,13 +38,14 @@ class FedGH(Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        if any(len(c.roles) != 1 for c in server.clients):
-            raise ConfigError("FedGH gives every client one model; tiers must list one role each.")
+        server.require_one_role_per_client("FedGH")
         heads = {r: server.loop.slots[r].module.model.head for r in server.roles}
         shapes = {r: (h.in_features, h.out_features) if isinstance(h, nn.Linear) else None for r, h in heads.items()}
         if None in shapes.values() or len(set(shapes.values())) != 1:
-            raise ConfigError(f"FedGH needs every role's head to be one nn.Linear of the same shape (the shared "
-                              f"header); got {shapes}. Give all builders the same representation size.")
+            raise ConfigError(
+                f"FedGH needs every role's head to be one nn.Linear of the same shape (the shared "
+                f"header); got {shapes}. Give all builders the same representation size."
+            )
         self.header = {k: v.detach().clone() for k, v in heads[server.roles[0]].state_dict().items()}
         self.num_classes = server.data.num_classes
 
@@ -54,9 +55,8 @@ class FedGH(Strategy):
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
-        body = ctx.state.get("body")
-        weights = body if body is not None else self.server.initial_weights(role, task.client.id)
-        weights = {**weights, **{f"head.{k}": v for k, v in task.downlink["header"].state.items()}}
+        body = self.server.own_weights(task.client, ctx.state.get("body"))
+        weights = {**body, **{f"head.{k}": v for k, v in task.downlink["header"].state.items()}}
         module = ctx.load(role, weights)
         stats = ctx.fit(role)
         ctx.state["body"] = {k: v for k, v in ctx.weights(role).items() if not k.startswith("head.")}
@@ -71,14 +71,16 @@ class FedGH(Strategy):
         idx, size = ctx.indices.train, ctx.loop.training.eval_batch_size
         sums, counts = None, None
         for start in range(0, len(idx), size):
-            chosen = idx[start:start + size]
+            chosen = idx[start : start + size]
             s, c = class_sums(module.features(ctx.data_x[chosen]), ctx.data_y[chosen], self.num_classes)
             sums, counts = (s, c) if sums is None else (sums + s, counts + c)
         present = counts > 0
         return sums[present] / counts[present][:, None], torch.nonzero(present).flatten()
 
     def aggregate(self, rnd, updates, phase="train"):
-        header = nn.Linear(self.header["weight"].shape[1], self.header["weight"].shape[0]).to(self.header["weight"].device)
+        header = nn.Linear(self.header["weight"].shape[1], self.header["weight"].shape[0]).to(
+            self.header["weight"].device
+        )
         header.load_state_dict(self.header)
         losses = []
         for update in updates:  # one step per client, in arrival order
@@ -91,10 +93,8 @@ class FedGH(Strategy):
         return evaluator.personalized(self.personal_weights, split="test")
 
     def personal_weights(self, client, state):
-        role = client.roles[0]
-        body = state.get("body")
-        body = body if body is not None else self.server.initial_weights(role, client.id)
-        return role, {**body, **{f"head.{k}": v for k, v in self.header.items()}}
+        body = self.server.own_weights(client, state.get("body"))
+        return client.roles[0], {**body, **{f"head.{k}": v for k, v in self.header.items()}}
 
     @property
     def monitor(self) -> str:

@@ -9,6 +9,7 @@ from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.banks import ClassBank, class_sums
+from ..knowledge.distillation import logit_matching_loss
 from ..types import ClientTask, ClientUpdate, TensorPayload
 from .base import ServerContext, Strategy
 
@@ -48,8 +49,14 @@ class FedHe(Strategy):
 
     state_attributes = ("bank",)
 
-    def __init__(self, alpha: float = 1.0, plus_one: bool = True, logit_loss: str = "mse", warmup_rounds: int = 0,
-                 reset_every: int | None = None):
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        plus_one: bool = True,
+        logit_loss: str = "mse",
+        warmup_rounds: int = 0,
+        reset_every: int | None = None,
+    ):
         if logit_loss not in ("mse", "kl"):
             raise ConfigError(f"FedHe logit_loss must be mse or kl, got {logit_loss!r}.")
         self.alpha, self.plus_one, self.logit_loss = alpha, plus_one, logit_loss
@@ -57,10 +64,7 @@ class FedHe(Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        several = [c.id for c in server.clients if len(c.roles) != 1]
-        if several:
-            raise ConfigError("FedHe gives every client exactly one model; tiers must list one role each "
-                              f"(clients {several[:5]} have {len(server.clients[several[0]].roles)}).")
+        server.require_one_role_per_client("FedHe")
         self.num_classes = server.data.num_classes
         self.bank = ClassBank(self.num_classes, self.num_classes)
 
@@ -70,8 +74,7 @@ class FedHe(Strategy):
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
-        weights = ctx.state.get("weights")
-        ctx.load(role, weights if weights is not None else self.server.initial_weights(role, task.client.id))
+        ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         received = task.downlink["class_logits"].tensors
         server_logits, available = received["logits"], received["labels"] >= 0
         use_logits = task.round > self.warmup_rounds and bool(available.any())
@@ -88,7 +91,7 @@ class FedHe(Strategy):
             if use_logits:
                 mask = available[y]
                 if mask.any():
-                    loss = loss + self.alpha * self.logit_term(z[mask], server_logits[y[mask]])
+                    loss = loss + self.alpha * logit_matching_loss(z[mask], server_logits[y[mask]], self.logit_loss)
             return loss
 
         stats = ctx.fit(role, step_fn=step)
@@ -96,11 +99,6 @@ class FedHe(Strategy):
         denominator = counts + 1 if self.plus_one else counts.clamp(min=1)
         upload = pack_class_logits(sums / denominator[:, None], counts > 0)
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
-
-    def logit_term(self, z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.logit_loss == "mse":
-            return F.mse_loss(z, target)  # mean over batch x classes, as the code
-        return F.kl_div(F.log_softmax(z, 1), F.softmax(target, 1), reduction="batchmean")
 
     def aggregate(self, rnd, updates, phase="train"):
         for update in updates:
@@ -114,9 +112,7 @@ class FedHe(Strategy):
         return evaluator.personalized(self.personal_weights, split="global")
 
     def personal_weights(self, client, state):
-        role = client.roles[0]
-        weights = state.get("weights")
-        return role, weights if weights is not None else self.server.initial_weights(role, client.id)
+        return client.roles[0], self.server.own_weights(client, state.get("weights"))
 
     @property
     def monitor(self) -> str:

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank, class_sums
+from ..knowledge.distillation import logit_matching_loss
 from ..types import ClientTask, ClientUpdate, ModelWeights, TensorPayload
 from .base import ServerContext, Strategy
 
@@ -40,8 +41,14 @@ class Felo(Strategy):
 
     state_attributes = ("global_weights", "logit_bank", "feature_bank")
 
-    def __init__(self, alpha: float = 0.5, logit_loss: str = "kl", average_weights: bool = True,
-                 warmup_rounds: int = 0, forget: float = 0.0):
+    def __init__(
+        self,
+        alpha: float = 0.5,
+        logit_loss: str = "kl",
+        average_weights: bool = True,
+        warmup_rounds: int = 0,
+        forget: float = 0.0,
+    ):
         if logit_loss not in ("kl", "mse"):
             raise ConfigError(f"{type(self).__name__} logit_loss must be kl or mse, got {logit_loss!r}.")
         self.alpha, self.logit_loss, self.average_weights = alpha, logit_loss, average_weights
@@ -49,12 +56,13 @@ class Felo(Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        if any(len(c.roles) != 1 for c in server.clients):
-            raise ConfigError(f"{type(self).__name__} gives every client one model; tiers must list one role each.")
+        server.require_one_role_per_client(type(self).__name__)
         dims = {r: server.loop.slots[r].module.model.feature_dim for r in server.roles}
         if len(set(dims.values())) != 1:
-            raise ConfigError(f"{type(self).__name__} compares features across architectures, so every role needs the "
-                              f"same feature dimension; got {dims}. Set the builders' feature sizes equal.")
+            raise ConfigError(
+                f"{type(self).__name__} compares features across architectures, so every role needs the "
+                f"same feature dimension; got {dims}. Set the builders' feature sizes equal."
+            )
         self.feature_dim = next(iter(dims.values()))
         self.num_classes = server.data.num_classes
         self.logit_bank = ClassBank(self.num_classes, self.num_classes)
@@ -68,10 +76,16 @@ class Felo(Strategy):
 
     def configure_round(self, rnd, clients, phase="train"):
         features, have_features = self.server_features()
-        knowledge = TensorPayload("class_knowledge", {
-            "features": features, "logits": self.logit_bank.mean(),
-            "labels": torch.where(self.logit_bank.available & have_features, torch.arange(self.num_classes), -1).to(torch.int32),
-        })
+        knowledge = TensorPayload(
+            "class_knowledge",
+            {
+                "features": features,
+                "logits": self.logit_bank.mean(),
+                "labels": torch.where(self.logit_bank.available & have_features, torch.arange(self.num_classes), -1).to(
+                    torch.int32
+                ),
+            },
+        )
         tasks = []
         for c in clients:
             downlink = {"class_knowledge": knowledge}
@@ -84,11 +98,9 @@ class Felo(Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         if self.average_weights:
-            weights = task.downlink["weights"].state
+            ctx.load(role, task.downlink["weights"].state)
         else:
-            weights = ctx.state.get("weights")
-            weights = weights if weights is not None else self.server.initial_weights(role, task.client.id)
-        ctx.load(role, weights)
+            ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         knowledge = task.downlink["class_knowledge"].tensors
         server_f, server_z, available = knowledge["features"], knowledge["logits"], knowledge["labels"] >= 0
         use = task.round > self.warmup_rounds and bool(available.any())
@@ -109,27 +121,32 @@ class Felo(Strategy):
             if use:
                 mask = available[y]
                 if mask.any():
-                    loss = loss + self.alpha * (F.mse_loss(f[mask], server_f[y[mask]])
-                                                + self.logit_term(z[mask], server_z[y[mask]]))
+                    loss = loss + self.alpha * (
+                        F.mse_loss(f[mask], server_f[y[mask]])
+                        + logit_matching_loss(z[mask], server_z[y[mask]], self.logit_loss)
+                    )
             return loss
 
         stats = ctx.fit(role, step_fn=step)
         present = counts > 0
         denominator = counts.clamp(min=1)[:, None]
-        uplink = {"class_knowledge": TensorPayload("class_knowledge", {
-            "features": f_sums / denominator, "logits": z_sums / denominator,
-            "labels": torch.where(present, torch.arange(self.num_classes, device=present.device), -1).to(torch.int32),
-        })}
+        uplink = {
+            "class_knowledge": TensorPayload(
+                "class_knowledge",
+                {
+                    "features": f_sums / denominator,
+                    "logits": z_sums / denominator,
+                    "labels": torch.where(present, torch.arange(self.num_classes, device=present.device), -1).to(
+                        torch.int32
+                    ),
+                },
+            )
+        }
         if self.average_weights:
             uplink["weights"] = ModelWeights(role, ctx.weights(role))
         else:
             ctx.state["weights"] = ctx.weights(role)
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
-
-    def logit_term(self, z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.logit_loss == "mse":
-            return F.mse_loss(z, target)
-        return F.kl_div(F.log_softmax(z, 1), F.softmax(target, 1), reduction="batchmean")
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd, updates, phase="train"):
@@ -173,9 +190,7 @@ class Felo(Strategy):
         return metrics
 
     def personal_weights(self, client, state):
-        role = client.roles[0]
-        weights = state.get("weights")
-        return role, weights if weights is not None else self.server.initial_weights(role, client.id)
+        return client.roles[0], self.server.own_weights(client, state.get("weights"))
 
     @property
     def monitor(self) -> str:

@@ -25,10 +25,19 @@ class MergedCodist(FedAdam):
         (small_role, large_role, distillation, server optimizer settings: as PeriodicCodist)
     """
 
-    def __init__(self, small_role: str = "small", large_role: str = "large", alpha: float = 0.5,
-                 distillation: Codistillation | None = None, server_lr: float | dict[str, float] = 0.01,
-                 server_lr_final: float = 1.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-5,
-                 weighted: bool = True):
+    def __init__(
+        self,
+        small_role: str = "small",
+        large_role: str = "large",
+        alpha: float = 0.5,
+        distillation: Codistillation | None = None,
+        server_lr: float | dict[str, float] = 0.01,
+        server_lr_final: float = 1.0,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-5,
+        weighted: bool = True,
+    ):
         super().__init__([small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps)
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"MergedCodist alpha must be in [0, 1], got {alpha}.")
@@ -43,8 +52,9 @@ class MergedCodist(FedAdam):
         averages = self.client_averages(updates)
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         progress = (rnd - 1) / max(1, self.server.rounds - 1)
-        students = self.distillation.run(self.server.loop.slots, self.global_weights, tuple(self.roles),
-                                         self.server_x, progress, generator)
+        students = self.distillation.run(
+            self.server.loop.slots, self.global_weights, tuple(self.roles), self.server_x, progress, generator
+        )
         metrics = {}
         for role, average in averages.items():
             g = self.pseudo_gradient(role, average)

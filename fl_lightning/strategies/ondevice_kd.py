@@ -43,9 +43,18 @@ class OnDeviceKD(Strategy):
     phases = ("auxiliary", "target")
     state_attributes = ("global_weights",)
 
-    def __init__(self, aux_role: str = "aux", target_role: str = "target", temperature: float = 3.0,
-                 kd_weight: float = 0.5, ramp_rounds: int = 0, kd_mode: str = "sequential", teacher_mode: str = "train",
-                 all_strong_every_round: bool = True, weighted: bool = False):
+    def __init__(
+        self,
+        aux_role: str = "aux",
+        target_role: str = "target",
+        temperature: float = 3.0,
+        kd_weight: float = 0.5,
+        ramp_rounds: int = 0,
+        kd_mode: str = "sequential",
+        teacher_mode: str = "train",
+        all_strong_every_round: bool = True,
+        weighted: bool = False,
+    ):
         if kd_mode not in ("sequential", "joint") or teacher_mode not in ("train", "eval"):
             raise ConfigError("OnDeviceKD kd_mode must be sequential or joint and teacher_mode train or eval.")
         self.aux_role, self.target_role = aux_role, target_role
@@ -75,8 +84,12 @@ class OnDeviceKD(Strategy):
         if task.phase == "auxiliary":
             ctx.load(self.aux_role, task.downlink[self.aux_role].state)
             loss = ctx.fit(self.aux_role)["loss"]
-            return ClientUpdate(task.client, ctx.num_examples(), {self.aux_role: ModelWeights(self.aux_role, ctx.weights(self.aux_role))},
-                                {f"{self.aux_role}/loss": loss})
+            return ClientUpdate(
+                task.client,
+                ctx.num_examples(),
+                {self.aux_role: ModelWeights(self.aux_role, ctx.weights(self.aux_role))},
+                {f"{self.aux_role}/loss": loss},
+            )
         teacher = ctx.load(self.aux_role, task.downlink[self.aux_role].state)
         teacher.train(self.teacher_mode == "train")
         ctx.load(self.target_role, task.downlink[self.target_role].state)

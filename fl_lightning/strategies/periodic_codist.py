@@ -26,10 +26,20 @@ class PeriodicCodist(FedAdam):
         (server_lr, server_lr_final, beta1, beta2, eps, weighted: as FedAdam)
     """
 
-    def __init__(self, small_role: str = "small", large_role: str = "large", period: int = 5,
-                 distillation: Codistillation | None = None, reset_server_optimizer: bool = True,
-                 server_lr: float | dict[str, float] = 0.01, server_lr_final: float = 1.0, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-5, weighted: bool = True):
+    def __init__(
+        self,
+        small_role: str = "small",
+        large_role: str = "large",
+        period: int = 5,
+        distillation: Codistillation | None = None,
+        reset_server_optimizer: bool = True,
+        server_lr: float | dict[str, float] = 0.01,
+        server_lr_final: float = 1.0,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-5,
+        weighted: bool = True,
+    ):
         super().__init__([small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps)
         if period < 1:
             raise ConfigError(f"PeriodicCodist period must be at least 1, got {period}.")
@@ -46,8 +56,9 @@ class PeriodicCodist(FedAdam):
             return {}
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         progress = (rnd - 1) / max(1, self.server.rounds - 1)
-        students = self.distillation.run(self.server.loop.slots, self.global_weights, tuple(self.roles),
-                                         self.server_x, progress, generator)
+        students = self.distillation.run(
+            self.server.loop.slots, self.global_weights, tuple(self.roles), self.server_x, progress, generator
+        )
         self.global_weights.update(students)
         if self.reset_server_optimizer:
             for optimizer in self.server_optimizers.values():

@@ -30,10 +30,22 @@ class Velo(Felo):
 
     state_attributes = Felo.state_attributes + ("cvae", "stored_features", "stored_labels", "synthetic")
 
-    def __init__(self, alpha: float = 0.5, logit_loss: str = "kl", average_weights: bool = True, warmup_rounds: int = 0,
-                 forget: float = 0.0, cvae_interval: int = 1, cvae_epochs: int = 10, cvae_batch_size: int = 50,
-                 cvae_lr: float = 1e-3, max_features: int = 5000, kl_weight: float = 1.0, cvae_hidden: int | None = None,
-                 cvae_latent: int | None = None):
+    def __init__(
+        self,
+        alpha: float = 0.5,
+        logit_loss: str = "kl",
+        average_weights: bool = True,
+        warmup_rounds: int = 0,
+        forget: float = 0.0,
+        cvae_interval: int = 1,
+        cvae_epochs: int = 10,
+        cvae_batch_size: int = 50,
+        cvae_lr: float = 1e-3,
+        max_features: int = 5000,
+        kl_weight: float = 1.0,
+        cvae_hidden: int | None = None,
+        cvae_latent: int | None = None,
+    ):
         super().__init__(alpha, logit_loss, average_weights, warmup_rounds, forget)
         if cvae_interval < 1:
             raise ConfigError(f"Velo cvae_interval must be at least 1, got {cvae_interval}.")
@@ -50,8 +62,10 @@ class Velo(Felo):
 
     def receive_features(self, features, present):
         labels = torch.nonzero(present).flatten().cpu()
-        self.stored_features = torch.cat([self.stored_features, features[present].detach().float().cpu()])[-self.max_features:]
-        self.stored_labels = torch.cat([self.stored_labels, labels])[-self.max_features:]
+        self.stored_features = torch.cat([self.stored_features, features[present].detach().float().cpu()])[
+            -self.max_features :
+        ]
+        self.stored_labels = torch.cat([self.stored_labels, labels])[-self.max_features :]
 
     def server_step(self, rnd):
         metrics = {}
@@ -69,7 +83,7 @@ class Velo(Felo):
         for _ in range(self.cvae_epochs):
             order = torch.randperm(n)
             for start in range(0, n, self.cvae_batch_size):
-                idx = order[start:start + self.cvae_batch_size]
+                idx = order[start : start + self.cvae_batch_size]
                 if len(idx) < 2:  # BatchNorm needs two examples
                     continue
                 reconstruction, mu, log_var = self.cvae(self.stored_features[idx], self.stored_labels[idx])

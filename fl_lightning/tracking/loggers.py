@@ -44,8 +44,15 @@ class WandbLogger(RunLogger):
         log_checkpoints: upload the final checkpoint as an artifact.
     """
 
-    def __init__(self, project: str = "fl-lightning", entity: str | None = None, group: str | None = None,
-                 tags: list[str] | None = None, mode: str | None = None, log_checkpoints: bool = False):
+    def __init__(
+        self,
+        project: str = "fl-lightning",
+        entity: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        mode: str | None = None,
+        log_checkpoints: bool = False,
+    ):
         self.project, self.entity, self.group = project, entity, group
         self.tags, self.mode, self.log_checkpoints = tags or [], mode, log_checkpoints
         self.run = None
@@ -57,9 +64,17 @@ class WandbLogger(RunLogger):
             raise ConfigError("the wandb logger needs the wandb package: pip install wandb") from None
         run_id = (state or {}).get("run_id")
         self.run = wandb.init(
-            project=self.project, entity=self.entity, group=self.group or name.split("/")[0], tags=self.tags,
-            name=name, config=config, dir=str(output_dir), mode=self.mode or os.environ.get("WANDB_MODE"),
-            id=run_id, resume="allow" if run_id else None, reinit="finish_previous",
+            project=self.project,
+            entity=self.entity,
+            group=self.group or name.split("/")[0],
+            tags=self.tags,
+            name=name,
+            config=config,
+            dir=str(output_dir),
+            mode=self.mode or os.environ.get("WANDB_MODE"),
+            id=run_id,
+            resume="allow" if run_id else None,
+            reinit="finish_previous",
         )
 
     def log_metrics(self, metrics, step):
@@ -94,8 +109,9 @@ class TensorBoardLogger(RunLogger):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("the tensorboard logger needs the tensorboard package: "
-                              "pip install 'fl-lightning[tensorboard]'") from None
+            raise ConfigError(
+                "the tensorboard logger needs the tensorboard package: pip install 'fl-lightning[tensorboard]'"
+            ) from None
         self.writer = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
 
     def log_metrics(self, metrics, step):

@@ -12,9 +12,16 @@ class RoundProgress:
         self.enabled = enabled
         self.monitor = monitor
         if enabled:
-            self.bar = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
-                                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"),
-                                TimeRemainingColumn(), transient=False)
+            self.bar = Progress(
+                TextColumn("[bold]round"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
             self.task = self.bar.add_task("rounds", total=total, completed=done, status="")
             self.bar.start()
 
