@@ -68,27 +68,32 @@ def run_fit(argv: list[str]) -> int:
 
 
 def run_models(argv: list[str]) -> int:
+    """Lists every registered builder in its paper configuration (its defaults)."""
+    import inspect
     import json
 
     from .models import registered_models
 
     rows = []
     for name, builder in registered_models().items():
-        model = builder()
+        # pretrained models are counted without loading their weights
+        random_init = {"random_init": True} if "random_init" in inspect.signature(builder).parameters else {}
+        model = builder(**random_init)
         params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        doc = (builder.__doc__ or "").strip().splitlines()[0]
         rows.append(
-            {
-                "name": name,
-                "parameters": params,
-                "size_mb": params * 4 / 2**20,
-                "doc": (builder.__doc__ or "").strip().splitlines()[0],
-            }
+            {"name": name, "parameters": params, "trainable": trainable, "size_mb": params * 4 / 2**20, "doc": doc}
         )
     if "--json" in argv:
         print(json.dumps(rows, indent=2))
     else:
+        print(f"{'name':<26} {'parameters':>12} {'trainable':>12} {'MiB':>9}  description")
         for row in rows:
-            print(f"{row['name']:<14} {row['parameters']:>12,} params {row['size_mb']:8.3f} MB  {row['doc']}")
+            print(
+                f"{row['name']:<26} {row['parameters']:>12,} {row['trainable']:>12,} {row['size_mb']:9.2f}  "
+                f"{row['doc']}"
+            )
     return 0
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .client.loop import LocalLoop
+from .client.module import PAD
 from .data import FederatedData
 from .types import ClientSpec, StateDict
 
@@ -95,5 +96,5 @@ class Evaluator:
                 loss, right = module.test_step((x[start : start + size], y[start : start + size]))
                 loss_sum += loss.float()
                 correct += right
-        n = max(len(y), 1)
+        n = max(int((y != PAD).sum()), 1)  # tokens for sequence targets, examples otherwise
         return {"acc": correct.item() / n, "loss": loss_sum.item() / n}

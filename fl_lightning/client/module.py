@@ -12,6 +12,14 @@ from torch import Tensor
 from ..models import FeatureClassifier
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+PAD = -100  # label ignored by the loss and the accuracy: padding tokens of sequence targets
+
+
+def _flat(logits: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, T, C]`` sequence logits and ``[B, T]`` targets become ``[B*T, C]`` and ``[B*T]``."""
+    if logits.dim() == 3:
+        return logits.flatten(0, 1), y.flatten()
+    return logits, y
 
 
 class ClientModule(L.LightningModule):
@@ -39,14 +47,20 @@ class ClientModule(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> Tensor:
         x, y = batch
-        return F.cross_entropy(self(x), y)
+        logits, y = _flat(self(x), y)
+        return F.cross_entropy(logits, y, ignore_index=PAD)
 
     @torch.no_grad()
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> tuple[Tensor, Tensor]:
-        """Summed loss and number correct of a batch (sums, so batches of any size combine exactly)."""
+        """Summed loss and number correct of a batch (sums, so batches of any size combine exactly).
+
+        For sequence outputs (language models) the counts are over non-padding tokens.
+        """
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum()
+        logits, y = _flat(self(x), y)
+        keep = y != PAD
+        loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=PAD)
+        return loss, ((logits.argmax(1) == y) & keep).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self._optimizer_factory(self.parameters())

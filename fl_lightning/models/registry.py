@@ -29,7 +29,7 @@ def register_model(name: str) -> Callable[[Builder], Builder]:
 
 def registered_models() -> dict[str, Builder]:
     """All registered builders by name (imports the bundled model modules first)."""
-    from . import digits, resnet  # noqa: F401  (registration side effect)
+    from . import cifar_resnet, codist, digits, fedgh, fedmd, paper001, pretrained, resnet  # noqa: F401
 
     return dict(sorted(_BUILDERS.items()))
 
