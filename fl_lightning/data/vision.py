@@ -1,0 +1,262 @@
+"""Image benchmarks: CIFAR-10, CIFAR-100, MNIST and CINIC-10, from local files or downloaded.
+
+Each reads the files in their published format (CIFAR python pickles, MNIST idx, CINIC-10 PNG folders)
+from ``data_dir``; with ``download: true`` a missing set is fetched first (torchvision for CIFAR and
+MNIST, pooch for CINIC-10). A missing file offline is one sentence naming the file and where it goes;
+nothing falls back to synthetic data.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from .federated import DataArrays, FederatedData
+from .partition import Partitioner
+from .transforms import random_crop_flip
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # papers 002 / 003
+
+
+def missing(path: Path, what: str, how: str) -> ConfigError:
+    return ConfigError(f"{what} not found: expected {path}. {how}")
+
+
+class ImageData(FederatedData):
+    """Common options of image data sets.
+
+    Args:
+        data_dir: where the files are (or are downloaded to).
+        download: fetch missing files (needs internet).
+        normalize: ``channel`` (per-channel mean / std), ``pixel`` (per-pixel mean and std of the
+            training set, paper 001's code), ``mean_image`` (subtract the per-pixel mean image, FedHe's
+            MNIST / CIFAR preprocessing) or ``none`` (values in [0, 1]).
+        augment: pad-4 random crop and horizontal flip on training batches (paper 001 / 002 CIFAR).
+        augment_per_example: a fresh crop / flip per image (``false``: one per batch, as FedJAX).
+        (partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed: see FederatedData)
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        download: bool = False,
+        normalize: str = "channel",
+        augment: bool = False,
+        augment_per_example: bool = True,
+        partitioner: Partitioner | None = None,
+        server_fraction: float = 0.0,
+        unlabeled_fraction: float = 0.0,
+        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        partition_seed: int | None = None,
+    ):
+        super().__init__(partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed)
+        if normalize not in ("channel", "pixel", "mean_image", "none"):
+            raise ConfigError(f"normalize must be channel, pixel, mean_image or none, got {normalize!r}.")
+        self.data_dir, self.download = Path(data_dir), download
+        self.normalize, self.augment_train, self.augment_per_example = normalize, augment, augment_per_example
+
+    def augment(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        return random_crop_flip(x, generator, per_example=self.augment_per_example) if self.augment_train else x
+
+    def _finish(
+        self, train_x: np.ndarray, train_y, test_x: np.ndarray, test_y, num_classes: int, mean=CIFAR_MEAN, std=CIFAR_STD
+    ) -> DataArrays:
+        """uint8 NHWC (or NHW) arrays -> normalised float32 NCHW tensors."""
+
+        def to_tensor(a: np.ndarray) -> Tensor:
+            t = torch.tensor(a, dtype=torch.uint8).float().div_(255.0)  # a copy: idx buffers are read-only
+            return t.unsqueeze(1) if t.dim() == 3 else t.permute(0, 3, 1, 2).contiguous()
+
+        x, tx = to_tensor(train_x), to_tensor(test_x)
+        if self.normalize == "channel":
+            m = torch.tensor(mean[: x.shape[1]]).view(1, -1, 1, 1)
+            s = torch.tensor(std[: x.shape[1]]).view(1, -1, 1, 1)
+            x, tx = (x - m) / s, (tx - m) / s
+        elif self.normalize in ("pixel", "mean_image"):
+            m = x.mean(0, keepdim=True)
+            s = x.std(0, keepdim=True).clamp(min=1e-6) if self.normalize == "pixel" else 1.0
+            x, tx = (x - m) / s, (tx - m) / s
+        return DataArrays(
+            x,
+            torch.as_tensor(np.asarray(train_y), dtype=torch.long),
+            tx,
+            torch.as_tensor(np.asarray(test_y), dtype=torch.long),
+            num_classes=num_classes,
+        )
+
+
+def _unpickle(path: Path) -> dict:
+    with path.open("rb") as f:
+        return pickle.load(f, encoding="latin1")
+
+
+class Cifar10Data(ImageData):
+    """CIFAR-10 (50,000 / 10,000 32x32 images), the python pickles in ``<data_dir>/cifar-10-batches-py``."""
+
+    folder, files, label_key, num_classes = (
+        "cifar-10-batches-py",
+        ([f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
+        "labels",
+        10,
+    )
+
+    def load(self) -> DataArrays:
+        root = self.data_dir / self.folder
+        if self.download and not (root / self.files[1][0]).is_file():
+            self._download()
+        parts = []
+        for names in self.files:
+            xs, ys = [], []
+            for name in names:
+                path = root / name
+                if not path.is_file():
+                    raise missing(
+                        path,
+                        type(self).__name__[:-4],
+                        "Extract the 'python version' archive of the data set into data_dir, or set "
+                        "download: true on a machine with internet.",
+                    )
+                batch = _unpickle(path)
+                xs.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+                ys.extend(batch[self.label_key])
+            parts.append((np.concatenate(xs), ys))
+        (x, y), (tx, ty) = parts
+        return self._finish(x, y, tx, ty, self.num_classes)
+
+    def _download(self) -> None:
+        from torchvision.datasets import CIFAR10, CIFAR100
+
+        cls = CIFAR10 if self.num_classes == 10 else CIFAR100
+        try:
+            cls(root=str(self.data_dir), train=True, download=True)
+        except Exception as err:  # no network, a proxy, a full disk
+            raise ConfigError(
+                f"downloading {cls.__name__} into {self.data_dir} failed ({err}); put the files there "
+                "by hand or check the connection."
+            ) from None
+
+
+class Cifar100Data(Cifar10Data):
+    """CIFAR-100 (fine labels), the python pickles in ``<data_dir>/cifar-100-python``."""
+
+    folder, files, label_key, num_classes = "cifar-100-python", (["train"], ["test"]), "fine_labels", 100
+
+
+class MnistData(ImageData):
+    """MNIST, the idx files (optionally gzipped) in ``<data_dir>/MNIST/raw`` (torchvision's layout).
+
+    FedHe divides by 255 and subtracts the training set's mean image: ``normalize: mean_image``.
+    """
+
+    files = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        download: bool = False,
+        normalize: str = "mean_image",
+        partitioner: Partitioner | None = None,
+        server_fraction: float = 0.0,
+        unlabeled_fraction: float = 0.0,
+        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        partition_seed: int | None = None,
+    ):
+        super().__init__(
+            data_dir,
+            download,
+            normalize,
+            False,
+            True,
+            partitioner,
+            server_fraction,
+            unlabeled_fraction,
+            local_split,
+            partition_seed,
+        )
+
+    def load(self) -> DataArrays:
+        root = self.data_dir / "MNIST" / "raw"
+        if self.download and not self._find(root, self.files[0]):
+            from torchvision.datasets import MNIST
+
+            try:
+                MNIST(root=str(self.data_dir), train=True, download=True)
+            except Exception as err:
+                raise ConfigError(f"downloading MNIST into {self.data_dir} failed ({err}).") from None
+        arrays = []
+        for name in self.files:
+            path = self._find(root, name)
+            if path is None:
+                raise missing(
+                    root / name, "MNIST", "Put the four idx files (gzipped or not) there, or set download: true."
+                )
+            arrays.append(read_idx(path))
+        x, y, tx, ty = arrays
+        return self._finish(x, y, tx, ty, 10, mean=(0.1307,), std=(0.3081,))
+
+    @staticmethod
+    def _find(root: Path, name: str) -> Path | None:
+        for candidate in (root / name, root / f"{name}.gz"):
+            if candidate.is_file():
+                return candidate
+        return None
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An idx file (big-endian header: zero, zero, type 0x08 = uint8, number of dimensions, sizes)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if data[:2] != b"\x00\x00" or data[2] != 0x08:
+        raise ConfigError(f"{path} is not a uint8 idx file.")
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+class Cinic10Data(ImageData):
+    """CINIC-10 (90,000 train / 90,000 test 32x32 PNGs), ``<data_dir>/CINIC-10/{train,test}/<class>/*.png``.
+
+    The validation split is not used, as in paper 003. Download: pooch fetches and unpacks the archive
+    (its checksum is not published, so none is checked).
+    """
+
+    url = "https://datashare.ed.ac.uk/bitstream/handle/10283/3192/CINIC-10.tar.gz"
+    classes = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+    def load(self) -> DataArrays:
+        root = self.data_dir / "CINIC-10"
+        if self.download and not (root / "train").is_dir():
+            import pooch
+
+            try:
+                pooch.retrieve(
+                    self.url, known_hash=None, path=self.data_dir, processor=pooch.Untar(extract_dir="CINIC-10")
+                )
+            except Exception as err:
+                raise ConfigError(f"downloading CINIC-10 into {self.data_dir} failed ({err}).") from None
+        splits = [self._read(root / split) for split in ("train", "test")]
+        (x, y), (tx, ty) = splits
+        return self._finish(
+            x, y, tx, ty, 10, mean=(0.47889522, 0.47227842, 0.43047404), std=(0.24205776, 0.23828046, 0.25874835)
+        )
+
+    def _read(self, folder: Path) -> tuple[np.ndarray, list[int]]:
+        from PIL import Image
+
+        if not folder.is_dir():
+            raise missing(folder, "CINIC-10", "Unpack CINIC-10.tar.gz into <data_dir>/CINIC-10, or set download: true.")
+        images, labels = [], []
+        for label, name in enumerate(self.classes):
+            for png in sorted((folder / name).glob("*.png")):
+                images.append(np.asarray(Image.open(png).convert("RGB"), dtype=np.uint8))
+                labels.append(label)
+        if not images:
+            raise missing(folder / self.classes[0], "CINIC-10 images", "Each class folder must hold its PNG files.")
+        return np.stack(images), labels
