@@ -1,8 +1,19 @@
-"""Federated data: tensors in memory, partitioners and client index sets."""
+"""Federated data: tensors in memory, partitioners and client index sets, and the papers' benchmarks."""
 
 from .digits import DigitsData
 from .federated import ClientData, DataArrays, FederatedData
-from .partition import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner, PathologicalPartitioner, Partitioner
+from .femnist import FemnistData
+from .imdb import ImdbData
+from .partition import (
+    DirichletPartitioner,
+    IidPartitioner,
+    NaturalIdPartitioner,
+    Partitioner,
+    PathologicalPartitioner,
+)
+from .speech import SpeechCommandsData
+from .tff import FedCifar100Data, StackOverflowData
+from .vision import Cifar10Data, Cifar100Data, Cinic10Data, MnistData
 
 __all__ = [
     "ClientData",
@@ -10,8 +21,17 @@ __all__ = [
     "DigitsData",
     "DirichletPartitioner",
     "FederatedData",
+    "FedCifar100Data",
+    "FemnistData",
     "IidPartitioner",
+    "ImdbData",
     "NaturalIdPartitioner",
     "Partitioner",
     "PathologicalPartitioner",
+    "SpeechCommandsData",
+    "StackOverflowData",
+    "Cifar10Data",
+    "Cifar100Data",
+    "Cinic10Data",
+    "MnistData",
 ]

@@ -28,6 +28,7 @@ class DataArrays:
     test_y: Tensor
     groups: np.ndarray | None = None  # [N] natural client id per example, if any
     num_classes: int | None = None
+    unlabeled_x: Tensor | None = None  # extra examples without labels (IMDB's 50k unsupervised reviews)
 
 
 @dataclass
@@ -96,8 +97,10 @@ class FederatedData:
         self.x, self.y = arrays.x, arrays.y.long()
         self.test_x, self.test_y = arrays.test_x, arrays.test_y.long()
         self.num_classes = arrays.num_classes or int(torch.cat([self.y, self.test_y]).max()) + 1
+        self.groups = arrays.groups
         rng = np.random.default_rng(self.partition_seed if self.partition_seed is not None else seed)
-        labels = self.y.numpy()
+        # sequence targets (language modelling) are partitioned by natural id; their first token stands in
+        labels = (self.y if self.y.dim() == 1 else self.y[:, 0]).numpy()
 
         pool = np.arange(len(labels))
         self.server_idx = torch.empty(0, dtype=torch.long)
@@ -108,6 +111,13 @@ class FederatedData:
         groups = arrays.groups[pool] if arrays.groups is not None else None
         parts = self.partitioner(labels[pool], num_clients, rng, groups=groups)
         self.clients = [self._split_client(pool[part], rng) for part in parts]
+        if arrays.unlabeled_x is not None:  # appended to the pool, shared IID as every client's unlabeled data
+            start = len(self.x)
+            self.x = torch.cat([self.x, arrays.unlabeled_x])
+            self.y = torch.cat([self.y, torch.full((len(arrays.unlabeled_x),), -100, dtype=torch.long)])
+            extra = np.array_split(rng.permutation(np.arange(start, len(self.x))), len(self.clients))
+            for client, more in zip(self.clients, extra):
+                client.unlabeled = torch.cat([client.unlabeled, torch.from_numpy(np.sort(more)).long()])
 
     def _split_client(self, idx: np.ndarray, rng: np.random.Generator) -> ClientData:
         idx = rng.permutation(idx)
@@ -133,7 +143,8 @@ class FederatedData:
         """``[num_clients, num_classes]`` counts of labeled training examples."""
         counts = np.zeros((len(self.clients), self.num_classes), dtype=np.int64)
         for i, client in enumerate(self.clients):
-            counts[i] = np.bincount(self.y[client.train].cpu().numpy(), minlength=self.num_classes)
+            targets = self.y[client.train].cpu().numpy().ravel()
+            counts[i] = np.bincount(targets[targets >= 0], minlength=self.num_classes)
         return counts
 
     def partition_summary(self) -> dict:
@@ -156,7 +167,8 @@ class FederatedData:
                     "unlabeled": len(c.unlabeled),
                     "val": len(c.val),
                     "test": len(c.test),
-                    "class_counts": counts.tolist(),
+                    # a 10,004-word vocabulary per client would dwarf the file: only for class labels
+                    **({"class_counts": counts.tolist()} if self.num_classes <= 1000 else {}),
                 }
                 for c, counts in zip(self.clients, self.client_class_counts())
             ],

@@ -1,0 +1,100 @@
+"""IMDB sentiment (25k train / 25k test reviews, plus 50k unlabeled) with a locally built vocabulary."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from .federated import DataArrays, FederatedData
+from .partition import Partitioner
+
+TOKEN = re.compile(r"[a-z0-9']+")
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-case word tokens; HTML line breaks become spaces."""
+    return TOKEN.findall(text.lower().replace("<br />", " "))
+
+
+def build_vocab(texts: list[str], size: int) -> dict[str, int]:
+    """The ``size - 2`` most frequent words (ties broken alphabetically) -> ids 2..; 0 is padding, 1 unknown."""
+    counts = Counter(word for text in texts for word in tokenize(text))
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: size - 2]
+    return {word: i + 2 for i, (word, _) in enumerate(ranked)}
+
+
+def encode(texts: list[str], vocab: dict[str, int], length: int) -> torch.Tensor:
+    """``[N, length]`` ids: the first ``length`` tokens, right-padded with 0."""
+    out = np.zeros((len(texts), length), dtype=np.int64)
+    for row, text in enumerate(texts):
+        ids = [vocab.get(word, 1) for word in tokenize(text)[:length]]
+        out[row, : len(ids)] = ids
+    return torch.from_numpy(out)
+
+
+class ImdbData(FederatedData):
+    """IMDB from parquet files (``<data_dir>/imdb/{train,test,unsupervised}*.parquet``, the Hub layout of
+    ``stanfordnlp/imdb``) or downloaded with ``datasets``.
+
+    The vocabulary is built from the training reviews (no tokenizer download). With
+    ``use_unsupervised`` the 50k unlabeled reviews are shared IID among clients as unlabeled data
+    (paper 001), in addition to any ``unlabeled_fraction`` of the labeled reviews.
+
+    Args:
+        vocab_size: ids including padding (0) and unknown (1).
+        max_length: tokens kept per review.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        hub_id: str = "stanfordnlp/imdb",
+        vocab_size: int = 20_000,
+        max_length: int = 256,
+        use_unsupervised: bool = True,
+        partitioner: Partitioner | None = None,
+        server_fraction: float = 0.0,
+        unlabeled_fraction: float = 0.0,
+        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        partition_seed: int | None = None,
+    ):
+        super().__init__(partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed)
+        self.data_dir, self.hub_id = Path(data_dir), hub_id
+        self.vocab_size, self.max_length, self.use_unsupervised = vocab_size, max_length, use_unsupervised
+
+    def _split(self, name: str):
+        import pandas as pd
+
+        files = sorted((self.data_dir / "imdb").glob(f"{name}*.parquet"))
+        if files:
+            return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+        import datasets
+
+        try:
+            return datasets.load_dataset(self.hub_id, split=name, cache_dir=str(self.data_dir / "hf")).to_pandas()
+        except Exception as err:
+            raise ConfigError(
+                f"IMDB split {name!r} not found: expected {self.data_dir / 'imdb'}/{name}-*.parquet "
+                f"(the {self.hub_id} parquet files), and the Hub could not be reached "
+                f"({type(err).__name__})."
+            ) from None
+
+    def load(self) -> DataArrays:
+        train, test = self._split("train"), self._split("test")
+        self.vocab = build_vocab(train["text"].tolist(), self.vocab_size)
+        unlabeled = None
+        if self.use_unsupervised:
+            unlabeled = encode(self._split("unsupervised")["text"].tolist(), self.vocab, self.max_length)
+        return DataArrays(
+            encode(train["text"].tolist(), self.vocab, self.max_length),
+            torch.as_tensor(train["label"].to_numpy().copy(), dtype=torch.long),
+            encode(test["text"].tolist(), self.vocab, self.max_length),
+            torch.as_tensor(test["label"].to_numpy().copy(), dtype=torch.long),
+            num_classes=2,
+            unlabeled_x=unlabeled,
+        )

@@ -1,0 +1,97 @@
+"""Google Speech Commands v0.02: 35 words, 1 s clips, partitioned by speaker; spectrograms by torch.stft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from .federated import DataArrays, FederatedData
+from .partition import NaturalIdPartitioner, Partitioner
+
+SAMPLE_RATE = 16_000
+
+
+def spectrogram(wave: torch.Tensor, n_fft: int = 128, hop_length: int = 128) -> torch.Tensor:
+    """Paper 001 Appendix 6.2: zero-pad or trim to 1 s, STFT magnitude; ``log1p`` compresses the range.
+
+    ``[N, samples]`` -> ``[N, 1, n_fft // 2 + 1, frames]``.
+    """
+    wave = torch.nn.functional.pad(wave, (0, max(0, SAMPLE_RATE - wave.shape[1])))[:, :SAMPLE_RATE]
+    spec = torch.stft(wave, n_fft=n_fft, hop_length=hop_length, window=torch.hann_window(n_fft), return_complex=True)
+    return torch.log1p(spec.abs()).unsqueeze(1)
+
+
+class SpeechCommandsData(FederatedData):
+    """Speech Commands v0.02 from ``<data_dir>/speech_commands_v0.02/<word>/<speaker>_nohash_<k>.wav``.
+
+    The official ``testing_list.txt`` clips form the global test set, the others (validation included)
+    the pool; each speaker is one natural client. wav files are decoded with soundfile.
+
+    Args:
+        n_fft, hop_length: STFT settings (65 x 126 spectrograms by default).
+        download: fetch and unpack the archive with pooch (no checksum is published).
+    """
+
+    url = "http://download.tensorflow.org/data/speech_commands_v0.02.tar.gz"
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        download: bool = False,
+        n_fft: int = 128,
+        hop_length: int = 128,
+        partitioner: Partitioner | None = None,
+        server_fraction: float = 0.0,
+        unlabeled_fraction: float = 0.0,
+        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        partition_seed: int | None = None,
+    ):
+        super().__init__(
+            partitioner or NaturalIdPartitioner(), server_fraction, unlabeled_fraction, local_split, partition_seed
+        )
+        self.data_dir, self.download = Path(data_dir), download
+        self.n_fft, self.hop_length = n_fft, hop_length
+
+    def load(self) -> DataArrays:
+        import soundfile
+
+        root = self.data_dir / "speech_commands_v0.02"
+        if self.download and not (root / "testing_list.txt").is_file():
+            import pooch
+
+            try:
+                pooch.retrieve(
+                    self.url,
+                    known_hash=None,
+                    path=self.data_dir,
+                    processor=pooch.Untar(extract_dir="speech_commands_v0.02"),
+                )
+            except Exception as err:
+                raise ConfigError(f"downloading Speech Commands into {self.data_dir} failed ({err}).") from None
+        listing = root / "testing_list.txt"
+        if not listing.is_file():
+            raise ConfigError(
+                f"Speech Commands not found: expected {listing}. Unpack speech_commands_v0.02.tar.gz "
+                f"into {root}, or set download: true."
+            )
+        test_set = set(listing.read_text().split())
+        words = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_"))
+        waves, labels, speakers, is_test = [], [], [], []
+        for label, word in enumerate(words):
+            for wav in sorted((root / word).glob("*.wav")):
+                audio, rate = soundfile.read(wav, dtype="float32")
+                if rate != SAMPLE_RATE:
+                    raise ConfigError(f"{wav} has sample rate {rate}, expected {SAMPLE_RATE}.")
+                waves.append(np.pad(audio, (0, max(0, SAMPLE_RATE - len(audio))))[:SAMPLE_RATE])
+                labels.append(label)
+                speakers.append(wav.name.split("_nohash_")[0])
+                is_test.append(f"{word}/{wav.name}" in test_set)
+        x = spectrogram(torch.from_numpy(np.stack(waves)), self.n_fft, self.hop_length)
+        y, test = torch.tensor(labels), np.asarray(is_test)
+        self.words = words
+        return DataArrays(
+            x[~test], y[~test], x[test], y[test], groups=np.asarray(speakers)[~test], num_classes=len(words)
+        )

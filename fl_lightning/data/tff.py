@@ -1,0 +1,208 @@
+"""TensorFlow Federated's h5 data sets: Federated CIFAR-100 (500 clients) and StackOverflow.
+
+Files keep TFF's layout (``examples/<client id>/<feature>``) and are read with h5py; with ``download``
+the archives are fetched with pooch and checked against TFF's published SHA-256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from .federated import DataArrays, FederatedData
+from .partition import NaturalIdPartitioner, Partitioner
+from .transforms import random_crop_flip
+from .vision import CIFAR_MEAN, CIFAR_STD
+
+ARCHIVES = {  # archive: (url, sha256 from TFF's loaders)
+    "fed_cifar100": (
+        "https://storage.googleapis.com/tff-datasets-public/fed_cifar100.tar.bz2",
+        "e8575e22c038ecef1ce6c7d492d7abee7da13b1e1ba9b70a7fc18531ba7590de",
+    ),
+    "stackoverflow": (
+        "https://storage.googleapis.com/tff-datasets-public/stackoverflow.tar.bz2",
+        "99eca2f8b8327a09e5fc123979df2d237acbc5e52322f6d86bf523ee47b961a2",
+    ),
+    "stackoverflow.word_count": (
+        "https://storage.googleapis.com/tff-datasets-public/stackoverflow.word_count.tar.bz2",
+        "1dc00256d6e527c54b9756d968118378ae14e6692c0b3b6cad470cdd3f0c519c",
+    ),
+}
+
+
+def fetch(name: str, folder: Path) -> None:
+    """Downloads and unpacks one TFF archive into ``folder`` after checking its checksum."""
+    import pooch
+
+    url, sha256 = ARCHIVES[name]
+    try:
+        pooch.retrieve(url, known_hash=f"sha256:{sha256}", path=folder, processor=pooch.Untar(extract_dir="."))
+    except Exception as err:
+        raise ConfigError(f"downloading {name} into {folder} failed ({err}).") from None
+
+
+def require(path: Path, download: bool, archive: str) -> Path:
+    if not path.is_file() and download:
+        fetch(archive, path.parent)
+    if not path.is_file():
+        raise ConfigError(
+            f"{path.name} not found: expected {path} (from TFF's {archive}.tar.bz2, unpacked there), "
+            "or set download: true on a machine with internet."
+        )
+    return path
+
+
+class FedCifar100Data(FederatedData):
+    """Federated CIFAR-100 (TFF's Pachinko split: 500 training clients of 100 images, 100 test clients).
+
+    Each training client is one natural client (``NaturalIdPartitioner`` samples ``num_clients`` of
+    them); the test clients' images form the global test set. Normalisation and crop / flip as FedJAX
+    (one crop and flip per batch, ``augment_per_example: false``; paper 002).
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        download: bool = False,
+        augment: bool = True,
+        augment_per_example: bool = False,
+        partitioner: Partitioner | None = None,
+        server_fraction: float = 0.0,
+        unlabeled_fraction: float = 0.0,
+        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        partition_seed: int | None = None,
+    ):
+        super().__init__(
+            partitioner or NaturalIdPartitioner(), server_fraction, unlabeled_fraction, local_split, partition_seed
+        )
+        self.root, self.download = Path(data_dir) / "fed_cifar100", download
+        self.augment_train, self.augment_per_example = augment, augment_per_example
+
+    def augment(self, x, generator):
+        return random_crop_flip(x, generator, per_example=self.augment_per_example) if self.augment_train else x
+
+    def load(self) -> DataArrays:
+        import h5py
+
+        parts = []
+        for split in ("train", "test"):
+            path = require(self.root / f"fed_cifar100_{split}.h5", self.download, "fed_cifar100")
+            with h5py.File(path, "r") as f:
+                clients = sorted(f["examples"])
+                images = [f["examples"][c]["image"][()] for c in clients]
+                labels = [f["examples"][c]["label"][()] for c in clients]
+            groups = np.concatenate([[c] * len(l) for c, l in zip(clients, labels)])
+            x = torch.from_numpy(np.concatenate(images)).float().div_(255).permute(0, 3, 1, 2)
+            m, s = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+            parts.append(((x - m) / s, torch.from_numpy(np.concatenate(labels)).long().flatten(), groups))
+        (x, y, groups), (tx, ty, _) = parts
+        return DataArrays(x.contiguous(), y, tx.contiguous(), ty, groups=groups, num_classes=100)
+
+
+class StackOverflowData(FederatedData):
+    """StackOverflow next-word prediction (TFF): one client per user, sequences of ``sequence_length``.
+
+    Vocabulary: the 10,000 most frequent words of TFF's word-count file; ids are padding 0, words
+    1..10,000, out-of-vocabulary 10,001, beginning 10,002, end 10,003 (10,004 in all, paper 002). A post
+    becomes ``[bos] + first 20 words + [eos]``, padded; inputs are ``ids[:-1]``, targets ``ids[1:]`` with
+    padding targets set to -100 (ignored by the loss and the accuracy).
+
+    Args:
+        post_type: ``all``, ``question`` or ``answer`` (paper 002's domain-shifted pools).
+        max_clients: users read from the training file (the first ones in file order); None reads all
+            342k, which needs tens of GB.
+        max_examples_per_client: posts kept per user (TFF's baseline uses 256).
+        test_examples: posts drawn (seeded) from the test file for the global test set.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        download: bool = False,
+        vocab_size: int = 10_000,
+        sequence_length: int = 20,
+        post_type: str = "all",
+        max_clients: int | None = 1000,
+        max_examples_per_client: int = 256,
+        test_examples: int = 10_000,
+        test_seed: int = 0,
+        partitioner: Partitioner | None = None,
+        server_fraction: float = 0.0,
+        unlabeled_fraction: float = 0.0,
+        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        partition_seed: int | None = None,
+    ):
+        super().__init__(
+            partitioner or NaturalIdPartitioner(), server_fraction, unlabeled_fraction, local_split, partition_seed
+        )
+        if post_type not in ("all", "question", "answer"):
+            raise ConfigError(f"post_type must be all, question or answer, got {post_type!r}.")
+        self.root, self.download = Path(data_dir) / "stackoverflow", download
+        self.vocab_size, self.sequence_length, self.post_type = vocab_size, sequence_length, post_type
+        self.max_clients, self.max_examples_per_client = max_clients, max_examples_per_client
+        self.test_examples, self.test_seed = test_examples, test_seed
+
+    def load_vocab(self) -> dict[str, int]:
+        path = require(self.root / "stackoverflow.word_count", self.download, "stackoverflow.word_count")
+        words = []
+        with path.open() as f:
+            for line in f:
+                words.append(line.split()[0])
+                if len(words) == self.vocab_size:
+                    break
+        return {w: i + 1 for i, w in enumerate(words)}
+
+    def encode(self, posts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        oov, bos, eos = self.vocab_size + 1, self.vocab_size + 2, self.vocab_size + 3
+        ids = np.zeros((len(posts), self.sequence_length + 1), dtype=np.int64)
+        for row, post in enumerate(posts):
+            words = post.decode() if isinstance(post, bytes) else post
+            seq = [bos] + [self.vocab.get(w, oov) for w in words.split()[: self.sequence_length]]
+            if len(seq) <= self.sequence_length:
+                seq.append(eos)
+            ids[row, : len(seq)] = seq
+        x, y = torch.from_numpy(ids[:, :-1]), torch.from_numpy(ids[:, 1:]).clone()
+        y[y == 0] = -100
+        return x, y
+
+    def _read(self, path: Path, clients: list[str] | None, limit: int | None):
+        import h5py
+
+        posts, owners = [], []
+        with h5py.File(path, "r") as f:
+            names = clients if clients is not None else sorted(f["examples"])
+            for name in names:
+                group = f["examples"][name]
+                tokens = group["tokens"][()]
+                if self.post_type != "all":
+                    kinds = group["type"][()]
+                    tokens = [
+                        t
+                        for t, k in zip(tokens, kinds)
+                        if (k.decode() if isinstance(k, bytes) else k) == self.post_type
+                    ]
+                tokens = list(tokens)[:limit] if limit else list(tokens)
+                posts += tokens
+                owners += [name] * len(tokens)
+        return posts, np.asarray(owners)
+
+    def load(self) -> DataArrays:
+        import h5py
+
+        self.vocab = self.load_vocab()
+        train_path = require(self.root / "stackoverflow_train.h5", self.download, "stackoverflow")
+        with h5py.File(train_path, "r") as f:
+            clients = sorted(f["examples"])[: self.max_clients] if self.max_clients else None
+        posts, owners = self._read(train_path, clients, self.max_examples_per_client)
+        test_posts, _ = self._read(
+            require(self.root / "stackoverflow_test.h5", self.download, "stackoverflow"), None, None
+        )
+        rng = np.random.default_rng(self.test_seed)
+        chosen = rng.choice(len(test_posts), min(self.test_examples, len(test_posts)), replace=False)
+        x, y = self.encode(posts)
+        tx, ty = self.encode([test_posts[i] for i in np.sort(chosen)])
+        # the partitioner needs one label per example; the first target word stands in (not used by NaturalId)
+        return DataArrays(x, y, tx, ty, groups=owners, num_classes=self.vocab_size + 4)
