@@ -17,7 +17,8 @@ USAGE = """usage: flrun COMMAND [options]
 
 commands:
   fit      run a federated experiment from a recipe: flrun fit --config recipes/quickstart.yaml
-  models   list the registered model builders with their parameter counts
+  models   list the registered model builders with their parameter counts (--json)
+  data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
 
 Run `flrun COMMAND --help` for the options of a command."""
 
@@ -97,7 +98,36 @@ def run_models(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"fit": run_fit, "models": run_models}
+def run_data(argv: list[str]) -> int:
+    """``flrun data inspect --config RECIPE [--output PNG] [overrides]``."""
+    from .data_inspect import bubble_chart, client_table, print_summary
+
+    if not argv or argv[0] != "inspect":
+        raise _UserError("usage: flrun data inspect --config RECIPE [--output chart.png] [--key value ...]")
+    argv = argv[1:]
+    output = None
+    if "--output" in argv:
+        i = argv.index("--output")
+        output = argv[i + 1] if i + 1 < len(argv) else None
+        argv = argv[:i] + argv[i + 2 :]
+    parser = fit_parser()
+    _check_config_files(argv)
+    try:
+        cfg = parser.parse_args(argv)
+        init = parser.instantiate(cfg)
+    except Exception as err:
+        raise _UserError(_root_cause(err)) from None
+    data, clients = init.data, init.population.build(cfg.seed)
+    data.setup(len(clients), cfg.seed)
+    rows = client_table(data)
+    print_summary(data, rows)
+    name = cfg.get("name") or _recipe_name(argv)
+    path = Path(output) if output else Path(cfg.output_dir or Path("runs") / name / f"seed{cfg.seed}") / "partition.png"
+    print(f"client-by-class chart: {bubble_chart(data, path)}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"fit": run_fit, "models": run_models, "data": run_data}
 
 
 class _UserError(Exception):

@@ -123,3 +123,34 @@ def test_stackoverflow_h5_next_word_sequences_and_post_types(tmp_path):
     answers = StackOverflowData(data_dir=str(tmp_path), vocab_size=3, sequence_length=4, post_type="answer")
     answers.setup(num_clients=2, seed=0)
     assert len(answers.x) == 2
+
+
+def test_out_of_domain_server_set_comes_from_another_data_set(tmp_path):
+    from test_vision_data import write_cifar10
+
+    from fl_lightning.data import Cifar10Data
+
+    root = tmp_path / "fed_cifar100"
+    root.mkdir()
+    image = lambda n: RNG.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)  # noqa: E731
+    write_tff(
+        root / "fed_cifar100_train.h5",
+        {str(i): (image(5), np.full(5, i, dtype=np.int64)) for i in range(3)},
+        ("image", "label"),
+    )
+    write_tff(root / "fed_cifar100_test.h5", {"0": (image(2), np.arange(2, dtype=np.int64))}, ("image", "label"))
+    write_cifar10(tmp_path, per_batch=4, test=2)
+    data = FedCifar100Data(data_dir=str(tmp_path), server_dataset=Cifar10Data(data_dir=str(tmp_path)))
+    data.setup(num_clients=3, seed=0)
+    assert len(data.server_idx) == 20 and (data.y[data.server_idx] == -100).all()  # CIFAR-10's 5 x 4 images
+    assert set(torch.cat([c.train for c in data.clients]).tolist()).isdisjoint(data.server_idx.tolist())
+
+
+def test_flrun_data_inspect_prints_statistics_and_writes_the_chart(tmp_path, capsys):
+    from conftest import ROOT, run_cli
+
+    chart = tmp_path / "chart.png"
+    assert run_cli("data", "inspect", "--config", str(ROOT / "recipes/digits_fedgh.yaml"), "--output", str(chart)) == 0
+    out = capsys.readouterr().out
+    assert "15 clients, 10 classes" in out and "classes per client: mean 2.0" in out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -56,6 +56,9 @@ class FederatedData:
             personalized evaluation as in FedGH. [1, 0, 0] keeps all local data for training.
         partition_seed: seed of the split; ``None`` uses the run's seed. Fix it to compare seeds of
             training on one partition.
+        server_dataset: another data set whose training images become the server's unlabeled set
+            (out-of-domain distillation: CIFAR-10 for CIFAR-100 in paper 002); its labels are dropped.
+            Replaces ``server_fraction``.
     """
 
     def __init__(
@@ -65,8 +68,10 @@ class FederatedData:
         unlabeled_fraction: float = 0.0,
         local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
         partition_seed: int | None = None,
+        server_dataset: FederatedData | None = None,
     ):
         self.partitioner = partitioner or IidPartitioner()
+        self.server_dataset = server_dataset
         for name, value in (("server_fraction", server_fraction), ("unlabeled_fraction", unlabeled_fraction)):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}.")
@@ -108,6 +113,16 @@ class FederatedData:
             server = _stratified_take(labels, self.server_fraction, rng)
             self.server_idx = torch.from_numpy(np.sort(server))
             pool = np.setdiff1d(pool, server)
+        if self.server_dataset is not None:
+            outside = self.server_dataset.load().x
+            if outside.shape[1:] != self.x.shape[1:]:
+                raise ConfigError(
+                    f"server_dataset examples have shape {tuple(outside.shape[1:])}, the federated data "
+                    f"{tuple(self.x.shape[1:])}; they must match."
+                )
+            self.server_idx = torch.arange(len(self.x), len(self.x) + len(outside))
+            self.x = torch.cat([self.x, outside])
+            self.y = torch.cat([self.y, torch.full((len(outside),) + tuple(self.y.shape[1:]), -100, dtype=torch.long)])
         groups = arrays.groups[pool] if arrays.groups is not None else None
         parts = self.partitioner(labels[pool], num_clients, rng, groups=groups)
         self.clients = [self._split_client(pool[part], rng) for part in parts]

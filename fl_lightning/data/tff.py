@@ -74,9 +74,15 @@ class FedCifar100Data(FederatedData):
         unlabeled_fraction: float = 0.0,
         local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
         partition_seed: int | None = None,
+        server_dataset: FederatedData | None = None,
     ):
         super().__init__(
-            partitioner or NaturalIdPartitioner(), server_fraction, unlabeled_fraction, local_split, partition_seed
+            partitioner or NaturalIdPartitioner(),
+            server_fraction,
+            unlabeled_fraction,
+            local_split,
+            partition_seed,
+            server_dataset=server_dataset,
         )
         self.root, self.download = Path(data_dir) / "fed_cifar100", download
         self.augment_train, self.augment_per_example = augment, augment_per_example

@@ -54,8 +54,11 @@ class ImageData(FederatedData):
         unlabeled_fraction: float = 0.0,
         local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
         partition_seed: int | None = None,
+        server_dataset: FederatedData | None = None,
     ):
-        super().__init__(partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed)
+        super().__init__(
+            partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed, server_dataset=server_dataset
+        )
         if normalize not in ("channel", "pixel", "mean_image", "none"):
             raise ConfigError(f"normalize must be channel, pixel, mean_image or none, got {normalize!r}.")
         self.data_dir, self.download = Path(data_dir), download
