@@ -154,3 +154,26 @@ def test_flrun_data_inspect_prints_statistics_and_writes_the_chart(tmp_path, cap
     out = capsys.readouterr().out
     assert "15 clients, 10 classes" in out and "classes per client: mean 2.0" in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stackoverflow_c4_slice_becomes_the_server_set(tmp_path):
+    import gzip
+
+    root = tmp_path / "stackoverflow"
+    root.mkdir()
+    (root / "stackoverflow.word_count").write_text("the 100\nto 50\ncode 20\n")
+    write_tff(root / "stackoverflow_train.h5", {"u1": ([b"the code"], [b"question"])}, ("tokens", "type"))
+    write_tff(root / "stackoverflow_test.h5", {"u3": ([b"code"], [b"question"])}, ("tokens", "type"))
+    c4 = tmp_path / "c4-validation.00000-of-00008.json.gz"
+    with gzip.open(c4, "wt") as f:
+        for text in ("The code", "to THE moon", "nothing known"):
+            f.write(json.dumps({"text": text, "url": "x", "timestamp": "y"}) + "\n")
+    data = StackOverflowData(
+        data_dir=str(tmp_path), vocab_size=3, sequence_length=4, distillation_texts=str(c4), distillation_examples=2
+    )
+    data.setup(num_clients=1, seed=0)
+    assert data.x[data.server_idx].tolist() == [[5, 1, 3, 6], [5, 2, 1, 4]]  # lower-cased, encoded like posts
+    with pytest.raises(ConfigError, match="distillation_texts file"):
+        StackOverflowData(
+            data_dir=str(tmp_path), distillation_texts=str(tmp_path / "none.json.gz"), vocab_size=3
+        ).load()

@@ -122,6 +122,10 @@ class StackOverflowData(FederatedData):
             342k, which needs tens of GB.
         max_examples_per_client: posts kept per user (TFF's baseline uses 256).
         test_examples: posts drawn (seeded) from the test file for the global test set.
+        distillation_texts: out-of-domain server set (paper 002's C4 slice): a local ``.json[.gz]`` /
+            ``.jsonl`` file with one ``{"text": ...}`` document per line (C4's own format) or a parquet file
+            with a ``text`` column; ``hub`` streams ``allenai/c4`` (en, validation). The first
+            ``distillation_examples`` documents are encoded like posts and become the server's set.
     """
 
     def __init__(
@@ -135,6 +139,8 @@ class StackOverflowData(FederatedData):
         max_examples_per_client: int = 256,
         test_examples: int = 10_000,
         test_seed: int = 0,
+        distillation_texts: str | None = None,
+        distillation_examples: int = 10_000,
         partitioner: Partitioner | None = None,
         server_fraction: float = 0.0,
         unlabeled_fraction: float = 0.0,
@@ -150,6 +156,7 @@ class StackOverflowData(FederatedData):
         self.vocab_size, self.sequence_length, self.post_type = vocab_size, sequence_length, post_type
         self.max_clients, self.max_examples_per_client = max_clients, max_examples_per_client
         self.test_examples, self.test_seed = test_examples, test_seed
+        self.distillation_texts, self.distillation_examples = distillation_texts, distillation_examples
 
     def load_vocab(self) -> dict[str, int]:
         path = require(self.root / "stackoverflow.word_count", self.download, "stackoverflow.word_count")
@@ -210,5 +217,52 @@ class StackOverflowData(FederatedData):
         chosen = rng.choice(len(test_posts), min(self.test_examples, len(test_posts)), replace=False)
         x, y = self.encode(posts)
         tx, ty = self.encode([test_posts[i] for i in np.sort(chosen)])
-        # the partitioner needs one label per example; the first target word stands in (not used by NaturalId)
-        return DataArrays(x, y, tx, ty, groups=owners, num_classes=self.vocab_size + 4)
+        arrays = DataArrays(x, y, tx, ty, groups=owners, num_classes=self.vocab_size + 4)
+        if self.distillation_texts is not None:
+            self.server_dataset = _EncodedTexts(self.encode(self._distillation_documents())[0])
+        return arrays
+
+    def _distillation_documents(self) -> list[str]:
+        source, n = self.distillation_texts, self.distillation_examples
+        if source == "hub":
+            import datasets
+
+            try:
+                stream = datasets.load_dataset("allenai/c4", "en", split="validation", streaming=True)
+                return [row["text"].lower() for _, row in zip(range(n), stream)]
+            except Exception as err:
+                raise ConfigError(
+                    f"streaming the C4 slice failed ({type(err).__name__}); give a local C4 file as distillation_texts."
+                ) from None
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(
+                f"distillation_texts file {path} not found; download a C4 shard "
+                "(e.g. c4-validation.00000-of-00008.json.gz) and give its path."
+            )
+        if path.suffix == ".parquet":
+            import pandas as pd
+
+            return [t.lower() for t in pd.read_parquet(path)["text"].tolist()[:n]]
+        import gzip
+        import json
+
+        opener = gzip.open if path.suffix == ".gz" else open
+        documents = []
+        with opener(path, "rt") as f:
+            for line in f:
+                documents.append(json.loads(line)["text"].lower())  # StackOverflow tokens are lower case
+                if len(documents) == n:
+                    break
+        return documents
+
+
+class _EncodedTexts(FederatedData):
+    """Already-encoded server examples handed to ``FederatedData.server_dataset``."""
+
+    def __init__(self, x: torch.Tensor):
+        super().__init__()
+        self._x = x
+
+    def load(self) -> DataArrays:
+        return DataArrays(self._x, torch.zeros(len(self._x), dtype=torch.long), self._x[:0], torch.zeros(0))
