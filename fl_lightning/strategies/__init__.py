@@ -9,6 +9,7 @@ from .felo import Felo
 from .merged_codist import MergedCodist
 from .ondevice_kd import OnDeviceKD
 from .periodic_codist import PeriodicCodist
+from .standalone import Standalone
 from .velo import Velo
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "OnDeviceKD",
     "PeriodicCodist",
     "ServerContext",
+    "Standalone",
     "Strategy",
     "Velo",
 ]

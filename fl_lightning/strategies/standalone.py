@@ -1,0 +1,51 @@
+"""Standalone ("Private") baseline: every client trains its own model on its own data, nothing is exchanged."""
+
+from __future__ import annotations
+
+from ..client.context import ClientContext
+from ..evaluation import Evaluator
+from ..types import ClientTask, ClientUpdate
+from .base import ServerContext, Strategy
+
+
+class Standalone(Strategy):
+    """Local training only (FedHe's "Private" baseline, FedGH's "Standalone").
+
+    Sampled clients train their own persistent model; no payload crosses the network, so the ledger
+    stays at zero. Evaluation as for personalized methods: on the global test set (``split: global``)
+    or each client's local test split (``split: test``).
+
+    Args:
+        split: where personal models are evaluated.
+    """
+
+    def __init__(self, split: str = "global"):
+        self.split = split
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        server.require_one_role_per_client("Standalone")
+
+    def configure_round(self, rnd, clients, phase="train"):
+        return [ClientTask(c, rnd) for c in clients]
+
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = task.client.roles[0]
+        ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
+        loss = ctx.fit(role)["loss"]
+        ctx.state["weights"] = ctx.weights(role)
+        return ClientUpdate(task.client, ctx.num_examples(), {}, {f"{role}/loss": loss})
+
+    def aggregate(self, rnd, updates, phase="train"):
+        for _ in updates:  # nothing reaches the server
+            pass
+        return {}
+
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        return evaluator.personalized(
+            lambda client, state: (client.roles[0], self.server.own_weights(client, state.get("weights"))), self.split
+        )
+
+    @property
+    def monitor(self) -> str:
+        return "personal/test_acc"
