@@ -122,3 +122,73 @@ def test_private_baseline_sends_nothing(tmp_path):
     _tiny_mnist(tmp_path)
     summary = _run_fedhe_family(tmp_path, "private_mnist_homogeneous")
     assert summary["comm"]["uplink_bytes"] == summary["comm"]["downlink_bytes"] == 0
+
+
+def test_codistillation_cifar100_recipe_with_cifar10_as_out_of_domain_server_set(tmp_path):
+    import numpy as np
+
+    from test_benchmark_data import write_tff
+
+    root = tmp_path / "fed_cifar100"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    image = lambda n: rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)  # noqa: E731
+    write_tff(
+        root / "fed_cifar100_train.h5",
+        {str(i): (image(6), np.full(6, i, dtype=np.int64)) for i in range(4)},
+        ("image", "label"),
+    )
+    write_tff(root / "fed_cifar100_test.h5", {"0": (image(4), np.arange(4, dtype=np.int64))}, ("image", "label"))
+    write_cifar10(tmp_path, per_batch=4, test=2)
+    population = json.dumps(
+        {
+            "num_clients": 4,
+            "tiers": [{"name": "high", "roles": ["small", "large"], "count": 2}, {"name": "low", "roles": ["small"]}],
+        }
+    )
+    out = tmp_path / "run"
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(ROOT / "recipes/periodic_codist_cifar100_ph4700_outdomain.yaml"),
+            "--output_dir",
+            str(out),
+            "--rounds",
+            "2",
+            "--eval_every",
+            "1",
+            "--data.init_args.data_dir",
+            str(tmp_path),
+            "--data.init_args.download",
+            "false",
+            "--data.init_args.server_dataset.init_args.data_dir",
+            str(tmp_path),
+            "--data.init_args.server_dataset.init_args.download",
+            "false",
+            "--population",
+            population,
+            "--strategy.init_args.period",
+            "1",
+            "--strategy.init_args.clients_per_round",
+            "{small: 3, large: 1}",
+            "--strategy.init_args.distillation.init_args.steps",
+            "2",
+            "--runtime.progress",
+            "false",
+        )
+        == 0
+    )
+    summary = read_summary(out)
+    assert summary["reference"]["metrics"] == {"small/test_acc": 0.3402, "large/test_acc": 0.3053}
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert "server/codistilled" in rows[0] and len(rows) == 3
+    small = sum(p.numel() for p in _model("codist_cnn_small").parameters()) * 4
+    large = sum(p.numel() for p in _model("codist_cnn_large").parameters()) * 4
+    assert summary["comm"]["uplink_bytes"] == 2 * (3 * small + 1 * large)  # one cohort per pool and round
+
+
+def _model(name):
+    from fl_lightning.models import registered_models
+
+    return registered_models()[name]()

@@ -151,3 +151,16 @@ def test_async_fedhe_records_staleness_and_resumes_exactly(tmp_path):
     _fit(tmp_path, "digits_fedhe_async.yaml", "cut", *args, "--stop_after", "1")
     _fit(tmp_path, "digits_fedhe_async.yaml", "cut", *args, "--resume", "auto")
     assert read_summary(tmp_path / "cut")["final"] == read_summary(full)["final"]
+
+
+def test_fedavg_per_role_cohorts_are_drawn_from_each_pool():
+    from fl_lightning.strategies import FedAvg
+
+    models = {"small": ModelSpec("digits_mlp", {"hidden": 4}), "large": ModelSpec("digits_mlp", {"hidden": 8})}
+    strategy = FedAvg(clients_per_round={"small": 3, "large": 2})
+    method_env(strategy, models, [Tier("high", ["small", "large"], count=3), Tier("low", ["small"])], num_clients=8)
+    tasks = strategy.configure_round(1, [])  # the sampler's clients are not used for roles with a cohort size
+    small = [t.client.id for t in tasks if "small" in t.downlink]
+    large = [t.client.id for t in tasks if "large" in t.downlink]
+    assert len(small) == 3 and len(large) == 2 and set(large) <= {0, 1, 2}
+    assert [t.client.id for t in strategy.configure_round(1, [])] == [t.client.id for t in tasks]  # seeded by round

@@ -21,7 +21,7 @@ class FedAdam(FedAvg):
         server_lr: server learning rate, or one per role (``{small: 0.01, large: 0.003}``).
         server_lr_final: the rate in the last round as a fraction of ``server_lr`` (1: no decay).
         beta1, beta2, eps: Adam's constants.
-        (roles, weighted: as FedAvg)
+        (roles, weighted, clients_per_round: as FedAvg)
     """
 
     state_attributes = ("global_weights", "server_optimizers")
@@ -35,8 +35,9 @@ class FedAdam(FedAvg):
         beta1: float = 0.9,
         beta2: float = 0.999,
         eps: float = 1e-5,
+        clients_per_round: dict[str, int] | None = None,
     ):
-        super().__init__(roles, weighted)
+        super().__init__(roles, weighted, clients_per_round)
         self.server_lr, self.server_lr_final = server_lr, server_lr_final
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..client.context import ClientContext
+import numpy as np
+
+from ..client.context import ClientContext, derive_seed
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
@@ -23,13 +25,18 @@ class FedAvg(Strategy):
     Args:
         roles: the roles to train; all roles of the population when not given.
         weighted: weight clients by their labeled example count.
+        clients_per_round: per role, a cohort of that many clients drawn each round from all clients
+            holding the role, instead of the sampler's clients (one FedAvg pool per role, paper 002).
     """
 
     state_attributes = ("global_weights",)
 
-    def __init__(self, roles: list[str] | None = None, weighted: bool = True):
+    def __init__(
+        self, roles: list[str] | None = None, weighted: bool = True, clients_per_round: dict[str, int] | None = None
+    ):
         self.roles = roles
         self.weighted = weighted
+        self.clients_per_round = clients_per_round
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
@@ -39,14 +46,31 @@ class FedAvg(Strategy):
             raise ConfigError(f"FedAvg roles {unknown} are not trained by any tier; tiers train {server.roles}.")
         self.roles = list(roles)
         self.global_weights = {role: server.initial_weights(role) for role in self.roles}
+        for role, k in (self.clients_per_round or {}).items():
+            holders = sum(role in c.roles for c in server.clients)
+            if role not in self.roles or not 1 <= k <= holders:
+                raise ConfigError(
+                    f"clients_per_round[{role!r}] = {k} is impossible: {holders} clients train that role."
+                )
 
     def configure_round(self, rnd, clients, phase="train"):
-        tasks = []
-        for client in clients:
-            roles = [r for r in self.roles if r in client.roles]
-            if roles:
-                tasks.append(ClientTask(client, rnd, {r: ModelWeights(r, self.global_weights[r]) for r in roles}))
-        return tasks
+        assigned: dict[int, list[str]] = {}
+        for index, role in enumerate(self.roles):
+            for client in self.cohort(rnd, role, index, clients):
+                assigned.setdefault(client.id, []).append(role)
+        return [
+            ClientTask(self.server.clients[cid], rnd, {r: ModelWeights(r, self.global_weights[r]) for r in roles})
+            for cid, roles in sorted(assigned.items())
+        ]
+
+    def cohort(self, rnd: int, role: str, index: int, sampled: list) -> list:
+        """The clients that train ``role`` this round: the sampled ones holding it, or, with
+        ``clients_per_round[role]``, that many drawn from all its holders (paper 002 samples each pool)."""
+        if not self.clients_per_round or role not in self.clients_per_round:
+            return [c for c in sampled if role in c.roles]
+        holders = [c for c in self.server.clients if role in c.roles]
+        rng = np.random.default_rng(derive_seed(self.server.seed, rnd, 2**31 - 2, index))
+        return [holders[i] for i in np.sort(rng.choice(len(holders), self.clients_per_round[role], replace=False))]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         uplink, metrics = {}, {}

@@ -22,7 +22,7 @@ class MergedCodist(FedAdam):
 
     Args:
         alpha: the merging factor in [0, 1].
-        (small_role, large_role, distillation, server optimizer settings: as PeriodicCodist)
+        (small_role, large_role, distillation, server optimizer settings, clients_per_round: as PeriodicCodist)
     """
 
     def __init__(
@@ -37,8 +37,11 @@ class MergedCodist(FedAdam):
         beta2: float = 0.999,
         eps: float = 1e-5,
         weighted: bool = True,
+        clients_per_round: dict[str, int] | None = None,
     ):
-        super().__init__([small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps)
+        super().__init__(
+            [small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps, clients_per_round
+        )
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"MergedCodist alpha must be in [0, 1], got {alpha}.")
         self.alpha = alpha

@@ -23,7 +23,7 @@ class PeriodicCodist(FedAdam):
         period: p, rounds between codistillation rounds.
         distillation: steps, batch size, learning rates, temperatures and student regularization.
         reset_server_optimizer: forget the Adam moments after replacing the models.
-        (server_lr, server_lr_final, beta1, beta2, eps, weighted: as FedAdam)
+        (server_lr, server_lr_final, beta1, beta2, eps, weighted, clients_per_round: as FedAdam)
     """
 
     def __init__(
@@ -39,8 +39,11 @@ class PeriodicCodist(FedAdam):
         beta2: float = 0.999,
         eps: float = 1e-5,
         weighted: bool = True,
+        clients_per_round: dict[str, int] | None = None,
     ):
-        super().__init__([small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps)
+        super().__init__(
+            [small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps, clients_per_round
+        )
         if period < 1:
             raise ConfigError(f"PeriodicCodist period must be at least 1, got {period}.")
         self.period, self.reset_server_optimizer = period, reset_server_optimizer
