@@ -192,3 +192,64 @@ def _model(name):
     from fl_lightning.models import registered_models
 
     return registered_models()[name]()
+
+
+def _tiny_run(tmp_path, recipe, *overrides):
+    out = tmp_path / recipe
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(ROOT / f"recipes/{recipe}.yaml"),
+            "--output_dir",
+            str(out),
+            "--rounds",
+            "1",
+            "--data.init_args.data_dir",
+            str(tmp_path),
+            "--data.init_args.download",
+            "false",
+            "--runtime.progress",
+            "false",
+            *overrides,
+        )
+        == 0
+    )
+    return read_summary(out)
+
+
+def test_velo_extreme_resnets_recipe_runs_a_round(tmp_path):
+    write_cifar10(tmp_path, per_batch=20, test=10)
+    depths = [10, 18, 26, 34, 50]
+    population = json.dumps(
+        {"num_clients": 5, "tiers": [{"name": f"resnet{d}", "roles": [f"resnet{d}"], "count": 1} for d in depths]}
+    )
+    summary = _tiny_run(
+        tmp_path,
+        "velo_cifar10_noniid_extreme",
+        "--population",
+        population,
+        "--data.init_args.partitioner.init_args.min_partition_size",
+        "2",
+        "--sampler.init_args.fraction",
+        "1.0",
+        "--training.local_steps",
+        "1",
+        "--training.batch_size",
+        "4",
+        "--strategy.init_args.warmup_rounds",
+        "0",
+    )
+    assert {f"resnet{d}/test_acc" for d in depths} <= set(summary["final"])
+    # every client sends its weights plus C x (D + C + 1) class-knowledge numbers with D = 512
+    assert summary["comm"]["by_payload"]["uplink"]["class_knowledge"] == 5 * 10 * (512 + 10 + 1) * 4
+
+
+def test_fedgh_heterogeneous_cnn_recipe_runs_a_round(tmp_path):
+    write_cifar10(tmp_path, per_batch=20, test=10)
+    summary = _tiny_run(
+        tmp_path, "fedgh_cifar10_heterogeneous", "--training.local_epochs", "1", "--training.batch_size", "8"
+    )
+    assert summary["reference"]["value"] == 0.976
+    assert summary["comm"]["downlink_bytes"] == 10 * (500 * 10 + 10) * 4  # the header to all 10 clients
+    assert summary["comm"]["uplink_bytes"] == 10 * 2 * (500 + 1) * 4  # 2 classes per client, S (D + 1) numbers
