@@ -19,6 +19,7 @@ commands:
   fit      run a federated experiment from a recipe: flrun fit --config recipes/quickstart.yaml
   models   list the registered model builders with their parameter counts (--json)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
+  sweep    flrun sweep --config sweeps/NAME.yaml: an Optuna study over a recipe
 
 Run `flrun COMMAND --help` for the options of a command."""
 
@@ -43,10 +44,9 @@ def fit_parser():
     return parser
 
 
-def run_fit(argv: list[str]) -> int:
+def parse_fit(argv: list[str]):
+    """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML)."""
     from jsonargparse import ArgumentError
-
-    from .fit import fit, summary_metrics
 
     parser = fit_parser()
     _check_config_files(argv)
@@ -61,10 +61,27 @@ def run_fit(argv: list[str]) -> int:
         init = parser.instantiate(cfg)
     except Exception as err:  # a component's own validation, wrapped by jsonargparse
         raise _UserError(_root_cause(err)) from None
+    return cfg, init, resolved
+
+
+def fit_from_argv(argv: list[str], extra_loggers: list | None = None) -> dict:
+    """Runs ``flrun fit`` in-process (sweep trials add a pruning logger) and returns the summary."""
+    from .fit import fit
+    from .tracking import resolve_loggers
+
+    cfg, init, resolved = parse_fit(argv)
     kwargs = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
-    summary = fit(**kwargs, resolved_config=resolved)
+    if extra_loggers:
+        kwargs["logger"] = resolve_loggers(kwargs["logger"]) + list(extra_loggers)
+    return fit(**kwargs, resolved_config=resolved)
+
+
+def run_fit(argv: list[str]) -> int:
+    from .fit import summary_metrics
+
+    summary = fit_from_argv(argv)
     print(summary_metrics(summary))
-    print(f"run files: {kwargs['output_dir'] or Path('runs') / cfg.name / f'seed{cfg.seed}'}")
+    print(f"run files: {summary['output_dir']}")
     return 0
 
 
@@ -110,13 +127,7 @@ def run_data(argv: list[str]) -> int:
         i = argv.index("--output")
         output = argv[i + 1] if i + 1 < len(argv) else None
         argv = argv[:i] + argv[i + 2 :]
-    parser = fit_parser()
-    _check_config_files(argv)
-    try:
-        cfg = parser.parse_args(argv)
-        init = parser.instantiate(cfg)
-    except Exception as err:
-        raise _UserError(_root_cause(err)) from None
+    cfg, init, _ = parse_fit(argv)
     data, clients = init.data, init.population.build(cfg.seed)
     data.setup(len(clients), cfg.seed)
     rows = client_table(data)
@@ -127,7 +138,44 @@ def run_data(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"fit": run_fit, "models": run_models, "data": run_data}
+def run_sweep_command(argv: list[str]) -> int:
+    """``flrun sweep --config SWEEP.yaml [--n_trials N] [--timeout S] [--n_jobs K] [--storage URL]``."""
+    import argparse
+    import json
+
+    from .sweep import load_sweep, run_sweep
+
+    parser = argparse.ArgumentParser(prog="flrun sweep", description="Optuna study over a base recipe.")
+    parser.add_argument("--config", required=True, help="sweep file (sweeps/*.yaml)")
+    parser.add_argument("--n_trials", type=int, help="trials in the study in total (re-running resumes up to it)")
+    parser.add_argument("--timeout", type=float, help="seconds to keep starting trials")
+    parser.add_argument("--n_jobs", type=int, default=1, help="worker processes sharing the study's storage")
+    parser.add_argument("--storage", help="Optuna RDB URL (default: SQLite in the sweep directory)")
+    parser.add_argument("--study_name", help="study name (default: the sweep file's name)")
+    parser.add_argument("--output_dir", help="sweep directory (default runs/sweeps/<study>)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quota", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    spec = load_sweep(
+        args.config,
+        n_trials=args.n_trials,
+        timeout=args.timeout,
+        storage=args.storage,
+        study_name=args.study_name,
+        output_dir=args.output_dir,
+    )
+    result = run_sweep(spec, n_jobs=args.n_jobs, worker=args.worker, sweep_file=args.config, quota=args.quota)
+    if not args.worker:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "fit": run_fit,
+    "models": run_models,
+    "data": run_data,
+    "sweep": run_sweep_command,
+}
 
 
 class _UserError(Exception):

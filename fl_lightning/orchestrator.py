@@ -298,6 +298,7 @@ class FederationOrchestrator:
             "best_round": self.best["round"] if self.best else None,
             "comm": self.ledger.summary(),
             "wall_time_s": self.elapsed,
+            "output_dir": str(self.files.root),
         }
         self.files.write_json(self.files.summary, summary)
         return summary
