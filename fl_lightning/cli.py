@@ -20,6 +20,7 @@ commands:
   models   list the registered model builders with their parameter counts (--json)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
   sweep    flrun sweep --config sweeps/NAME.yaml: an Optuna study over a recipe
+  report   flrun report RUN_DIRS... --output report.html: measured vs the papers' numbers
 
 Run `flrun COMMAND --help` for the options of a command."""
 
@@ -170,7 +171,30 @@ def run_sweep_command(argv: list[str]) -> int:
     return 0
 
 
+def run_report(argv: list[str]) -> int:
+    """``flrun report RUN_OR_SWEEP_DIR... --output report.html|report.md [--wandb]``."""
+    import argparse
+
+    from .report import build_report, log_to_wandb, write_html, write_markdown
+
+    parser = argparse.ArgumentParser(prog="flrun report", description="Reproducibility report against the papers.")
+    parser.add_argument("paths", nargs="+", help="run or sweep directories")
+    parser.add_argument("--output", default="report.html", help="report file (.html or .md)")
+    parser.add_argument("--wandb", action="store_true", help="also log the tables and plots to W&B")
+    parser.add_argument("--project", default="fl-lightning", help="W&B project for --wandb")
+    args = parser.parse_args(argv)
+    report = build_report(args.paths)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    (write_markdown if output.suffix == ".md" else write_html)(report, output)
+    if args.wandb:
+        log_to_wandb(report, args.project, output.parent)
+    print(f"report of {report['runs']} runs in {len(report['sections'])} recipes: {output}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "report": run_report,
     "fit": run_fit,
     "models": run_models,
     "data": run_data,

@@ -32,6 +32,7 @@ class Evaluator:
         self.data = data
         self.clients = clients or []
         self.client_states = client_states if client_states is not None else {}
+        self.per_client: dict[int, float] = {}  # personal accuracy of each client at the last evaluation
 
     def global_model(self, role: str, weights: StateDict | None) -> dict[str, float]:
         """Accuracy and mean cross-entropy of ``weights`` on the global test set."""
@@ -72,6 +73,7 @@ class Evaluator:
             accs.setdefault(client.tier, []).append(result["acc"])
             losses.append(result["loss"])
         every = [a for tier in accs.values() for a in tier]
+        self.per_client = {client.id: acc for client, acc in zip(self.clients, self._in_order(accs))}
         metrics = {
             f"{prefix}/test_acc": float(np.mean(every)),
             f"{prefix}/test_acc_std": float(np.std(every)),
@@ -81,6 +83,11 @@ class Evaluator:
         if len(accs) > 1:
             metrics.update({f"{prefix}/{tier}/test_acc": float(np.mean(v)) for tier, v in accs.items()})
         return metrics
+
+    def _in_order(self, accs: dict[str, list[float]]) -> list[float]:
+        """Per-tier lists back in client order (for reports of the per-client distribution)."""
+        cursor = {tier: iter(values) for tier, values in accs.items()}
+        return [next(cursor[client.tier]) for client in self.clients]
 
     @torch.no_grad()
     def _run(self, role: str, weights: StateDict | None, x: Tensor, y: Tensor) -> dict[str, float]:

@@ -162,6 +162,12 @@ def fit(
     for i, run_logger in enumerate(loggers):
         previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
         run_logger.start(files.root, name, config_dict, previous)
+    if any(run_logger.wants_images for run_logger in loggers):
+        from .data_inspect import bubble_chart
+
+        chart = bubble_chart(data, files.root / "partition.png")
+        for run_logger in loggers:
+            run_logger.log_image("partition/client_by_class", chart)
     summary = orchestrator.run(checkpoint)
     for run_logger in loggers:
         run_logger.log_files([files.last_checkpoint])

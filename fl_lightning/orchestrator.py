@@ -299,6 +299,7 @@ class FederationOrchestrator:
             "comm": self.ledger.summary(),
             "wall_time_s": self.elapsed,
             "output_dir": str(self.files.root),
+            "per_client_acc": {str(k): v for k, v in self.evaluator.per_client.items()},
         }
         self.files.write_json(self.files.summary, summary)
         return summary

@@ -80,6 +80,12 @@ def load_sweep(path: str | Path, **cli: Any) -> SweepSpec:
         if key not in raw:
             raise ConfigError(f"{path} needs `{key}`.")
     raw.update({k: v for k, v in cli.items() if v is not None})
+    base = Path(raw["base"])
+    if not base.is_file():  # also relative to the sweep file, or to the project holding sweeps/
+        for candidate in (path.parent / base, path.parent.parent / base):
+            if candidate.is_file():
+                raw["base"] = str(candidate)
+                break
     spec = SweepSpec(**raw)
     spec.study_name = spec.study_name or path.stem
     spec.output_dir = spec.output_dir or str(Path("runs") / "sweeps" / spec.study_name)

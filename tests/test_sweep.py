@@ -106,3 +106,101 @@ def test_two_worker_processes_share_one_study_without_losing_trials(tmp_path):
     assert len(rows) == 6 and sorted(int(r["trial"]) for r in rows) == list(range(6))
     assert all(r["state"] == "COMPLETE" for r in rows)
     assert len({r["output_dir"] for r in rows}) == 6
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def postgres_url():
+    """A throw-away PostgreSQL server on loopback (Debian's postgresql, which .ci/run installs)."""
+    import os
+    import shutil
+    import tempfile
+
+    initdb = shutil.which("initdb") or next(
+        iter(sorted(__import__("glob").glob("/usr/lib/postgresql/*/bin/initdb"))), None
+    )
+    if initdb is None or os.geteuid() != 0:
+        pytest.skip("needs Debian's postgresql and root to start it as the postgres user (.ci/run provides both)")
+    bindir = os.path.dirname(os.path.realpath(initdb))
+    root = tempfile.mkdtemp(prefix="flpg-", dir="/tmp")
+    shutil.chown(root, "postgres")
+    port = _free_port()
+    as_postgres = ["runuser", "-u", "postgres", "--"]
+    subprocess.run(
+        [*as_postgres, f"{bindir}/initdb", "-D", f"{root}/data", "-A", "trust", "-U", "postgres"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            *as_postgres,
+            f"{bindir}/pg_ctl",
+            "-D",
+            f"{root}/data",
+            "-l",
+            f"{root}/log",
+            "-w",
+            "-o",
+            f"-p {port} -h 127.0.0.1 -k {root}",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        subprocess.run(
+            [*as_postgres, f"{bindir}/createdb", "-h", "127.0.0.1", "-p", str(port), "optuna"],
+            check=True,
+            capture_output=True,
+        )
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna"
+    finally:
+        subprocess.run(
+            [*as_postgres, f"{bindir}/pg_ctl", "-D", f"{root}/data", "-m", "immediate", "stop"], capture_output=True
+        )
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_two_workers_on_a_postgresql_study_record_every_trial_once(tmp_path, postgres_url):
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=6, parameters={k: v for k, v in PARAMETERS.items() if "lr" in k})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fl_lightning",
+            "sweep",
+            "--config",
+            str(sweep),
+            "--n_jobs",
+            "2",
+            "--storage",
+            postgres_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    import optuna
+
+    study = optuna.load_study(study_name="s", storage=postgres_url)
+    assert sorted(t.number for t in study.trials) == list(range(6))
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert len({t.user_attrs["output_dir"] for t in study.trials}) == 6
+    assert not (tmp_path / "sweep" / "study.db").exists()  # nothing went to the SQLite default
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_sweep_file_validates_against_its_base_recipe(path, monkeypatch):
+    from fl_lightning.sweep import load_sweep
+
+    monkeypatch.chdir(ROOT)  # sweep files name their base recipe relative to the project root
+    spec = load_sweep(path)
+    assert spec.parameters and spec.metric

@@ -25,6 +25,11 @@ class RunLogger:
     def log_files(self, paths: list[Path]) -> None:
         """Optional: store files (checkpoints) with the run."""
 
+    wants_images = False
+
+    def log_image(self, key: str, path: Path) -> None:
+        """Optional: an image of the run (the partition chart)."""
+
     def finish(self, summary: dict[str, Any]) -> None:
         pass
 
@@ -79,6 +84,13 @@ class WandbLogger(RunLogger):
 
     def log_metrics(self, metrics, step):
         self.run.log(metrics, step=step)
+
+    wants_images = True
+
+    def log_image(self, key, path):
+        import wandb
+
+        self.run.log({key: wandb.Image(str(path))}, commit=False)
 
     def log_files(self, paths):
         if self.log_checkpoints and paths:
