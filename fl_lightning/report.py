@@ -245,8 +245,9 @@ def log_to_wandb(report: dict, project: str, directory: Path) -> None:
     files go under ``directory`` (beside the report)."""
     import wandb
 
-    run = wandb.init(project=project, job_type="report", name="reproducibility-report", dir=str(directory),
-                     reinit="finish_previous")
+    run = wandb.init(
+        project=project, job_type="report", name="reproducibility-report", dir=str(directory), reinit="finish_previous"
+    )
     table = wandb.Table(columns=["recipe", "metric", "paper", "mean", "std", "seeds"])
     for s in report["sections"]:
         for row in s["comparison"]["rows"]:

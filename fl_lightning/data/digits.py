@@ -7,7 +7,6 @@ import torch
 
 from ..errors import ConfigError
 from .federated import DataArrays, FederatedData, _stratified_take
-from .partition import Partitioner
 
 
 class DigitsData(FederatedData):
@@ -24,15 +23,11 @@ class DigitsData(FederatedData):
 
     def __init__(
         self,
-        partitioner: Partitioner | None = None,
         test_fraction: float = 0.2,
         test_seed: int = 0,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
+        **kwargs,
     ):
-        super().__init__(partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed)
+        super().__init__(**kwargs)
         if not 0.0 < test_fraction < 1.0:
             raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}.")
         self.test_fraction = test_fraction

@@ -61,6 +61,8 @@ class FederatedData:
             Replaces ``server_fraction``.
     """
 
+    default_partitioner: type[Partitioner] = IidPartitioner  # natural-id data sets default to one client per id
+
     def __init__(
         self,
         partitioner: Partitioner | None = None,
@@ -70,7 +72,7 @@ class FederatedData:
         partition_seed: int | None = None,
         server_dataset: FederatedData | None = None,
     ):
-        self.partitioner = partitioner or IidPartitioner()
+        self.partitioner = partitioner or self.default_partitioner()
         self.server_dataset = server_dataset
         for name, value in (("server_fraction", server_fraction), ("unlabeled_fraction", unlabeled_fraction)):
             if not 0.0 <= value < 1.0:

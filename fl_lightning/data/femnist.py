@@ -10,7 +10,7 @@ import torch
 
 from ..errors import ConfigError
 from .federated import DataArrays, FederatedData
-from .partition import NaturalIdPartitioner, Partitioner
+from .partition import NaturalIdPartitioner
 
 
 class FemnistData(FederatedData):
@@ -28,21 +28,17 @@ class FemnistData(FederatedData):
         test_fraction: each writer's share held out for the global test set.
     """
 
+    default_partitioner = NaturalIdPartitioner
+
     def __init__(
         self,
         data_dir: str = "data",
         hub_id: str | None = "flwrlabs/femnist",
         test_fraction: float = 0.1,
         split_seed: int = 0,
-        partitioner: Partitioner | None = None,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            partitioner or NaturalIdPartitioner(), server_fraction, unlabeled_fraction, local_split, partition_seed
-        )
+        super().__init__(**kwargs)
         self.data_dir, self.hub_id = Path(data_dir), hub_id
         self.test_fraction, self.split_seed = test_fraction, split_seed
 

@@ -11,7 +11,6 @@ import torch
 
 from ..errors import ConfigError
 from .federated import DataArrays, FederatedData
-from .partition import Partitioner
 
 TOKEN = re.compile(r"[a-z0-9']+")
 
@@ -57,13 +56,9 @@ class ImdbData(FederatedData):
         vocab_size: int = 20_000,
         max_length: int = 256,
         use_unsupervised: bool = True,
-        partitioner: Partitioner | None = None,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
+        **kwargs,
     ):
-        super().__init__(partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed)
+        super().__init__(**kwargs)
         self.data_dir, self.hub_id = Path(data_dir), hub_id
         self.vocab_size, self.max_length, self.use_unsupervised = vocab_size, max_length, use_unsupervised
 

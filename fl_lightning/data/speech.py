@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ConfigError
 from .federated import DataArrays, FederatedData
-from .partition import NaturalIdPartitioner, Partitioner
+from .partition import NaturalIdPartitioner
 
 SAMPLE_RATE = 16_000
 
@@ -37,21 +37,17 @@ class SpeechCommandsData(FederatedData):
 
     url = "http://download.tensorflow.org/data/speech_commands_v0.02.tar.gz"
 
+    default_partitioner = NaturalIdPartitioner
+
     def __init__(
         self,
         data_dir: str = "data",
         download: bool = False,
         n_fft: int = 128,
         hop_length: int = 128,
-        partitioner: Partitioner | None = None,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            partitioner or NaturalIdPartitioner(), server_fraction, unlabeled_fraction, local_split, partition_seed
-        )
+        super().__init__(**kwargs)
         self.data_dir, self.download = Path(data_dir), download
         self.n_fft, self.hop_length = n_fft, hop_length
 

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from .federated import DataArrays, FederatedData
-from .partition import NaturalIdPartitioner, Partitioner
+from .partition import NaturalIdPartitioner
 from .transforms import random_crop_flip
 from .vision import CIFAR_MEAN, CIFAR_STD
 
@@ -63,27 +63,17 @@ class FedCifar100Data(FederatedData):
     (one crop and flip per batch, ``augment_per_example: false``; paper 002).
     """
 
+    default_partitioner = NaturalIdPartitioner
+
     def __init__(
         self,
         data_dir: str = "data",
         download: bool = False,
         augment: bool = True,
         augment_per_example: bool = False,
-        partitioner: Partitioner | None = None,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
-        server_dataset: FederatedData | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            partitioner or NaturalIdPartitioner(),
-            server_fraction,
-            unlabeled_fraction,
-            local_split,
-            partition_seed,
-            server_dataset=server_dataset,
-        )
+        super().__init__(**kwargs)
         self.root, self.download = Path(data_dir) / "fed_cifar100", download
         self.augment_train, self.augment_per_example = augment, augment_per_example
 
@@ -128,6 +118,8 @@ class StackOverflowData(FederatedData):
             ``distillation_examples`` documents are encoded like posts and become the server's set.
     """
 
+    default_partitioner = NaturalIdPartitioner
+
     def __init__(
         self,
         data_dir: str = "data",
@@ -141,15 +133,9 @@ class StackOverflowData(FederatedData):
         test_seed: int = 0,
         distillation_texts: str | None = None,
         distillation_examples: int = 10_000,
-        partitioner: Partitioner | None = None,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            partitioner or NaturalIdPartitioner(), server_fraction, unlabeled_fraction, local_split, partition_seed
-        )
+        super().__init__(**kwargs)
         if post_type not in ("all", "question", "answer"):
             raise ConfigError(f"post_type must be all, question or answer, got {post_type!r}.")
         self.root, self.download = Path(data_dir) / "stackoverflow", download

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from .federated import DataArrays, FederatedData
-from .partition import Partitioner
 from .transforms import random_crop_flip
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # papers 002 / 003
@@ -49,16 +48,9 @@ class ImageData(FederatedData):
         normalize: str = "channel",
         augment: bool = False,
         augment_per_example: bool = True,
-        partitioner: Partitioner | None = None,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
-        server_dataset: FederatedData | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed, server_dataset=server_dataset
-        )
+        super().__init__(**kwargs)
         if normalize not in ("channel", "pixel", "mean_image", "none"):
             raise ConfigError(f"normalize must be channel, pixel, mean_image or none, got {normalize!r}.")
         self.data_dir, self.download = Path(data_dir), download
@@ -164,24 +156,9 @@ class MnistData(ImageData):
         data_dir: str = "data",
         download: bool = False,
         normalize: str = "mean_image",
-        partitioner: Partitioner | None = None,
-        server_fraction: float = 0.0,
-        unlabeled_fraction: float = 0.0,
-        local_split: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        partition_seed: int | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            data_dir,
-            download,
-            normalize,
-            False,
-            True,
-            partitioner,
-            server_fraction,
-            unlabeled_fraction,
-            local_split,
-            partition_seed,
-        )
+        super().__init__(data_dir, download, normalize, False, True, **kwargs)
 
     def load(self) -> DataArrays:
         root = self.data_dir / "MNIST" / "raw"
