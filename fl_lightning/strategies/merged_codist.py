@@ -31,17 +31,9 @@ class MergedCodist(FedAdam):
         large_role: str = "large",
         alpha: float = 0.5,
         distillation: Codistillation | None = None,
-        server_lr: float | dict[str, float] = 0.01,
-        server_lr_final: float = 1.0,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-5,
-        weighted: bool = True,
-        clients_per_round: dict[str, int] | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            [small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps, clients_per_round
-        )
+        super().__init__([small_role, large_role], **kwargs)  # FedAdam's server optimizer options
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"MergedCodist alpha must be in [0, 1], got {alpha}.")
         self.alpha = alpha

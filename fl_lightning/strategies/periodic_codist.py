@@ -33,17 +33,9 @@ class PeriodicCodist(FedAdam):
         period: int = 5,
         distillation: Codistillation | None = None,
         reset_server_optimizer: bool = True,
-        server_lr: float | dict[str, float] = 0.01,
-        server_lr_final: float = 1.0,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-5,
-        weighted: bool = True,
-        clients_per_round: dict[str, int] | None = None,
+        **kwargs,
     ):
-        super().__init__(
-            [small_role, large_role], weighted, server_lr, server_lr_final, beta1, beta2, eps, clients_per_round
-        )
+        super().__init__([small_role, large_role], **kwargs)  # FedAdam's server optimizer options
         if period < 1:
             raise ConfigError(f"PeriodicCodist period must be at least 1, got {period}.")
         self.period, self.reset_server_optimizer = period, reset_server_optimizer

@@ -32,11 +32,6 @@ class Velo(Felo):
 
     def __init__(
         self,
-        alpha: float = 0.5,
-        logit_loss: str = "kl",
-        average_weights: bool = True,
-        warmup_rounds: int = 0,
-        forget: float = 0.0,
         cvae_interval: int = 1,
         cvae_epochs: int = 10,
         cvae_batch_size: int = 50,
@@ -45,8 +40,9 @@ class Velo(Felo):
         kl_weight: float = 1.0,
         cvae_hidden: int | None = None,
         cvae_latent: int | None = None,
+        **kwargs,
     ):
-        super().__init__(alpha, logit_loss, average_weights, warmup_rounds, forget)
+        super().__init__(**kwargs)  # Felo's options
         if cvae_interval < 1:
             raise ConfigError(f"Velo cvae_interval must be at least 1, got {cvae_interval}.")
         self.cvae_interval, self.cvae_epochs, self.cvae_batch_size = cvae_interval, cvae_epochs, cvae_batch_size
