@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import ROOT, read_summary, run_cli
 from test_vision_data import write_cifar10
 
@@ -253,3 +255,201 @@ def test_fedgh_heterogeneous_cnn_recipe_runs_a_round(tmp_path):
     assert summary["reference"]["value"] == 0.976
     assert summary["comm"]["downlink_bytes"] == 10 * (500 * 10 + 10) * 4  # the header to all 10 clients
     assert summary["comm"]["uplink_bytes"] == 10 * 2 * (500 + 1) * 4  # 2 classes per client, S (D + 1) numbers
+
+
+KD_POPULATION = json.dumps(
+    {
+        "num_clients": 4,
+        "tiers": [{"name": "strong", "roles": ["aux", "target"], "count": 1}, {"name": "weak", "roles": ["aux"]}],
+    }
+)
+KD_TINY = (
+    "--population",
+    KD_POPULATION,
+    "--sampler.init_args.num_per_round",
+    "2",
+    "--training.local_steps",
+    "1",
+    "--training.batch_size",
+    "4",
+    "--data.init_args.partitioner.init_args.min_partition_size",
+    "1",
+)
+
+
+def _femnist_files(root):
+    import numpy as np
+
+    folder = root / "femnist" / "all_data"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    users = [f"w{i}" for i in range(4)]
+    blob = {
+        "users": users,
+        "num_samples": [12] * 4,
+        "user_data": {
+            u: {"x": rng.random((12, 784)).round(2).tolist(), "y": (np.arange(12) % 62).tolist()} for u in users
+        },
+    }
+    (folder / "all_data_0.json").write_text(json.dumps(blob))
+    return ()
+
+
+def _imdb_files(root):
+    import pandas as pd
+
+    folder = root / "imdb"
+    folder.mkdir()
+    words = ["good", "bad", "movie", "plot", "great", "awful"]
+    texts = [" ".join(words[(i + j) % 6] for j in range(5)) for i in range(24)]
+    for split, n in (("train", 24), ("test", 6), ("unsupervised", 8)):
+        pd.DataFrame(
+            {"text": texts[:n], "label": [i % 2 for i in range(n)] if split != "unsupervised" else [-1] * n}
+        ).to_parquet(folder / f"{split}-00000-of-00001.parquet")
+    return ("--data.init_args.vocab_size", "20", "--data.init_args.max_length", "8")
+
+
+def _speech_files(root):
+    import numpy as np
+    import soundfile
+
+    folder = root / "speech_commands_v0.02"
+    rng = np.random.default_rng(0)
+    for word in ("go", "no"):
+        (folder / word).mkdir(parents=True)
+        for speaker in ("s1", "s2", "s3", "s4"):
+            for k in range(2):
+                soundfile.write(folder / word / f"{speaker}_nohash_{k}.wav", rng.uniform(-0.3, 0.3, 16000), 16000)
+    (folder / "testing_list.txt").write_text("go/s4_nohash_1.wav\nno/s4_nohash_1.wav\n")
+    return ()
+
+
+def _cifar100_files(root):
+    import pickle
+
+    import numpy as np
+
+    folder = root / "cifar-100-python"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40), ("test", 8)):
+        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "fine_labels": (np.arange(n) % 100).tolist()}
+        with (folder / split).open("wb") as f:
+            pickle.dump(batch, f)
+    tiny_vit = {
+        "builder": "vit_b16",
+        "args": {
+            "random_init": True,
+            "num_classes": 100,
+            "hidden": 8,
+            "config": {
+                "hidden_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 32,
+                "image_size": 32,
+                "patch_size": 8,
+            },
+        },
+    }
+    models = {"aux": {"builder": "torchvision_resnet50", "args": {"num_classes": 100}}, "target": tiny_vit}
+    # 40 images over 100 classes: a flatter Dirichlet so that no tiny client is empty
+    return ("--models", json.dumps(models), "--data.init_args.partitioner.init_args.alpha", "10")
+
+
+@pytest.mark.parametrize(
+    "recipe, writer",
+    [
+        ("ondevice_kd_femnist", _femnist_files),
+        ("weak_only_imdb", _imdb_files),
+        ("ondevice_kd_imdb", _imdb_files),
+        ("strong_only_speech", _speech_files),
+        ("ondevice_kd_speech", _speech_files),
+        ("ondevice_kd_cifar100", _cifar100_files),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_paper_001_recipe_families_run_a_round(tmp_path, recipe, writer):
+    extra = writer(tmp_path)
+    out = tmp_path / "run"
+    tiny = list(KD_TINY)
+    if recipe.startswith("strong_only"):  # its sampler takes every strong client (here one)
+        i = tiny.index("--sampler.init_args.num_per_round")
+        del tiny[i : i + 2]
+    args = [
+        "fit",
+        "--config",
+        str(ROOT / f"recipes/{recipe}.yaml"),
+        "--output_dir",
+        str(out),
+        "--rounds",
+        "1",
+        "--data.init_args.data_dir",
+        str(tmp_path),
+        "--runtime.progress",
+        "false",
+        *tiny,
+        *extra,
+    ]
+    if "download" in (ROOT / f"recipes/{recipe}.yaml").read_text():
+        args += ["--data.init_args.download", "false"]
+    assert run_cli(*args) == 0
+    summary = read_summary(out)
+    assert summary["reference"]["table"] == "Table 4" and summary["comm"]["uplink_bytes"] > 0
+
+
+def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
+    from test_benchmark_data import write_tff
+
+    root = tmp_path / "stackoverflow"
+    root.mkdir()
+    (root / "stackoverflow.word_count").write_text("".join(f"w{i} {100 - i}\n" for i in range(30)))
+    posts = {f"u{i}": ([f"w{i} w{i + 1} w{i + 2} w99".encode()] * 6, [b"question"] * 6) for i in range(6)}
+    write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
+    write_tff(root / "stackoverflow_test.h5", {"t": ([b"w1 w2"] * 3, [b"answer"] * 3)}, ("tokens", "type"))
+    population = json.dumps(
+        {
+            "num_clients": 6,
+            "tiers": [{"name": "high", "roles": ["small", "large"], "count": 2}, {"name": "low", "roles": ["small"]}],
+        }
+    )
+    out = tmp_path / "run"
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(ROOT / "recipes/merged_codist_stackoverflow_ph296k_indomain.yaml"),
+            "--output_dir",
+            str(out),
+            "--rounds",
+            "1",
+            "--data.init_args.data_dir",
+            str(tmp_path),
+            "--data.init_args.download",
+            "false",
+            "--data.init_args.vocab_size",
+            "30",
+            "--data.init_args.max_clients",
+            "6",
+            "--data.init_args.server_fraction",
+            "0.3",
+            "--population",
+            population,
+            "--strategy.init_args.clients_per_round",
+            "{small: 2, large: 1}",
+            "--strategy.init_args.distillation.init_args.steps",
+            "1",
+            "--runtime.progress",
+            "false",
+            "--models",
+            json.dumps(
+                {
+                    "small": {"builder": "stackoverflow_lstm_small", "args": {"vocab_size": 34}},
+                    "large": {"builder": "stackoverflow_lstm_large", "args": {"vocab_size": 34}},
+                }
+            ),
+        )
+        == 0
+    )
+    summary = read_summary(out)
+    assert 0.0 <= summary["final"]["large/test_acc"] <= 1.0 and summary["reference"]["table"] == "Table 1"

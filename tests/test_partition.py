@@ -76,3 +76,10 @@ def test_natural_id_one_client_per_group_and_sampling():
     assert len(NaturalIdPartitioner()(np.zeros(9), 2, np.random.default_rng(0), groups=groups)) == 2
     with pytest.raises(ConfigError, match="3 natural clients, fewer than num_clients=4"):
         NaturalIdPartitioner()(np.zeros(9), 4, np.random.default_rng(0), groups=groups)
+
+
+def test_dirichlet_does_not_favour_the_last_client_with_small_classes():
+    labels = np.arange(200)  # 200 classes of one example each
+    parts = DirichletPartitioner(alpha=1.0, min_partition_size=0)(labels, 4, np.random.default_rng(0))
+    sizes = [len(p) for p in parts]
+    assert sum(sizes) == 200 and min(sizes) > 20  # truncating the cumulative shares gave the last client all 200

@@ -66,7 +66,9 @@ class DirichletPartitioner(Partitioner):
             for c in classes:
                 idx = rng.permutation(np.flatnonzero(labels == c))
                 shares = rng.dirichlet(np.full(num_clients, self.alpha))
-                cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(int)
+                # multinomial counts: cutting at truncated (or rounded) cumulative shares always hands a
+                # class's remainder to the same clients, which starves them when classes are small
+                cuts = np.cumsum(rng.multinomial(len(idx), shares))[:-1]
                 for client, piece in enumerate(np.split(idx, cuts)):
                     parts[client].append(piece)
             result = [np.sort(np.concatenate(p)) for p in parts]
