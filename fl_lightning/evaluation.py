@@ -35,8 +35,12 @@ class Evaluator:
         self.per_client: dict[int, float] = {}  # personal accuracy of each client at the last evaluation
 
     def global_model(self, role: str, weights: StateDict | None) -> dict[str, float]:
-        """Accuracy and mean cross-entropy of ``weights`` on the global test set."""
-        return self._run(role, weights, self.data.test_x, self.data.test_y)
+        """Accuracy and mean cross-entropy of ``weights`` on the global test set (and ``acc_<name>`` on
+        each of the data set's extra test sets)."""
+        result = self._run(role, weights, self.data.test_x, self.data.test_y)
+        for name, (x, y) in self.data.extra_tests.items():
+            result[f"acc_{name}"] = self._run(role, None, x, y)["acc"]
+        return result
 
     def personal(self, role: str, weights: StateDict | None, client_id: int, split: str = "test") -> dict[str, float]:
         """Accuracy and loss of a client's model on its local ``split`` (``test`` or ``val``)."""

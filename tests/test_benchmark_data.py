@@ -177,3 +177,30 @@ def test_stackoverflow_c4_slice_becomes_the_server_set(tmp_path):
         StackOverflowData(
             data_dir=str(tmp_path), distillation_texts=str(tmp_path / "none.json.gz"), vocab_size=3
         ).load()
+
+
+def test_stackoverflow_domain_shifted_pools_and_per_domain_test_sets(tmp_path):
+    root = tmp_path / "stackoverflow"
+    root.mkdir()
+    (root / "stackoverflow.word_count").write_text("the 100\nto 50\ncode 20\n")
+    posts = {
+        "asker": ([b"the code", b"to the", b"code"], [b"question", b"question", b"answer"]),
+        "helper": ([b"to code", b"the"], [b"answer", b"answer"]),
+        "both": ([b"code code", b"the to"], [b"question", b"answer"]),
+    }
+    write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
+    write_tff(
+        root / "stackoverflow_test.h5",
+        {"t": ([b"the", b"to", b"code"], [b"question", b"answer", b"answer"])},
+        ("tokens", "type"),
+    )
+    data = StackOverflowData(
+        data_dir=str(tmp_path), vocab_size=3, sequence_length=4, question_clients=1, domain_test_sets=True
+    )
+    data.setup(num_clients=3, seed=0)
+    kinds = data.post_types
+    assert kinds[data.clients[0].train.numpy()].tolist() == ["question", "question"]  # the user with most questions
+    assert all(set(kinds[c.train.numpy()]) == {"answer"} for c in data.clients[1:])
+    assert len(data.extra_tests["questions"][1]) == 1 and len(data.extra_tests["answers"][1]) == 2
+    with pytest.raises(ConfigError, match="no posts of their pool's kind"):
+        StackOverflowData(data_dir=str(tmp_path), vocab_size=3, question_clients=3).setup(num_clients=3, seed=0)

@@ -453,3 +453,64 @@ def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
     )
     summary = read_summary(out)
     assert 0.0 <= summary["final"]["large/test_acc"] <= 1.0 and summary["reference"]["table"] == "Table 1"
+
+
+def test_stackoverflow_domain_shift_recipe_reports_per_domain_accuracy(tmp_path):
+    from test_benchmark_data import write_tff
+
+    root = tmp_path / "stackoverflow"
+    root.mkdir()
+    (root / "stackoverflow.word_count").write_text("".join(f"w{i} {100 - i}\n" for i in range(20)))
+    kinds = [b"question", b"answer"] * 4  # every user asks and answers, so both pools can be formed
+    posts = {f"u{i}": ([f"w{i + k} w{k}".encode() for k in range(8)], kinds) for i in range(4)}
+    write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
+    write_tff(root / "stackoverflow_test.h5", {"t": ([b"w1 w2", b"w3"], [b"question", b"answer"])}, ("tokens", "type"))
+    population = json.dumps(
+        {
+            "num_clients": 4,
+            "tiers": [{"name": "high", "roles": ["large"], "count": 2}, {"name": "low", "roles": ["small"]}],
+        }
+    )
+    models = {
+        "small": {"builder": "stackoverflow_lstm_small", "args": {"vocab_size": 24}},
+        "large": {"builder": "stackoverflow_lstm_large", "args": {"vocab_size": 24}},
+    }
+    out = tmp_path / "run"
+    assert (
+        run_cli(
+            "fit",
+            "--config",
+            str(ROOT / "recipes/merged_codist_stackoverflow_domain_shift.yaml"),
+            "--output_dir",
+            str(out),
+            "--rounds",
+            "1",
+            "--data.init_args.data_dir",
+            str(tmp_path),
+            "--data.init_args.download",
+            "false",
+            "--data.init_args.vocab_size",
+            "20",
+            "--data.init_args.max_clients",
+            "4",
+            "--data.init_args.question_clients",
+            "2",
+            "--data.init_args.server_fraction",
+            "0.25",
+            "--population",
+            population,
+            "--strategy.init_args.clients_per_round",
+            "{small: 2, large: 2}",
+            "--strategy.init_args.distillation.init_args.steps",
+            "1",
+            "--runtime.progress",
+            "false",
+            "--models",
+            json.dumps(models),
+        )
+        == 0
+    )
+    summary = read_summary(out)
+    for role in ("small", "large"):
+        assert {f"{role}/test_acc", f"{role}/test_acc_questions", f"{role}/test_acc_answers"} <= set(summary["final"])
+    assert summary["reference"]["metrics"]["small/test_acc_questions"] == 0.2765

@@ -74,6 +74,7 @@ class FederatedData:
     ):
         self.partitioner = partitioner or self.default_partitioner()
         self.server_dataset = server_dataset
+        self.extra_tests: dict[str, tuple[Tensor, Tensor]] = {}  # more named test sets (per-domain test splits)
         for name, value in (("server_fraction", server_fraction), ("unlabeled_fraction", unlabeled_fraction)):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}.")
@@ -112,7 +113,10 @@ class FederatedData:
         pool = np.arange(len(labels))
         self.server_idx = torch.empty(0, dtype=torch.long)
         if self.server_fraction > 0:
-            server = _stratified_take(labels, self.server_fraction, rng)
+            if self.y.dim() == 1:
+                server = _stratified_take(labels, self.server_fraction, rng)
+            else:  # sequences have no class to stratify by
+                server = rng.choice(len(labels), int(round(len(labels) * self.server_fraction)), replace=False)
             self.server_idx = torch.from_numpy(np.sort(server))
             pool = np.setdiff1d(pool, server)
         if self.server_dataset is not None:
@@ -150,6 +154,7 @@ class FederatedData:
         """Moves every tensor (pool, test set, client indices) to ``device`` once, before training."""
         self.x, self.y = self.x.to(device), self.y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
+        self.extra_tests = {k: (x.to(device), y.to(device)) for k, (x, y) in self.extra_tests.items()}
         self.server_idx = self.server_idx.to(device)
         self.clients = [
             ClientData(*(getattr(c, f).to(device) for f in ("train", "unlabeled", "val", "test"))) for c in self.clients

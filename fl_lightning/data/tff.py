@@ -116,9 +116,42 @@ class StackOverflowData(FederatedData):
             ``.jsonl`` file with one ``{"text": ...}`` document per line (C4's own format) or a parquet file
             with a ``text`` column; ``hub`` streams ``allenai/c4`` (en, validation). The first
             ``distillation_examples`` documents are encoded like posts and become the server's set.
+        question_clients: domain-shifted pools (paper 002 Table 2): clients ``0 .. k-1`` keep only their
+            questions and the others only their answers; with contiguous tiers the first tier (the
+            high-capacity pool) then holds questions, the rest answers.
+        domain_test_sets: also evaluate on the questions-only and answers-only parts of the test set
+            (metrics ``<role>/test_acc_questions`` and ``<role>/test_acc_answers``).
     """
 
     default_partitioner = NaturalIdPartitioner
+
+    def setup(self, num_clients: int, seed: int) -> None:
+        super().setup(num_clients, seed)
+        if self.question_clients is None:
+            return
+        types = self.post_types
+
+        def count(client, kind):
+            idx = client.train[client.train < len(types)].numpy()
+            return int((types[idx] == kind).sum())
+
+        # the users with the most questions form the question pool, so that no client is left empty
+        order = sorted(range(len(self.clients)), key=lambda i: -count(self.clients[i], "question"))
+        questions, answers = order[: self.question_clients], order[self.question_clients :]
+        empty = [i for i in questions if count(self.clients[i], "question") == 0]
+        empty += [i for i in answers if count(self.clients[i], "answer") == 0]
+        if empty:
+            raise ConfigError(
+                f"{len(empty)} clients have no posts of their pool's kind; lower question_clients or "
+                "num_clients, or read more users (max_clients)."
+            )
+        self.clients = [self.clients[i] for i in questions + answers]
+        for i, client in enumerate(self.clients):
+            wanted = "question" if i < self.question_clients else "answer"
+            for split in ("train", "unlabeled", "val", "test"):
+                idx = getattr(client, split)
+                inside = idx[idx < len(types)]  # out-of-domain server examples sit beyond the posts
+                setattr(client, split, inside[torch.from_numpy(types[inside.numpy()] == wanted)])
 
     def __init__(
         self,
@@ -133,9 +166,12 @@ class StackOverflowData(FederatedData):
         test_seed: int = 0,
         distillation_texts: str | None = None,
         distillation_examples: int = 10_000,
+        question_clients: int | None = None,
+        domain_test_sets: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.question_clients, self.domain_test_sets = question_clients, domain_test_sets
         if post_type not in ("all", "question", "answer"):
             raise ConfigError(f"post_type must be all, question or answer, got {post_type!r}.")
         self.root, self.download = Path(data_dir) / "stackoverflow", download
@@ -170,23 +206,18 @@ class StackOverflowData(FederatedData):
     def _read(self, path: Path, clients: list[str] | None, limit: int | None):
         import h5py
 
-        posts, owners = [], []
+        posts, owners, types = [], [], []
         with h5py.File(path, "r") as f:
             names = clients if clients is not None else sorted(f["examples"])
             for name in names:
                 group = f["examples"][name]
-                tokens = group["tokens"][()]
-                if self.post_type != "all":
-                    kinds = group["type"][()]
-                    tokens = [
-                        t
-                        for t, k in zip(tokens, kinds)
-                        if (k.decode() if isinstance(k, bytes) else k) == self.post_type
-                    ]
-                tokens = list(tokens)[:limit] if limit else list(tokens)
-                posts += tokens
-                owners += [name] * len(tokens)
-        return posts, np.asarray(owners)
+                kinds = [k.decode() if isinstance(k, bytes) else k for k in group["type"][()]]
+                pairs = [(t, k) for t, k in zip(group["tokens"][()], kinds) if self.post_type in ("all", k)]
+                pairs = pairs[:limit] if limit else pairs
+                posts += [t for t, _ in pairs]
+                types += [k for _, k in pairs]
+                owners += [name] * len(pairs)
+        return posts, np.asarray(owners), np.asarray(types)
 
     def load(self) -> DataArrays:
         import h5py
@@ -195,14 +226,18 @@ class StackOverflowData(FederatedData):
         train_path = require(self.root / "stackoverflow_train.h5", self.download, "stackoverflow")
         with h5py.File(train_path, "r") as f:
             clients = sorted(f["examples"])[: self.max_clients] if self.max_clients else None
-        posts, owners = self._read(train_path, clients, self.max_examples_per_client)
-        test_posts, _ = self._read(
+        posts, owners, self.post_types = self._read(train_path, clients, self.max_examples_per_client)
+        test_posts, _, test_types = self._read(
             require(self.root / "stackoverflow_test.h5", self.download, "stackoverflow"), None, None
         )
         rng = np.random.default_rng(self.test_seed)
-        chosen = rng.choice(len(test_posts), min(self.test_examples, len(test_posts)), replace=False)
+        chosen = np.sort(rng.choice(len(test_posts), min(self.test_examples, len(test_posts)), replace=False))
         x, y = self.encode(posts)
-        tx, ty = self.encode([test_posts[i] for i in np.sort(chosen)])
+        tx, ty = self.encode([test_posts[i] for i in chosen])
+        if self.domain_test_sets:  # paper 002 Table 2 reports answers-only and questions-only accuracy too
+            for kind in ("question", "answer"):
+                keep = torch.from_numpy(test_types[chosen] == kind)
+                self.extra_tests[f"{kind}s"] = (tx[keep], ty[keep])
         arrays = DataArrays(x, y, tx, ty, groups=owners, num_classes=self.vocab_size + 4)
         if self.distillation_texts is not None:
             self.server_dataset = _EncodedTexts(self.encode(self._distillation_documents())[0])
