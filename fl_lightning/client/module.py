@@ -47,7 +47,7 @@ class ClientModule(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> Tensor:
         x, y = batch
-        logits, y = _flat(self(x), y)
+        logits, y = _flat(self.model(x), y)  # the wrapped model directly: one module dispatch less per step
         return F.cross_entropy(logits, y, ignore_index=PAD)
 
     @torch.no_grad()
@@ -57,7 +57,7 @@ class ClientModule(L.LightningModule):
         For sequence outputs (language models) the counts are over non-padding tokens.
         """
         x, y = batch
-        logits, y = _flat(self(x), y)
+        logits, y = _flat(self.model(x), y)  # the wrapped model directly: one module dispatch less per step
         keep = y != PAD
         loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=PAD)
         return loss, ((logits.argmax(1) == y) & keep).sum()
