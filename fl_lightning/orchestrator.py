@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import rng_state, save_checkpoint, set_rng_state
 from .client.context import ClientContext, derive_seed, seed_torch
 from .client.loop import LocalLoop
 from .data import FederatedData
@@ -303,7 +303,3 @@ class FederationOrchestrator:
         }
         self.files.write_json(self.files.summary, summary)
         return summary
-
-    @staticmethod
-    def read_checkpoint(path) -> dict[str, Any]:
-        return load_checkpoint(path)
