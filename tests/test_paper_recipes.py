@@ -15,6 +15,19 @@ TINY_POPULATION = json.dumps(
 )
 
 
+def _pools(num_clients, high, high_roles=("small", "large"), low_roles=("small",)):
+    """A two-tier population (high-capacity clients first) as the JSON the CLI takes."""
+    return json.dumps(
+        {
+            "num_clients": num_clients,
+            "tiers": [
+                {"name": "high", "roles": list(high_roles), "count": high},
+                {"name": "low", "roles": list(low_roles)},
+            ],
+        }
+    )
+
+
 def test_flagship_ondevice_kd_cifar10_runs_a_round_and_keeps_the_paper_reference(tmp_path):
     write_cifar10(tmp_path, per_batch=40, test=20)
     out = tmp_path / "run"
@@ -142,12 +155,7 @@ def test_codistillation_cifar100_recipe_with_cifar10_as_out_of_domain_server_set
     )
     write_tff(root / "fed_cifar100_test.h5", {"0": (image(4), np.arange(4, dtype=np.int64))}, ("image", "label"))
     write_cifar10(tmp_path, per_batch=4, test=2)
-    population = json.dumps(
-        {
-            "num_clients": 4,
-            "tiers": [{"name": "high", "roles": ["small", "large"], "count": 2}, {"name": "low", "roles": ["small"]}],
-        }
-    )
+    population = _pools(4, 2)
     out = tmp_path / "run"
     assert (
         run_cli(
@@ -407,12 +415,7 @@ def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
     posts = {f"u{i}": ([f"w{i} w{i + 1} w{i + 2} w99".encode()] * 6, [b"question"] * 6) for i in range(6)}
     write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
     write_tff(root / "stackoverflow_test.h5", {"t": ([b"w1 w2"] * 3, [b"answer"] * 3)}, ("tokens", "type"))
-    population = json.dumps(
-        {
-            "num_clients": 6,
-            "tiers": [{"name": "high", "roles": ["small", "large"], "count": 2}, {"name": "low", "roles": ["small"]}],
-        }
-    )
+    population = _pools(6, 2)
     out = tmp_path / "run"
     assert (
         run_cli(
@@ -465,12 +468,7 @@ def test_stackoverflow_domain_shift_recipe_reports_per_domain_accuracy(tmp_path)
     posts = {f"u{i}": ([f"w{i + k} w{k}".encode() for k in range(8)], kinds) for i in range(4)}
     write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
     write_tff(root / "stackoverflow_test.h5", {"t": ([b"w1 w2", b"w3"], [b"question", b"answer"])}, ("tokens", "type"))
-    population = json.dumps(
-        {
-            "num_clients": 4,
-            "tiers": [{"name": "high", "roles": ["large"], "count": 2}, {"name": "low", "roles": ["small"]}],
-        }
-    )
+    population = _pools(4, 2, high_roles=("large",))
     models = {
         "small": {"builder": "stackoverflow_lstm_small", "args": {"vocab_size": 24}},
         "large": {"builder": "stackoverflow_lstm_large", "args": {"vocab_size": 24}},
