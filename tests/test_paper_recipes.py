@@ -100,30 +100,7 @@ def _tiny_mnist(root):
 
 
 def _run_fedhe_family(tmp_path, recipe):
-    out = tmp_path / recipe
-    assert (
-        run_cli(
-            "fit",
-            "--config",
-            str(ROOT / f"recipes/{recipe}.yaml"),
-            "--output_dir",
-            str(out),
-            "--rounds",
-            "3",
-            "--eval_every",
-            "3",
-            "--data.init_args.data_dir",
-            str(tmp_path),
-            "--data.init_args.download",
-            "false",
-            "--training.batch_size",
-            "4",
-            "--runtime.progress",
-            "false",
-        )
-        == 0
-    )
-    return read_summary(out)
+    return _tiny_run(tmp_path, recipe, "--rounds", "3", "--eval_every", "3", "--training.batch_size", "4")
 
 
 def test_fedhe_mnist_heterogeneous_recipe_uploads_class_logits_only(tmp_path):
