@@ -1,0 +1,90 @@
+"""Bit-exact fingerprints of the digits recipes: refactors must not change a single number.
+
+Runs every ``recipes/digits_*.yaml`` and the quickstart for a few rounds with a fixed seed and records
+the evaluation metrics (full float precision), the communication counts and a SHA-256 of every tensor
+of the strategy's server state and the clients' states in the final checkpoint.
+
+    python benchmarks/digits_fingerprint.py --write benchmarks/digits_fingerprint.json   # record
+    python benchmarks/digits_fingerprint.py --check benchmarks/digits_fingerprint.json   # compare
+
+``--check`` exits 1 and names every recipe whose fingerprint changed. A change that is meant to alter
+numbers (a fidelity fix) re-records the file in the same commit and says so in the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tensor_digest(obj, digest) -> None:
+    """Feeds every tensor of a nested container into ``digest`` in a deterministic order."""
+    if isinstance(obj, torch.Tensor):
+        digest.update(obj.detach().cpu().contiguous().numpy().tobytes())
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            digest.update(str(key).encode())
+            _tensor_digest(obj[key], digest)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _tensor_digest(item, digest)
+    elif isinstance(obj, (int, float, str, bool)) or obj is None:
+        digest.update(repr(obj).encode())
+
+
+def fingerprint(recipe: Path, rounds: int) -> dict:
+    from fl_lightning.cli import fit_from_argv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        argv = ["--config", str(recipe), "--rounds", str(rounds), "--eval_every", "1"]
+        argv += ["--output_dir", str(out), "--runtime.progress", "false", "--seed", "0"]
+        summary = fit_from_argv(argv)
+        checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    server, clients = hashlib.sha256(), hashlib.sha256()
+    _tensor_digest(checkpoint["strategy"], server)
+    _tensor_digest(checkpoint["client_states"], clients)
+    return {
+        "final": summary["final"],
+        "comm": {k: v for k, v in summary["comm"].items() if k.endswith("bytes")},
+        "server_state_sha256": server.hexdigest(),
+        "client_states_sha256": clients.hexdigest(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", type=Path, help="record fingerprints to this JSON file")
+    parser.add_argument("--check", type=Path, help="compare against this JSON file; exit 1 on any difference")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", nargs="*", help="recipe stems to run (default: all digits recipes)")
+    args = parser.parse_args()
+    recipes = sorted((ROOT / "recipes").glob("digits_*.yaml")) + [ROOT / "recipes" / "quickstart.yaml"]
+    if args.only:
+        recipes = [r for r in recipes if r.stem in args.only]
+    results = {r.stem: fingerprint(r, args.rounds) for r in recipes}
+    if args.write:
+        args.write.write_text(json.dumps({"rounds": args.rounds, "recipes": results}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(results)} fingerprints to {args.write}")
+    if args.check:
+        expected = json.loads(args.check.read_text())["recipes"]
+        changed = [name for name, got in results.items() if expected.get(name) != got]
+        for name in changed:
+            print(f"CHANGED {name}:\n  expected {expected.get(name)}\n  got      {results[name]}")
+        print(f"{len(results) - len(changed)} of {len(results)} recipes bit-identical")
+        return 1 if changed else 0
+    if not (args.write or args.check):
+        print(json.dumps(results, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
