@@ -100,8 +100,29 @@ class Strategy:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.state_attributes}
+        """The server state as tensors and plain containers only (checkpoints load with weights_only)."""
+        return {name: _export(getattr(self, name)) for name in self.state_attributes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self.state_attributes:
-            setattr(self, name, state[name])
+            setattr(self, name, _restore(getattr(self, name, None), state[name]))
+
+
+def _export(value: Any) -> Any:
+    """Objects with a ``state_dict`` (banks, server optimizers, a CVAE) are saved as that dict."""
+    if callable(getattr(value, "state_dict", None)):
+        return value.state_dict()
+    if isinstance(value, dict):
+        return {k: _export(v) for k, v in value.items()}
+    return value
+
+
+def _restore(current: Any, saved: Any) -> Any:
+    """Loads ``saved`` into the object that ``setup`` built, or returns it when it is plain data."""
+    if callable(getattr(current, "load_state_dict", None)):
+        current.load_state_dict(saved)
+        return current
+    if isinstance(current, dict) and isinstance(saved, dict):
+        if any(callable(getattr(v, "load_state_dict", None)) for v in current.values()):
+            return {k: _restore(current.get(k), v) for k, v in saved.items()}
+    return saved
