@@ -38,6 +38,10 @@ def _tensor_digest(obj, digest) -> None:
             _tensor_digest(item, digest)
     elif isinstance(obj, (int, float, str, bool)) or obj is None:
         digest.update(repr(obj).encode())
+    elif callable(getattr(obj, "state_dict", None)):  # banks, server optimizers, modules
+        _tensor_digest(obj.state_dict(), digest)
+    else:
+        raise TypeError(f"cannot fingerprint a {type(obj).__name__}")
 
 
 def fingerprint(recipe: Path, rounds: int) -> dict:

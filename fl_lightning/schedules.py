@@ -10,6 +10,16 @@ import math
 from .errors import ConfigError
 
 
+def round_progress(rnd: int, rounds: int) -> float:
+    """How far round ``rnd`` (from 1) is through ``rounds``: 0 in the first round, 1 in the last."""
+    return (rnd - 1) / max(1, rounds - 1)
+
+
+def linear_decay(progress: float, final: float) -> float:
+    """A factor falling linearly from 1 (progress 0) to ``final`` (progress 1)."""
+    return 1.0 + (final - 1.0) * progress
+
+
 class RoundSchedule:
     """Multiplier of the base learning rate in round ``rnd`` of ``rounds``."""
 
@@ -52,8 +62,7 @@ class LinearDecayLR(RoundSchedule):
         self.final = final
 
     def __call__(self, rnd, rounds):
-        progress = (rnd - 1) / max(1, rounds - 1)
-        return 1.0 + (self.final - 1.0) * progress
+        return linear_decay(round_progress(rnd, rounds), self.final)
 
 
 class CosineLR(RoundSchedule):
@@ -63,5 +72,5 @@ class CosineLR(RoundSchedule):
         self.final = final
 
     def __call__(self, rnd, rounds):
-        progress = (rnd - 1) / max(1, rounds - 1)
+        progress = round_progress(rnd, rounds)
         return self.final + (1.0 - self.final) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -101,5 +101,5 @@ def method_env(strategy, models, tiers, num_clients=4, training=None, data=None,
 def client_update(strategy, server, task, state=None):
     from fl_lightning.client import ClientContext
 
-    ctx = ClientContext(task.client, task.round, server.loop, server.data, state if state is not None else {}, 0)
+    ctx = ClientContext(task.client, task.round, server._loop, server.data, state if state is not None else {}, 0)
     return strategy.client_update(task, ctx)

@@ -9,7 +9,8 @@ from fl_lightning.client import LocalTraining
 from fl_lightning.models import ModelSpec
 from fl_lightning.population import Tier
 from fl_lightning.strategies import FedGH, FedHe, Felo
-from fl_lightning.types import ClientUpdate, ModelWeights, TensorPayload
+from fl_lightning.knowledge.class_stats import ClassStatistics
+from fl_lightning.types import ClientUpdate, ModelWeights
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
 FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)
@@ -20,12 +21,12 @@ def test_fedhe_client_uploads_class_logit_sums_over_count_plus_one():
     server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=FROZEN)
     task = strategy.configure_round(1, [server.clients[0]])[0]
     update = client_update(strategy, server, task)
-    sent = update.uplink["class_logits"].tensors
+    sent = update.uplink["class_logits"]
     counts = torch.bincount(server.data.y[server.data.clients[0].train], minlength=10).float()
     bias = torch.arange(10.0)  # every example's logits are the head bias (lr 0 keeps it)
     expected = counts[:, None] * bias[None, :] / (counts + 1)[:, None]  # eq. 7-8
-    assert torch.allclose(sent["logits"], expected)
-    assert sent["labels"].tolist() == [c if n > 0 else -1 for c, n in enumerate(counts.tolist())]
+    assert torch.allclose(sent.vectors["logits"], expected)
+    assert sent.labels.tolist() == [c if n > 0 else -1 for c, n in enumerate(counts.tolist())]
     assert update.uplink["class_logits"].nbytes == 10 * 11 * 4  # C x (C + 1) numbers
 
 
@@ -39,28 +40,25 @@ def test_fedhe_server_averages_per_class_over_uploads():
     labels_a = torch.tensor([0] + [-1] * 9, dtype=torch.int32)
     labels_b = torch.tensor([0, 1] + [-1] * 8, dtype=torch.int32)
     updates = [
-        ClientUpdate(server.clients[i], 1, {"class_logits": TensorPayload("class_logits", {"logits": z, "labels": l})})
+        ClientUpdate(server.clients[i], 1, {"class_logits": ClassStatistics("class_logits", {"logits": z}, l)})
         for i, (z, l) in enumerate([(first, labels_a), (second, labels_b)])
     ]
     strategy.aggregate(1, iter(updates))
     task = strategy.configure_round(2, [server.clients[2]])[0]
-    received = task.downlink["class_logits"].tensors
-    assert torch.allclose(received["logits"][0], torch.full((10,), 2.0))  # (1 + 3) / 2
-    assert torch.allclose(received["logits"][1], torch.full((10,), 5.0))
-    assert received["labels"][:3].tolist() == [0, 1, -1]
+    received = task.downlink["class_logits"]
+    assert torch.allclose(received.vectors["logits"][0], torch.full((10,), 2.0))  # (1 + 3) / 2
+    assert torch.allclose(received.vectors["logits"][1], torch.full((10,), 5.0))
+    assert received.labels[:3].tolist() == [0, 1, -1]
 
 
 def test_felo_averages_weights_only_within_an_architecture():
     models = {"a": ModelSpec("digits_mlp", {"hidden": 8}), "b": ModelSpec("digits_mlp", {"hidden": 8, "depth": 2})}
     strategy = Felo(average_weights=True)
     server = method_env(strategy, models, [Tier("ta", ["a"], count=2), Tier("tb", ["b"])])
-    knowledge = TensorPayload(
+    knowledge = ClassStatistics(
         "class_knowledge",
-        {
-            "features": torch.zeros(10, 8),
-            "logits": torch.zeros(10, 10),
-            "labels": torch.full((10,), -1, dtype=torch.int32),
-        },
+        {"features": torch.zeros(10, 8), "logits": torch.zeros(10, 10)},
+        torch.full((10,), -1, dtype=torch.int32),
     )
 
     def update(client, role, value, n):
@@ -81,15 +79,15 @@ def test_fedgh_lars_are_class_means_of_representations():
     server = method_env(strategy, models, [Tier("all", ["m"])], training=FROZEN)
     task = strategy.configure_round(1, [server.clients[1]])[0]
     update = client_update(strategy, server, task)
-    lars = update.uplink["lars"].tensors
-    module = server.loop.slots["m"].module.eval()
+    lars = update.uplink["lars"]
+    module = server._loop.slots["m"].module.eval()
     idx = server.data.clients[1].train
     with torch.no_grad():
         reps = module.features(server.data.x[idx])
     y = server.data.y[idx]
-    for row, label in zip(lars["representations"], lars["labels"].tolist()):
+    for row, label in zip(lars.vectors["representations"], lars.labels.tolist()):
         assert torch.allclose(row, reps[y == label].mean(0), atol=1e-6)
-    assert update.uplink["lars"].nbytes == len(lars["labels"]) * (8 + 1) * 4  # S x (D + 1) numbers
+    assert lars.nbytes == len(lars.labels) * (8 + 1) * 4  # S x (D + 1) numbers
 
 
 def _rows(out):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .class_stats import ClassStatistics
 
 
 def class_sums(values: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
@@ -30,6 +35,16 @@ class ClassBank:
         w = present.to(torch.float64) if weights is None else weights.to(torch.float64) * present
         self.sums += vectors.to(torch.float64) * w[:, None]
         self.counts += w
+
+    def add_statistics(self, stats: ClassStatistics, name: str) -> None:
+        """Adds the ``name`` vectors of one client's upload, padded or compact."""
+        rows, present = stats.vectors[name], stats.present
+        labels = stats.labels[present].long()
+        vectors = torch.zeros(self.sums.shape, dtype=rows.dtype, device=rows.device)
+        vectors[labels] = rows[present]
+        mask = torch.zeros(len(self.counts), dtype=torch.bool, device=rows.device)
+        mask[labels] = True
+        self.add(vectors, mask)
 
     @property
     def available(self) -> Tensor:

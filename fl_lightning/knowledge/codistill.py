@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+from typing import TYPE_CHECKING, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..client.module import ClientModule
+from ..schedules import linear_decay
 from ..types import StateDict
 from .distillation import kl_to_targets
 
-
-@torch.no_grad()
-def predict_logits(module: ClientModule, weights: StateDict, x: Tensor, batch_size: int = 512) -> Tensor:
-    """Eval-mode logits ``[N, C]`` of ``weights`` on ``x`` (teachers are frozen, so this is done once)."""
-    module.model.load_state_dict(weights)
-    module.eval()
-    return torch.cat([module(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+if TYPE_CHECKING:  # strategies.base imports the knowledge package
+    from ..strategies.base import ServerContext
 
 
 def codistillation_targets(
@@ -33,27 +31,11 @@ def codistillation_targets(
     return (1 - student_reg) * teacher + student_reg * F.softmax(student_logits / temperature, dim=1)
 
 
-def distill(
-    module: ClientModule,
-    start: StateDict,
-    x: Tensor,
-    targets: Tensor,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    temperature: float,
-    generator: torch.Generator,
-) -> StateDict:
-    """``steps`` Adam steps of KL(targets || softmax(student/T)) on random batches; returns the student."""
-    module.model.load_state_dict(start)
-    module.train()
-    optimizer = torch.optim.Adam(module.parameters(), lr=lr)
-    for _ in range(steps):
+def random_batches(x: Tensor, targets: Tensor, batch_size: int, generator: torch.Generator) -> Iterator[tuple]:
+    """Endless batches ``(x, targets)`` drawn with replacement (the server's distillation set is small)."""
+    while True:
         idx = torch.randint(len(x), (min(batch_size, len(x)),), generator=generator).to(x.device)
-        optimizer.zero_grad(set_to_none=True)
-        kl_to_targets(module(x[idx]), targets[idx], temperature).backward()
-        optimizer.step()
-    return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        yield x[idx], targets[idx]
 
 
 class Codistillation:
@@ -89,7 +71,7 @@ class Codistillation:
 
     def run(
         self,
-        slots: dict,
+        server: ServerContext,
         weights: dict[str, StateDict],
         roles: tuple[str, str],
         x: Tensor,
@@ -97,21 +79,19 @@ class Codistillation:
         generator: torch.Generator,
     ) -> dict[str, StateDict]:
         """Students of both roles; ``progress`` in [0, 1] decays the learning rates."""
-        logits = {r: predict_logits(slots[r].module, weights[r], x) for r in roles}
+        logits = {r: server.predict(r, weights[r], x) for r in roles}
         students = {}
         for student, teacher in (roles, roles[::-1]):
             temperature = self._per_role(self.temperature, teacher)
             targets = codistillation_targets(logits[teacher], logits[student], temperature, self.student_reg)
-            lr = self._per_role(self.lr, student) * (1.0 + (self.lr_final - 1.0) * progress)
-            students[student] = distill(
-                slots[student].module,
-                weights[student],
-                x,
-                targets,
-                self.steps,
-                self.batch_size,
-                lr,
-                temperature,
-                generator,
+            lr = self._per_role(self.lr, student) * linear_decay(progress, self.lr_final)
+            batches = itertools.islice(random_batches(x, targets, self.batch_size, generator), self.steps)
+
+            def step(module, batch, i, temperature=temperature):
+                xb, tb = batch
+                return kl_to_targets(module(xb), tb, temperature)
+
+            students[student] = server.train(
+                student, weights[student], batches, step, lambda params, lr=lr: torch.optim.Adam(params, lr=lr)
             )
         return students

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..knowledge import WeightedAverage
 from ..knowledge.server_optim import ServerAdam
+from ..schedules import linear_decay
 from ..types import StateDict
 from .base import ServerContext
 from .fedavg import FedAvg
@@ -44,12 +45,11 @@ class FedAdam(FedAvg):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         self.server_optimizers = {r: ServerAdam(self.beta1, self.beta2, self.eps) for r in self.roles}
-        self.param_keys = {r: {n for n, _ in server.loop.slots[r].module.model.named_parameters()} for r in self.roles}
+        self.param_keys = {r: server.parameter_names(r) for r in self.roles}
 
     def lr(self, role: str, rnd: int) -> float:
         base = self.server_lr[role] if isinstance(self.server_lr, dict) else self.server_lr
-        progress = (rnd - 1) / max(1, self.server.rounds - 1)
-        return base * (1.0 + (self.server_lr_final - 1.0) * progress)
+        return base * linear_decay(self.server.progress(rnd), self.server_lr_final)
 
     def client_averages(self, updates) -> dict[str, StateDict]:
         """The round's averaged client weights per role (streaming)."""

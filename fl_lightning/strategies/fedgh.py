@@ -8,9 +8,9 @@ from torch import nn
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
-from ..knowledge.banks import class_sums
+from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.header import header_step
-from ..types import ClientTask, ClientUpdate, ModelWeights, TensorPayload
+from ..types import ClientTask, ClientUpdate, ModelWeights
 from .base import ServerContext, Strategy
 
 
@@ -39,7 +39,7 @@ class FedGH(Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client("FedGH")
-        heads = {r: server.loop.slots[r].module.model.head for r in server.roles}
+        heads = {r: server.model(r).head for r in server.roles}
         shapes = {r: (h.in_features, h.out_features) if isinstance(h, nn.Linear) else None for r, h in heads.items()}
         if None in shapes.values() or len(set(shapes.values())) != 1:
             raise ConfigError(
@@ -48,6 +48,7 @@ class FedGH(Strategy):
             )
         self.header = {k: v.detach().clone() for k, v in heads[server.roles[0]].state_dict().items()}
         self.num_classes = server.data.num_classes
+        self.feature_dim = shapes[server.roles[0]][0]
 
     def configure_round(self, rnd, clients, phase="train"):
         header = ModelWeights("header", self.header)
@@ -60,22 +61,19 @@ class FedGH(Strategy):
         module = ctx.load(role, weights)
         stats = ctx.fit(role)
         ctx.state["body"] = {k: v for k, v in ctx.weights(role).items() if not k.startswith("head.")}
-        reps, labels = self.local_averaged_representations(module, ctx)
-        lars = TensorPayload("lars", {"representations": reps, "labels": labels.to(torch.int32)})
+        lars = self.local_averaged_representations(module, ctx)
         return ClientUpdate(task.client, ctx.num_examples(), {"lars": lars}, {f"{role}/loss": stats["loss"]})
 
     @torch.no_grad()
-    def local_averaged_representations(self, module, ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Class means ``[S, D]`` of eval-mode representations over the local training data."""
+    def local_averaged_representations(self, module, ctx: ClientContext) -> ClassStatistics:
+        """Class means ``[S, D]`` of eval-mode representations over the local training data (compact)."""
         module.eval()
         idx, size = ctx.indices.train, ctx.loop.training.eval_batch_size
-        sums, counts = None, None
+        collector = ClassStatsCollector(self.num_classes, {"representations": self.feature_dim}, idx.device)
         for start in range(0, len(idx), size):
             chosen = idx[start : start + size]
-            s, c = class_sums(module.features(ctx.data_x[chosen]), ctx.data_y[chosen], self.num_classes)
-            sums, counts = (s, c) if sums is None else (sums + s, counts + c)
-        present = counts > 0
-        return sums[present] / counts[present][:, None], torch.nonzero(present).flatten()
+            collector.add(ctx.data_y[chosen], representations=module.features(ctx.data_x[chosen]))
+        return collector.result("lars").compact()
 
     def aggregate(self, rnd, updates, phase="train"):
         header = nn.Linear(self.header["weight"].shape[1], self.header["weight"].shape[0]).to(
@@ -84,8 +82,8 @@ class FedGH(Strategy):
         header.load_state_dict(self.header)
         losses = []
         for update in updates:  # one step per client, in arrival order
-            lars = update.uplink["lars"].tensors
-            losses.append(header_step(header, lars["representations"], lars["labels"].long(), self.header_lr))
+            lars = update.uplink["lars"]
+            losses.append(header_step(header, lars.vectors["representations"], lars.labels.long(), self.header_lr))
         self.header = {k: v.detach().clone() for k, v in header.state_dict().items()}
         return {"server/header_loss": sum(losses) / max(len(losses), 1)}
 

@@ -8,20 +8,11 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
-from ..knowledge.banks import ClassBank, class_sums
+from ..knowledge.banks import ClassBank
+from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_matching_loss
-from ..types import ClientTask, ClientUpdate, TensorPayload
+from ..types import ClientTask, ClientUpdate
 from .base import ServerContext, Strategy
-
-
-def pack_class_logits(logits: torch.Tensor, present: torch.Tensor) -> TensorPayload:
-    """``(p_y, y)`` pairs of FedHe as one payload: logits ``[C, C]`` float32 and labels ``[C]`` int32.
-
-    A class without data is sent with label -1, so an upload is always C x (C + 1) numbers (paper
-    Tables III-IV count the same).
-    """
-    labels = torch.where(present, torch.arange(len(present), device=present.device), -1).to(torch.int32)
-    return TensorPayload("class_logits", {"logits": logits.float(), "labels": labels})
 
 
 class FedHe(Strategy):
@@ -69,24 +60,22 @@ class FedHe(Strategy):
         self.bank = ClassBank(self.num_classes, self.num_classes)
 
     def configure_round(self, rnd, clients, phase="train"):
-        payload = pack_class_logits(self.bank.mean(), self.bank.available)
+        # padded to C rows, so an upload is always C x (C + 1) numbers (paper Tables III-IV count the same)
+        payload = ClassStatistics.padded("class_logits", {"logits": self.bank.mean()}, self.bank.available)
         return [ClientTask(c, rnd, {"class_logits": payload}) for c in clients]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        received = task.downlink["class_logits"].tensors
-        server_logits, available = received["logits"], received["labels"] >= 0
+        received = task.downlink["class_logits"]
+        server_logits, available = received.vectors["logits"], received.present
         use_logits = task.round > self.warmup_rounds and bool(available.any())
-        sums = torch.zeros(self.num_classes, self.num_classes, device=server_logits.device)
-        counts = torch.zeros(self.num_classes, dtype=torch.long, device=server_logits.device)
+        collector = ClassStatsCollector(self.num_classes, {"logits": self.num_classes}, server_logits.device)
 
         def step(module, batch, i):
             x, y = batch
             z = module(x)  # [B, C] training-mode logits, collected before the step (eq. 7)
-            s, c = class_sums(z.detach(), y, self.num_classes)
-            sums.add_(s)
-            counts.add_(c)
+            collector.add(y, logits=z)
             loss = F.cross_entropy(z, y)
             if use_logits:
                 mask = available[y]
@@ -96,14 +85,12 @@ class FedHe(Strategy):
 
         stats = ctx.fit(role, step_fn=step)
         ctx.state["weights"] = ctx.weights(role)
-        denominator = counts + 1 if self.plus_one else counts.clamp(min=1)
-        upload = pack_class_logits(sums / denominator[:, None], counts > 0)
+        upload = collector.result("class_logits", plus_one=self.plus_one)
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
 
     def aggregate(self, rnd, updates, phase="train"):
         for update in updates:
-            received = update.uplink["class_logits"].tensors
-            self.bank.add(received["logits"], received["labels"] >= 0)
+            self.bank.add_statistics(update.uplink["class_logits"], "logits")
         if self.reset_every and rnd % self.reset_every == 0:
             self.bank.collapse()
         return {"server/classes_with_logits": float(self.bank.available.sum())}

@@ -9,9 +9,10 @@ from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
-from ..knowledge.banks import ClassBank, class_sums
+from ..knowledge.banks import ClassBank
+from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_matching_loss
-from ..types import ClientTask, ClientUpdate, ModelWeights, TensorPayload
+from ..types import ClientTask, ClientUpdate, ModelWeights
 from .base import ServerContext, Strategy
 
 
@@ -57,7 +58,7 @@ class Felo(Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client(type(self).__name__)
-        dims = {r: server.loop.slots[r].module.model.feature_dim for r in server.roles}
+        dims = {r: server.feature_dim(r) for r in server.roles}
         if len(set(dims.values())) != 1:
             raise ConfigError(
                 f"{type(self).__name__} compares features across architectures, so every role needs the "
@@ -76,15 +77,10 @@ class Felo(Strategy):
 
     def configure_round(self, rnd, clients, phase="train"):
         features, have_features = self.server_features()
-        knowledge = TensorPayload(
+        knowledge = ClassStatistics.padded(
             "class_knowledge",
-            {
-                "features": features,
-                "logits": self.logit_bank.mean(),
-                "labels": torch.where(self.logit_bank.available & have_features, torch.arange(self.num_classes), -1).to(
-                    torch.int32
-                ),
-            },
+            {"features": features, "logits": self.logit_bank.mean()},
+            self.logit_bank.available & have_features,
         )
         tasks = []
         for c in clients:
@@ -101,22 +97,17 @@ class Felo(Strategy):
             ctx.load(role, task.downlink["weights"].state)
         else:
             ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        knowledge = task.downlink["class_knowledge"].tensors
-        server_f, server_z, available = knowledge["features"], knowledge["logits"], knowledge["labels"] >= 0
+        knowledge = task.downlink["class_knowledge"]
+        server_f, server_z, available = knowledge.vectors["features"], knowledge.vectors["logits"], knowledge.present
         use = task.round > self.warmup_rounds and bool(available.any())
-        f_sums = torch.zeros(self.num_classes, self.feature_dim, device=server_f.device)
-        z_sums = torch.zeros(self.num_classes, self.num_classes, device=server_f.device)
-        counts = torch.zeros(self.num_classes, dtype=torch.long, device=server_f.device)
+        dims = {"features": self.feature_dim, "logits": self.num_classes}
+        collector = ClassStatsCollector(self.num_classes, dims, server_f.device)
 
         def step(module, batch, i):
             x, y = batch
             f = module.features(x)
             z = module.head(f)
-            with torch.no_grad():
-                f_sums.add_(class_sums(f.detach(), y, self.num_classes)[0])
-                s, c = class_sums(z.detach(), y, self.num_classes)
-                z_sums.add_(s)
-                counts.add_(c)
+            collector.add(y, features=f, logits=z)  # training-mode outputs, before the step
             loss = F.cross_entropy(z, y)
             if use:
                 mask = available[y]
@@ -128,20 +119,7 @@ class Felo(Strategy):
             return loss
 
         stats = ctx.fit(role, step_fn=step)
-        present = counts > 0
-        denominator = counts.clamp(min=1)[:, None]
-        uplink = {
-            "class_knowledge": TensorPayload(
-                "class_knowledge",
-                {
-                    "features": f_sums / denominator,
-                    "logits": z_sums / denominator,
-                    "labels": torch.where(present, torch.arange(self.num_classes, device=present.device), -1).to(
-                        torch.int32
-                    ),
-                },
-            )
-        }
+        uplink = {"class_knowledge": collector.result("class_knowledge")}
         if self.average_weights:
             uplink["weights"] = ModelWeights(role, ctx.weights(role))
         else:
@@ -156,11 +134,10 @@ class Felo(Strategy):
                 bank.counts *= 1 - self.forget
         averages: dict[str, WeightedAverage] = {}
         for update in updates:
-            knowledge = update.uplink["class_knowledge"].tensors
-            present = knowledge["labels"] >= 0
-            self.logit_bank.add(knowledge["logits"], present)
-            self.feature_bank.add(knowledge["features"], present)
-            self.receive_features(knowledge["features"], present)
+            knowledge = update.uplink["class_knowledge"]
+            self.logit_bank.add_statistics(knowledge, "logits")
+            self.feature_bank.add_statistics(knowledge, "features")
+            self.receive_features(knowledge.vectors["features"], knowledge.present)
             if self.average_weights:
                 role = update.client.roles[0]
                 averages.setdefault(role, WeightedAverage()).add(update.uplink["weights"].state, update.num_samples)

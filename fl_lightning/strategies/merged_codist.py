@@ -9,7 +9,6 @@ from ..knowledge.codistill import Codistillation
 from ..knowledge.server_optim import global_norm, merge_gradients
 from .base import ServerContext
 from .fedadam import FedAdam
-from .periodic_codist import codistillation_set
 
 
 class MergedCodist(FedAdam):
@@ -41,14 +40,13 @@ class MergedCodist(FedAdam):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        self.server_x = codistillation_set(server)
+        self.server_x = server.server_inputs(type(self).__name__)
 
     def aggregate(self, rnd, updates, phase="train"):
         averages = self.client_averages(updates)
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
-        progress = (rnd - 1) / max(1, self.server.rounds - 1)
         students = self.distillation.run(
-            self.server.loop.slots, self.global_weights, tuple(self.roles), self.server_x, progress, generator
+            self.server, self.global_weights, tuple(self.roles), self.server_x, self.server.progress(rnd), generator
         )
         metrics = {}
         for role, average in averages.items():

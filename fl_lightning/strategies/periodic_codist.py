@@ -43,16 +43,15 @@ class PeriodicCodist(FedAdam):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        self.server_x = codistillation_set(server)
+        self.server_x = server.server_inputs(type(self).__name__)
 
     def aggregate(self, rnd, updates, phase="train"):
         super().aggregate(rnd, updates, phase)
         if rnd % self.period:
             return {}
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
-        progress = (rnd - 1) / max(1, self.server.rounds - 1)
         students = self.distillation.run(
-            self.server.loop.slots, self.global_weights, tuple(self.roles), self.server_x, progress, generator
+            self.server, self.global_weights, tuple(self.roles), self.server_x, self.server.progress(rnd), generator
         )
         self.global_weights.update(students)
         if self.reset_server_optimizer:
@@ -60,9 +59,3 @@ class PeriodicCodist(FedAdam):
                 optimizer.reset()
         return {"server/codistilled": 1.0}
 
-
-def codistillation_set(server: ServerContext) -> torch.Tensor:
-    """The server's unlabeled examples (labels are never read)."""
-    if len(server.data.server_idx) == 0:
-        raise ConfigError("codistillation needs unlabeled server data; set data.init_args.server_fraction, e.g. 0.2.")
-    return server.data.x[server.data.server_idx]
