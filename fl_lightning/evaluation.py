@@ -9,9 +9,8 @@ import torch
 from torch import Tensor
 
 from .client.loop import LocalLoop
-from .client.module import PAD
 from .data import FederatedData
-from .types import ClientSpec, StateDict
+from .types import PAD, ClientSpec, StateDict
 
 
 class Evaluator:

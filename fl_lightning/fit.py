@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 
 from . import __version__
@@ -48,11 +47,18 @@ class Runtime:
     deterministic: bool = True
     progress: bool = True
 
-    def apply(self) -> L.Fabric:
+    def apply(self):
+        """Applies the torch settings and returns the run's ``lightning.Fabric``.
+
+        Lightning is imported here, not at the top: it costs seconds, and jsonargparse reads this module's
+        annotations to build the parser, so ``flrun fit --help`` and recipe errors would wait for it.
+        """
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         torch.set_flush_denormal(self.flush_denormal)
         torch.use_deterministic_algorithms(self.deterministic, warn_only=True)
+        import lightning as L
+
         try:
             return L.Fabric(accelerator=self.accelerator, devices=1, precision=self.precision)
         except (ValueError, RuntimeError, TypeError) as err:

@@ -14,6 +14,7 @@ import torch
 ClientId = int
 Role = str  # name of a model slot, e.g. "global", "aux", "target", "small", "cnn3"
 StateDict = dict[str, torch.Tensor]
+PAD = -100  # label ignored by the loss and the accuracy: padding tokens of sequence targets
 
 
 def tensor_bytes(tensors: Mapping[str, torch.Tensor] | list[torch.Tensor] | torch.Tensor) -> int:

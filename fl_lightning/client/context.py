@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
@@ -11,7 +11,9 @@ from torch import Tensor
 from ..data import ClientData, FederatedData
 from ..types import ClientSpec, StateDict
 from .loop import LocalLoop, ModelSlot, StepFn, batch_stream
-from .module import ClientModule
+
+if TYPE_CHECKING:  # imports lightning (seconds): the CLI parser must not need it
+    from .module import ClientModule
 
 
 def derive_seed(*parts: int) -> int:

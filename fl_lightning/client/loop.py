@@ -9,59 +9,22 @@ single-device run needs none of what it adds.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-import lightning as L
-from jsonargparse import lazy_instance
 import torch
 from torch import Tensor
 
 from ..errors import ConfigError
 from ..models import FeatureClassifier, ModelSpec
-from ..schedules import ConstantLR, RoundSchedule
-from .module import ClientModule, OptimizerFactory
+from .training import LocalTraining
 
-StepFn = Callable[[ClientModule, tuple, int], Tensor]
+if TYPE_CHECKING:  # lightning costs seconds to import: the CLI's parser (--help, recipe errors) must not wait for it
+    import lightning as L
 
+    from .module import ClientModule
 
-@dataclass
-class LocalTraining:
-    """How a client trains a model role locally in one round.
-
-    Attributes:
-        optimizer: client optimizer as ``class_path`` / ``init_args`` (SGD, lr 0.05 when not given);
-            its learning rate is the base rate that ``lr_schedule`` scales.
-        local_epochs: passes over the local labeled data per round (used when ``local_steps`` is unset).
-        local_steps: optimizer steps per round (paper 001's tau, FedHe's 3 batches); overrides epochs.
-        batch_size: examples per local step.
-        lr_schedule: multiplier of the base learning rate over rounds.
-        optimizer_state: ``reset``: fresh optimizer state for each client and round (FedAvg);
-            ``per_client``: each client keeps its own state across rounds (FedHe, Felo: persistent Adam);
-            ``shared``: one state per role shared by all clients (paper 001's code).
-        grad_clip_norm: clip the gradient norm to this value (FedGH uses 50); ``None`` to disable.
-        eval_batch_size: batch size of evaluation passes.
-    """
-
-    optimizer: Callable[[Iterable], torch.optim.Optimizer] | None = None
-    local_epochs: int = 1
-    local_steps: int | None = None
-    batch_size: int = 32
-    lr_schedule: RoundSchedule = field(default_factory=lambda: lazy_instance(ConstantLR))
-    optimizer_state: Literal["reset", "per_client", "shared"] = "reset"
-    grad_clip_norm: float | None = None
-    eval_batch_size: int = 512
-
-    def __post_init__(self):
-        if self.batch_size < 1:
-            raise ConfigError(f"training.batch_size must be at least 1, got {self.batch_size}.")
-        if self.local_steps is None and self.local_epochs < 1:
-            raise ConfigError("training needs local_steps >= 1 or local_epochs >= 1.")
-        if self.local_steps is not None and self.local_steps < 1:
-            raise ConfigError(f"training.local_steps must be at least 1, got {self.local_steps}.")
-
-    def optimizer_factory(self) -> OptimizerFactory:
-        return self.optimizer or (lambda params: torch.optim.SGD(params, lr=0.05))
+StepFn = Callable[["ClientModule", tuple, int], Tensor]
 
 
 @dataclass
@@ -97,6 +60,8 @@ class LocalLoop:
                 f"population tiers use model role(s) {missing} that `models` does not define; "
                 f"defined roles: {sorted(models)}."
             )
+        from .module import ClientModule  # imports lightning, needed from here on only
+
         for role in roles:
             torch.manual_seed(role_seed(seed, role))
             model: FeatureClassifier = models[role].build(**context)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..models import FeatureClassifier
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-PAD = -100  # label ignored by the loss and the accuracy: padding tokens of sequence targets
+from ..types import PAD
+from .training import OptimizerFactory
 
 
 def _flat(logits: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
