@@ -29,7 +29,11 @@ def test_quickstart_recipe_reaches_90_percent(tmp_path):
     summary = read_summary(out)
     assert summary["final"]["global/test_acc"] >= 0.90
     assert summary["rounds"] == 40 and summary["complete"] and summary["seed"] == 0
-    assert summary["comm"]["uplink_bytes"] > 0 and summary["comm"]["downlink_bytes"] > 0
+    from fl_lightning.models import ModelSpec
+
+    model_bytes = sum(t.numel() * t.element_size() for t in ModelSpec("digits_cnn").build().state_dict().values())
+    # 40 rounds x 10 sampled clients x one model each way: FedAvg sends nothing but the weights
+    assert summary["comm"]["uplink_bytes"] == summary["comm"]["downlink_bytes"] == 40 * 10 * model_bytes
 
 
 def test_run_files_and_metrics_rows(tmp_path):
