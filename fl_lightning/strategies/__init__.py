@@ -1,6 +1,7 @@
 """Federated strategies, one algorithm per file."""
 
 from .base import ServerContext, Strategy
+from .fd import FD
 from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .fedgh import FedGH
@@ -13,6 +14,7 @@ from .standalone import Standalone
 from .velo import Velo
 
 __all__ = [
+    "FD",
     "FedAdam",
     "FedAvg",
     "FedGH",
