@@ -1,0 +1,222 @@
+"""The flagship (paper 001 on CIFAR-10, ResNet20) on one GPU: seconds per round next to plain PyTorch.
+
+Writes random-pixel CIFAR-10 in the real pickle format (no download needed), runs a few rounds of
+``recipes/ondevice_kd_cifar10.yaml`` per precision, and reports per run: seconds per steady round
+(rounds 2 .. N-1; round N also evaluates), the first round's extra seconds, peak GPU memory, mean GPU
+utilisation (NVML, sampled every 0.2 s) and the final test losses (a bf16 run whose loss explodes
+shows here). In the same process it times plain-PyTorch ResNet20 SGD steps of 32 images for 20
+clients x 30 steps, one client after another and as one ``torch.func.vmap`` call over stacked weights:
+the anchor for what a round could cost.
+
+    PYTHONPATH=. python benchmarks/gpu_flagship.py --rounds 4 --precision 32-true bf16-mixed --json
+
+On a CPU, ``--tiny`` shrinks everything (data, clients, steps) to check that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fl_lightning.tracking.loggers import RunLogger  # noqa: E402
+
+
+def write_random_cifar10(root: Path, per_batch: int) -> None:
+    """Five training batches and a test batch in CIFAR-10's python pickle layout, random pixels."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "labels": rng.integers(0, 10, per_batch).tolist(),
+        }
+        with (folder / name).open("wb") as f:
+            pickle.dump(batch, f)
+
+
+class RoundClock(RunLogger):
+    """A run logger that notes when each round's metrics arrive (the end of the round)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def start(self, output_dir, name, config, state):
+        self.stamps = [time.perf_counter()]
+
+    def log_metrics(self, metrics, step):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+
+
+class Utilisation:
+    """Mean GPU utilisation over a block, sampled by NVML in a thread (None without a GPU or NVML)."""
+
+    def __enter__(self):
+        self.samples, self._stop = [], threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            self._thread = None
+            return self
+
+        def sample():
+            while not self._stop.wait(0.2):
+                self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return float(np.mean(self.samples)) if self.samples else None
+
+
+def run_flagship(data_dir: Path, precision: str, rounds: int, tiny: bool, out: Path) -> dict:
+    from fl_lightning.cli import fit_from_argv
+
+    argv = ["--config", str(ROOT / "recipes" / "ondevice_kd_cifar10.yaml"), "--rounds", str(rounds)]
+    argv += ["--eval_every", str(rounds), "--checkpoint_every", str(rounds), "--runtime.progress", "false"]
+    argv += ["--runtime.precision", precision, "--output_dir", str(out), "--data.init_args.data_dir", str(data_dir)]
+    argv += ["--data.init_args.download", "false"]
+    if tiny:
+        tiers = "[{name: strong, roles: [aux, target], count: 2}, {name: weak, roles: [aux]}]"
+        argv += [
+            "--population.num_clients",
+            "10",
+            "--population.tiers",
+            tiers,
+            "--sampler.init_args.num_per_round",
+            "4",
+        ]
+        argv += ["--training.local_steps", "2", "--runtime.accelerator", "cpu"]
+    else:
+        argv += ["--runtime.accelerator", "cuda"]
+    clock = RoundClock()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with Utilisation() as util:
+        summary = fit_from_argv(argv, extra_loggers=[clock])
+    per_round = np.diff(clock.stamps).tolist()
+    steady = per_round[1:-1] or per_round[-1:]
+    return {
+        "precision": precision,
+        "rounds": rounds,
+        "round_s": per_round,
+        "s_per_steady_round": statistics.median(steady),
+        "first_round_extra_s": per_round[0] - statistics.median(steady),
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "gpu_util_mean_pct": util.mean,
+        "final": {k: v for k, v in summary["final"].items() if "loss" in k or "acc" in k},
+    }
+
+
+def plain_pytorch(clients: int, steps: int, batch: int, width: float, device: str) -> dict:
+    """Steps/s of plain ResNet20 SGD: clients one after another, and all clients as one vmapped step."""
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    from fl_lightning.models import ModelSpec
+
+    torch.manual_seed(0)
+    x = torch.randn(clients, steps, batch, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (clients, steps, batch), device=device)
+    model = ModelSpec("resnet20", {"width": width}).build(num_classes=10, in_channels=3).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(3):  # warm-up
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x[0, 0]), y[0, 0]).backward()
+        optimizer.step()
+    sync()
+    start = time.perf_counter()
+    for c in range(clients):
+        for s in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x[c, s]), y[c, s]).backward()
+            optimizer.step()
+    sync()
+    sequential = clients * steps / (time.perf_counter() - start)
+
+    models = [ModelSpec("resnet20", {"width": width}).build(num_classes=10, in_channels=3).to(device)]
+    models = models * clients
+    for m in models:
+        torch.func.replace_all_batch_norm_modules_(m)  # batch statistics only: no in-place buffer updates
+    params, buffers = stack_module_state(models)
+    base = models[0]
+
+    def loss_fn(p, b, xb, yb):
+        return torch.nn.functional.cross_entropy(functional_call(base, (p, b), (xb,)), yb)
+
+    step_grads = vmap(grad(loss_fn))
+    momentum = {k: torch.zeros_like(v) for k, v in params.items()}
+
+    def vmapped_step(s):
+        grads = step_grads(params, buffers, x[:, s], y[:, s])
+        with torch.no_grad():
+            for k in params:
+                momentum[k].mul_(0.9).add_(grads[k])
+                params[k].sub_(0.01 * momentum[k])
+
+    for s in range(3):
+        vmapped_step(s)
+    sync()
+    start = time.perf_counter()
+    for s in range(steps):
+        vmapped_step(s)
+    sync()
+    vmapped = clients * steps / (time.perf_counter() - start)
+    return {"width": width, "sequential_steps_per_s": sequential, "vmapped_steps_per_s": vmapped}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: small data, clients and steps")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--skip_plain", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = Path(tmp) / "data"
+        write_random_cifar10(data_dir, 200 if args.tiny else 10_000)
+        result["runs"] = [
+            run_flagship(data_dir, p, args.rounds, args.tiny, Path(tmp) / f"run-{p}") for p in args.precision
+        ]
+    if not args.skip_plain:
+        clients, steps = (2, 3) if args.tiny else (20, 30)
+        result["plain_pytorch"] = [plain_pytorch(clients, steps, 32, w, device) for w in (1.0, 0.25)]
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
