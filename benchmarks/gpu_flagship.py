@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fl_lightning.tracking.loggers import RunLogger  # noqa: E402
+from fl_lightning.tracking.loggers import RunLogger
 
 
 def write_random_cifar10(root: Path, per_batch: int) -> None:
@@ -68,13 +68,15 @@ class Utilisation:
 
     def __enter__(self):
         self.samples, self._stop = [], threading.Event()
+        self._thread = None
         try:
             import pynvml
-
+        except ImportError:
+            return self
+        try:
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        except Exception:
-            self._thread = None
+        except pynvml.NVMLError:  # no GPU or no driver: utilisation stays unknown
             return self
 
         def sample():
