@@ -10,6 +10,7 @@ from .partition import (
     NaturalIdPartitioner,
     Partitioner,
     PathologicalPartitioner,
+    SampledPartitioner,
 )
 from .speech import SpeechCommandsData
 from .tff import FedCifar100Data, StackOverflowData
@@ -28,6 +29,7 @@ __all__ = [
     "NaturalIdPartitioner",
     "Partitioner",
     "PathologicalPartitioner",
+    "SampledPartitioner",
     "SpeechCommandsData",
     "StackOverflowData",
     "Cifar10Data",

@@ -54,6 +54,11 @@ class DirichletPartitioner(Partitioner):
     def __init__(self, alpha: float = 0.5, min_partition_size: int = 10, max_tries: int = 10):
         if alpha <= 0:
             raise ConfigError(f"Dirichlet alpha must be positive, got {alpha}.")
+        if min_partition_size < 0 or max_tries < 1:
+            raise ConfigError(
+                f"Dirichlet min_partition_size must be at least 0 and max_tries at least 1, got "
+                f"{min_partition_size} and {max_tries}."
+            )
         self.alpha = alpha
         self.min_partition_size = min_partition_size
         self.max_tries = max_tries
@@ -144,3 +149,47 @@ class NaturalIdPartitioner(Partitioner):
             raise ConfigError(f"the data set has {len(ids)} natural clients, fewer than num_clients={num_clients}.")
         chosen = ids if num_clients == len(ids) else np.sort(rng.choice(ids, num_clients, replace=False))
         return [np.flatnonzero(groups == g) for g in chosen]
+
+
+class SampledPartitioner(Partitioner):
+    """Populations larger than the data: every client draws its examples with replacement.
+
+    Cross-device simulators give thousands to millions of clients a small local data set each; when
+    the population outnumbers the examples, clients must share examples. Client k draws
+    ``examples_per_client`` indices with replacement, either from the whole pool (``alpha: null``) or
+    with its own class proportions ``p_k ~ Dirichlet(alpha)`` (label skew as in
+    :class:`DirichletPartitioner`). Clients are therefore not disjoint, and one client may hold an
+    example twice. Memory: ``num_clients x examples_per_client`` int64 indices (160 MB for 100,000
+    clients of 200 examples), plus the local splits made from them.
+
+    Args:
+        examples_per_client: size of every client's local data set.
+        alpha: Dirichlet concentration of each client's class proportions; ``None`` draws from the pool.
+    """
+
+    def __init__(self, examples_per_client: int = 20, alpha: float | None = None):
+        if examples_per_client < 1:
+            raise ConfigError(f"examples_per_client must be at least 1, got {examples_per_client}.")
+        if alpha is not None and alpha <= 0:
+            raise ConfigError(f"SampledPartitioner alpha must be positive or null, got {alpha}.")
+        self.examples_per_client, self.alpha = examples_per_client, alpha
+
+    def __call__(self, labels, num_clients, rng, groups=None):
+        if num_clients < 1:
+            raise ConfigError(f"num_clients must be at least 1, got {num_clients}.")
+        if len(labels) == 0:
+            raise ConfigError("SampledPartitioner has no examples to draw from; check the data set and its splits.")
+        m = self.examples_per_client
+        if self.alpha is None:
+            return list(np.sort(rng.integers(0, len(labels), size=(num_clients, m)), axis=1))
+        classes = np.unique(labels)
+        proportions = rng.dirichlet(np.full(len(classes), self.alpha), size=num_clients)  # [N, C]
+        counts = rng.multinomial(m, proportions)  # [N, C], each row sums to m
+        owners, chosen = [], []
+        for j, c in enumerate(classes):
+            members = np.flatnonzero(labels == c)
+            owners.append(np.repeat(np.arange(num_clients), counts[:, j]))
+            chosen.append(members[rng.integers(0, len(members), int(counts[:, j].sum()))])
+        owners_all, chosen_all = np.concatenate(owners), np.concatenate(chosen)
+        order = np.lexsort((chosen_all, owners_all))  # by client, then index
+        return np.split(chosen_all[order], np.arange(1, num_clients) * m)
