@@ -1,18 +1,38 @@
-"""Name -> builder registry, so recipes refer to models as ``builder: digits_cnn``."""
+"""Name -> builder registry, so recipes refer to models as ``builder: digits_cnn``.
+
+A recipe is a file a user may be handed, so its ``builder`` can only name code the user chose to trust:
+
+- a builder registered with :func:`register_model` (the bundled ones, or any in a module the user's own
+  code imported);
+- a builder an installed package exposes in the ``fl_lightning.models`` entry point group
+  (``[project.entry-points."fl_lightning.models"] my_cnn = "my_pkg.models:my_cnn"``): installing the
+  package is the act of trust;
+- a dotted path ``package.module.function`` whose module is listed, or lies under a package listed, in
+  the environment variable ``FLRUN_TRUSTED_MODULES`` (comma-separated, e.g. ``my_pkg,lab.models``).
+
+Anything else (``builder: os.system``) is refused before its module is even imported. The recipe itself
+cannot extend this list: trust comes from the environment or the installation, never from the file.
+Whatever a builder is, what it returns must be a :class:`FeatureClassifier`.
+"""
 
 from __future__ import annotations
 
 import difflib
 import importlib
 import inspect
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from importlib.metadata import entry_points
+from typing import Any
 
 from ..errors import ConfigError
 from .base import FeatureClassifier
 
 Builder = Callable[..., FeatureClassifier]
 _BUILDERS: dict[str, Builder] = {}
+ENTRY_POINT_GROUP = "fl_lightning.models"
+TRUST_ENV = "FLRUN_TRUSTED_MODULES"
 
 
 def register_model(name: str) -> Callable[[Builder], Builder]:
@@ -28,29 +48,64 @@ def register_model(name: str) -> Callable[[Builder], Builder]:
 
 
 def registered_models() -> dict[str, Builder]:
-    """All registered builders by name (imports the bundled model modules first)."""
+    """All trusted builders by name: the bundled and registered ones, then installed entry points (a
+    registered name wins over an entry point of the same name)."""
     from . import cifar_resnet, codist, digits, fedgh, fedmd, paper001, pretrained, resnet  # noqa: F401
 
-    return dict(sorted(_BUILDERS.items()))
+    builders = dict(_BUILDERS)
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name not in builders:
+            try:
+                builders[point.name] = point.load()
+            except Exception as err:  # noqa: BLE001 - a broken installed package, whatever it raises
+                raise ConfigError(
+                    f"entry point {point.name!r} = {point.value!r} ({ENTRY_POINT_GROUP}) cannot be loaded "
+                    f"({type(err).__name__}: {err}); fix or uninstall the package that declares it."
+                ) from None
+    return dict(sorted(builders.items()))
+
+
+def trusted_modules() -> list[str]:
+    """Module or package names from ``FLRUN_TRUSTED_MODULES`` (comma-separated)."""
+    return [m.strip() for m in os.environ.get(TRUST_ENV, "").split(",") if m.strip()]
+
+
+def is_trusted(module_name: str) -> bool:
+    """Whether ``module_name`` is, or lies under, a module named in ``FLRUN_TRUSTED_MODULES``."""
+    return any(module_name == m or module_name.startswith(m + ".") for m in trusted_modules())
 
 
 def resolve_builder(name: str) -> Builder:
-    """A builder by registered name or by dotted import path (``package.module.function``)."""
+    """A trusted builder by registered / entry-point name or by a dotted path in a trusted module.
+
+    Raises:
+        ConfigError: unknown name, or a dotted path outside the trusted modules (refused before import).
+    """
     builders = registered_models()
     if name in builders:
         return builders[name]
-    if "." in name:
-        module_name, _, attr = name.rpartition(".")
-        try:
-            return getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"model builder {name!r} cannot be imported ({err}); check the dotted path") from None
-    close = difflib.get_close_matches(name, builders, n=3)
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
-    raise ConfigError(
-        f"unknown model builder {name!r}.{hint} Registered models: {', '.join(builders)} "
-        "(or give a dotted path to your own builder function)."
-    )
+    if "." not in name:
+        close = difflib.get_close_matches(name, builders, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"unknown model builder {name!r}.{hint} Registered models: {', '.join(builders)} "
+            "(or your own builder: see docs/usage.md, Models)."
+        )
+    module_name, _, attr = name.rpartition(".")
+    if not is_trusted(module_name):
+        raise ConfigError(
+            f"model builder {name!r} is neither a registered builder nor in a trusted module, so it is not "
+            f"called; expose it in the {ENTRY_POINT_GROUP!r} entry point group of an installed package, "
+            f"register it with @fl_lightning.models.register_model in code you import, or trust its module "
+            f"by setting {TRUST_ENV}={module_name} in the environment."
+        )
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"model builder {name!r} cannot be imported ({err}); check the dotted path.") from None
+    if not callable(fn):
+        raise ConfigError(f"model builder {name!r} is a {type(fn).__name__}, not a function returning a model.")
+    return fn
 
 
 @dataclass
@@ -58,7 +113,8 @@ class ModelSpec:
     """A model role's architecture: a registered builder and its keyword arguments.
 
     Attributes:
-        builder: registered name (see ``flrun models``) or dotted path of a builder function.
+        builder: registered name (see ``flrun models``), an installed entry point's name, or the dotted path
+            of a builder function in a module trusted through ``FLRUN_TRUSTED_MODULES``.
         args: keyword arguments of the builder, e.g. ``{width: 0.25}``.
     """
 
@@ -68,22 +124,33 @@ class ModelSpec:
     def build(self, **context: Any) -> FeatureClassifier:
         """Builds the model; ``context`` (e.g. ``num_classes``) fills builder arguments not set."""
         fn = resolve_builder(self.builder)
-        params = inspect.signature(fn).parameters
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"model builder {self.builder!r} has no inspectable signature; wrap it in a function."
+            ) from None
         unknown = sorted(set(self.args) - set(params))
         if unknown:
+            close = difflib.get_close_matches(unknown[0], list(params), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
                 f"model builder {self.builder!r} has no argument(s) {', '.join(unknown)}; "
-                f"it accepts: {', '.join(params)}."
+                f"{hint}it accepts: {', '.join(params)}."
             )
         kwargs = {k: v for k, v in context.items() if k in params}
         kwargs.update(self.args)
         try:
             model = fn(**kwargs)
-        except TypeError as err:
-            raise ConfigError(f"model builder {self.builder!r} could not be called with {kwargs}: {err}") from None
+        except (TypeError, ValueError) as err:  # e.g. width: wide
+            raise ConfigError(
+                f"model builder {self.builder!r} could not be called with {self.args} ({err}); "
+                "fix the arguments' types in models.<role>.args."
+            ) from None
         if not isinstance(model, FeatureClassifier):
             raise ConfigError(
                 f"model builder {self.builder!r} returned {type(model).__name__}, not a FeatureClassifier "
-                "(features + head); wrap your network in fl_lightning.models.FeatureClassifier."
+                "(features + head); only builders returning one may be used: wrap your network in "
+                "fl_lightning.models.FeatureClassifier."
             )
         return model
