@@ -117,11 +117,40 @@ def run_models(argv: list[str]) -> int:
 
 
 def run_data(argv: list[str]) -> int:
-    """``flrun data inspect --config RECIPE [--output PNG] [overrides]``."""
+    """``flrun data inspect --config RECIPE [--output PNG] [overrides]`` or
+    ``flrun data fetch DATASET [--data_dir data] [--revision COMMIT] [--force]``."""
+    if argv and argv[0] == "fetch":
+        import argparse
+
+        from .data import sources
+
+        names = ", ".join(s.name for s in sources.SOURCES)
+        parser = argparse.ArgumentParser(
+            prog="flrun data fetch",
+            description="Download a data set (or the ViT weights) into data_dir and verify its checksums, e.g. on "
+            "a login node with internet, so that runs on an offline machine find the files.",
+            allow_abbrev=False,
+        )
+        parser.add_argument("dataset", help=f"one of {names} (or the data set's class name)")
+        parser.add_argument("--data_dir", default="data", help="the recipes' data_dir (default: data)")
+        parser.add_argument("--revision", help="Hub commit for Hub data sets (FEMNIST and C4 have none pinned)")
+        parser.add_argument("--force", action="store_true", help="download again even if the files are present")
+        args = parser.parse_args(argv[1:])
+        source = sources.source(args.dataset)
+        if sources.present(source, Path(args.data_dir)) and not args.force:
+            sources.ensure(source.name, args.data_dir, download=False, revision=args.revision)
+            print(f"{source.title}: already in {Path(args.data_dir) / source.layout} (--force downloads it again)")
+            return 0
+        paths = sources.fetch(source.name, args.data_dir, args.revision, force=args.force)
+        print(f"{source.title}: downloaded and verified, {len(paths)} files in {Path(args.data_dir) / source.layout}")
+        return 0
     from .data_inspect import bubble_chart, client_table, print_summary
 
     if not argv or argv[0] != "inspect":
-        raise _UserError("usage: flrun data inspect --config RECIPE [--output chart.png] [--key value ...]")
+        raise _UserError(
+            "usage: flrun data inspect --config RECIPE [--output chart.png] [--key value ...], or "
+            "flrun data fetch DATASET [--data_dir data]."
+        )
     argv = argv[1:]
     output = None
     if "--output" in argv:

@@ -103,7 +103,9 @@ def test_fed_cifar100_h5_clients(tmp_path):
     data.setup(num_clients=4, seed=0)
     assert data.x.shape == (20, 3, 32, 32) and data.num_classes == 100
     assert sorted(set(data.y[c.train].tolist()).pop() for c in data.clients) == [0, 1, 2, 3]
-    with pytest.raises(ConfigError, match="fed_cifar100_train.h5 not found"):
+    with pytest.raises(
+        ConfigError, match=r"fed_cifar100/fed_cifar100_\{train,test\}\.h5.*flrun data fetch fed_cifar100"
+    ):
         FedCifar100Data(data_dir=str(tmp_path / "none")).load()
 
 

@@ -62,9 +62,9 @@ def test_cifar100_uses_fine_labels(tmp_path):
 
 
 def test_missing_files_name_the_file_and_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match=r"cifar-10-batches-py/data_batch_1.*download: true"):
+    with pytest.raises(ConfigError, match=r"cifar-10-batches-py/\{data_batch_1\.\.5,test_batch\}.*download: true"):
         Cifar10Data(data_dir=str(tmp_path)).load()
-    with pytest.raises(ConfigError, match=r"MNIST/raw/train-images-idx3-ubyte"):
+    with pytest.raises(ConfigError, match=r"MNIST/raw/\{train,t10k\}-\{images-idx3,labels-idx1\}-ubyte"):
         MnistData(data_dir=str(tmp_path)).load()
     with pytest.raises(ConfigError, match="CINIC-10"):
         Cinic10Data(data_dir=str(tmp_path)).load()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -9,12 +10,14 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from . import sources
 from .federated import DataArrays, FederatedData
 from .partition import NaturalIdPartitioner
 
 
 class FemnistData(FederatedData):
-    """FEMNIST from LEAF's JSON files (``<data_dir>/femnist/all_data/*.json``) or the Hub.
+    """FEMNIST from LEAF's JSON files (``<data_dir>/femnist/all_data/*.json``) or the Hub's parquet files
+    (``<data_dir>/femnist/hub/*.parquet``, fetched by ``flrun data fetch femnist`` or ``download``).
 
     Each writer's examples are split 90 / 10 (seeded by ``split_seed``) as LEAF does: the 90% form the
     federated pool (one client per writer with the default natural-id partitioner, which samples
@@ -22,9 +25,13 @@ class FemnistData(FederatedData):
     ``unlabeled_fraction`` for the papers' labeled / unlabeled local data.
 
     Args:
-        data_dir: folder holding ``femnist/all_data``.
-        hub_id: a Hugging Face dataset id (``flwrlabs/femnist``: image, writer_id, character) used when
-            no LEAF files are found; ``None`` requires the LEAF files.
+        data_dir: folder holding ``femnist/all_data`` or ``femnist/hub``.
+        hub_id: ``flwrlabs/femnist`` (image, writer_id, character) is used when no LEAF files are found;
+            ``None`` requires the LEAF files.
+        hub_revision: the Hub commit to fetch and require. None: no commit is pinned (none could be
+            found in public code), the fetch takes the current one and records it in
+            ``femnist/hub/REVISION``; pin that value here to make runs refuse other copies.
+        download: fetch the Hub files (checked against the SHA-256 the Hub lists) when absent.
         test_fraction: each writer's share held out for the global test set.
     """
 
@@ -34,12 +41,19 @@ class FemnistData(FederatedData):
         self,
         data_dir: str = "data",
         hub_id: str | None = "flwrlabs/femnist",
+        hub_revision: str | None = None,
+        download: bool = True,
         test_fraction: float = 0.1,
         split_seed: int = 0,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.data_dir, self.hub_id = Path(data_dir), hub_id
+        if hub_id not in (None, "flwrlabs/femnist"):
+            raise ConfigError(
+                f"hub_id {hub_id!r} is not supported: FEMNIST is read from flwrlabs/femnist (hub_id: "
+                "flwrlabs/femnist) or from LEAF's JSON files (hub_id: null)."
+            )
+        self.data_dir, self.hub_id, self.hub_revision, self.download = Path(data_dir), hub_id, hub_revision, download
         self.test_fraction, self.split_seed = test_fraction, split_seed
 
     def load(self) -> DataArrays:
@@ -47,17 +61,19 @@ class FemnistData(FederatedData):
         if files:
             images, labels, writers = self._read_leaf(files)
         elif self.hub_id is not None:
+            sources.ensure("femnist", self.data_dir, self.download, self.hub_revision)
             images, labels, writers = self._read_hub()
         else:
             raise ConfigError(
                 f"FEMNIST not found: expected LEAF's JSON files in {self.data_dir / 'femnist/all_data'} "
-                "(run LEAF's preprocess.sh) or set hub_id."
+                "(run LEAF's preprocess.sh), or set hub_id: flwrlabs/femnist and run "
+                f"`flrun data fetch femnist --data_dir {self.data_dir}`."
             )
         rng = np.random.default_rng(self.split_seed)
         test = np.zeros(len(labels), dtype=bool)
         for writer in np.unique(writers):
             idx = rng.permutation(np.flatnonzero(writers == writer))
-            test[idx[: int(round(len(idx) * self.test_fraction))]] = True
+            test[idx[: round(len(idx) * self.test_fraction)]] = True
         x = torch.from_numpy(images).float().view(-1, 1, 28, 28)
         y = torch.from_numpy(labels).long()
         return DataArrays(x[~test], y[~test], x[test], y[test], groups=writers[~test], num_classes=62)
@@ -75,19 +91,22 @@ class FemnistData(FederatedData):
         return np.concatenate(images), np.concatenate(labels), np.asarray(writers)
 
     def _read_hub(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        import datasets
+        """The Hub's parquet files: ``image`` is stored as ``{bytes, path}`` (PNG), as ``datasets`` writes it."""
+        import pandas as pd
+        from PIL import Image
 
-        try:
-            table = datasets.load_dataset(self.hub_id, split="train", cache_dir=str(self.data_dir / "hf"))
-        except Exception as err:
-            raise ConfigError(
-                f"FEMNIST: no LEAF files in {self.data_dir / 'femnist/all_data'} and the Hub dataset "
-                f"{self.hub_id!r} could not be loaded ({type(err).__name__}); put LEAF's JSON files "
-                "there or run once online."
-            ) from None
-        images = np.stack([np.asarray(img.convert("L"), dtype=np.float32) / 255.0 for img in table["image"]])
+        table = pd.concat(
+            [pd.read_parquet(f) for f in sorted((self.data_dir / "femnist" / "hub").glob("*.parquet"))],
+            ignore_index=True,
+        )
+
+        def pixels(cell) -> np.ndarray:
+            data = cell["bytes"] if isinstance(cell, dict) else cell
+            return np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float32) / 255.0
+
+        images = np.stack([pixels(cell) for cell in table["image"]])
         return (
             images.reshape(len(images), -1),
-            np.asarray(table["character"], dtype=np.int64),
-            np.asarray(table["writer_id"]),
+            np.array(table["character"], dtype=np.int64),
+            table["writer_id"].astype(str).to_numpy(),
         )

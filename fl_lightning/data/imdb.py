@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from . import sources
 from .federated import DataArrays, FederatedData
 
 TOKEN = re.compile(r"[a-z0-9']+")
@@ -37,14 +37,15 @@ def encode(texts: list[str], vocab: dict[str, int], length: int) -> torch.Tensor
 
 
 class ImdbData(FederatedData):
-    """IMDB from parquet files (``<data_dir>/imdb/{train,test,unsupervised}*.parquet``, the Hub layout of
-    ``stanfordnlp/imdb``) or downloaded with ``datasets``.
+    """IMDB from the parquet files of ``stanfordnlp/imdb`` (``<data_dir>/imdb/{train,test,unsupervised}-*.parquet``),
+    fetched at a pinned commit by ``flrun data fetch imdb`` or ``download``.
 
     The vocabulary is built from the training reviews (no tokenizer download). With
     ``use_unsupervised`` the 50k unlabeled reviews are shared IID among clients as unlabeled data
     (paper 001), in addition to any ``unlabeled_fraction`` of the labeled reviews.
 
     Args:
+        download: fetch the parquet files (pinned commit, checked against the Hub's SHA-256) when absent.
         vocab_size: ids including padding (0) and unknown (1).
         max_length: tokens kept per review.
     """
@@ -52,34 +53,24 @@ class ImdbData(FederatedData):
     def __init__(
         self,
         data_dir: str = "data",
-        hub_id: str = "stanfordnlp/imdb",
+        download: bool = True,
         vocab_size: int = 20_000,
         max_length: int = 256,
         use_unsupervised: bool = True,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.data_dir, self.hub_id = Path(data_dir), hub_id
+        self.data_dir, self.download = Path(data_dir), download
         self.vocab_size, self.max_length, self.use_unsupervised = vocab_size, max_length, use_unsupervised
 
     def _split(self, name: str):
         import pandas as pd
 
-        files = sorted((self.data_dir / "imdb").glob(f"{name}*.parquet"))
-        if files:
-            return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
-        import datasets
-
-        try:
-            return datasets.load_dataset(self.hub_id, split=name, cache_dir=str(self.data_dir / "hf")).to_pandas()
-        except Exception as err:
-            raise ConfigError(
-                f"IMDB split {name!r} not found: expected {self.data_dir / 'imdb'}/{name}-*.parquet "
-                f"(the {self.hub_id} parquet files), and the Hub could not be reached "
-                f"({type(err).__name__})."
-            ) from None
+        files = sorted((self.data_dir / "imdb").glob(f"{name}-*.parquet"))
+        return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
 
     def load(self) -> DataArrays:
+        sources.ensure("imdb", self.data_dir, self.download)
         train, test = self._split("train"), self._split("test")
         self.vocab = build_vocab(train["text"].tolist(), self.vocab_size)
         unlabeled = None

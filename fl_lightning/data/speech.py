@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from . import sources
 from .federated import DataArrays, FederatedData
 from .partition import NaturalIdPartitioner
 
@@ -32,10 +33,9 @@ class SpeechCommandsData(FederatedData):
 
     Args:
         n_fft, hop_length: STFT settings (65 x 126 spectrograms by default).
-        download: fetch and unpack the archive with pooch (no checksum is published).
+        download: fetch the archive over https, check its SHA-256 (TensorFlow Datasets' / torchaudio's) and
+            unpack it, as ``flrun data fetch speech_commands``.
     """
-
-    url = "http://download.tensorflow.org/data/speech_commands_v0.02.tar.gz"
 
     default_partitioner = NaturalIdPartitioner
 
@@ -55,24 +55,9 @@ class SpeechCommandsData(FederatedData):
         import soundfile
 
         root = self.data_dir / "speech_commands_v0.02"
-        if self.download and not (root / "testing_list.txt").is_file():
-            import pooch
-
-            try:
-                pooch.retrieve(
-                    self.url,
-                    known_hash=None,
-                    path=self.data_dir,
-                    processor=pooch.Untar(extract_dir="speech_commands_v0.02"),
-                )
-            except Exception as err:
-                raise ConfigError(f"downloading Speech Commands into {self.data_dir} failed ({err}).") from None
         listing = root / "testing_list.txt"
         if not listing.is_file():
-            raise ConfigError(
-                f"Speech Commands not found: expected {listing}. Unpack speech_commands_v0.02.tar.gz "
-                f"into {root}, or set download: true."
-            )
+            sources.ensure("speech_commands", self.data_dir, self.download)
         test_set = set(listing.read_text().split())
         words = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_"))
         waves, labels, speakers, is_test = [], [], [], []

@@ -1,7 +1,8 @@
 """TensorFlow Federated's h5 data sets: Federated CIFAR-100 (500 clients) and StackOverflow.
 
 Files keep TFF's layout (``examples/<client id>/<feature>``) and are read with h5py; with ``download``
-the archives are fetched with pooch and checked against TFF's published SHA-256.
+the archives are fetched over https, checked against TFF's published SHA-256 and unpacked with a path
+filter (:mod:`fl_lightning.data.sources`, as ``flrun data fetch``).
 """
 
 from __future__ import annotations
@@ -12,46 +13,18 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from . import sources
 from .federated import DataArrays, FederatedData
 from .partition import NaturalIdPartitioner
 from .transforms import random_crop_flip
 from .vision import CIFAR_MEAN, CIFAR_STD
 
-ARCHIVES = {  # archive: (url, sha256 from TFF's loaders)
-    "fed_cifar100": (
-        "https://storage.googleapis.com/tff-datasets-public/fed_cifar100.tar.bz2",
-        "e8575e22c038ecef1ce6c7d492d7abee7da13b1e1ba9b70a7fc18531ba7590de",
-    ),
-    "stackoverflow": (
-        "https://storage.googleapis.com/tff-datasets-public/stackoverflow.tar.bz2",
-        "99eca2f8b8327a09e5fc123979df2d237acbc5e52322f6d86bf523ee47b961a2",
-    ),
-    "stackoverflow.word_count": (
-        "https://storage.googleapis.com/tff-datasets-public/stackoverflow.word_count.tar.bz2",
-        "1dc00256d6e527c54b9756d968118378ae14e6692c0b3b6cad470cdd3f0c519c",
-    ),
-}
 
-
-def fetch(name: str, folder: Path) -> None:
-    """Downloads and unpacks one TFF archive into ``folder`` after checking its checksum."""
-    import pooch
-
-    url, sha256 = ARCHIVES[name]
-    try:
-        pooch.retrieve(url, known_hash=f"sha256:{sha256}", path=folder, processor=pooch.Untar(extract_dir="."))
-    except Exception as err:
-        raise ConfigError(f"downloading {name} into {folder} failed ({err}).") from None
-
-
-def require(path: Path, download: bool, archive: str) -> Path:
-    if not path.is_file() and download:
-        fetch(archive, path.parent)
+def require(path: Path, download: bool, name: str) -> Path:
+    """``path`` of data set ``name`` (``fed_cifar100`` or ``stackoverflow``), fetched first with ``download``;
+    one sentence naming the expected files and ``flrun data fetch`` when it is missing."""
     if not path.is_file():
-        raise ConfigError(
-            f"{path.name} not found: expected {path} (from TFF's {archive}.tar.bz2, unpacked there), "
-            "or set download: true on a machine with internet."
-        )
+        sources.ensure(name, path.parent.parent, download)
     return path
 
 
@@ -114,8 +87,12 @@ class StackOverflowData(FederatedData):
         test_examples: posts drawn (seeded) from the test file for the global test set.
         distillation_texts: out-of-domain server set (paper 002's C4 slice): a local ``.json[.gz]`` /
             ``.jsonl`` file with one ``{"text": ...}`` document per line (C4's own format) or a parquet file
-            with a ``text`` column; ``hub`` streams ``allenai/c4`` (en, validation). The first
-            ``distillation_examples`` documents are encoded like posts and become the server's set.
+            with a ``text`` column; ``hub`` reads ``<data_dir>/c4/c4-validation.00000-of-00008.json.gz``,
+            the first shard of ``allenai/c4`` (en, validation), fetched with ``download`` or ``flrun data
+            fetch c4``. The first ``distillation_examples`` documents are encoded like posts and become
+            the server's set.
+        distillation_revision: the ``allenai/c4`` commit to fetch and require (no commit is pinned by
+            default: none could be found in public code; the fetched one is recorded in ``c4/REVISION``).
         question_clients: domain-shifted pools (paper 002 Table 2): clients ``0 .. k-1`` keep only their
             questions and the others only their answers; with contiguous tiers the first tier (the
             high-capacity pool) then holds questions, the rest answers.
@@ -166,6 +143,7 @@ class StackOverflowData(FederatedData):
         test_seed: int = 0,
         distillation_texts: str | None = None,
         distillation_examples: int = 10_000,
+        distillation_revision: str | None = None,
         question_clients: int | None = None,
         domain_test_sets: bool = False,
         **kwargs,
@@ -179,9 +157,10 @@ class StackOverflowData(FederatedData):
         self.max_clients, self.max_examples_per_client = max_clients, max_examples_per_client
         self.test_examples, self.test_seed = test_examples, test_seed
         self.distillation_texts, self.distillation_examples = distillation_texts, distillation_examples
+        self.distillation_revision = distillation_revision
 
     def load_vocab(self) -> dict[str, int]:
-        path = require(self.root / "stackoverflow.word_count", self.download, "stackoverflow.word_count")
+        path = require(self.root / "stackoverflow.word_count", self.download, "stackoverflow")
         words = []
         with path.open() as f:
             for line in f:
@@ -245,16 +224,10 @@ class StackOverflowData(FederatedData):
 
     def _distillation_documents(self) -> list[str]:
         source, n = self.distillation_texts, self.distillation_examples
-        if source == "hub":
-            import datasets
-
-            try:
-                stream = datasets.load_dataset("allenai/c4", "en", split="validation", streaming=True)
-                return [row["text"].lower() for _, row in zip(range(n), stream)]
-            except Exception as err:
-                raise ConfigError(
-                    f"streaming the C4 slice failed ({type(err).__name__}); give a local C4 file as distillation_texts."
-                ) from None
+        if source == "hub":  # the streamed validation split starts with this shard, in file order
+            data_dir = self.root.parent
+            sources.ensure("c4", data_dir, self.download, self.distillation_revision)
+            source = data_dir / "c4" / "c4-validation.00000-of-00008.json.gz"
         path = Path(source)
         if not path.is_file():
             raise ConfigError(

@@ -1,9 +1,10 @@
 """Image benchmarks: CIFAR-10, CIFAR-100, MNIST and CINIC-10, from local files or downloaded.
 
 Each reads the files in their published format (CIFAR python pickles, MNIST idx, CINIC-10 PNG folders)
-from ``data_dir``; with ``download: true`` a missing set is fetched first (torchvision for CIFAR and
-MNIST, pooch for CINIC-10). A missing file offline is one sentence naming the file and where it goes;
-nothing falls back to synthetic data.
+from ``data_dir``; with ``download: true`` a missing set is fetched first and checked against its
+published checksum (:mod:`fl_lightning.data.sources`, the same as ``flrun data fetch``). Missing files
+offline are one sentence naming the expected files and the fetch command; nothing falls back to
+synthetic data.
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from . import sources
 from .federated import DataArrays, FederatedData
 from .transforms import random_crop_flip
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # papers 002 / 003
-
-
-def missing(path: Path, what: str, how: str) -> ConfigError:
-    return ConfigError(f"{what} not found: expected {path}. {how}")
 
 
 class ImageData(FederatedData):
@@ -59,6 +57,10 @@ class ImageData(FederatedData):
     def augment(self, x: Tensor, generator: torch.Generator) -> Tensor:
         return random_crop_flip(x, generator, per_example=self.augment_per_example) if self.augment_train else x
 
+    def ensure_files(self, name: str) -> None:
+        """Fetches (``download: true``) and checks the data set's files; one sentence when they are missing."""
+        sources.ensure(name, self.data_dir, self.download)
+
     def _finish(
         self, train_x: np.ndarray, train_y, test_x: np.ndarray, test_y, num_classes: int, mean=CIFAR_MEAN, std=CIFAR_STD
     ) -> DataArrays:
@@ -79,9 +81,9 @@ class ImageData(FederatedData):
             x, tx = (x - m) / s, (tx - m) / s
         return DataArrays(
             x,
-            torch.as_tensor(np.asarray(train_y), dtype=torch.long),
+            torch.as_tensor(np.array(train_y), dtype=torch.long),
             tx,
-            torch.as_tensor(np.asarray(test_y), dtype=torch.long),
+            torch.as_tensor(np.array(test_y), dtype=torch.long),
             num_classes=num_classes,
         )
 
@@ -94,7 +96,8 @@ def _unpickle(path: Path) -> dict:
 class Cifar10Data(ImageData):
     """CIFAR-10 (50,000 / 10,000 32x32 images), the python pickles in ``<data_dir>/cifar-10-batches-py``."""
 
-    folder, files, label_key, num_classes = (
+    source, folder, files, label_key, num_classes = (
+        "cifar10",
         "cifar-10-batches-py",
         ([f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
         "labels",
@@ -102,45 +105,30 @@ class Cifar10Data(ImageData):
     )
 
     def load(self) -> DataArrays:
+        self.ensure_files(self.source)
         root = self.data_dir / self.folder
-        if self.download and not (root / self.files[1][0]).is_file():
-            self._download()
         parts = []
         for names in self.files:
             xs, ys = [], []
             for name in names:
-                path = root / name
-                if not path.is_file():
-                    raise missing(
-                        path,
-                        type(self).__name__[:-4],
-                        "Extract the 'python version' archive of the data set into data_dir, or set "
-                        "download: true on a machine with internet.",
-                    )
-                batch = _unpickle(path)
+                batch = _unpickle(root / name)
                 xs.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
                 ys.extend(batch[self.label_key])
             parts.append((np.concatenate(xs), ys))
         (x, y), (tx, ty) = parts
         return self._finish(x, y, tx, ty, self.num_classes)
 
-    def _download(self) -> None:
-        from torchvision.datasets import CIFAR10, CIFAR100
-
-        cls = CIFAR10 if self.num_classes == 10 else CIFAR100
-        try:
-            cls(root=str(self.data_dir), train=True, download=True)
-        except Exception as err:  # no network, a proxy, a full disk
-            raise ConfigError(
-                f"downloading {cls.__name__} into {self.data_dir} failed ({err}); put the files there "
-                "by hand or check the connection."
-            ) from None
-
 
 class Cifar100Data(Cifar10Data):
     """CIFAR-100 (fine labels), the python pickles in ``<data_dir>/cifar-100-python``."""
 
-    folder, files, label_key, num_classes = "cifar-100-python", (["train"], ["test"]), "fine_labels", 100
+    source, folder, files, label_key, num_classes = (
+        "cifar100",
+        "cifar-100-python",
+        (["train"], ["test"]),
+        "fine_labels",
+        100,
+    )
 
 
 class MnistData(ImageData):
@@ -162,21 +150,9 @@ class MnistData(ImageData):
 
     def load(self) -> DataArrays:
         root = self.data_dir / "MNIST" / "raw"
-        if self.download and not self._find(root, self.files[0]):
-            from torchvision.datasets import MNIST
-
-            try:
-                MNIST(root=str(self.data_dir), train=True, download=True)
-            except Exception as err:
-                raise ConfigError(f"downloading MNIST into {self.data_dir} failed ({err}).") from None
-        arrays = []
-        for name in self.files:
-            path = self._find(root, name)
-            if path is None:
-                raise missing(
-                    root / name, "MNIST", "Put the four idx files (gzipped or not) there, or set download: true."
-                )
-            arrays.append(read_idx(path))
+        if not all(self._find(root, name) for name in self.files):  # unpacked idx files count too
+            self.ensure_files("mnist")
+        arrays = [read_idx(self._find(root, name)) for name in self.files]
         x, y, tx, ty = arrays
         return self._finish(x, y, tx, ty, 10, mean=(0.1307,), std=(0.3081,))
 
@@ -203,24 +179,15 @@ def read_idx(path: Path) -> np.ndarray:
 class Cinic10Data(ImageData):
     """CINIC-10 (90,000 train / 90,000 test 32x32 PNGs), ``<data_dir>/CINIC-10/{train,test}/<class>/*.png``.
 
-    The validation split is not used, as in paper 003. Download: pooch fetches and unpacks the archive
-    (its checksum is not published, so none is checked).
+    The validation split is not used, as in paper 003. The archive's publishers give no checksum; the
+    download is checked against the SHA-256 that public CINIC-10 loaders pin (docs/benchmarks.md).
     """
 
-    url = "https://datashare.ed.ac.uk/bitstream/handle/10283/3192/CINIC-10.tar.gz"
     classes = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
     def load(self) -> DataArrays:
+        self.ensure_files("cinic10")
         root = self.data_dir / "CINIC-10"
-        if self.download and not (root / "train").is_dir():
-            import pooch
-
-            try:
-                pooch.retrieve(
-                    self.url, known_hash=None, path=self.data_dir, processor=pooch.Untar(extract_dir="CINIC-10")
-                )
-            except Exception as err:
-                raise ConfigError(f"downloading CINIC-10 into {self.data_dir} failed ({err}).") from None
         splits = [self._read(root / split) for split in ("train", "test")]
         (x, y), (tx, ty) = splits
         return self._finish(
@@ -230,13 +197,11 @@ class Cinic10Data(ImageData):
     def _read(self, folder: Path) -> tuple[np.ndarray, list[int]]:
         from PIL import Image
 
-        if not folder.is_dir():
-            raise missing(folder, "CINIC-10", "Unpack CINIC-10.tar.gz into <data_dir>/CINIC-10, or set download: true.")
         images, labels = [], []
         for label, name in enumerate(self.classes):
             for png in sorted((folder / name).glob("*.png")):
                 images.append(np.asarray(Image.open(png).convert("RGB"), dtype=np.uint8))
                 labels.append(label)
         if not images:
-            raise missing(folder / self.classes[0], "CINIC-10 images", "Each class folder must hold its PNG files.")
+            raise sources.missing("cinic10", self.data_dir)
         return np.stack(images), labels

@@ -1,6 +1,8 @@
 """Paper 001's CIFAR-100 fine-tuning models: a frozen ViT-B/16 with two trainable output layers, and a
-torchvision ResNet50 auxiliary (about 29% of the ViT's size). Pretrained weights come from a local
-directory or the Hugging Face / torch hub caches; when they are absent the builder says where to put them.
+torchvision ResNet50 auxiliary (about 29% of the ViT's size). The ViT's weights are pinned to one Hub
+commit and read as safetensors (never pickles) from a local directory, ``<pretrained_dir>`` (where
+``flrun data fetch vit_b16`` puts them, checksummed) or the Hugging Face cache; when they are absent the
+builder fetches and verifies them once, or says in one sentence where they go.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..data import sources
 from ..errors import ConfigError
 from .base import FeatureClassifier
 from .registry import register_model
@@ -42,7 +45,9 @@ class ViTFeatures(nn.Module):
 @register_model("vit_b16")
 def vit_b16(
     num_classes: int = 100,
-    pretrained: str = "google/vit-base-patch16-224-in21k",
+    pretrained: str = sources.VIT_ID,
+    revision: str = sources.VIT_REVISION,
+    pretrained_dir: str = "data",
     hidden: int = 512,
     random_init: bool = False,
     config: dict | None = None,
@@ -50,7 +55,11 @@ def vit_b16(
     """ViT-B/16 with a frozen backbone and two trainable output layers (paper 001, CIFAR-100 fine-tuning).
 
     Args:
-        pretrained: a local directory with ``config.json`` and weights, or a hub id already in the cache.
+        pretrained: a local directory with ``config.json`` and ``model.safetensors``, or a Hub model id.
+        revision: the Hub commit of ``pretrained`` (pinned; the default is the commit whose files
+            ``flrun data fetch vit_b16`` checks).
+        pretrained_dir: the data directory holding ``pretrained/<org>--<name>/`` (``flrun data fetch vit_b16
+            --data_dir <pretrained_dir>``).
         hidden: width of the first trainable output layer.
         random_init: build from ``config`` without weights (tests, timing); never for results.
         config: ``ViTConfig`` overrides, e.g. a tiny ``{hidden_size: 32, num_hidden_layers: 2, ...}``.
@@ -58,28 +67,61 @@ def vit_b16(
     from transformers import ViTConfig, ViTModel
 
     if random_init:
-        vit_config = ViTConfig(**(config or {}))
-        backbone = ViTModel(vit_config, add_pooling_layer=False)
+        backbone = ViTModel(ViTConfig(**(config or {})), add_pooling_layer=False)
     else:
-        try:  # the local directory or cache first, so an offline machine fails at once instead of retrying
+        folder = _vit_weights(pretrained, revision, Path(pretrained_dir))
+        try:
             backbone = ViTModel.from_pretrained(
-                pretrained, add_pooling_layer=False, local_files_only=True, **(config or {})
+                folder,
+                add_pooling_layer=False,
+                local_files_only=True,  # found locally above: no Hub calls, no retries
+                use_safetensors=True,  # weights only, never a pickle that could run code
+                **(config or {}),
             )
-        except OSError:
-            backbone = None
-        if backbone is None and os.environ.get("HF_HUB_OFFLINE") != "1":
-            try:
-                backbone = ViTModel.from_pretrained(pretrained, add_pooling_layer=False, **(config or {}))
-            except OSError:
-                backbone = None
-        if backbone is None:
+        except (OSError, ValueError) as err:
             raise ConfigError(
-                f"pretrained ViT weights {pretrained!r} are not available offline; download them once with "
-                f"`huggingface-cli download {pretrained}` (or copy the model directory here and set "
-                "models.<role>.args.pretrained to its path)."
+                f"the ViT in {folder} cannot be loaded ({err}); it needs config.json and model.safetensors."
             ) from None
     features = ViTFeatures(backbone, hidden, backbone.config.image_size)
     return FeatureClassifier(features, nn.Linear(hidden, num_classes), hidden, num_classes)
+
+
+def _hub_cache(repo_id: str, revision: str) -> str | None:
+    """The Hugging Face cache's snapshot folder of ``repo_id`` at ``revision``, or None (no network)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def _vit_weights(pretrained: str, revision: str, data_dir: Path) -> str:
+    """A local folder with the ViT's config and safetensors: the given one, the fetched one, or the Hub
+    cache's snapshot of ``revision``; fetched (and verified) once when absent and the network allows."""
+    if Path(pretrained).is_dir():
+        return pretrained
+    folder = data_dir / "pretrained" / pretrained.replace("/", "--")
+    known = pretrained == sources.VIT_ID and revision == sources.VIT_REVISION
+    if known and (folder / "model.safetensors").is_file():
+        return str(folder)
+    cached = _hub_cache(pretrained, revision)
+    if cached is not None:
+        return cached
+    if known and os.environ.get("HF_HUB_OFFLINE") != "1":
+        try:
+            sources.fetch("vit_b16", data_dir)
+            return str(folder)
+        except sources.NetworkError as err:
+            raise sources.missing("vit_b16", data_dir, failure=err) from None
+    if known:
+        raise sources.missing("vit_b16", data_dir)
+    raise ConfigError(
+        f"pretrained ViT weights {pretrained!r} at revision {revision} are not available offline; put its "
+        "config.json and model.safetensors in a folder and set models.<role>.args.pretrained to it, or run "
+        f"`hf download {pretrained} --revision {revision}` on a machine with internet."
+    )
 
 
 @register_model("torchvision_resnet50")
@@ -94,7 +136,7 @@ def torchvision_resnet50(num_classes: int = 100, weights_path: str | None = None
                 f"ResNet50 weights {weights_path!r} not found; download torchvision's "
                 "ResNet50_Weights.IMAGENET1K_V2 .pth file and give its path."
             )
-        net.load_state_dict(torch.load(weights_path, map_location="cpu"))
+        net.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
     dim = net.fc.in_features
     net.fc = nn.Identity()
     return FeatureClassifier(net, nn.Linear(dim, num_classes), dim, num_classes)

@@ -1,0 +1,203 @@
+"""Verified downloads: https only, a published checksum for every file, tar archives extracted with a
+filter that refuses any member that would land outside the target folder.
+
+One attempt per file and no retries, so an offline machine fails at once with one sentence (the data
+set's own message, see :mod:`fl_lightning.data.sources`) instead of a page of retry noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tarfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from ..errors import ConfigError
+
+CHUNK = 1 << 20
+HUB = "https://huggingface.co"
+
+
+class NetworkError(ConfigError):
+    """The server could not be reached (no network, DNS, proxy, HTTP error); ``reason`` is one short line."""
+
+    def __init__(self, url: str, err: BaseException):
+        self.url = url
+        self.reason = _short(err)
+        super().__init__(f"downloading {url} failed ({self.reason}); check the connection or proxy and run again.")
+
+
+def _short(err: BaseException) -> str:
+    """One line naming the failure, e.g. ``URLError: [Errno -2] Name or service not known``."""
+    detail = getattr(err, "reason", None) or err
+    text = " ".join(str(detail).split())[:160]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _open(url: str, timeout: float = 60.0):
+    """Opens ``url`` (tests replace this to simulate no network or a corrupt server)."""
+    request = urllib.request.Request(url, headers={"User-Agent": "fl-lightning"})
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """Git's object id of a file's bytes: the Hugging Face Hub names its small (non-LFS) files by it."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """Hex digest of a file (``sha256``, ``md5`` or ``git-sha1``)."""
+    if algorithm == "git-sha1":
+        return git_blob_sha1(path.read_bytes())
+    digest = hashlib.new(algorithm)
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _checksum(sha256: str | None, md5: str | None, git_sha1: str | None) -> tuple[str, str]:
+    for algorithm, value in (("sha256", sha256), ("md5", md5), ("git-sha1", git_sha1)):
+        if value:
+            return algorithm, value.lower()
+    raise ConfigError("refusing to download a file without a published checksum (sha256, md5 or git-sha1).")
+
+
+def download(
+    url: str, path: Path, *, sha256: str | None = None, md5: str | None = None, git_sha1: str | None = None
+) -> Path:
+    """Downloads ``url`` to ``path`` and checks its checksum; a file already there that matches is kept.
+
+    The bytes go to ``<path>.part`` first and are renamed only after the checksum matched, so a broken or
+    altered download never sits where a loader would read it.
+
+    Raises:
+        NetworkError: the server could not be reached.
+        ConfigError: not https, no checksum given, or the downloaded bytes do not match the checksum.
+    """
+    algorithm, expected = _checksum(sha256, md5, git_sha1)
+    if not url.startswith("https://"):
+        raise ConfigError(f"refusing to download {url}: only https URLs are fetched.")
+    path = Path(path)
+    if path.is_file() and file_digest(path, algorithm) == expected:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    try:
+        with _open(url) as response, part.open("wb") as out:
+            final = response.geturl() if hasattr(response, "geturl") else url
+            if not str(final).startswith("https://"):
+                raise ConfigError(f"refusing {url}: the server redirected to a non-https address ({final}).")
+            print(f"downloading {url} -> {path}", file=sys.stderr, flush=True)  # only once it is reachable
+            for chunk in iter(lambda: response.read(CHUNK), b""):
+                out.write(chunk)
+    except OSError as err:  # URLError, HTTPError, timeouts and resets are all OSErrors
+        part.unlink(missing_ok=True)
+        raise NetworkError(url, err) from None
+    except ConfigError:
+        part.unlink(missing_ok=True)
+        raise
+    actual = file_digest(part, algorithm)
+    if actual != expected:
+        part.unlink()
+        raise ConfigError(
+            f"{path.name} from {url} failed its {algorithm} check (got {actual}, expected {expected}); the "
+            "download is corrupt or not the published file, so it was deleted: run the fetch again."
+        )
+    part.replace(path)
+    return path
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_member(member: tarfile.TarInfo, root: Path) -> str | None:
+    """Why ``member`` may not be extracted into ``root`` (already resolved), or None when it is safe."""
+    name = member.name
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return "an absolute path"
+    target = (root / name).resolve()
+    if not _inside(target, root):
+        return "a path that leaves the folder"
+    if member.issym():
+        if member.linkname.startswith(("/", "\\")):
+            return f"a symbolic link to the absolute path {member.linkname!r}"
+        if not _inside((target.parent / member.linkname).resolve(), root):
+            return f"a symbolic link to {member.linkname!r}, outside the folder"
+    if member.islnk() and not _inside((root / member.linkname).resolve(), root):
+        return f"a hard link to {member.linkname!r}, outside the folder"
+    if member.isdev():
+        return "a device or pipe"
+    return None
+
+
+def safe_extract(archive: Path, dest: Path) -> None:
+    """Extracts a tar archive (any compression) into ``dest``, refusing every member that would be written
+    outside it: absolute paths, ``..``, links pointing out, devices. Nothing is extracted if one is refused.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    root = dest.resolve()
+    try:
+        with tarfile.open(archive) as tar:
+            members = tar.getmembers()
+            for member in members:
+                why = check_member(member, root)
+                if why is not None:
+                    raise ConfigError(
+                        f"refusing to extract {Path(archive).name}: member {member.name!r} is {why}, which "
+                        f"could write outside {dest}; nothing was extracted (delete the archive, it is not "
+                        "the published one)."
+                    )
+            # Python's own "data" filter (3.11.4+, 3.12+) checks the same again against the disk as it writes
+            extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(root, members=members, **extra)
+    except tarfile.TarError as err:
+        raise ConfigError(f"{archive} is not a readable tar archive ({err}); delete it and fetch again.") from None
+
+
+def hub_resolve(repo_id: str, revision: str) -> str:
+    """The commit id a Hub data set's ``revision`` (a branch or tag) points to now."""
+    url = f"{HUB}/api/datasets/{repo_id}/revision/{urllib.parse.quote(revision, safe='')}"
+    return str(_json(url)["sha"])
+
+
+def hub_files(repo_id: str, revision: str, folder: str = "") -> list[dict]:
+    """A Hub data set's files under ``folder`` at ``revision`` with their checksums (``lfs.oid`` is the
+    SHA-256 of large files, ``oid`` the git object id of small ones), from the Hub's paged tree listing."""
+    where = f"/{urllib.parse.quote(folder)}" if folder else ""
+    url = f"{HUB}/api/datasets/{repo_id}/tree/{urllib.parse.quote(revision, safe='')}{where}?recursive=true"
+    entries = []
+    while url:
+        page, url = _json(url, with_next=True)
+        entries += [entry for entry in page if entry.get("type") == "file"]
+    return entries
+
+
+def hub_download(repo_id: str, revision: str, entry: dict, path: Path) -> Path:
+    """Downloads one file of :func:`hub_files` at the pinned ``revision``, checked against its listed hash."""
+    url = f"{HUB}/datasets/{repo_id}/resolve/{revision}/{urllib.parse.quote(entry['path'])}"
+    if entry.get("lfs"):
+        return download(url, path, sha256=entry["lfs"]["oid"])
+    return download(url, path, git_sha1=entry["oid"])
+
+
+def _json(url: str, with_next: bool = False):
+    """The JSON at ``url``; with ``with_next`` also the next page's URL from a ``Link: <...>; rel="next"`` header."""
+    try:
+        with _open(url) as response:
+            data = json.loads(response.read().decode())
+            link = (getattr(response, "headers", None) or {}).get("Link") or ""
+        if not with_next:
+            return data
+        following = [part.split(";")[0].strip(" <>") for part in link.split(",") if 'rel="next"' in part]
+        return data, (following[0] if following else None)
+    except OSError as err:
+        raise NetworkError(url, err) from None
+    except ValueError as err:
+        raise ConfigError(f"{url} did not answer with JSON ({err}); try again later.") from None

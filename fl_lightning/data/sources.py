@@ -1,0 +1,356 @@
+"""Where every benchmark's files come from, how they are checked, and the one-sentence message when they
+are missing. ``flrun data fetch <name>`` and the loaders' ``download: true`` both go through :func:`fetch`.
+
+Checksums are the publishers' or the standard loaders' (torchvision, torchaudio / TensorFlow Datasets,
+TensorFlow Federated); Hub data sets are pinned to a commit and every file is checked against the
+SHA-256 the Hub lists for that commit. See docs/benchmarks.md for the table.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+from .download import NetworkError, download, hub_download, hub_files, hub_resolve, safe_extract
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One published file: ``name`` is where it goes under ``data_dir``; archives are unpacked into
+    ``extract_to`` (under ``data_dir``) and then deleted."""
+
+    url: str
+    name: str
+    sha256: str | None = None
+    md5: str | None = None
+    git_sha1: str | None = None
+    extract_to: str | None = None
+
+
+@dataclass(frozen=True)
+class HubFiles:
+    """Files of a Hugging Face data set at a pinned commit, copied flat into ``folder`` (under data_dir)."""
+
+    repo_id: str
+    revision: str | None  # None: no commit could be pinned here; fetch records the one it used
+    patterns: tuple[str, ...]
+    folder: str
+    listing: str = ""  # the repository folder to list (large repositories)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A data set's files under ``data_dir`` (``expected``: paths that must exist, glob patterns allowed),
+    a readable ``layout``, where they come from (``origin``) and how :func:`fetch` gets them."""
+
+    name: str
+    title: str
+    expected: tuple[str, ...]
+    layout: str
+    origin: str
+    remotes: tuple[Remote, ...] = ()
+    hub: HubFiles | None = None
+    aliases: tuple[str, ...] = field(default=())
+
+
+CIFAR = "https://www.cs.toronto.edu/~kriz/"
+MNIST = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # torchvision's https mirror
+TFF = "https://storage.googleapis.com/tff-datasets-public/"
+VIT_ID, VIT_REVISION = "google/vit-base-patch16-224-in21k", "b4569560a39a0f1af58e3ddaf17facf20ab919b0"
+VIT_FOLDER = f"pretrained/{VIT_ID.replace('/', '--')}"
+
+SOURCES = (
+    Source(
+        "cifar10",
+        "CIFAR-10",
+        tuple(f"cifar-10-batches-py/{n}" for n in ["data_batch_1", "data_batch_2", "data_batch_3"])
+        + tuple(f"cifar-10-batches-py/{n}" for n in ["data_batch_4", "data_batch_5", "test_batch"]),
+        "cifar-10-batches-py/{data_batch_1..5,test_batch}",
+        f"the python version, {CIFAR}cifar-10-python.tar.gz",
+        (
+            Remote(
+                f"{CIFAR}cifar-10-python.tar.gz",
+                "cifar-10-python.tar.gz",
+                md5="c58f30108f718f92721af3b95e74349a",
+                extract_to=".",
+            ),
+        ),
+        aliases=("Cifar10Data",),
+    ),
+    Source(
+        "cifar100",
+        "CIFAR-100",
+        ("cifar-100-python/train", "cifar-100-python/test"),
+        "cifar-100-python/{train,test}",
+        f"the python version, {CIFAR}cifar-100-python.tar.gz",
+        (
+            Remote(
+                f"{CIFAR}cifar-100-python.tar.gz",
+                "cifar-100-python.tar.gz",
+                md5="eb9058c3a382ffc7106e4002c42a8d85",
+                extract_to=".",
+            ),
+        ),
+        aliases=("Cifar100Data",),
+    ),
+    Source(
+        "mnist",
+        "MNIST",
+        tuple(
+            f"MNIST/raw/{n}-ubyte.gz"
+            for n in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1")
+        ),
+        "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]",
+        f"torchvision's mirror {MNIST}",
+        tuple(
+            Remote(f"{MNIST}{n}-ubyte.gz", f"MNIST/raw/{n}-ubyte.gz", md5=md5)
+            for n, md5 in (
+                ("train-images-idx3", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
+                ("train-labels-idx1", "d53e105ee54ea40749a09fcbcd1e9432"),
+                ("t10k-images-idx3", "9fb629c4189551a2d022fa330f9573f3"),
+                ("t10k-labels-idx1", "ec29112dd5afa0611ce80d1b7f02629c"),
+            )
+        ),
+        aliases=("MnistData",),
+    ),
+    Source(
+        "cinic10",
+        "CINIC-10",
+        ("CINIC-10/train/*/*.png", "CINIC-10/test/*/*.png"),
+        "CINIC-10/{train,test}/<class>/*.png",
+        "https://datashare.ed.ac.uk/handle/10283/3192 (CINIC-10.tar.gz)",
+        (
+            Remote(
+                "https://datashare.ed.ac.uk/bitstream/handle/10283/3192/CINIC-10.tar.gz",
+                "CINIC-10.tar.gz",
+                sha256="31b095acf6d75e25a9e028bae82a07a0f94ff6b00671be2802d34ac4efa81a9e",
+                extract_to="CINIC-10",
+            ),
+        ),
+        aliases=("Cinic10Data",),
+    ),
+    Source(
+        "speech_commands",
+        "Speech Commands v0.02",
+        ("speech_commands_v0.02/testing_list.txt", "speech_commands_v0.02/*/*_nohash_*.wav"),
+        "speech_commands_v0.02/{testing_list.txt,<word>/<speaker>_nohash_<k>.wav}",
+        "https://storage.googleapis.com/download.tensorflow.org/data/speech_commands_v0.02.tar.gz",
+        (
+            Remote(
+                "https://storage.googleapis.com/download.tensorflow.org/data/speech_commands_v0.02.tar.gz",
+                "speech_commands_v0.02.tar.gz",
+                sha256="af14739ee7dc311471de98f5f9d2c9191b18aedfe957f4a6ff791c709868ff58",
+                extract_to="speech_commands_v0.02",
+            ),
+        ),
+        aliases=("SpeechCommandsData", "speech"),
+    ),
+    Source(
+        "fed_cifar100",
+        "Federated CIFAR-100",
+        ("fed_cifar100/fed_cifar100_train.h5", "fed_cifar100/fed_cifar100_test.h5"),
+        "fed_cifar100/fed_cifar100_{train,test}.h5",
+        f"TensorFlow Federated, {TFF}fed_cifar100.tar.bz2",
+        (
+            Remote(
+                f"{TFF}fed_cifar100.tar.bz2",
+                "fed_cifar100/fed_cifar100.tar.bz2",
+                sha256="e8575e22c038ecef1ce6c7d492d7abee7da13b1e1ba9b70a7fc18531ba7590de",
+                extract_to="fed_cifar100",
+            ),
+        ),
+        aliases=("FedCifar100Data",),
+    ),
+    Source(
+        "stackoverflow",
+        "StackOverflow",
+        (
+            "stackoverflow/stackoverflow_train.h5",
+            "stackoverflow/stackoverflow_test.h5",
+            "stackoverflow/stackoverflow.word_count",
+        ),
+        "stackoverflow/{stackoverflow_train.h5,stackoverflow_test.h5,stackoverflow.word_count}",
+        f"TensorFlow Federated, {TFF}stackoverflow.tar.bz2 and stackoverflow.word_count.tar.bz2",
+        (
+            Remote(
+                f"{TFF}stackoverflow.word_count.tar.bz2",
+                "stackoverflow/stackoverflow.word_count.tar.bz2",
+                sha256="1dc00256d6e527c54b9756d968118378ae14e6692c0b3b6cad470cdd3f0c519c",
+                extract_to="stackoverflow",
+            ),
+            Remote(
+                f"{TFF}stackoverflow.tar.bz2",
+                "stackoverflow/stackoverflow.tar.bz2",
+                sha256="99eca2f8b8327a09e5fc123979df2d237acbc5e52322f6d86bf523ee47b961a2",
+                extract_to="stackoverflow",
+            ),
+        ),
+        aliases=("StackOverflowData",),
+    ),
+    Source(
+        "femnist",
+        "FEMNIST",
+        ("femnist/hub/*.parquet",),
+        "femnist/hub/*.parquet (the Hub's flwrlabs/femnist) or LEAF's femnist/all_data/*.json",
+        "the Hugging Face data set flwrlabs/femnist (or LEAF's preprocess.sh)",
+        hub=HubFiles("flwrlabs/femnist", None, ("*.parquet",), "femnist/hub"),
+        aliases=("FemnistData",),
+    ),
+    Source(
+        "imdb",
+        "IMDB",
+        ("imdb/train-*.parquet", "imdb/test-*.parquet", "imdb/unsupervised-*.parquet"),
+        "imdb/{train,test,unsupervised}-*.parquet",
+        "the Hugging Face data set stanfordnlp/imdb",
+        hub=HubFiles("stanfordnlp/imdb", "e6281661ce1c48d982bc483cf8a173c1bbeb5d31", ("plain_text/*.parquet",), "imdb"),
+        aliases=("ImdbData",),
+    ),
+    Source(
+        "c4",
+        "C4 validation shard",
+        ("c4/c4-validation.00000-of-00008.json.gz",),
+        "c4/c4-validation.00000-of-00008.json.gz",
+        "the Hugging Face data set allenai/c4 (en)",
+        hub=HubFiles("allenai/c4", None, ("en/c4-validation.00000-of-00008.json.gz",), "c4", listing="en"),
+    ),
+    Source(
+        "vit_b16",
+        "ViT-B/16 weights",
+        (f"{VIT_FOLDER}/config.json", f"{VIT_FOLDER}/model.safetensors"),
+        f"{VIT_FOLDER}/{{config.json,model.safetensors}}",
+        f"the Hugging Face model {VIT_ID} at commit {VIT_REVISION}",
+        tuple(
+            Remote(f"https://huggingface.co/{VIT_ID}/resolve/{VIT_REVISION}/{name}", f"{VIT_FOLDER}/{name}", **check)
+            for name, check in (
+                ("config.json", {"git_sha1": "254071bbf72dd0fd535b61768d9cd87adcb776f4"}),
+                ("model.safetensors", {"sha256": "fd4e1169c7aa6c2dbfa8a6448be13b35abc0ee256190857c90009d12c094619b"}),
+            )
+        ),
+        aliases=("vit", VIT_ID),
+    ),
+)
+NAMES = {key.lower(): source for source in SOURCES for key in (source.name, *source.aliases)}
+
+
+def source(name: str) -> Source:
+    """A data set's source by short name (``cifar10``) or class name (``Cifar10Data``)."""
+    found = NAMES.get(name.lower())
+    if found is None:
+        raise ConfigError(
+            f"unknown data set {name!r} for `flrun data fetch`; use one of {', '.join(s.name for s in SOURCES)}."
+        )
+    return found
+
+
+def present(src: Source, data_dir: Path) -> bool:
+    """Whether every expected file (or at least one match of each pattern) is under ``data_dir``."""
+    return all(any(Path(data_dir).glob(pattern)) for pattern in src.expected)
+
+
+def fetch_command(name: str, data_dir: Path | str) -> str:
+    return f"`flrun data fetch {source(name).name} --data_dir {data_dir}`"
+
+
+def missing(name: str, data_dir: Path | str, failure: BaseException | None = None, hint: str = "") -> ConfigError:
+    """The one sentence for absent files: what is expected where, where it comes from, the fetch command.
+
+    Args:
+        failure: the download error when a download was tried (``download: true``).
+        hint: a data-set-specific addition, e.g. "or set download: true".
+    """
+    src, data_dir = source(name), Path(data_dir)
+    why = " and could not be downloaded" if failure is not None else ""
+    if isinstance(failure, NetworkError):
+        why += f" ({failure.reason})"
+    elif failure is not None:
+        why += f" ({failure})"
+    return ConfigError(
+        f"{src.title} not found{why}: expected {data_dir / src.layout} (from {src.origin}); run "
+        f"{fetch_command(name, data_dir)} on a machine with internet to download and verify them and copy "
+        f"{data_dir} to this machine{hint}."
+    )
+
+
+def ensure(name: str, data_dir: Path | str, download: bool, revision: str | None = None) -> None:
+    """A loader's check: files present (at ``revision`` for Hub sets, when given), else fetched with
+    ``download``, else one sentence naming them and ``flrun data fetch``."""
+    src, data_dir = source(name), Path(data_dir)
+    if present(src, data_dir):
+        _check_revision(src, data_dir, revision)
+        return
+    if not download:
+        raise missing(name, data_dir, hint=", or set download: true")
+    try:
+        fetch(name, data_dir, revision)
+    except NetworkError as err:
+        raise missing(name, data_dir, failure=err) from None
+
+
+def _check_revision(src: Source, data_dir: Path, revision: str | None) -> None:
+    record = data_dir / src.hub.folder / "REVISION" if src.hub else None
+    if revision is None or record is None or not record.is_file():
+        return
+    fetched = record.read_text().split()[-1]
+    if fetched != revision:
+        raise ConfigError(
+            f"{src.title} in {record.parent} is commit {fetched}, not the requested {revision}; delete the folder "
+            f"and run `flrun data fetch {src.name} --data_dir {data_dir} --revision {revision}`."
+        )
+
+
+def fetch(name: str, data_dir: Path | str = "data", revision: str | None = None, force: bool = False) -> list[Path]:
+    """Downloads, verifies and unpacks a data set into ``data_dir``; returns the expected paths found.
+
+    Files already present are kept (``force`` downloads again). Archives are deleted once unpacked.
+
+    Raises:
+        NetworkError: no connection; ConfigError: a checksum mismatch or an unsafe archive.
+    """
+    src, data_dir = source(name), Path(data_dir)
+    if force or not present(src, data_dir):
+        for remote in src.remotes:
+            target = data_dir / remote.name
+            download(remote.url, target, sha256=remote.sha256, md5=remote.md5, git_sha1=remote.git_sha1)
+            if remote.extract_to is not None:
+                print(f"unpacking {target.name} into {data_dir / remote.extract_to}", file=sys.stderr, flush=True)
+                safe_extract(target, data_dir / remote.extract_to)
+                target.unlink()
+        if src.hub is not None:
+            _fetch_hub(src.hub, data_dir, revision)
+    if not present(src, data_dir):
+        raise ConfigError(
+            f"{src.title}: the download finished but {data_dir / src.layout} is still incomplete; delete the "
+            f"partial files and run {fetch_command(name, data_dir)} again."
+        )
+    return sorted(p for pattern in src.expected for p in data_dir.glob(pattern))
+
+
+def _fetch_hub(hub: HubFiles, data_dir: Path, revision: str | None) -> None:
+    revision = revision or hub.revision
+    if revision is None:
+        revision = hub_resolve(hub.repo_id, "main")
+        print(
+            f"{hub.repo_id} has no pinned commit here (none could be found in public code); fetching its current "
+            f"commit {revision}, recorded in {data_dir / hub.folder / 'REVISION'}.",
+            file=sys.stderr,
+        )
+    folder = data_dir / hub.folder
+    entries = [
+        e
+        for e in hub_files(hub.repo_id, revision, hub.listing)
+        if any(fnmatch.fnmatch(e["path"], p) for p in hub.patterns)
+    ]
+    if not entries:
+        raise ConfigError(f"{hub.repo_id} at {revision} has no files matching {', '.join(hub.patterns)}.")
+    staging = data_dir / ".fetch" / hub.folder
+    for entry in entries:
+        hub_download(hub.repo_id, revision, entry, staging / Path(entry["path"]).name)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in staging.iterdir():  # only verified files reach the folder the loader reads
+        shutil.move(str(path), folder / path.name)
+    shutil.rmtree(data_dir / ".fetch", ignore_errors=True)
+    (folder / "REVISION").write_text(f"{hub.repo_id} {revision}\n")

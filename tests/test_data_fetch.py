@@ -1,0 +1,328 @@
+"""Downloads are https-only and checksummed, archives cannot write outside data_dir, and every data set
+with no files and no network fails in one sentence naming the expected files and `flrun data fetch`."""
+
+import dataclasses
+import hashlib
+import io
+import json
+import pickle
+import tarfile
+import urllib.error
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from fl_lightning.data import download, sources
+from fl_lightning.errors import ConfigError
+
+
+class FakeResponse(io.BytesIO):
+    def __init__(self, data: bytes, url: str, headers: dict | None = None):
+        super().__init__(data)
+        self.url, self.headers = url, headers or {}
+
+    def geturl(self):
+        return self.url
+
+
+def serve(monkeypatch, files: dict[str, bytes | Exception]) -> list[str]:
+    """Replaces the network: ``files`` maps URLs to bytes (or an exception to raise); returns the URLs asked."""
+    asked = []
+
+    def fake_open(url, timeout=60.0):
+        asked.append(url)
+        answer = files.get(url, urllib.error.URLError("[Errno -2] Name or service not known"))
+        if isinstance(answer, Exception):
+            raise answer
+        return FakeResponse(answer, url)
+
+    monkeypatch.setattr(download, "_open", fake_open)
+    return asked
+
+
+def offline(monkeypatch) -> list[str]:
+    return serve(monkeypatch, {})
+
+
+# --- checksums -------------------------------------------------------------------------------------------
+
+
+def test_a_corrupted_download_is_refused_and_deleted(tmp_path, monkeypatch):
+    good = b"the published bytes"
+    url = "https://example.org/file.bin"
+    serve(monkeypatch, {url: good[:-1] + b"X"})  # one byte changed in transit
+    target = tmp_path / "file.bin"
+    with pytest.raises(ConfigError, match=r"failed its sha256 check.*deleted") as err:
+        download.download(url, target, sha256=hashlib.sha256(good).hexdigest())
+    assert "\n" not in str(err.value)
+    assert not target.exists() and not (tmp_path / "file.bin.part").exists()
+    serve(monkeypatch, {url: good})
+    assert download.download(url, target, sha256=hashlib.sha256(good).hexdigest()).read_bytes() == good
+    with pytest.raises(ConfigError, match="md5 check"):
+        download.download(url, tmp_path / "other.bin", md5=hashlib.md5(b"something else").hexdigest())
+
+
+def test_downloads_need_https_and_a_checksum(tmp_path, monkeypatch):
+    asked = serve(monkeypatch, {"http://example.org/a": b"x", "https://example.org/a": b"x"})
+    with pytest.raises(ConfigError, match="only https"):
+        download.download("http://example.org/a", tmp_path / "a", sha256="0" * 64)
+    with pytest.raises(ConfigError, match="without a published checksum"):
+        download.download("https://example.org/a", tmp_path / "a")
+    assert asked == []  # refused before any connection
+
+
+def test_a_redirect_to_plain_http_is_refused(tmp_path, monkeypatch):
+    def redirected(url, timeout=60.0):
+        return FakeResponse(b"x", "http://mirror.example.org/a")
+
+    monkeypatch.setattr(download, "_open", redirected)
+    with pytest.raises(ConfigError, match="non-https"):
+        download.download("https://example.org/a", tmp_path / "a", sha256=hashlib.sha256(b"x").hexdigest())
+    assert not (tmp_path / "a").exists()
+
+
+def test_git_blob_sha1_is_gits_object_id():
+    # `printf 'hello\n' | git hash-object --stdin`
+    assert download.git_blob_sha1(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
+
+
+# --- tar extraction filter --------------------------------------------------------------------------------
+
+
+def craft_tar(path, members):
+    """members: (name, kind, payload) with kind file | symlink | hardlink."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+            else:
+                info.type = tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE
+                info.linkname = payload
+                tar.addfile(info)
+    return path
+
+
+@pytest.mark.parametrize(
+    "evil, why",
+    [
+        (("/tmp/fl_lightning_evil_abs.txt", "file", b"x"), "an absolute path"),
+        (("../escaped.txt", "file", b"x"), "a path that leaves the folder"),
+        (("data/../../escaped.txt", "file", b"x"), "a path that leaves the folder"),
+        (("link", "symlink", "/etc"), "a symbolic link to the absolute path"),
+        (("sub/link", "symlink", "../../.."), "a symbolic link to '../../..', outside"),
+        (("hard", "hardlink", "../outside.txt"), "a hard link to '../outside.txt', outside"),
+    ],
+    ids=["absolute", "dotdot", "nested-dotdot", "symlink-absolute", "symlink-out", "hardlink-out"],
+)
+def test_tar_members_outside_the_folder_are_refused_and_nothing_is_extracted(tmp_path, evil, why):
+    archive = craft_tar(tmp_path / "evil.tar.gz", [("ok/first.txt", "file", b"fine"), evil])
+    dest = tmp_path / "data" / "inside"
+    with pytest.raises(ConfigError, match=f"member {evil[0]!r} is {why}") as err:
+        download.safe_extract(archive, dest)
+    assert "\n" not in str(err.value)
+    assert list(dest.rglob("*")) == []  # not even the harmless first member
+    assert not (tmp_path / "data" / "escaped.txt").exists() and not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_well_formed_archive_extracts_with_links_that_stay_inside(tmp_path):
+    archive = craft_tar(
+        tmp_path / "good.tar.gz",
+        [("d/a.txt", "file", b"alpha"), ("d/alias.txt", "symlink", "a.txt"), ("d/copy.txt", "hardlink", "d/a.txt")],
+    )
+    download.safe_extract(archive, tmp_path / "out")
+    assert (tmp_path / "out/d/alias.txt").read_bytes() == b"alpha"
+    assert (tmp_path / "out/d/copy.txt").read_bytes() == b"alpha"
+
+
+# --- fetch: archives and Hub files through the real code path ---------------------------------------------
+
+
+def cifar_archive(path):
+    members = []
+    for name, n in [(f"data_batch_{i}", 2) for i in range(1, 6)] + [("test_batch", 3)]:
+        batch = {"data": np.full((n, 3072), 7, dtype=np.uint8), "labels": list(range(n))}
+        members.append((f"cifar-10-batches-py/{name}", "file", pickle.dumps(batch)))
+    return craft_tar(path, members).read_bytes()
+
+
+def test_fetch_downloads_verifies_unpacks_and_the_loader_reads_it(tmp_path, monkeypatch, capsys):
+    from conftest import run_cli
+
+    from fl_lightning.data import Cifar10Data
+
+    blob = cifar_archive(tmp_path / "archive.tar.gz")
+    real = sources.source("cifar10")
+    url = "https://example.org/cifar-10-python.tar.gz"
+    remote = dataclasses.replace(real.remotes[0], url=url, md5=hashlib.md5(blob).hexdigest())
+    monkeypatch.setitem(sources.NAMES, "cifar10", dataclasses.replace(real, remotes=(remote,)))
+    asked = serve(monkeypatch, {url: blob})
+    data_dir = tmp_path / "data"
+    assert run_cli("data", "fetch", "cifar10", "--data_dir", str(data_dir)) == 0
+    assert "downloaded and verified, 6 files" in capsys.readouterr().out
+    assert not (data_dir / "cifar-10-python.tar.gz").exists()  # the archive is removed once unpacked
+    arrays = Cifar10Data(data_dir=str(data_dir), normalize="none").load()
+    assert arrays.x.shape == (10, 3, 32, 32) and float(arrays.x[0, 0, 0, 0]) == pytest.approx(7 / 255)
+    assert run_cli("data", "fetch", "Cifar10Data", "--data_dir", str(data_dir)) == 0  # class names work too
+    assert "already in" in capsys.readouterr().out and asked == [url]  # present: not downloaded again
+
+
+def png(value: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.full((28, 28), value, dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_hub_files_are_pinned_checked_and_read_by_the_femnist_loader(tmp_path, monkeypatch):
+    from fl_lightning.data import FemnistData
+
+    table = pd.DataFrame(
+        {
+            "image": [{"bytes": png(255 * (i % 2)), "path": None} for i in range(20)],
+            "writer_id": [f"w{i % 4}" for i in range(20)],
+            "character": [i % 62 for i in range(20)],
+        }
+    )
+    parquet = io.BytesIO()
+    table.to_parquet(parquet)
+    blob = parquet.getvalue()
+    commit = "c" * 40
+    api = "https://huggingface.co/api/datasets/flwrlabs/femnist"
+    listing = [
+        {"type": "file", "path": "data/train-00000-of-00001.parquet", "oid": "0" * 40,
+         "lfs": {"oid": hashlib.sha256(blob).hexdigest(), "size": len(blob), "pointerSize": 134}},
+        {"type": "file", "path": "README.md", "oid": download.git_blob_sha1(b"card")},
+        {"type": "directory", "path": "data", "oid": "1" * 40},
+    ]  # fmt: skip
+    file_url = f"https://huggingface.co/datasets/flwrlabs/femnist/resolve/{commit}/data/train-00000-of-00001.parquet"
+    asked = serve(
+        monkeypatch,
+        {
+            f"{api}/revision/main": json.dumps({"sha": commit}).encode(),
+            f"{api}/tree/{commit}?recursive=true": json.dumps(listing).encode(),
+            file_url: blob,
+        },
+    )
+    data = FemnistData(data_dir=str(tmp_path))  # downloads by default, as the Hub loader always did
+    data.setup(num_clients=4, seed=0)
+    assert asked[-1] == file_url and (tmp_path / "femnist/hub/REVISION").read_text().split() == [
+        "flwrlabs/femnist",
+        commit,
+    ]
+    assert len(data.y) + len(data.test_y) == 20 and sorted(set(data.groups)) == ["w0", "w1", "w2", "w3"]
+    assert {float(v) for v in data.x.amax(dim=(1, 2, 3))} | {float(v) for v in data.x.amin(dim=(1, 2, 3))} == {
+        0.0,
+        1.0,
+    }
+    with pytest.raises(ConfigError, match=f"is commit {commit}, not the requested {'d' * 40}"):
+        FemnistData(data_dir=str(tmp_path), hub_revision="d" * 40).load()
+    # a corrupted Hub file: refused, nothing left where the loader reads
+    serve(monkeypatch, {f"{api}/tree/{'e' * 40}?recursive=true": json.dumps(listing).encode(),
+                        file_url.replace(commit, "e" * 40): blob[:-1]})  # fmt: skip
+    with pytest.raises(ConfigError, match="failed its sha256 check"):
+        sources.fetch("femnist", tmp_path / "fresh", revision="e" * 40)
+    assert not list((tmp_path / "fresh").rglob("*.parquet"))
+
+
+# --- offline: one sentence per data set -------------------------------------------------------------------
+
+
+def _vision(cls, **kw):
+    return lambda d: getattr(__import__("fl_lightning.data", fromlist=[cls]), cls)(data_dir=d, **kw).load()
+
+
+def _stackoverflow_c4(d):
+    import h5py
+
+    from fl_lightning.data import StackOverflowData
+
+    root = d / "stackoverflow"
+    root.mkdir(parents=True)
+    (root / "stackoverflow.word_count").write_text("the 100\n")
+    for split in ("train", "test"):
+        with h5py.File(root / f"stackoverflow_{split}.h5", "w") as f:
+            f.create_dataset("examples/u1/tokens", data=[b"the"])
+            f.create_dataset("examples/u1/type", data=[b"question"])
+    StackOverflowData(data_dir=d, download=True, vocab_size=1, distillation_texts="hub").setup(1, 0)
+
+
+def _vit(d):
+    from fl_lightning.models import registered_models
+
+    registered_models()["vit_b16"](pretrained_dir=str(d))
+
+
+OFFLINE_CASES = {
+    "cifar10": _vision("Cifar10Data", download=True),
+    "cifar100": _vision("Cifar100Data", download=True),
+    "mnist": _vision("MnistData", download=True),
+    "cinic10": _vision("Cinic10Data", download=True),
+    "speech_commands": _vision("SpeechCommandsData", download=True),
+    "fed_cifar100": _vision("FedCifar100Data", download=True),
+    "stackoverflow": _vision("StackOverflowData", download=True),
+    "femnist": _vision("FemnistData"),
+    "imdb": _vision("ImdbData"),
+    "c4": _stackoverflow_c4,
+    "vit_b16": _vit,
+}
+
+
+@pytest.mark.parametrize("name", list(OFFLINE_CASES))
+def test_offline_every_data_set_fails_in_one_sentence_naming_files_and_fetch(tmp_path, monkeypatch, capfd, name):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty Hub cache
+    asked = offline(monkeypatch)
+    data_dir = tmp_path / "data"
+    with pytest.raises(ConfigError) as err:
+        OFFLINE_CASES[name](data_dir)
+    message = str(err.value)
+    src = sources.source(name)
+    assert "\n" not in message and message.count(". ") == 0, message  # one sentence
+    assert f"{src.title} not found and could not be downloaded (URLError: [Errno -2]" in message
+    assert f"expected {data_dir / src.layout}" in message
+    assert f"`flrun data fetch {name} --data_dir {data_dir}`" in message
+    assert len(asked) == 1  # one attempt, no retries
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""  # and no noise before the sentence
+
+
+@pytest.mark.parametrize("name", ["cifar10", "speech_commands", "fed_cifar100"])
+def test_without_download_the_sentence_offers_it_and_nothing_is_fetched(tmp_path, monkeypatch, name):
+    cls = {"cifar10": "Cifar10Data", "speech_commands": "SpeechCommandsData", "fed_cifar100": "FedCifar100Data"}
+    asked = offline(monkeypatch)
+    with pytest.raises(ConfigError, match=rf"not found: expected .*flrun data fetch {name}.*or set download: true\.$"):
+        _vision(cls[name])(tmp_path)
+    assert asked == []
+
+
+def test_vit_with_hub_offline_set_does_not_touch_the_network(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    asked = offline(monkeypatch)
+    with pytest.raises(ConfigError, match=r"ViT-B/16 weights not found: expected .*model\.safetensors.*vit_b16"):
+        _vit(tmp_path)
+    assert asked == []
+
+
+def test_an_offline_paper_recipe_exits_2_with_one_line(tmp_path, monkeypatch, capfd):
+    from conftest import ROOT, run_cli
+
+    offline(monkeypatch)
+    rc = run_cli(
+        "fit", "--config", str(ROOT / "recipes/ondevice_kd_cifar100.yaml"), "--output_dir", str(tmp_path / "run"),
+        "--data.init_args.data_dir", str(tmp_path / "data"), "--runtime.progress", "false",
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "CIFAR-100 not found and could not be downloaded" in err and "flrun data fetch cifar100" in err
+
+
+def test_fetch_names_unknown_data_sets_in_one_sentence(capsys):
+    from conftest import run_cli
+
+    assert run_cli("data", "fetch", "cifar11") == 2
+    err = capsys.readouterr().err
+    assert "unknown data set 'cifar11'" in err and "cifar10, cifar100" in err and err.count("\n") == 1
