@@ -6,6 +6,7 @@ from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .fedgh import FedGH
 from .fedhe import FedHe
+from .fedproto import FedProto
 from .felo import Felo
 from .merged_codist import MergedCodist
 from .ondevice_kd import OnDeviceKD
@@ -19,6 +20,7 @@ __all__ = [
     "FedAvg",
     "FedGH",
     "FedHe",
+    "FedProto",
     "Felo",
     "MergedCodist",
     "OnDeviceKD",

@@ -1,0 +1,200 @@
+"""FedProto: Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022
+(Sec. 3-4, Algorithm 1; a baseline of paper 004)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..client.context import ClientContext
+from ..errors import ConfigError
+from ..evaluation import Evaluator
+from ..knowledge.banks import ClassBank
+from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
+from ..types import ClientTask, ClientUpdate, StateDict
+from .base import ServerContext, Strategy
+
+ABSENT_CLASS_LOGIT = -1e9  # a class without a global prototype is never the nearest one
+
+
+def prototype_loss(features: Tensor, labels: Tensor, prototypes: Tensor, available: Tensor) -> Tensor:
+    """The prototype regulariser: squared distance of each representation to its class's global prototype.
+
+    Summed over the samples whose class has a prototype and divided by ``B x D`` (every element of the
+    batch): the official code's ``MSELoss`` against a copy of the batch whose rows are replaced by the
+    prototype where one exists (rows without one contribute 0 but count in the mean).
+
+    Args:
+        features: ``[B, D]`` representations.
+        labels: ``[B]`` classes.
+        prototypes: ``[C, D]`` global prototypes.
+        available: ``[C]`` bool, classes that have a global prototype.
+    """
+    mask = available[labels]
+    if not mask.any():
+        return features.sum() * 0.0
+    squared = (features[mask] - prototypes[labels[mask]]).pow(2).sum()
+    return squared / features.numel()
+
+
+def prototype_head(prototypes: Tensor, available: Tensor) -> dict[str, Tensor]:
+    """A linear head that classifies by the nearest prototype (L2): ``W = 2 P``, ``b = -||P_c||^2``.
+
+    ``argmin_c ||h - P_c||^2 = argmax_c (2 P_c . h - ||P_c||^2)`` because ``||h||^2`` is the same for every
+    class, so nearest-prototype inference runs as an ordinary head and the evaluator needs no special
+    case; the cross-entropy of these logits is that of ``softmax(-||h - P_c||^2)``. Classes without a
+    prototype get the bias ``ABSENT_CLASS_LOGIT`` and are never predicted.
+    """
+    weight = 2.0 * prototypes * available[:, None]
+    bias = torch.where(
+        available, -prototypes.pow(2).sum(1), torch.full_like(available, ABSENT_CLASS_LOGIT, dtype=prototypes.dtype)
+    )
+    return {"weight": weight, "bias": bias}
+
+
+class FedProto(Strategy):
+    """Personal heterogeneous models that exchange per-class mean representations (prototypes).
+
+    Client k keeps its own model (features then head). Each round it receives the global prototypes
+    ``P_c`` and trains on ``CE(head(h), y) + lam * R(h, P_y)`` (Sec. 4, the local objective), where ``R``
+    is the squared L2 distance to the class's global prototype, skipped for classes without one; the
+    official code (yuetan031/FedProto ``lib/update.py``, HtFLlib ``clientproto.py``) averages it over
+    every element of the batch (:func:`prototype_loss`). While it trains it sums its representations per
+    class (training-mode forward, before each step, as both codes) and uploads its local prototypes, the
+    class means, for the ``S`` classes it holds: ``S x (D + 1)`` numbers with the labels.
+
+    The server averages the uploads of the round per class. The paper weights client k's prototype by its
+    class count ``|D_k,c|`` (the global-prototype equation, as BASELINES.md recalls it; ``weighting: samples``, which adds the ``S``
+    counts to each upload); the official code takes the plain mean over the clients that hold the class
+    (``lib/utils.py`` ``proto_aggregation``, copied by HtFLlib; ``weighting: uniform``). Paper 004 does not
+    say which it ran; the default is the official code. Global prototypes are rebuilt every round from
+    that round's uploads only, as in both codes; the downlink carries the ``R`` classes that have one,
+    ``R x (D + 1)`` numbers (paper 004's communication column counts only a client's own classes, without
+    labels).
+
+    Inference is by the nearest global prototype (``inference: prototypes``, the paper and both codes):
+    ``argmin_c ||h - P_c||``, run as a linear head (:func:`prototype_head`); ``inference: local_head``
+    evaluates each client's own head instead. Before the first prototypes exist the own head is used.
+    Every model's representation must have the same size D.
+
+    Args:
+        lam: lambda, weight of the prototype regulariser (1 in the official scripts).
+        weighting: ``uniform`` (official code) or ``samples`` (paper: weighted by class counts).
+        inference: ``prototypes`` (nearest global prototype) or ``local_head``.
+        split: where personal models are evaluated: ``test`` (each client's local test split, paper 004
+            and the FedProto paper) or ``global``.
+    """
+
+    state_attributes = ("bank",)
+
+    def __init__(
+        self, lam: float = 1.0, weighting: str = "uniform", inference: str = "prototypes", split: str = "test"
+    ):
+        if weighting not in ("uniform", "samples"):
+            raise ConfigError(f"FedProto weighting must be uniform or samples, got {weighting!r}.")
+        if inference not in ("prototypes", "local_head"):
+            raise ConfigError(f"FedProto inference must be prototypes or local_head, got {inference!r}.")
+        if lam < 0:
+            raise ConfigError(f"FedProto lam must be non-negative, got {lam}.")
+        self.lam, self.weighting, self.inference, self.split = lam, weighting, inference, split
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        server.require_one_role_per_client("FedProto")
+        dims = {r: server.feature_dim(r) for r in server.roles}
+        if len(set(dims.values())) != 1:
+            raise ConfigError(
+                f"FedProto averages representations across models, so every role needs the same feature size; "
+                f"got {dims}. Give all builders the same representation size (e.g. hidden: 64)."
+            )
+        if self.inference == "prototypes":
+            heads = {r: type(server.model(r).head).__name__ for r in server.roles}
+            if any(not isinstance(server.model(r).head, nn.Linear) for r in server.roles):
+                raise ConfigError(
+                    f"FedProto's nearest-prototype inference replaces each model's head by a linear one, so every "
+                    f"head must be one nn.Linear; got {heads}. Use inference: local_head for other heads."
+                )
+        self.num_classes, self.feature_dim = server.data.num_classes, next(iter(dims.values()))
+        self.bank = ClassBank(self.num_classes, self.feature_dim)  # this round's uploads, reset each round
+
+    # ------------------------------------------------------------------ server -> client
+    def global_prototypes(self) -> ClassStatistics:
+        """The global prototypes of the classes that have one (compact: ``R x (D + 1)`` numbers)."""
+        padded = ClassStatistics.padded("global_prototypes", {"prototypes": self.bank.mean()}, self.bank.available)
+        return padded.compact()
+
+    def configure_round(self, rnd, clients, phase="train"):
+        prototypes = self.global_prototypes()
+        return [ClientTask(c, rnd, {"global_prototypes": prototypes}) for c in clients]
+
+    # ------------------------------------------------------------------ client
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = task.client.roles[0]
+        ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
+        device = ctx.data_x.device
+        prototypes, available = dense_prototypes(task.downlink["global_prototypes"], self.num_classes, device)
+        collector = ClassStatsCollector(self.num_classes, {"prototypes": self.feature_dim}, device)
+
+        def step(module, batch, i):
+            x, y = batch
+            h = module.features(x)
+            collector.add(y, prototypes=h)
+            loss = F.cross_entropy(module.head(h), y)
+            if self.lam:
+                loss = loss + self.lam * prototype_loss(h, y, prototypes, available)
+            return loss
+
+        stats = ctx.fit(role, step_fn=step)
+        ctx.state["weights"] = ctx.weights(role)
+        upload = collector.result("local_prototypes")
+        if self.weighting == "samples":  # the class counts travel with the prototypes
+            upload.vectors["counts"] = collector.counts[:, None].float()
+        return ClientUpdate(
+            task.client, ctx.num_examples(), {"local_prototypes": upload.compact()}, {f"{role}/loss": stats["loss"]}
+        )
+
+    # ------------------------------------------------------------------ server
+    def aggregate(self, rnd, updates, phase="train"):
+        self.bank = ClassBank(self.num_classes, self.feature_dim)
+        for update in updates:
+            upload = update.uplink["local_prototypes"]
+            labels = upload.labels.long().cpu()
+            vectors = torch.zeros(self.num_classes, self.feature_dim)
+            vectors[labels] = upload.vectors["prototypes"].detach().cpu()
+            present = torch.zeros(self.num_classes, dtype=torch.bool)
+            present[labels] = True
+            weights = None
+            if self.weighting == "samples":
+                weights = torch.zeros(self.num_classes, dtype=torch.float64)
+                weights[labels] = upload.vectors["counts"][:, 0].detach().cpu().double()
+            self.bank.add(vectors, present, weights)
+        return {"server/classes_with_prototype": float(self.bank.available.sum())}
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        return evaluator.personalized(self.personal_weights, split=self.split)
+
+    def personal_weights(self, client, state) -> tuple[str, StateDict]:
+        """The client's model; with prototype inference its head is the nearest-prototype one."""
+        weights = self.server.own_weights(client, state.get("weights"))
+        available = self.bank.available
+        if self.inference == "prototypes" and available.any():
+            device = weights["head.weight"].device
+            head = prototype_head(self.bank.mean().to(device), available.to(device))
+            weights = {**weights, **{f"head.{k}": v.to(weights[f"head.{k}"].dtype) for k, v in head.items()}}
+        return client.roles[0], weights
+
+    @property
+    def monitor(self) -> str:
+        return "personal/test_acc"
+
+
+def dense_prototypes(received: ClassStatistics, num_classes: int, device) -> tuple[Tensor, Tensor]:
+    """``[C, D]`` prototypes and ``[C]`` availability from a compact payload (zeros where absent)."""
+    rows, labels = received.vectors["prototypes"], received.labels.long()
+    prototypes = torch.zeros(num_classes, rows.shape[1], device=device)
+    available = torch.zeros(num_classes, dtype=torch.bool, device=device)
+    prototypes[labels.to(device)] = rows.to(device)
+    available[labels.to(device)] = True
+    return prototypes, available
