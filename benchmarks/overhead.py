@@ -25,14 +25,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fl_lightning.client.context import derive_seed
 from fl_lightning.client.loop import LocalLoop, LocalTraining, role_seed
 from fl_lightning.data import DataArrays, DigitsData, DirichletPartitioner, FederatedData
 from fl_lightning.fit import Runtime
 from fl_lightning.models import ModelSpec
-from fl_lightning.orchestrator import SERVER_STREAM, FederationOrchestrator
+from fl_lightning.orchestrator import FederationOrchestrator
 from fl_lightning.population import Population
 from fl_lightning.sampling import UniformSampler
+from fl_lightning.seeding import SERVER_STREAM, derive_seed
 from fl_lightning.strategies import FedAvg
 from fl_lightning.tracking import RunFiles, RunLogger
 

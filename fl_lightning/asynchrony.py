@@ -4,17 +4,31 @@ Clients train concurrently at different speeds. A client's update is computed wh
 (from the server state of that moment) and delivered at its simulated arrival time; the server handles
 arrivals in time order, answers each with its current state and dispatches the client again. The
 difference between the server's version at arrival and at dispatch is the update's staleness.
+
+:class:`AsynchronousSchedule` is the clock and the event queue; :class:`AsynchronousRounds` is what one
+logged round does with them, called by the orchestrator's round loop in place of a synchronous round.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import ConfigError
-from .types import ClientSpec, ClientUpdate
+from .ledger import CommunicationLedger
+from .seeding import Owner, Stream, derive_seed, seed_torch, server_phase
+from .types import ClientSpec, ClientTask, ClientUpdate, Payload
+
+if TYPE_CHECKING:
+    from .strategies.base import Strategy
+
+RunClient = Callable[[int, ClientTask, dict[str, list[float]], int], ClientUpdate]
+"""``run_client(round, task, client_metrics, stream)``: runs one client's task and returns its update."""
 
 
 @dataclass(order=True)
@@ -55,8 +69,10 @@ class AsynchronousSchedule:
         self.clock, self.version, self.seq = 0.0, 0, 0
         self.queue: list[Pending] = []
         self.started = False
+        self.clients: list[ClientSpec] = []
 
     def setup(self, clients: list[ClientSpec], seed: int) -> None:
+        self.clients = clients
         rng = np.random.default_rng(seed)
         drawn = rng.uniform(*self.speed_range, size=len(clients))
         self.speeds = np.array([self.tier_speeds.get(c.tier, s) for c, s in zip(clients, drawn)])
@@ -69,7 +85,8 @@ class AsynchronousSchedule:
             raise ConfigError(f"concurrency must be between 1 and {len(clients)}, got {self.concurrency}.")
 
     def duration(self, client_id: int, rng: np.random.Generator) -> float:
-        return (1.0 + self.jitter * rng.uniform()) / self.speeds[client_id]
+        # a Python float, not numpy's: arrival times go into checkpoints, which hold plain data only
+        return float((1.0 + self.jitter * rng.uniform()) / self.speeds[client_id])
 
     def push(self, client_id: int, update: ClientUpdate, rng: np.random.Generator) -> None:
         self.seq += 1
@@ -82,15 +99,139 @@ class AsynchronousSchedule:
         self.clock = item.arrival
         return item
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
+        """Clock, version and the queue with its pending updates, as tensors and plain containers."""
         return {
             "clock": self.clock,
             "version": self.version,
             "seq": self.seq,
-            "queue": self.queue,
+            "queue": [_pending_state(item) for item in self.queue],  # the heap's list order is kept
             "started": self.started,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clock, self.version, self.seq = state["clock"], state["version"], state["seq"]
-        self.queue, self.started = state["queue"], state["started"]
+        self.queue = [_pending(item, self.clients) for item in state["queue"]]
+        self.started = state["started"]
+
+
+class AsynchronousRounds:
+    """One logged round in asynchronous mode: ``arrivals_per_round`` arrivals in simulated-time order.
+
+    Each arrival is aggregated alone (the strategy's ``aggregate`` gets a one-update iterator) and the
+    arriving client is dispatched again from the new server state (FedHe Algorithm 1).
+
+    Args:
+        schedule: the clock, client speeds and event queue.
+        strategy: the federated algorithm (one phase per round).
+        clients: the population.
+        ledger: counts each update's uplink when it arrives.
+        seed: the run seed.
+        run_client: runs one client's task (the orchestrator's: seeds the client's streams, counts the downlink).
+    """
+
+    def __init__(
+        self,
+        schedule: AsynchronousSchedule,
+        strategy: Strategy,
+        clients: list[ClientSpec],
+        ledger: CommunicationLedger,
+        seed: int,
+        run_client: RunClient,
+    ):
+        if len(strategy.phases) > 1:
+            raise ConfigError(f"{type(strategy).__name__} has several phases per round and cannot run asynchronously.")
+        schedule.setup(clients, derive_seed(seed, 0, Owner.SERVER, Stream.SPEEDS))
+        self.schedule, self.strategy, self.clients = schedule, strategy, clients
+        self.ledger, self.seed, self.run_client = ledger, seed, run_client
+
+    def run_round(self, rnd: int, client_metrics: dict[str, list[float]], server_metrics: dict[str, float]) -> int:
+        """Handles one round's arrivals; returns how many updates were aggregated."""
+        schedule = self.schedule
+        if not schedule.started:
+            self._start(rnd, client_metrics)
+        staleness = []
+        for _ in range(schedule.arrivals_per_round):
+            arrival = schedule.pop()
+            staleness.append(schedule.version - arrival.version)
+            self.ledger.record(rnd, "uplink", arrival.update.uplink)
+            seed_torch(derive_seed(self.seed, schedule.seq, Owner.SERVER, server_phase(0)))
+            server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
+            schedule.version += 1
+            self._dispatch(rnd, self.clients[arrival.client_id], client_metrics)
+        server_metrics.update(
+            {
+                "async/staleness_mean": float(np.mean(staleness)),
+                "async/staleness_max": float(np.max(staleness)),
+                "async/clock": schedule.clock,
+            }
+        )
+        return len(staleness)
+
+    def _start(self, rnd: int, client_metrics: dict[str, list[float]]) -> None:
+        """Every client (or ``concurrency`` of them, drawn at random) starts from the initial state."""
+        concurrency = self.schedule.concurrency
+        first = self.clients
+        if concurrency is not None:
+            rng = np.random.default_rng(derive_seed(self.seed, 0, Owner.SERVER, Stream.ASYNC_START))
+            first = [self.clients[i] for i in np.sort(rng.choice(len(self.clients), concurrency, replace=False))]
+        for client in first:
+            self._dispatch(rnd, client, client_metrics)
+        self.schedule.started = True
+
+    def _dispatch(self, rnd: int, client: ClientSpec, client_metrics: dict[str, list[float]]) -> None:
+        """Sends a client the current server state and computes its update, delivered at its arrival."""
+        task = self.strategy.configure_round(rnd, [client])[0]
+        stream = self.schedule.seq + 1  # tells this dispatch's random streams apart from the client's others
+        update = self.run_client(rnd, task, client_metrics, stream)
+        rng = np.random.default_rng(derive_seed(self.seed, stream, client.id, Stream.ARRIVAL))
+        self.schedule.push(client.id, update, rng)
+
+
+def _pending_state(item: Pending) -> dict[str, Any]:
+    update = item.update
+    return {
+        "arrival": item.arrival,
+        "seq": item.seq,
+        "client_id": item.client_id,
+        "version": item.version,
+        "update": {
+            "client_id": update.client.id,
+            "num_samples": update.num_samples,
+            "uplink": {name: _payload_state(payload) for name, payload in update.uplink.items()},
+            "metrics": dict(update.metrics),
+        },
+    }
+
+
+def _pending(state: dict[str, Any], clients: list[ClientSpec]) -> Pending:
+    saved = state["update"]
+    update = ClientUpdate(
+        clients[saved["client_id"]],
+        saved["num_samples"],
+        {name: _payload(payload) for name, payload in saved["uplink"].items()},
+        saved["metrics"],
+    )
+    return Pending(state["arrival"], state["seq"], state["client_id"], state["version"], update)
+
+
+def _payload_state(payload: Payload) -> dict[str, Any]:
+    kind = type(payload)
+    if not dataclasses.is_dataclass(payload):
+        raise TypeError(f"{kind.__qualname__} must be a dataclass to be kept in an asynchronous checkpoint")
+    fields = {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)}
+    return {"type": f"{kind.__module__}.{kind.__qualname__}", "fields": fields}
+
+
+def _payload(state: dict[str, Any]) -> Payload:
+    """Rebuilds a payload of a class already imported (looked up by name, never imported from the file)."""
+    kinds, todo = {}, [Payload]
+    while todo:
+        kind = todo.pop()
+        kinds[f"{kind.__module__}.{kind.__qualname__}"] = kind
+        todo.extend(kind.__subclasses__())
+    if state["type"] not in kinds:
+        raise ConfigError(
+            f"the checkpoint holds a payload of unknown type {state['type']!r}; resume with the same code."
+        )
+    return kinds[state["type"]](**state["fields"])

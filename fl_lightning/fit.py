@@ -21,6 +21,7 @@ from .errors import ConfigError
 from .models import ModelSpec
 from .orchestrator import FederationOrchestrator
 from .population import Population
+from .run_state import check_resume
 from .sampling import ClientSampler, UniformSampler
 from .strategies import Strategy
 from .tracking import RunFiles, RunLogger, resolve_loggers
@@ -119,15 +120,13 @@ def fit(
     """
     name = name or "run"
     files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
+    checkpoint = _find_checkpoint(resume, files)
     fabric = runtime.apply()
 
     clients = population.build(seed)
     data.setup(len(clients), seed)
     data.to(fabric.device)
     partition = data.partition_summary()
-    files.write_json(files.partition, partition)
-    if resolved_config is not None:
-        files.config.write_text(resolved_config)
 
     loop = LocalLoop(fabric, training, rounds)
     loop.build_slots(
@@ -137,7 +136,6 @@ def fit(
         num_classes=data.num_classes,
         in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
     )
-    checkpoint = _find_checkpoint(resume, files)
     loggers = resolve_loggers(logger)
     run_info = {
         "name": name,
@@ -146,6 +144,10 @@ def fit(
         "reference": reference,
         "versions": _versions(),
     }
+    if checkpoint is not None:
+        resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
+        if resumes:
+            run_info["resumed_with"] = resumes
     orchestrator = FederationOrchestrator(
         strategy,
         clients,
@@ -163,7 +165,12 @@ def fit(
         progress=runtime.progress,
         run_info=run_info,
         schedule=schedule,
+        config=resolved_config,
     )
+    # every check has passed: only now is the run directory written (a refused start changes nothing)
+    files.write_json(files.partition, partition)
+    if resolved_config is not None:
+        files.write_text(files.config, resolved_config)
     config_dict = _config_dict(resolved_config)
     for i, run_logger in enumerate(loggers):
         previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
@@ -182,6 +189,7 @@ def fit(
 
 
 def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:
+    """The checkpoint to resume from (loaded, its checksum verified), None for a fresh start."""
     if resume is None:
         if files.last_checkpoint.exists():
             raise ConfigError(
@@ -206,7 +214,7 @@ def _versions() -> dict[str, Any]:
 
     versions = {
         "fl_lightning": __version__,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion object would not load with weights_only
         "lightning": lightning.__version__,
         "python": platform.python_version(),
     }

@@ -4,32 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..data import ClientData, FederatedData
+from ..seeding import Stream, derive_seed, seed_torch  # noqa: F401 (re-exported: strategies import them from here)
 from ..types import ClientSpec, StateDict
 from .loop import LocalLoop, ModelSlot, StepFn, batch_stream
 
 if TYPE_CHECKING:  # imports lightning (seconds): the CLI parser must not need it
     from .module import ClientModule
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (run seed, round, client, stream), independent of call order."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def seed_torch(seed: int) -> None:
-    """Seeds torch's global CPU generator (and CUDA's, once CUDA is in use).
-
-    ``torch.manual_seed`` also queues a lazy CUDA seeding that captures a Python stack trace on every
-    call; per client and round that cost 0.3 ms, several percent of a small model's round.
-    """
-    torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_initialized():  # is_available() would dlopen the driver library on every call
-        torch.cuda.manual_seed_all(seed)
 
 
 class ClientContext:
@@ -59,7 +43,7 @@ class ClientContext:
         self.loop = loop
         self._data = data
         # `stream` tells apart several updates of one client in one round (asynchronous mode)
-        parts = (seed, rnd, client.id, 1, stream) if stream else (seed, rnd, client.id, 1)
+        parts = (seed, rnd, client.id, Stream.BATCH_ORDER) + ((stream,) if stream else ())
         self.generator = torch.Generator().manual_seed(derive_seed(*parts))
         self._loaded: set[str] = set()
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..client.context import ClientContext, derive_seed
+from ..client.context import ClientContext
 from ..client.loop import LocalLoop
 from ..data import FederatedData
 from ..errors import ConfigError
 from ..evaluation import Evaluator
+from ..seeding import Stream, derive_seed
 from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict
 
 
@@ -47,7 +48,7 @@ class ServerContext:
         """
         if client_id is None:
             return {k: v.detach().clone() for k, v in self.loop.slots[role].module.model.state_dict().items()}
-        return self.loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, 3))
+        return self.loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, Stream.CLIENT_INIT))
 
     def own_weights(self, client: ClientSpec, stored: StateDict | None) -> StateDict:
         """A personalized client's stored weights, or its own initial ones before its first round."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..client.context import ClientContext, derive_seed
+from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
+from ..seeding import Owner, derive_seed
 from ..types import ClientTask, ClientUpdate, ModelWeights
 from .base import ServerContext, Strategy
 
@@ -69,7 +70,7 @@ class FedAvg(Strategy):
         if not self.clients_per_round or role not in self.clients_per_round:
             return [c for c in sampled if role in c.roles]
         holders = [c for c in self.server.clients if role in c.roles]
-        rng = np.random.default_rng(derive_seed(self.server.seed, rnd, 2**31 - 2, index))
+        rng = np.random.default_rng(derive_seed(self.server.seed, rnd, Owner.COHORTS, index))
         return [holders[i] for i in np.sort(rng.choice(len(holders), self.clients_per_round[role], replace=False))]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:

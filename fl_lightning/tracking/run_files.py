@@ -1,43 +1,82 @@
-"""The run directory: config.yaml, metrics.csv, summary.json, partition.json and checkpoints/."""
+"""The run directory: config.yaml, metrics.csv, summary.json, partition.json and checkpoints/.
+
+Every file is replaced atomically (written to ``<name>.tmp``, fsynced, renamed over the old one, and the
+directory fsynced): a run killed at any moment, or a machine that loses power, leaves the old file or the
+new one, never a part of one.
+"""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 class RunFiles:
-    """Paths and writers of one run's output directory."""
+    """Paths and writers of one run's output directory.
+
+    The directory is created by the first write, so a start that is refused leaves nothing behind.
+    """
 
     def __init__(self, output_dir: str | Path):
         self.root = Path(output_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.config = self.root / "config.yaml"
         self.metrics = self.root / "metrics.csv"
         self.summary = self.root / "summary.json"
         self.partition = self.root / "partition.json"
         self.checkpoints = self.root / "checkpoints"
         self.last_checkpoint = self.checkpoints / "last.ckpt"
+        self.previous_checkpoint = self.checkpoints / "previous.ckpt"
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         """Rewrites metrics.csv from the history (one row per evaluation round); columns are the union."""
         columns: dict[str, None] = {"round": None}
         for row in rows:
             columns.update(dict.fromkeys(row))
-        tmp = self.metrics.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(columns))
-            writer.writeheader()
-            writer.writerows(rows)
-        tmp.replace(self.metrics)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=list(columns))
+        writer.writeheader()
+        writer.writerows(rows)
+        self.write_text(self.metrics, text.getvalue())
 
     def write_json(self, path: Path, data: dict[str, Any]) -> None:
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=False) + "\n")
-        tmp.replace(path)
+        self.write_text(path, json.dumps(_finite(data), indent=2, sort_keys=False) + "\n")
+
+    def write_text(self, path: Path, text: str) -> None:
+        replace_file(path, lambda f: f.write(text.encode()))
+
+
+def write_synced(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Writes ``path`` with ``write(file)`` and fsyncs it, so its bytes are on disk when this returns."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_directory(path: Path) -> None:
+    """Makes the renames inside ``path`` durable (POSIX; other systems cannot open a directory)."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Replaces ``path`` atomically and durably with what ``write(file)`` writes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write_synced(tmp, write)
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
 
 
 def _finite(value: Any) -> Any:

@@ -1,0 +1,198 @@
+"""What a run has done so far, and how it becomes a checkpoint, is restored from one and is summarized.
+
+Also what a resume accepts: :func:`check_resume` compares the recipe a run was started (or last resumed)
+with to the one it is resumed with, before anything in the run directory is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import rng_state, set_rng_state
+from .errors import ConfigError
+from .ledger import CommunicationLedger
+
+if TYPE_CHECKING:
+    from .asynchrony import AsynchronousSchedule
+    from .client.loop import LocalLoop
+    from .strategies.base import Strategy
+    from .tracking import RunLogger
+
+SAFE_TO_CHANGE = (
+    "rounds",
+    "logger",
+    "runtime.progress",
+    "output_dir",
+    "stop_after",
+    "checkpoint_every",
+    "name",
+    "reference",
+)
+"""Recipe keys a resume may change (``rounds`` only upward); docs/usage.md says why each is safe."""
+
+
+class RunState:
+    """Rounds done, metric history, best and last evaluation, elapsed time, client states and traffic.
+
+    Args:
+        run_info: entries for summary.json (name, hashes, versions, resumes), saved in checkpoints.
+        config: the resolved recipe (YAML), saved in checkpoints so a resume can be compared with it.
+    """
+
+    def __init__(self, run_info: dict[str, Any] | None = None, config: str | None = None):
+        self.run_info = run_info or {}
+        self.config = config
+        self.rounds_done = 0
+        self.history: list[dict[str, Any]] = []
+        self.best: dict[str, Any] | None = None
+        self.last_eval: dict[str, Any] | None = None
+        self.elapsed = 0.0
+        self.client_states: dict[int, dict] = {}  # handed to clients as ctx.state and to the evaluator
+        self.ledger = CommunicationLedger()
+
+    def record_evaluation(self, rnd: int, metrics: dict[str, float], monitor: str) -> None:
+        if monitor not in metrics:
+            raise ConfigError(
+                f"monitor metric {monitor!r} is not among the evaluation metrics "
+                f"{sorted(metrics)}; set --monitor to one of them."
+            )
+        if self.best is None or metrics[monitor] > self.best["metrics"][monitor]:
+            self.best = {"round": rnd, "metrics": dict(metrics)}
+        self.last_eval = {"round": rnd, "metrics": dict(metrics)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(
+        self,
+        strategy: Strategy,
+        loop: LocalLoop,
+        loggers: list[RunLogger],
+        schedule: AsynchronousSchedule | None,
+    ) -> dict[str, Any]:
+        """Everything a resume needs, as tensors and plain containers (see ``checkpoint.py``)."""
+        shared = loop.training.optimizer_state == "shared"
+        return {
+            "rounds_done": self.rounds_done,
+            "strategy": strategy.state_dict(),
+            "client_states": self.client_states,
+            "shared_optimizers": {r: s.optimizer.state_dict() for r, s in loop.slots.items()} if shared else {},
+            "ledger": self.ledger.state_dict(),
+            "history": self.history,
+            "best": self.best,
+            "last_eval": self.last_eval,
+            "elapsed": self.elapsed,
+            "rng": rng_state(),
+            "loggers": [logger.state_dict() for logger in loggers],
+            "run_info": self.run_info,
+            "config": self.config,
+            "schedule": schedule.state_dict() if schedule is not None else None,
+        }
+
+    def restore(
+        self, state: dict[str, Any], strategy: Strategy, loop: LocalLoop, schedule: AsynchronousSchedule | None
+    ) -> None:
+        """Loads a checkpoint into this run (after :func:`check_resume` accepted it)."""
+        self.rounds_done = state["rounds_done"]
+        strategy.load_state_dict(state["strategy"])
+        self.client_states.clear()  # in place: the evaluator holds the same dict
+        self.client_states.update(state["client_states"])
+        for role, opt_state in state["shared_optimizers"].items():
+            loop.slots[role].optimizer.load_state_dict(opt_state)
+        self.ledger.load_state_dict(state["ledger"])
+        self.history, self.best, self.elapsed = state["history"], state["best"], state["elapsed"]
+        self.last_eval = state["last_eval"]
+        set_rng_state(state["rng"])
+        if schedule is not None:
+            schedule.load_state_dict(state["schedule"])
+
+    def summary(
+        self, seed: int, rounds: int, monitor: str, per_client: dict[int, Any], output_dir: Path
+    ) -> dict[str, Any]:
+        """The content of summary.json."""
+        last, best = self.last_eval, self.best
+        return {
+            **self.run_info,
+            "seed": seed,
+            "rounds": self.rounds_done,
+            "rounds_planned": rounds,
+            "complete": self.rounds_done == rounds,
+            "monitor": monitor,
+            "final": last["metrics"] if last else {},
+            "final_round": last["round"] if last else None,
+            "best": best["metrics"] if best else {},
+            "best_round": best["round"] if best else None,
+            "comm": self.ledger.summary(),
+            "wall_time_s": self.elapsed,
+            "output_dir": str(output_dir),
+            "per_client_acc": {str(k): v for k, v in per_client.items()},
+        }
+
+
+def check_resume(
+    checkpoint: dict[str, Any], run_info: dict[str, Any], config: str | None, rounds: int, where: Path
+) -> list[dict[str, Any]]:
+    """Refuses a resume that would silently change the run; returns the run's ``resumed_with`` record.
+
+    Args:
+        checkpoint: the loaded checkpoint.
+        run_info: this invocation's run info (its partition hash).
+        config: this invocation's resolved recipe; None when ``fit`` is called without the CLI (then only
+            the partition and the rounds are checked).
+        rounds: this invocation's ``rounds``.
+        where: the run directory, for the messages.
+
+    Returns:
+        The earlier resumes' changes plus this one's (``{"round", "changed": {key: [old, new]}}``), when any.
+    """
+    saved_info = checkpoint["run_info"]
+    saved_hash = saved_info.get("partition_sha256")
+    if saved_hash and saved_hash != run_info.get("partition_sha256"):
+        raise ConfigError(
+            f"cannot resume {where}: the checkpoint was made with a different data partition (data, seed or "
+            "population changed); resume with the original recipe or start a new --output_dir."
+        )
+    done = checkpoint["rounds_done"]
+    if rounds < done:
+        raise ConfigError(
+            f"cannot resume {where} with rounds {rounds}: it has already run {done} rounds; pass --rounds {done} "
+            "or more, or start a new --output_dir."
+        )
+    resumes = list(saved_info.get("resumed_with", []))
+    if config is None or checkpoint.get("config") is None:
+        return resumes
+    changed = _changed_keys(_load_yaml(checkpoint["config"]), _load_yaml(config))
+    refused = {k: v for k, v in changed.items() if not _safe(k, *v)}
+    if refused:
+        shown = ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in list(refused.items())[:6])
+        more = f" and {len(refused) - 6} more" if len(refused) > 6 else ""
+        raise ConfigError(
+            f"cannot resume {where}: the recipe changed {shown}{more}; resume with the recipe in "
+            f"{where / 'config.yaml'}, change only {', '.join(SAFE_TO_CHANGE)} (rounds only upward), "
+            "or start a new --output_dir."
+        )
+    recorded = {k: [old, new] for k, (old, new) in changed.items() if k != "resume"}
+    if recorded:
+        resumes.append({"round": done, "changed": recorded})
+    return resumes
+
+
+def _safe(key: str, old: Any, new: Any) -> bool:
+    if key == "rounds":
+        return isinstance(old, int) and isinstance(new, int) and new >= old
+    return key == "resume" or any(key == safe or key.startswith(safe + ".") for safe in SAFE_TO_CHANGE)
+
+
+def _load_yaml(text: str) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(text) or {}
+
+
+def _changed_keys(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between two nested dicts (lists compare whole)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        changed: dict[str, tuple[Any, Any]] = {}
+        for key in {**old, **new}:
+            changed.update(_changed_keys(old.get(key), new.get(key), f"{prefix}{key}."))
+        return changed
+    return {prefix.rstrip("."): (old, new)} if old != new else {}
