@@ -89,12 +89,25 @@ class LocalLoop:
         Returns the mean training loss. The loss is accumulated as a tensor so that no step waits
         for a device sync.
         """
-        module, optimizer = slot.module, slot.optimizer
         factor = self.training.lr_schedule(rnd, self.rounds)
-        for group, base in zip(optimizer.param_groups, slot.base_lrs):
+        for group, base in zip(slot.optimizer.param_groups, slot.base_lrs):
             group["lr"] = base * factor
+        return self.run_steps(slot.module, slot.optimizer, batches, step_fn, self.training.grad_clip_norm)
+
+    def run_steps(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Iterable[tuple],
+        step_fn: StepFn | None = None,
+        clip: float | None = None,
+    ) -> dict[str, float]:
+        """The hot loop shared by client training and the server's own training (distillation).
+
+        Fabric supplies autocast, backward and the precision plugin's optimizer step, so a server-side
+        student trains under the same device and precision as the clients.
+        """
         step_fn = step_fn or _training_step
-        clip = self.training.grad_clip_norm
         optimizer_step = self.fabric.strategy.optimizer_step
         module.train()
         total, steps = torch.zeros((), device=self.fabric.device), 0

@@ -18,27 +18,63 @@ communication ledger counts them without any help from the strategy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import Tensor
 
 from ..client.context import ClientContext
-from ..client.loop import LocalLoop
+from ..client.loop import LocalLoop, StepFn
 from ..data import FederatedData
 from ..errors import ConfigError
 from ..evaluation import Evaluator
+from ..models import FeatureClassifier
+from ..schedules import round_progress
 from ..seeding import Stream, derive_seed
 from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict
 
 
 @dataclass
 class ServerContext:
-    """What a strategy may read when it sets up: the population, the data and fresh weights per role."""
+    """What a strategy sees of the server: the population, the data, the run's length and the roles' models.
+
+    Strategies read model facts (feature size, head, parameter names), get initial weights, and train or
+    evaluate a role's model on the server (distillation, codistillation) only through these methods, so
+    server-side training runs in the same Fabric loop, device and precision as the clients.
+    """
 
     clients: list[ClientSpec]
     roles: list[str]
     data: FederatedData
     rounds: int
     seed: int
-    loop: LocalLoop
+    _loop: LocalLoop
+
+    # ------------------------------------------------------------------ the run
+    def progress(self, rnd: int) -> float:
+        """How far round ``rnd`` is through the run: 0 in round 1, 1 in the last round."""
+        return round_progress(rnd, self.rounds)
+
+    def server_inputs(self, method: str) -> Tensor:
+        """The server's unlabeled examples ``[N, ...]`` (labels are never read); ``method`` names who needs them."""
+        if len(self.data.server_idx) == 0:
+            raise ConfigError(
+                f"{method} needs unlabeled server data; set data.init_args.server_fraction (e.g. 0.2) or "
+                "an out-of-domain server set."
+            )
+        return self.data.x[self.data.server_idx]
+
+    # ------------------------------------------------------------------ model facts
+    def model(self, role: str) -> FeatureClassifier:
+        """The role's model instance, to read its structure (its weights belong to whoever loaded them last)."""
+        return self._loop.slots[role].module.model
+
+    def feature_dim(self, role: str) -> int:
+        return self.model(role).feature_dim
+
+    def parameter_names(self, role: str) -> set[str]:
+        """Names of the role's trainable parameters (not buffers such as batch-norm statistics)."""
+        return {n for n, p in self.model(role).named_parameters() if p.requires_grad}
 
     def initial_weights(self, role: str, client_id: int | None = None) -> StateDict:
         """The role's initial weights: the run's global initialisation, or a client's own one.
@@ -47,12 +83,40 @@ class ServerContext:
         random model as in FedHe's and Felo's code) is built once from a seed derived from the client id.
         """
         if client_id is None:
-            return {k: v.detach().clone() for k, v in self.loop.slots[role].module.model.state_dict().items()}
-        return self.loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, Stream.CLIENT_INIT))
+            return {k: v.detach().clone() for k, v in self.model(role).state_dict().items()}
+        return self._loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, Stream.CLIENT_INIT))
 
     def own_weights(self, client: ClientSpec, stored: StateDict | None) -> StateDict:
         """A personalized client's stored weights, or its own initial ones before its first round."""
         return stored if stored is not None else self.initial_weights(client.roles[0], client.id)
+
+    # ------------------------------------------------------------------ server-side computation
+    @torch.no_grad()
+    def predict(self, role: str, weights: StateDict, x: Tensor, batch_size: int = 512) -> Tensor:
+        """Eval-mode logits ``[N, C]`` of the role's model with ``weights`` on ``x``."""
+        module = self._loop.slots[role].module
+        module.model.load_state_dict(weights)
+        module.eval()
+        with self._loop.fabric.autocast():
+            return torch.cat([module(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+    def train(
+        self,
+        role: str,
+        weights: StateDict,
+        batches: Iterable[tuple],
+        step_fn: StepFn,
+        optimizer: Callable[[Iterable[Tensor]], torch.optim.Optimizer],
+    ) -> StateDict:
+        """Trains the role's model from ``weights`` with a fresh server optimizer; returns the new weights.
+
+        ``step_fn(module, batch, i) -> loss`` as in client training; ``optimizer`` builds the server's
+        optimizer from the parameters (e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``).
+        """
+        module = self._loop.slots[role].module
+        module.model.load_state_dict(weights)
+        self._loop.run_steps(module, optimizer(module.parameters()), batches, step_fn)
+        return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
     def require_one_role_per_client(self, method: str) -> None:
         several = [c.id for c in self.clients if len(c.roles) != 1]
