@@ -118,3 +118,26 @@ def test_random_crop_flip_shifts_and_mirrors():
     assert len({tuple(o.flatten().tolist()) for o in out}) > 5  # not one crop for all
     same = random_crop_flip(x, torch.Generator().manual_seed(0), padding=1, per_example=False)
     assert all(torch.equal(same[0], s) for s in same)
+
+
+class _RunsCode:
+    """What a crafted pickle carries: unpickling it calls ``os.system`` with a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_cifar_batch_that_would_run_code_is_refused_before_it_runs(tmp_path):
+    write_cifar10(tmp_path)
+    marker = tmp_path / "pwned"
+    with (tmp_path / "cifar-10-batches-py" / "data_batch_3").open("wb") as f:
+        pickle.dump({"data": _RunsCode(marker), "labels": [0]}, f)
+    data = Cifar10Data(data_dir=str(tmp_path), partitioner=DirichletPartitioner(alpha=0.5, min_partition_size=5))
+    with pytest.raises(ConfigError, match=r"data_batch_3 is not a CIFAR batch file \(refusing to load posix.system\)"):
+        data.setup(num_clients=4, seed=0)
+    assert not marker.exists()

@@ -88,9 +88,38 @@ class ImageData(FederatedData):
         )
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles what CIFAR's batch files hold (dicts, lists, strings, numpy arrays) and nothing else.
+
+    A pickle may name any importable callable; a crafted "data_batch_1" would run it on load. Only the
+    names numpy needs to rebuild an array are resolved.
+    """
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),  # bytes written by Python 3 with protocol 2
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict:
     with path.open("rb") as f:
-        return pickle.load(f, encoding="latin1")
+        try:
+            return _ArraysOnly(f, encoding="latin1").load()
+        except pickle.UnpicklingError as err:
+            raise ConfigError(
+                f"{path} is not a CIFAR batch file ({err}); replace it with the published archive's file, "
+                "e.g. by deleting it and running `flrun data fetch`."
+            ) from None
 
 
 class Cifar10Data(ImageData):
