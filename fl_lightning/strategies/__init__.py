@@ -8,6 +8,7 @@ from .fedgh import FedGH
 from .fedhe import FedHe
 from .fedproto import FedProto
 from .felo import Felo
+from .lg_fedavg import LGFedAvg
 from .merged_codist import MergedCodist
 from .ondevice_kd import OnDeviceKD
 from .periodic_codist import PeriodicCodist
@@ -22,6 +23,7 @@ __all__ = [
     "FedHe",
     "FedProto",
     "Felo",
+    "LGFedAvg",
     "MergedCodist",
     "OnDeviceKD",
     "PeriodicCodist",

@@ -1,0 +1,143 @@
+"""LG-FedAvg: Liang et al., "Think Locally, Act Globally: Federated Learning with Local and Global
+Representations", 2020 (Sec. 3, Algorithm 1; a baseline of paper 004)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..client.context import ClientContext
+from ..errors import ConfigError
+from ..evaluation import Evaluator
+from ..knowledge import WeightedAverage
+from ..types import ClientTask, ClientUpdate, ModelWeights, StateDict
+from .base import ServerContext, Strategy
+
+
+def shared_keys(model: nn.Module, global_layers: int | None) -> list[str]:
+    """State-dict keys of the globally shared part: the head, or the top ``global_layers`` layers.
+
+    A layer is a module without children that holds parameters or buffers; layers are taken in
+    registration order, which is the forward order of the models here (features, then head).
+    """
+    if global_layers is None:
+        return [k for k in model.state_dict() if k.startswith("head.")]
+    layers = [
+        (name, module)
+        for name, module in model.named_modules()
+        if not list(module.children()) and (list(module.parameters(False)) or list(module.buffers(False)))
+    ]
+    if not 1 <= global_layers <= len(layers):
+        raise ConfigError(
+            f"LG-FedAvg global_layers must be between 1 and the model's {len(layers)} layers, got {global_layers}."
+        )
+    return [f"{name}.{key}" for name, module in layers[-global_layers:] for key in module.state_dict()]
+
+
+class LGFedAvg(Strategy):
+    """Local representations, global top layers: clients keep their lower layers and average the top ones.
+
+    Each round a sampled client receives the global layers, puts them on top of its own local layers,
+    trains the whole model with cross-entropy on its data, keeps it and uploads the global part; the
+    server averages the uploads (Algorithm 1). Both directions carry the global part only: with
+    ``global_layers: null`` the head, ``D x C + C`` numbers.
+
+    Which part is global: the paper keeps the **lower** layers (the representation) local and averages
+    the **top** ones (``global_layers: k``, the top k layers). HtFLlib's heterogeneous version, which
+    paper 004 reproduces (its communication column is the head's size: 39.14 KB = 2 x (500 x 10 + 10)
+    x 4 bytes on CIFAR-10), shares the **head** only (``global_layers: null``, default). With k layers,
+    every architecture's top k layers must have the same shapes; they are matched by position, so
+    different architectures may name them differently. The official code (pliang279/LG-FedAvg
+    ``main_lg.py``) picks the global layers from a per-model key list whose order makes its CIFAR CNN's
+    global layers the two convolutions (``models/Nets.py``); we follow the paper's text.
+
+    Averaging: weighted by labeled examples (``weighted: true``, FedAvg's and HtFLlib's), or the plain
+    mean (``weighted: false``, the official code's ``w_glob / m``). The official code starts every client
+    from one FedAvg-pretrained model; here each client starts from its own initialisation with the
+    initial global layers on top.
+
+    Evaluation: both codes copy the new global layers to every client after each round, so a client is
+    scored with its local layers and the current global ones (``evaluate_with: global``, default);
+    ``evaluate_with: local`` scores the model as the client last trained it. Personal models are
+    evaluated on each client's local test split (``split: test``, the paper and paper 004) or the global
+    test set.
+
+    Args:
+        global_layers: the top k layers are global; ``None``: the head (HtFLlib, paper 004).
+        weighted: weight the average by labeled examples.
+        evaluate_with: ``global`` or ``local`` (see above).
+        split: ``test`` or ``global``.
+    """
+
+    state_attributes = ("global_weights",)
+
+    def __init__(
+        self,
+        global_layers: int | None = None,
+        weighted: bool = True,
+        evaluate_with: str = "global",
+        split: str = "test",
+    ):
+        if evaluate_with not in ("global", "local"):
+            raise ConfigError(f"LG-FedAvg evaluate_with must be global or local, got {evaluate_with!r}.")
+        self.global_layers, self.weighted, self.evaluate_with, self.split = (
+            global_layers,
+            weighted,
+            evaluate_with,
+            split,
+        )
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        server.require_one_role_per_client("LG-FedAvg")
+        self.keys = {r: shared_keys(server.model(r), self.global_layers) for r in server.roles}
+        shapes = {r: [tuple(server.model(r).state_dict()[k].shape) for k in keys] for r, keys in self.keys.items()}
+        if len({tuple(s) for s in shapes.values()}) != 1:
+            part = "head" if self.global_layers is None else f"top {self.global_layers} layers"
+            raise ConfigError(
+                f"LG-FedAvg averages the {part} of every model, so they must have the same shapes; got {shapes}. "
+                "Give the builders the same top layers (e.g. the same representation size)."
+            )
+        first = server.roles[0]
+        self.names = self.keys[first]  # the global part's names on the wire: the first role's
+        initial = server.initial_weights(first)
+        self.global_weights = {k: initial[k] for k in self.names}
+
+    def with_global(self, role: str, local: StateDict, global_weights: StateDict) -> StateDict:
+        """``local`` with the global part put in its place (matched by position for other architectures)."""
+        return {**local, **{own: global_weights[name] for name, own in zip(self.names, self.keys[role])}}
+
+    def configure_round(self, rnd, clients, phase="train"):
+        shared = ModelWeights("global_layers", self.global_weights)
+        return [ClientTask(c, rnd, {"global_layers": shared}) for c in clients]
+
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = task.client.roles[0]
+        local = self.server.own_weights(task.client, ctx.state.get("weights"))
+        ctx.load(role, self.with_global(role, local, task.downlink["global_layers"].state))
+        stats = ctx.fit(role)
+        trained = ctx.weights(role)
+        ctx.state["weights"] = trained
+        uplink = ModelWeights("global_layers", {name: trained[own] for name, own in zip(self.names, self.keys[role])})
+        return ClientUpdate(task.client, ctx.num_examples(), {"global_layers": uplink}, {f"{role}/loss": stats["loss"]})
+
+    def aggregate(self, rnd, updates, phase="train"):
+        average = WeightedAverage()
+        for update in updates:
+            average.add(update.uplink["global_layers"].state, update.num_samples if self.weighted else 1.0)
+        if average.count:
+            self.global_weights = average.result()
+        return {}
+
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        return evaluator.personalized(self.personal_weights, split=self.split)
+
+    def personal_weights(self, client, state) -> tuple[str, StateDict]:
+        role = client.roles[0]
+        local = self.server.own_weights(client, state.get("weights"))
+        if self.evaluate_with == "global":
+            local = self.with_global(role, local, self.global_weights)
+        return role, local
+
+    @property
+    def monitor(self) -> str:
+        return "personal/test_acc"
