@@ -8,10 +8,11 @@ Every user error ends as one line on stderr and exit status 2, never a traceback
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Callable
+
+from .cli_messages import config_paths
 
 USAGE = """usage: flrun COMMAND [options]
 
@@ -38,6 +39,7 @@ def fit_parser():
         exit_on_error=False,
         env_prefix="FLRUN",
         default_env=False,
+        allow_abbrev=False,  # `--round 10` must not silently mean --rounds: an unknown option gets "did you mean"
     )
     parser.add_argument("--config", action=ActionConfigFile, help="recipe YAML file (may be given more than once)")
     parser.add_function_arguments(fit, skip={"resolved_config"})
@@ -49,19 +51,22 @@ def parse_fit(argv: list[str]):
     """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML)."""
     from jsonargparse import ArgumentError
 
+    from .cli_messages import check_config_file, readable, root_cause
+
+    for path in config_paths(argv):
+        check_config_file(path)
     parser = fit_parser()
-    _check_config_files(argv)
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as err:
-        raise _UserError(_readable(str(err))) from None
+        raise _UserError(readable(str(err), parser)) from None
     if cfg.get("name") is None:
         cfg.name = _recipe_name(argv)
     resolved = parser.dump(cfg, skip_none=False)
     try:
         init = parser.instantiate(cfg)
     except Exception as err:  # a component's own validation, wrapped by jsonargparse
-        raise _UserError(_root_cause(err)) from None
+        raise _UserError(root_cause(err, parser)) from None
     return cfg, init, resolved
 
 
@@ -259,78 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _check_config_files(argv: list[str]) -> None:
-    for i, arg in enumerate(argv):
-        path = (
-            argv[i + 1]
-            if arg == "--config" and i + 1 < len(argv)
-            else arg.partition("=")[2]
-            if arg.startswith("--config=")
-            else None
-        )
-        if path is not None and not Path(path).is_file():
-            raise _UserError(
-                f"config file {path!r} does not exist; recipes live in recipes/, e.g. --config recipes/quickstart.yaml."
-            )
-
-
 def _recipe_name(argv: list[str]) -> str:
-    configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-    configs += [a.partition("=")[2] for a in argv if a.startswith("--config=")]
+    configs = config_paths(argv)
     return Path(configs[-1]).stem if configs else "run"
-
-
-def _readable(message: str) -> str:
-    """One sentence from jsonargparse's nested error text, with a hint of how to fix it."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    text = " ".join(lines)
-    unknown = re.search(r"unrecognized arguments: (\S+)", text)
-    if unknown:
-        return f"unknown option {unknown.group(1)}; see `flrun fit --help` for the options."
-    key = re.search(r"(?:Option|Key) ['\"]([^'\"]+)['\"] is not (?:accepted|expected)", text)
-    if key:
-        return f"unknown key {key.group(1)!r} in the recipe; check its spelling against `flrun fit --help`."
-    keys = " -> ".join(re.findall(r'Parser key "([^"]+)"', text))
-    value = re.search(r"Expected a <class '([\w.]+)'>\. Got value: (.*?)(?: - |$)", text)
-    if value:
-        where = f" for {keys}" if keys else ""
-        return f"bad value {value.group(2).strip()!r}{where}: expected {value.group(1)}."
-    path = re.search(r"[Pp]roblem with given class_path ['\"]([^'\"]+)['\"]", text) or re.search(
-        r"Import path ([\w.]+) does not correspond", text
-    )
-    broken = re.search(
-        r"(No module named [^ ]+|has no attribute '[^']+'|does not correspond to a subclass of \w+)", text
-    )
-    if path or broken:
-        name = path.group(1) if path else "given"
-        reason = broken.group(1) if broken else _first_reason(lines)
-        return (
-            f"class_path {name!r} cannot be used{' for ' + keys if keys else ''} ({reason}); give the full "
-            "dotted path of a class that exists, e.g. fl_lightning.strategies.FedAvg."
-        )
-    return f"{_first_reason(lines)} (see `flrun fit --help`)."
-
-
-def _root_cause(err: BaseException) -> str:
-    """The message of the first ConfigError in an exception chain, else a readable jsonargparse message."""
-    from .errors import ConfigError
-
-    seen = err
-    while seen is not None:
-        if isinstance(seen, ConfigError):
-            return str(seen)
-        seen = seen.__cause__ or seen.__context__
-    return _readable(str(err))
-
-
-def _first_reason(lines: list[str]) -> str:
-    interesting = [
-        line
-        for line in lines
-        if not line.startswith("- ") and "expect one of" not in line and not line.startswith("Given value type")
-    ]
-    reason = interesting[-1] if interesting else (lines[0] if lines else "invalid configuration")
-    return reason.rstrip(".")[:300]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import subprocess
 from dataclasses import dataclass
@@ -48,6 +49,13 @@ class Runtime:
     deterministic: bool = True
     progress: bool = True
 
+    def __post_init__(self):
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(
+                f"runtime.num_threads must be at least 1, got {self.num_threads}; use 1 for small models "
+                "or null for torch's default."
+            )
+
     def apply(self):
         """Applies the torch settings and returns the run's ``lightning.Fabric``.
 
@@ -64,7 +72,9 @@ class Runtime:
             return L.Fabric(accelerator=self.accelerator, devices=1, precision=self.precision)
         except (ValueError, RuntimeError, TypeError) as err:
             raise ConfigError(
-                f"runtime accelerator={self.accelerator!r} / precision={self.precision!r} is not usable here: {err}"
+                f"runtime accelerator={self.accelerator!r} / precision={self.precision!r} is not usable here "
+                f"({str(err).splitlines()[0].rstrip('.')}); use accelerator cpu, cuda or auto and a precision "
+                "such as 32-true, bf16-mixed or 16-mixed."
             ) from None
 
 
@@ -119,7 +129,18 @@ def fit(
         The summary written to ``summary.json``.
     """
     name = name or "run"
+    _check_counts(rounds=rounds, eval_every=eval_every, checkpoint_every=checkpoint_every, stop_after=stop_after)
+    if seed < 0:
+        raise ConfigError(f"seed must be a non-negative integer, got {seed}; e.g. --seed 0.")
+    undefined = [role for role in population.roles() if role not in models]
+    if undefined:  # checked before any data is loaded
+        raise ConfigError(
+            f"population tiers use model role(s) {undefined} that `models` does not define (defined: "
+            f"{sorted(models) or 'none'}); add them under models, e.g. models: {{{undefined[0]}: {{builder: "
+            "digits_cnn}}, or change the tiers' roles."
+        )
     files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
+    check_output_dir(files.root)
     checkpoint = _find_checkpoint(resume, files)
     fabric = runtime.apply()
 
@@ -186,6 +207,32 @@ def fit(
         run_logger.log_files([files.last_checkpoint])
         run_logger.finish(summary)
     return summary
+
+
+def _check_counts(**counts: int | None) -> None:
+    for key, value in counts.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}; e.g. --{key} 1.")
+
+
+def check_output_dir(root: Path) -> None:
+    """Refuses a run directory that could never be written, before anything is loaded or trained.
+
+    Nothing is created here: a refused start leaves the file system as it was.
+    """
+    where = f"--output_dir {str(root)[:80]}{'...' if len(str(root)) > 80 else ''}"
+    longest = max((len(part.encode()) for part in root.parts), default=0)
+    if longest > 255 or len(str(root).encode()) > 3800:  # NAME_MAX and (under) PATH_MAX of common file systems
+        raise ConfigError(f"{where}: the path or one of its names is too long; choose a shorter output_dir.")
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"{where}: {existing} is a file, not a directory; choose another output_dir or move the file away."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: {existing} is not writable; choose an output_dir you can write to.")
 
 
 def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:

@@ -27,6 +27,16 @@ class Tier:
     fraction: float | None = None
     count: int | None = None
 
+    def __post_init__(self):
+        if not self.roles:
+            raise ConfigError(
+                f"tier {self.name!r} has no roles; give it at least one model role, e.g. roles: [global]."
+            )
+        if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
+            raise ConfigError(f"tier {self.name!r}: fraction must be in (0, 1], got {self.fraction}.")
+        if self.count is not None and self.count < 0:
+            raise ConfigError(f"tier {self.name!r}: count must be at least 0, got {self.count}.")
+
 
 @dataclass
 class Population:
@@ -77,7 +87,10 @@ class Population:
                 counts.append(None)
         rest = [i for i, c in enumerate(counts) if c is None]
         if len(rest) > 1:
-            raise ConfigError("only one tier may leave out both fraction and count (it takes the remaining clients).")
+            raise ConfigError(
+                "only one tier may leave out both fraction and count (it takes the remaining clients); "
+                "give the other tiers a fraction or a count."
+            )
         fixed = sum(c for c in counts if c is not None)
         if rest:
             counts[rest[0]] = self.num_clients - fixed

@@ -27,6 +27,8 @@ class UniformSampler(ClientSampler):
     def __init__(self, fraction: float = 1.0, num_per_round: int | None = None, tiers: list[str] | None = None):
         if num_per_round is None and not 0.0 < fraction <= 1.0:
             raise ConfigError(f"sampler fraction must be in (0, 1], got {fraction}.")
+        if num_per_round is not None and num_per_round < 1:
+            raise ConfigError(f"sampler num_per_round must be at least 1, got {num_per_round}.")
         self.fraction = fraction
         self.num_per_round = num_per_round
         self.tiers = tiers
@@ -37,7 +39,10 @@ class UniformSampler(ClientSampler):
             raise ConfigError(f"no client belongs to the sampler's tiers {self.tiers}; check population.tiers names.")
         k = self.num_per_round if self.num_per_round is not None else max(1, round_half(self.fraction * len(eligible)))
         if not 1 <= k <= len(eligible):
-            raise ConfigError(f"cannot sample {k} clients per round from {len(eligible)} eligible clients.")
+            raise ConfigError(
+                f"cannot sample {k} clients per round from {len(eligible)} eligible clients; lower the sampler's "
+                "num_per_round or add clients."
+            )
         chosen = np.sort(rng.choice(len(eligible), k, replace=False))
         return [eligible[i] for i in chosen]
 

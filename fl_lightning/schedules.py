@@ -46,6 +46,8 @@ class StepLR(RoundSchedule):
     def __init__(self, milestones: list[float], gamma: float = 0.1):
         if any(m <= 0 for m in milestones):
             raise ConfigError(f"StepLR milestones must be positive, got {milestones}.")
+        if not gamma > 0:
+            raise ConfigError(f"StepLR gamma must be positive, got {gamma}; e.g. 0.1 divides the rate by 10.")
         self.milestones = milestones
         self.gamma = gamma
 
@@ -59,6 +61,7 @@ class LinearDecayLR(RoundSchedule):
     """Linear decay from 1 in round 1 to ``final`` in the last round (paper 002's server and distillation rates)."""
 
     def __init__(self, final: float = 0.0):
+        _check_final(type(self).__name__, final)
         self.final = final
 
     def __call__(self, rnd, rounds):
@@ -69,8 +72,15 @@ class CosineLR(RoundSchedule):
     """Cosine decay from 1 to ``final`` over the rounds."""
 
     def __init__(self, final: float = 0.0):
+        _check_final(type(self).__name__, final)
         self.final = final
 
     def __call__(self, rnd, rounds):
         progress = round_progress(rnd, rounds)
         return self.final + (1.0 - self.final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _check_final(schedule: str, final: float) -> None:
+    # a negative final multiplier turns the last rounds' steps into gradient ascent
+    if not final >= 0:
+        raise ConfigError(f"{schedule} final must be at least 0 (a multiplier of the base rate), got {final}.")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..errors import ConfigError
+
 
 class FeatureClassifier(nn.Module):
     """A classifier split into a feature extractor and a prediction head.
@@ -31,4 +33,9 @@ class FeatureClassifier(nn.Module):
 
 def scaled(channels: int, width: float) -> int:
     """Channel count after a width multiplier, never below one."""
+    # max(1, ...) alone would turn width -1 or hidden 0 into a one-unit layer: a silently wrong model
+    if not isinstance(width, (int, float)) or isinstance(width, bool) or not width > 0:
+        raise ConfigError(f"model width must be a positive number, got {width!r}; e.g. width: 0.25 for a quarter.")
+    if not isinstance(channels, int) or channels < 1:
+        raise ConfigError(f"model layer sizes must be at least 1, got {channels!r}; raise the builder's size argument.")
     return max(1, int(channels * width))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..errors import ConfigError
 from .base import FeatureClassifier, scaled
 from .registry import register_model
 
@@ -13,6 +14,8 @@ def digits_mlp(
     num_classes: int = 10, in_features: int = 64, hidden: int = 128, width: float = 1.0, depth: int = 1
 ) -> FeatureClassifier:
     """An MLP on flattened inputs: ``depth`` hidden ReLU layers of ``hidden * width`` units."""
+    if not isinstance(depth, int) or depth < 1:
+        raise ConfigError(f"digits_mlp depth must be at least 1 (hidden layers), got {depth!r}.")
     dim = scaled(hidden, width)
     layers: list[nn.Module] = [nn.Flatten()]
     previous = in_features

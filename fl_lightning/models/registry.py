@@ -142,6 +142,8 @@ class ModelSpec:
         kwargs.update(self.args)
         try:
             model = fn(**kwargs)
+        except ConfigError as err:  # the builder's own check of its arguments
+            raise ConfigError(f"model builder {self.builder!r} with args {self.args}: {err}") from None
         except (TypeError, ValueError) as err:  # e.g. width: wide
             raise ConfigError(
                 f"model builder {self.builder!r} could not be called with {self.args} ({err}); "

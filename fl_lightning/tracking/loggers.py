@@ -68,19 +68,26 @@ class WandbLogger(RunLogger):
         except ImportError:  # pragma: no cover - wandb is a dependency
             raise ConfigError("the wandb logger needs the wandb package: pip install wandb") from None
         run_id = (state or {}).get("run_id")
-        self.run = wandb.init(
-            project=self.project,
-            entity=self.entity,
-            group=self.group or name.split("/")[0],
-            tags=self.tags,
-            name=name,
-            config=config,
-            dir=str(output_dir),
-            mode=self.mode or os.environ.get("WANDB_MODE"),
-            id=run_id,
-            resume="allow" if run_id else None,
-            reinit="finish_previous",
-        )
+        try:
+            self.run = wandb.init(
+                project=self.project,
+                entity=self.entity,
+                group=self.group or name.split("/")[0],
+                tags=self.tags,
+                name=name,
+                config=config,
+                dir=str(output_dir),
+                mode=self.mode or os.environ.get("WANDB_MODE"),
+                id=run_id,
+                resume="allow" if run_id else None,
+                reinit="finish_previous",
+            )
+        except wandb.errors.Error as err:  # no API key, a rejected key, no connection: wandb's own 30-line trace
+            reason = (str(err).strip() or type(err).__name__).split(". ")[0].splitlines()[0].rstrip(".")
+            raise ConfigError(
+                f"the wandb logger could not start a run ({reason}); log in with `wandb login` (or set "
+                "WANDB_API_KEY), or log without an account with WANDB_MODE=offline (sync later with `wandb sync`)."
+            ) from None
 
     def log_metrics(self, metrics, step):
         self.run.log(metrics, step=step)

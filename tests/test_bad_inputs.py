@@ -1,0 +1,290 @@
+"""Malformed input ends as exit status 2 and one sentence naming what is wrong and how to fix it.
+
+Each row is a bad command line, recipe value or file, run in-process through ``flrun fit``. Every row
+must fail before training (a missed check would run, and the row would fail on its exit status), in one
+line of stderr without a traceback, naming the option, key or file, with a fix. docs/usage.md ("Errors
+you may see") lists the same cases.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY, run_cli
+
+# the fix part of a message: an instruction or the rule the value must follow
+HINT = re.compile(
+    r"\b(must|use|set|give|choose|check|fix|pass|remove|raise|lower|see|did you mean|add|log in|run|one of|"
+    r"needs?|expected|available|accepts|takes)\b",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class Case:
+    """One malformed input: ``args`` after the recipe, ``recipe`` changes merged into the tiny recipe."""
+
+    id: str
+    args: list[str]
+    expect: list[str]
+    recipe: dict = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)  # written under tmp_path; "{tmp}" in args points there
+    no_recipe: bool = False  # the case gives its own --config
+
+
+def _deep_merge(base: dict, changes: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in changes.items():
+        if value and isinstance(value, dict) and isinstance(out.get(key), dict) and "class_path" not in value:
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _models(**args) -> dict:
+    return {"models": {"global": {"builder": "digits_mlp", "args": args}}}
+
+
+def _tiers(*tiers) -> dict:
+    return {"population": {"num_clients": 8, "tiers": list(tiers)}}
+
+
+SGD = "torch.optim.SGD"
+CASES = [
+    # ---------------------------------------------------------------- command-line options
+    Case("unknown option", ["--bogus", "1"], ["--bogus", "flrun fit --help"]),
+    Case("misspelled option", ["--roundz", "3"], ["--roundz", "did you mean --rounds"]),
+    Case("abbreviated option", ["--round", "3"], ["--round", "did you mean --rounds"]),
+    Case(
+        "misspelled nested option", ["--training.batch_sise", "8"], ["--training.batch_sise", "--training.batch_size"]
+    ),
+    Case("seed negative", ["--seed", "-1"], ["seed", "-1"]),
+    Case("seed not a number", ["--seed", "abc"], ["'abc'", "seed", "int"]),
+    Case("positional argument", ["recipes/quickstart.yaml"], ["'recipes/quickstart.yaml'", "--config"]),
+    Case("rounds zero", ["--rounds", "0"], ["rounds", "at least 1"]),
+    Case("rounds negative", ["--rounds", "-5"], ["rounds", "at least 1"]),
+    Case("rounds fractional", ["--rounds", "1.5"], ["'1.5'", "rounds", "int"]),
+    Case("eval_every zero", ["--eval_every", "0"], ["eval_every", "at least 1"]),
+    Case("checkpoint_every zero", ["--checkpoint_every", "0"], ["checkpoint_every", "at least 1"]),
+    Case("stop_after zero", ["--stop_after", "0"], ["stop_after", "at least 1"]),
+    Case("stop_after negative", ["--stop_after", "-2"], ["stop_after", "at least 1"]),
+    Case("num_threads zero", ["--runtime.num_threads", "0"], ["runtime.num_threads", "at least 1"]),
+    Case("num_threads negative", ["--runtime.num_threads", "-4"], ["runtime.num_threads", "at least 1"]),
+    Case("precision unknown", ["--runtime.precision", "64-banana"], ["precision", "64-banana"]),
+    Case("accelerator unknown", ["--runtime.accelerator", "tpu9"], ["accelerator", "tpu9"]),
+    Case("progress not a bool", ["--runtime.progress", "maybe"], ["'maybe'", "runtime.progress"]),
+    Case("logger unknown", ["--logger", "mlflow"], ["mlflow", "wandb"]),
+    # ---------------------------------------------------------------- components by name
+    Case("strategy short name unknown", ["--strategy", "FedProx"], ["FedProx", "strategy", "FedAvg"]),
+    Case("strategy class_path missing", ["--strategy", "fl_lightning.strategies.NoSuch"], ["NoSuch", "strategy"]),
+    Case("strategy module missing", ["--strategy", "nosuchpkg.Strategy"], ["nosuchpkg", "strategy"]),
+    Case("strategy not a strategy", ["--strategy", "fl_lightning.data.DigitsData"], ["DigitsData", "strategy"]),
+    Case("data short name unknown", ["--data", "Mnistt"], ["Mnistt", "data", "MnistData"]),
+    Case("sampler short name unknown", ["--sampler", "RoundRobin"], ["RoundRobin", "sampler", "UniformSampler"]),
+    Case(
+        "lr_schedule short name unknown",
+        ["--training.lr_schedule", "Cosine"],
+        ["Cosine", "training.lr_schedule", "CosineLR"],
+    ),
+    Case("strategy option unknown", ["--strategy.init_args.muu", "0.1"], ["muu"]),
+    Case("model builder unknown", ["--models", "{global: {builder: digits_cnnn}}"], ["digits_cnnn", "digits_cnn"]),
+    Case("model builder argument unknown", [], ["widht", "digits_mlp"], recipe=_models(widht=2)),
+    Case("model width negative", [], ["width", "-1"], recipe=_models(width=-1)),
+    Case("model width zero", [], ["width", "0"], recipe=_models(width=0)),
+    Case("model hidden zero", [], ["hidden", "0"], recipe=_models(hidden=0)),
+    Case("model depth negative", [], ["depth", "-1"], recipe=_models(depth=-1)),
+    Case("model width a word", [], ["width", "wide"], recipe=_models(width="wide")),
+    Case("models empty", [], ["models", "global"], recipe={"models": {}}),
+    # ---------------------------------------------------------------- local training
+    Case("lr negative", ["--training.optimizer.init_args.lr", "-0.1"], ["training.optimizer", "lr"]),
+    Case("momentum negative", ["--training.optimizer.init_args.momentum", "-0.9"], ["training.optimizer", "momentum"]),
+    Case(
+        "lr a word",
+        [],
+        ["fast", "lr"],
+        recipe={"training": {"optimizer": {"class_path": SGD, "init_args": {"lr": "fast"}}}},
+    ),
+    Case("optimizer unknown", ["--training.optimizer", "torch.optim.Sgd"], ["torch.optim.Sgd", "training.optimizer"]),
+    Case("batch_size zero", ["--training.batch_size", "0"], ["training.batch_size", "at least 1"]),
+    Case("local_steps zero", ["--training.local_steps", "0"], ["training.local_steps", "at least 1"]),
+    Case("local_epochs zero", [], ["local_epochs"], recipe={"training": {"local_steps": None, "local_epochs": 0}}),
+    Case("eval_batch_size zero", ["--training.eval_batch_size", "0"], ["training.eval_batch_size", "at least 1"]),
+    Case("grad_clip_norm negative", ["--training.grad_clip_norm", "-1"], ["training.grad_clip_norm", "positive"]),
+    Case("grad_clip_norm zero", ["--training.grad_clip_norm", "0"], ["training.grad_clip_norm", "positive"]),
+    Case("optimizer_state unknown", ["--training.optimizer_state", "global"], ["optimizer_state", "global"]),
+    Case(
+        "lr_schedule final negative",
+        ["--training.lr_schedule", "CosineLR", "--training.lr_schedule.final", "-1"],
+        ["final", "-1"],
+    ),
+    # ---------------------------------------------------------------- population and sampling
+    Case("num_clients zero", ["--population.num_clients", "0"], ["num_clients", "at least 1"]),
+    Case("num_clients negative", ["--population.num_clients", "-3"], ["num_clients", "at least 1"]),
+    Case("tiers empty", [], ["tiers", "at least one tier"], recipe=_tiers()),
+    Case("tier without roles", [], ["roles", "all"], recipe=_tiers({"name": "all", "roles": []})),
+    Case("tier role undefined", [], ["big", "models"], recipe=_tiers({"name": "all", "roles": ["big"]})),
+    Case(
+        "tier fraction above one",
+        [],
+        ["fraction", "1.5"],
+        recipe=_tiers({"name": "a", "roles": ["global"], "fraction": 1.5}, {"name": "b", "roles": ["global"]}),
+    ),
+    Case(
+        "tier fraction negative",
+        [],
+        ["fraction", "-0.2"],
+        recipe=_tiers({"name": "a", "roles": ["global"], "fraction": -0.2}, {"name": "b", "roles": ["global"]}),
+    ),
+    Case(
+        "tier count negative",
+        [],
+        ["count", "-1"],
+        recipe=_tiers({"name": "a", "roles": ["global"], "count": -1}, {"name": "b", "roles": ["global"]}),
+    ),
+    Case(
+        "tier names repeated",
+        [],
+        ["unique"],
+        recipe=_tiers({"name": "a", "roles": ["global"], "count": 4}, {"name": "a", "roles": ["global"]}),
+    ),
+    Case(
+        "two tiers take the rest",
+        [],
+        ["one tier"],
+        recipe=_tiers({"name": "a", "roles": ["global"]}, {"name": "b", "roles": ["global"]}),
+    ),
+    Case("assignment unknown", ["--population.assignment", "roundrobin"], ["assignment", "roundrobin"]),
+    Case("sampler fraction above one", ["--sampler.init_args.fraction", "2"], ["fraction", "(0, 1]"]),
+    Case("sampler fraction zero", ["--sampler.init_args.fraction", "0"], ["fraction", "(0, 1]"]),
+    Case("sampler count too large", ["--sampler.init_args.num_per_round", "50"], ["50", "clients"]),
+    Case("sampler count zero", ["--sampler.init_args.num_per_round", "0"], ["num_per_round", "0"]),
+    Case("sampler tier unknown", ["--sampler.init_args.tiers", "[strong]"], ["strong", "tiers"]),
+    # ---------------------------------------------------------------- data
+    Case("alpha too small", ["--data.init_args.partitioner.init_args.alpha", "0.0001"], ["alpha", "raise alpha"]),
+    Case("alpha zero", ["--data.init_args.partitioner.init_args.alpha", "0"], ["alpha", "positive"]),
+    Case(
+        "min_partition_size negative",
+        ["--data.init_args.partitioner.init_args.min_partition_size", "-1"],
+        ["min_partition_size", "-1"],
+    ),
+    Case("too many clients", ["--population.num_clients", "1000"], ["1000 clients"]),
+    Case("server_fraction one", ["--data.init_args.server_fraction", "1.0"], ["server_fraction", "[0, 1)"]),
+    Case("local_split bad", ["--data.init_args.local_split", "[0.5, 0.5, 0.5]"], ["local_split", "summing to 1"]),
+    Case("test_fraction above one", ["--data.init_args.test_fraction", "1.5"], ["test_fraction", "1.5"]),
+    Case("partitioner unknown", ["--data.init_args.partitioner", "Dirichlet"], ["Dirichlet", "DirichletPartitioner"]),
+    # ---------------------------------------------------------------- recipe files
+    Case("recipe key unknown", [], ["roundz", "did you mean 'rounds'"], recipe={"roundz": 3}),
+    Case("recipe nested key unknown", [], ["batch_sise", "batch_size"], recipe={"training": {"batch_sise": 8}}),
+    Case("config missing", ["--config", "{tmp}/missing.yaml"], ["missing.yaml", "recipes/"], no_recipe=True),
+    Case("config is a directory", ["--config", "{tmp}"], ["is a directory", "recipe"], no_recipe=True),
+    Case(
+        "config is binary",
+        ["--config", "{tmp}/model.ckpt"],
+        ["model.ckpt", "not a text"],
+        files={"model.ckpt": bytes(range(256)) * 4},
+        no_recipe=True,
+    ),
+    Case(
+        "config yaml error",
+        ["--config", "{tmp}/broken.yaml"],
+        ["broken.yaml", "line 2"],
+        files={"broken.yaml": b"rounds: 3\ntraining: {batch_size: 8\n"},
+        no_recipe=True,
+    ),
+    Case(
+        "config tab indentation",
+        ["--config", "{tmp}/tabs.yaml"],
+        ["tabs.yaml", "line 2"],
+        files={"tabs.yaml": b"training:\n\tbatch_size: 8\n"},
+        no_recipe=True,
+    ),
+    Case(
+        "config empty",
+        ["--config", "{tmp}/empty.yaml"],
+        ["empty.yaml", "empty"],
+        files={"empty.yaml": b""},
+        no_recipe=True,
+    ),
+    Case(
+        "config only comments",
+        ["--config", "{tmp}/comments.yaml"],
+        ["comments.yaml", "empty"],
+        files={"comments.yaml": b"# nothing here\n"},
+        no_recipe=True,
+    ),
+    Case(
+        "config a list",
+        ["--config", "{tmp}/list.yaml"],
+        ["list.yaml", "mapping"],
+        files={"list.yaml": b"- rounds: 3\n"},
+        no_recipe=True,
+    ),
+    Case(
+        "config a scalar",
+        ["--config", "{tmp}/scalar.yaml"],
+        ["scalar.yaml", "mapping"],
+        files={"scalar.yaml": b"quickstart\n"},
+        no_recipe=True,
+    ),
+    Case(
+        "config without data",
+        ["--config", "{tmp}/partial.yaml"],
+        ["data", "recipe"],
+        files={"partial.yaml": b"rounds: 3\n"},
+        no_recipe=True,
+    ),
+    Case("no config at all", [], ["--config", "recipes/"], no_recipe=True),
+    # ---------------------------------------------------------------- output and resume
+    Case(
+        "output_dir below a file",
+        ["--output_dir", "{tmp}/afile/run"],
+        ["output_dir", "afile"],
+        files={"afile": b"x"},
+    ),
+    Case("output_dir name too long", ["--output_dir", "{tmp}/" + "x" * 300], ["output_dir", "too long"]),
+    Case("output_dir is a file", ["--output_dir", "{tmp}/afile"], ["output_dir", "afile"], files={"afile": b"x"}),
+    Case("resume file missing", ["--resume", "{tmp}/nothing.ckpt"], ["nothing.ckpt", "resume"]),
+    Case("resume not a checkpoint", ["--resume", "{tmp}/fake.ckpt"], ["fake.ckpt"], files={"fake.ckpt": b"garbage"}),
+    Case("monitor unknown", ["--monitor", "global/test_acc_typo"], ["global/test_acc_typo", "monitor"]),
+    Case("reference not a mapping", ["--reference", "paper"], ["reference"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_sentence_with_exit_2(case, tmp_path, capsys):
+    for name, content in case.files.items():
+        (tmp_path / name).write_bytes(content)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in case.args]
+    if not case.no_recipe:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(yaml.safe_dump(_deep_merge(TINY, case.recipe)))
+        args = ["--config", str(recipe), *args]
+    if not any(a == "--output_dir" for a in args):
+        args += ["--output_dir", str(tmp_path / "out")]
+    code = run_cli("fit", *args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    message = lines[0]
+    for part in case.expect:
+        assert part in message, (part, message)
+    assert HINT.search(message), message
+
+
+def test_at_least_sixty_cases():
+    assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
+
+
+def test_docs_list_the_errors():
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    assert "## Errors you may see" in usage
+    section = usage.split("## Errors you may see", 1)[1]
+    missing = [c.id for c in CASES if c.id not in section]
+    assert not missing, missing
