@@ -18,6 +18,7 @@ CASES = [
     ("digits_fedgh", 10, "personal/test_acc", 0.7),
     ("digits_fedproto", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_lg_fedavg", 10, "personal/test_acc", 0.7),  # 0.87 measured
+    ("digits_fml", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_fd", 60, "personal/test_acc", 0.5),
 ]
 

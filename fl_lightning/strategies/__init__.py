@@ -8,6 +8,7 @@ from .fedgh import FedGH
 from .fedhe import FedHe
 from .fedproto import FedProto
 from .felo import Felo
+from .fml import FML
 from .lg_fedavg import LGFedAvg
 from .merged_codist import MergedCodist
 from .ondevice_kd import OnDeviceKD
@@ -17,6 +18,7 @@ from .velo import Velo
 
 __all__ = [
     "FD",
+    "FML",
     "FedAdam",
     "FedAvg",
     "FedGH",
