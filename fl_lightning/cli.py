@@ -28,13 +28,13 @@ Run `flrun COMMAND --help` for the options of a command."""
 DEFAULTS = {"training.optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}}}
 
 
-def fit_parser():
+def fit_parser(prog: str = "flrun fit"):
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     from .fit import fit
 
     parser = ArgumentParser(
-        prog="flrun fit",
+        prog=prog,
         description="Run a federated experiment from a recipe.",
         exit_on_error=False,
         env_prefix="FLRUN",
@@ -47,15 +47,18 @@ def fit_parser():
     return parser
 
 
-def parse_fit(argv: list[str]):
-    """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML)."""
+def parse_fit(argv: list[str], prog: str = "flrun fit"):
+    """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML).
+
+    ``prog`` is the command shown by ``--help`` (``flrun data inspect`` takes the same options).
+    """
     from jsonargparse import ArgumentError
 
     from .cli_messages import check_config_file, readable, root_cause
 
     for path in config_paths(argv):
         check_config_file(path)
-    parser = fit_parser()
+    parser = fit_parser(prog)
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as err:
@@ -162,7 +165,7 @@ def run_data(argv: list[str]) -> int:
         i = argv.index("--output")
         output = argv[i + 1] if i + 1 < len(argv) else None
         argv = argv[:i] + argv[i + 2 :]
-    cfg, init, _ = parse_fit(argv)
+    cfg, init, _ = parse_fit(argv, prog="flrun data inspect")
     data, clients = init.data, init.population.build(cfg.seed)
     data.setup(len(clients), cfg.seed)
     rows = client_table(data)

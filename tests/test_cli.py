@@ -1,5 +1,6 @@
 """The command line: errors are one readable line with exit status 2; overrides and recipes parse."""
 
+import os
 import subprocess
 import sys
 
@@ -101,3 +102,49 @@ def test_models_lists_registered_builders():
     assert result.returncode == 0
     names = {row["name"]: row for row in yaml.safe_load(result.stdout)}
     assert names["resnet20"]["parameters"] == 272_762
+    # builders whose modules (and torchvision / transformers) are imported only when models are listed or built
+    for lazy in ("cifar_resnet18", "torchvision_resnet50", "vit_b16", "imdb_bilstm", "stackoverflow_lstm_small"):
+        assert lazy in names, lazy
+
+
+def test_parser_and_option_errors_do_not_import_heavy_packages():
+    """`flrun fit --help` and a misspelled option answer without Lightning, torchvision or transformers."""
+    script = (
+        "import sys\n"
+        "from fl_lightning.cli import fit_parser, main\n"
+        "fit_parser().format_help()\n"
+        "assert main(['fit', '--config', 'recipes/quickstart.yaml', '--round', '10']) == 2\n"
+        "heavy = ('lightning', 'torchmetrics', 'torchvision', 'transformers', 'scipy', 'datasets', 'h5py', 'wandb')\n"
+        "print([name for name in heavy if name in sys.modules])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    assert "unknown option --round (did you mean --rounds?)" in result.stderr
+
+
+def test_data_inspect_help_names_its_command():
+    result = flrun("data", "inspect", "--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: flrun data inspect") and "--population.num_clients" in result.stdout
+
+
+def test_wandb_without_account_is_one_sentence(tmp_path):
+    """No API key and online mode: one sentence (log in or WANDB_MODE=offline), fast, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), WANDB_API_KEY="", WANDB_MODE="online")
+    (tmp_path / "home").mkdir()
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    result = subprocess.run(
+        [sys.executable, "-m", "fl_lightning", "fit", "--config", str(recipe), "--logger", "wandb"]
+        + ["--output_dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "wandb login" in lines[0] and "WANDB_MODE=offline" in lines[0]
