@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ConfigError
-from .types import ClientId, ClientSpec, Role
+from .types import ClientSpec, Role
 
 
 @dataclass
@@ -117,7 +117,3 @@ def _interleave(counts: list[int]) -> list[int]:
                 order.append(t)
                 left[t] -= 1
     return order
-
-
-def clients_with_role(clients: list[ClientSpec], role: Role) -> list[ClientId]:
-    return [c.id for c in clients if role in c.roles]

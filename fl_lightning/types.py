@@ -68,12 +68,11 @@ class ClientSpec:
 
 @dataclass
 class ClientTask:
-    """What the server sends one client for one round: payloads plus instructions."""
+    """What the server sends one client for one round: its payloads, in the phase the orchestrator sets."""
 
     client: ClientSpec
     round: int
     downlink: dict[str, Payload] = field(default_factory=dict)
-    config: dict = field(default_factory=dict)
     phase: str = "train"
 
 

@@ -31,7 +31,6 @@ StepFn = Callable[["ClientModule", tuple, int], Tensor]
 class ModelSlot:
     """The single reusable instance of one role: module, optimizer and base learning rates."""
 
-    role: str
     module: ClientModule
     optimizer: torch.optim.Optimizer
     base_lrs: list[float]
@@ -65,10 +64,10 @@ class LocalLoop:
         for role in roles:
             torch.manual_seed(role_seed(seed, role))
             model: FeatureClassifier = models[role].build(**context)
-            module = ClientModule(model, role, self.training.optimizer_factory())
+            module = ClientModule(model, self.training.optimizer_factory())
             module = self.fabric.setup_module(module).module  # device and precision from Fabric
             optimizer = module.configure_optimizers()
-            self.slots[role] = ModelSlot(role, module, optimizer, [g["lr"] for g in optimizer.param_groups])
+            self.slots[role] = ModelSlot(module, optimizer, [g["lr"] for g in optimizer.param_groups])
 
     def fresh_weights(self, role: str, seed: int) -> dict[str, Tensor]:
         """Weights of a newly built model of ``role`` (seeded); used once per client by personalized methods."""

@@ -27,10 +27,9 @@ class ClientModule(L.LightningModule):
     step function to the local loop; ``training_step`` is the plain cross-entropy default.
     """
 
-    def __init__(self, model: FeatureClassifier, role: str, optimizer: OptimizerFactory):
+    def __init__(self, model: FeatureClassifier, optimizer: OptimizerFactory):
         super().__init__()
         self.model = model
-        self.role = role
         self._optimizer_factory = optimizer
 
     def forward(self, x: Tensor) -> Tensor:
