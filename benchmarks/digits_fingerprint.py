@@ -45,6 +45,7 @@ def _tensor_digest(obj, digest) -> None:
 
 
 def fingerprint(recipe: Path, rounds: int) -> dict:
+    from fl_lightning.checkpoint import load_checkpoint
     from fl_lightning.cli import fit_from_argv
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,7 +53,7 @@ def fingerprint(recipe: Path, rounds: int) -> dict:
         argv = ["--config", str(recipe), "--rounds", str(rounds), "--eval_every", "1"]
         argv += ["--output_dir", str(out), "--runtime.progress", "false", "--seed", "0"]
         summary = fit_from_argv(argv)
-        checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        checkpoint = load_checkpoint(out / "checkpoints" / "last.ckpt")  # weights_only, checksum verified
     server, clients = hashlib.sha256(), hashlib.sha256()
     _tensor_digest(checkpoint["strategy"], server)
     _tensor_digest(checkpoint["client_states"], clients)
