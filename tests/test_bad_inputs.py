@@ -20,7 +20,7 @@ from conftest import ROOT, TINY, run_cli
 # the fix part of a message: an instruction or the rule the value must follow
 HINT = re.compile(
     r"\b(must|use|set|give|choose|check|fix|pass|remove|raise|lower|see|did you mean|add|log in|run|one of|"
-    r"needs?|expected|available|accepts|takes)\b",
+    r"needs?|expected|available|accepts|takes)\b|\be\.g\. ",  # or an example of a valid value
     re.IGNORECASE,
 )
 
@@ -35,6 +35,7 @@ class Case:
     recipe: dict = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)  # written under tmp_path; "{tmp}" in args points there
     no_recipe: bool = False  # the case gives its own --config
+    command: str = "fit"
 
 
 def _deep_merge(base: dict, changes: dict) -> dict:
@@ -253,6 +254,22 @@ CASES = [
     Case("resume not a checkpoint", ["--resume", "{tmp}/fake.ckpt"], ["fake.ckpt"], files={"fake.ckpt": b"garbage"}),
     Case("monitor unknown", ["--monitor", "global/test_acc_typo"], ["global/test_acc_typo", "monitor"]),
     Case("reference not a mapping", ["--reference", "paper"], ["reference"]),
+    # ---------------------------------------------------------------- sweep files (flrun sweep)
+    Case(
+        "sweep file yaml error",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["sweep.yaml", "line 3"],
+        files={"sweep.yaml": b"base: recipes/quickstart.yaml\nparameters: {lr: 1\n"},
+        command="sweep",
+    ),
+    Case(
+        "sweep file empty",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["sweep.yaml", "mapping"],
+        files={"sweep.yaml": b""},
+        command="sweep",
+    ),
+    Case("sweep file missing", ["--config", "{tmp}/nosweep.yaml"], ["nosweep.yaml", "sweeps/"], command="sweep"),
 ]
 
 
@@ -261,13 +278,13 @@ def test_bad_input_is_one_sentence_with_exit_2(case, tmp_path, capsys):
     for name, content in case.files.items():
         (tmp_path / name).write_bytes(content)
     args = [a.replace("{tmp}", str(tmp_path)) for a in case.args]
-    if not case.no_recipe:
+    if case.command == "fit" and not case.no_recipe:
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(yaml.safe_dump(_deep_merge(TINY, case.recipe)))
         args = ["--config", str(recipe), *args]
-    if not any(a == "--output_dir" for a in args):
+    if case.command == "fit" and "--output_dir" not in args:
         args += ["--output_dir", str(tmp_path / "out")]
-    code = run_cli("fit", *args)
+    code = run_cli(case.command, *args)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
     assert code == 2, err
