@@ -29,9 +29,10 @@ DEFAULTS = {"training.optimizer": {"class_path": "torch.optim.SGD", "init_args":
 
 
 def fit_parser(prog: str = "flrun fit"):
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ArgumentParser
 
     from .fit import fit
+    from .recipes import RecipeConfigFile
 
     parser = ArgumentParser(
         prog=prog,
@@ -41,7 +42,9 @@ def fit_parser(prog: str = "flrun fit"):
         default_env=False,
         allow_abbrev=False,  # `--round 10` must not silently mean --rounds: an unknown option gets "did you mean"
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="recipe YAML file (may be given more than once)")
+    parser.add_argument(
+        "--config", action=RecipeConfigFile, help="recipe YAML file (may be given more than once; `base:` inherits)"
+    )
     parser.add_function_arguments(fit, skip={"resolved_config"})
     parser.set_defaults(DEFAULTS)
     return parser
