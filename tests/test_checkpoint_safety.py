@@ -199,8 +199,8 @@ def test_run_files_and_checkpoints_are_fsynced_with_their_directory(tmp_path, mo
 def test_random_streams_are_named_distinct_and_keep_their_numbers():
     from fl_lightning.seeding import MAX_PHASES, Owner, Stream, derive_seed, server_phase
 
-    # the numbers every recorded result was drawn with (benchmarks/digits_fingerprint.json)
-    assert {s.name: int(s) for s in Stream} == {
+    # the numbers every recorded result was drawn with (benchmarks/digits_fingerprint.json); new streams add to them
+    recorded = {
         "DROPOUT": 0,
         "BATCH_ORDER": 1,
         "SAMPLER": 2,
@@ -210,7 +210,9 @@ def test_random_streams_are_named_distinct_and_keep_their_numbers():
         "ASYNC_START": 6,
         "SERVER_PHASE": 10,
     }
+    assert {name: int(Stream[name]) for name in recorded} == recorded
     assert (int(Owner.SERVER), int(Owner.COHORTS)) == (2**31 - 1, 2**31 - 2)
+    # @unique refuses two members with one number; a new stream must also stay out of the server phases' range
     phases = {server_phase(k) for k in range(MAX_PHASES)}
     others = {int(s) for s in Stream if s is not Stream.SERVER_PHASE}
     assert len(phases) == MAX_PHASES and not phases & others
