@@ -6,6 +6,7 @@ from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .fedgh import FedGH
 from .fedhe import FedHe
+from .fedkd import FedKD
 from .fedproto import FedProto
 from .felo import Felo
 from .fml import FML
@@ -23,6 +24,7 @@ __all__ = [
     "FedAvg",
     "FedGH",
     "FedHe",
+    "FedKD",
     "FedProto",
     "Felo",
     "LGFedAvg",
