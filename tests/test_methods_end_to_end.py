@@ -21,6 +21,7 @@ CASES = [
     ("digits_fml", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_fedkd", 10, "personal/test_acc", 0.7),  # 0.91 measured
     ("digits_fd", 60, "personal/test_acc", 0.5),
+    ("digits_feddf", 20, "small/test_acc", 0.7),  # 0.87 measured
 ]
 
 

@@ -4,6 +4,7 @@ from .base import ServerContext, Strategy
 from .fd import FD
 from .fedadam import FedAdam
 from .fedavg import FedAvg
+from .feddf import FedDF
 from .fedgh import FedGH
 from .fedhe import FedHe
 from .fedkd import FedKD
@@ -22,6 +23,7 @@ __all__ = [
     "FML",
     "FedAdam",
     "FedAvg",
+    "FedDF",
     "FedGH",
     "FedHe",
     "FedKD",

@@ -1,0 +1,108 @@
+"""FedDF: Lin, Kong, Stich, Jaggi, "Ensemble Distillation for Robust Model Fusion in Federated Learning",
+NeurIPS 2020 (Sec. 3, Algorithm 1; Algorithm 3 of the appendix for several model prototypes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..knowledge.codistill import random_batches
+from ..knowledge.distillation import kl_to_targets
+from .base import ServerContext
+from .fedavg import FedAvg
+
+
+class FedDF(FedAvg):
+    """FedAvg per model prototype, then server-side distillation of the clients' logit ensemble.
+
+    Clients train their prototype's global model with cross-entropy and upload it, exactly as FedAvg
+    (one role per client: each role is a prototype). The server, each round (Algorithm 1):
+
+    1. averages each prototype's uploads weighted by labeled examples, ``x_t,0 = sum_k n_k / n x_k``;
+       this is where the distillation **starts** (starting anywhere else changes the method);
+    2. computes every received model's eval-mode logits on the unlabeled server set and averages them
+       over all the round's clients, of every prototype (AvgLogits, ``1/|S_t| sum_k f(x_k, d)``; with
+       several prototypes each one learns from the ensemble of all of them, Algorithm 3);
+    3. trains each prototype that received uploads for ``steps`` Adam steps on batches ``d`` drawn
+       from the server set with ``T^2 KL(softmax(mean_k z_k / T) || softmax(z / T))`` (Algorithm 1's
+       update of ``x_t,j``) and makes the student the new global model.
+
+    The paper distills with Adam (lr 1e-3) for up to 1e4 steps with early stopping on a validation set,
+    T = 1, on unlabeled data such as CIFAR-100 or STL-10 for CIFAR-10 (recalled, ``../shared/BASELINES.md``).
+    Paper 001 (Table 5, Appendix 6.3) runs it homogeneously with the small model and gives it tau SGD
+    steps on the clients and tau distillation steps on the server (``steps`` = the recipe's
+    ``local_steps``); it uses no early stopping, which needs labels. Batches are drawn with replacement;
+    the teacher's logits are computed once per round because the examples are not augmented. Nothing
+    is added to FedAvg's traffic: the model each way.
+
+    Args:
+        steps: N, distillation steps per prototype and round (0: plain FedAvg).
+        lr: Adam learning rate of the distillation (a fresh optimizer each round).
+        batch_size: server examples per distillation step.
+        temperature: T of the ensemble's and the student's softmax.
+        (roles, weighted: as FedAvg; ``weighted: true`` is Algorithm 1's n_k / n)
+    """
+
+    def __init__(
+        self,
+        steps: int = 500,
+        lr: float = 1e-3,
+        batch_size: int = 64,
+        temperature: float = 1.0,
+        roles: list[str] | None = None,
+        weighted: bool = True,
+    ):
+        super().__init__(roles, weighted)
+        if steps < 0 or lr <= 0 or batch_size < 1 or temperature <= 0:
+            raise ConfigError(
+                f"FedDF needs steps >= 0, lr > 0, batch_size >= 1 and temperature > 0; got steps={steps}, "
+                f"lr={lr}, batch_size={batch_size}, temperature={temperature}."
+            )
+        self.steps, self.lr, self.batch_size, self.temperature = steps, lr, batch_size, temperature
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        server.require_one_role_per_client("FedDF")
+        self.server_x = server.server_inputs("FedDF")
+        self.teacher: Tensor | None = None  # the last round's ensemble targets [N_server, C], for inspection
+
+    def aggregate(self, rnd, updates, phase="train"):
+        # drawn before the clients run, so the batches depend on the round's server seed only
+        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        logit_sum, members, trained = None, 0, set()
+
+        def predicting(updates):
+            """Each received model's logits join the ensemble as its update streams into FedAvg's average."""
+            nonlocal logit_sum, members
+            for update in updates:
+                for role, payload in update.uplink.items():
+                    z = self.server.predict(role, payload.state, self.server_x).double()
+                    logit_sum = z if logit_sum is None else logit_sum + z
+                    members += 1
+                    trained.add(role)
+                yield update
+
+        super().aggregate(rnd, predicting(updates), phase)
+        if not members:
+            return {}
+        self.teacher = F.softmax((logit_sum / members).float() / self.temperature, dim=1)
+        for role in (r for r in self.roles if r in trained and self.steps):
+            batches = itertools.islice(
+                random_batches(self.server_x, self.teacher, self.batch_size, generator), self.steps
+            )
+            self.global_weights[role] = self.server.train(
+                role,
+                self.global_weights[role],
+                batches,
+                self.distillation_step,
+                lambda params: torch.optim.Adam(params, lr=self.lr),
+            )
+        return {"server/ensemble_size": float(members)}
+
+    def distillation_step(self, module, batch, i):
+        x, targets = batch
+        return kl_to_targets(module(x), targets, self.temperature)
