@@ -170,7 +170,7 @@ class FedKD(Strategy):
             ctx.state["mentee_base"] = base
         ctx.load(mentor, self.mentor_weights(task.client, ctx.state))
         ctx.load(mentee, base)
-        mapping = self.hidden_map(task.client, ctx)
+        mapping = self.client_hidden_map(task.client, ctx)
 
         def step(modules, batch, i):
             x, y = batch
@@ -195,7 +195,7 @@ class FedKD(Strategy):
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
-    def hidden_map(self, client: ClientSpec, ctx: ClientContext) -> nn.Linear:
+    def client_hidden_map(self, client: ClientSpec, ctx: ClientContext) -> nn.Linear:
         """The client's ``W_h`` (new on its first round, from torch's per-client-update generator)."""
         mapping = hidden_map(
             self.server.feature_dim(self.mentee_role), self.server.feature_dim(self.mentor_role(client))
