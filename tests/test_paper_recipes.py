@@ -67,7 +67,7 @@ def test_flagship_ondevice_kd_cifar10_runs_a_round_and_keeps_the_paper_reference
         "row": "CIFAR-10",
         "column": "Proposed",
         "metrics": {"target/test_acc": 0.6243},
-        "std": 0.001,
+        "stds": {"target/test_acc": 0.001},
     }
     # downlink: 3 sampled clients get the auxiliary model, the 2 strong clients both models
     aux = sum(v.numel() * 4 for k, v in _resnet20(0.25).items() if "num_batches" not in k) + 8 * _bn_layers(0.25)

@@ -139,7 +139,7 @@ def test_every_paper_recipe_has_the_one_reference_shape():
     rows = paper_recipes()
     assert len(rows) >= 141
     for path, reference in rows:
-        assert set(reference) <= {"paper", "table", "row", "column", "metrics", "std"}, path.name
+        assert set(reference) <= {"paper", "table", "row", "column", "metrics", "stds"}, path.name
     by_name = {path.name: reference for path, reference in rows}
     assert by_name["fedadam_cifar100_ph3100.yaml"]["metrics"] == {"large/test_acc": 0.2476, "small/test_acc": 0.3184}
 
@@ -150,6 +150,9 @@ def test_a_reference_in_another_shape_is_refused(tmp_path):
     old = {"paper": "p", "table": "t", "column": "c", "metric": "m", "value": 0.5}
     with pytest.raises(ConfigError, match=r"unknown keys \['metric', 'value'\] / lacks \['metrics'\]"):
         check_reference(old, tmp_path / "r.yaml")
+    stray = {"paper": "p", "table": "t", "column": "c", "metrics": {"m": 0.5}, "stds": {"n": 0.1}}
+    with pytest.raises(ConfigError, match="names metrics that `reference.metrics` lacks"):
+        check_reference(stray, tmp_path / "r.yaml")
 
 
 def test_the_committed_readme_is_the_generated_one():
@@ -169,12 +172,15 @@ def test_readme_tables_follow_the_reference_blocks(tmp_path):
         tmp_path / "b.yaml",
         "base: _base/s.yaml\nreference: {paper: P2, table: T1, column: '|x|', metrics: {a/acc: 0.5, b/acc: 0.25}}\n",
     )
-    _write(tmp_path / "a.yaml", "reference: {paper: P1, table: T9, row: R, column: c, metrics: {m: 0.1}, std: 0.02}\n")
+    _write(
+        tmp_path / "a.yaml",
+        "reference: {paper: P1, table: T9, row: R, column: c, metrics: {m: 0.1, n: 0.3}, stds: {m: 0.02}}\n",
+    )
     _write(tmp_path / "digits.yaml", "rounds: 3\n")  # no reference: not a paper cell
     header = "| table | cell | metric | paper's value | recipe |\n|---|---|---|---|---|\n"
     assert readme(f"intro\n{README_BEGIN}\nold rows\n{README_END}\noutro\n", tmp_path) == (
         f"intro\n{README_BEGIN}\n\n"
-        f"## P1\n\n{header}| T9 | R, c | m | 0.1 (std 0.02) | `a.yaml` |\n\n"
+        f"## P1\n\n{header}| T9 | R, c | m | m 0.1 (std 0.02), n 0.3 | `a.yaml` |\n\n"
         f"## P2\n\n{header}| T1 | \\|x\\| | a/acc | a/acc 0.5, b/acc 0.25 | `b.yaml` |\n\n"
         f"{README_END}\noutro\n"
     )
