@@ -98,10 +98,14 @@ class FederationOrchestrator:
         state = self.state
         if checkpoint is not None:
             state.restore(checkpoint, self.strategy, self.loop, self.schedule)
-        progress = RoundProgress(self.progress_enabled, self.rounds, state.rounds_done, self.monitor)
+        progress = RoundProgress(
+            self.progress_enabled, self.rounds, state.rounds_done, self.monitor, self.loop.fabric.device.type
+        )
+        self.progress = progress
         started = time.perf_counter() - state.elapsed
         try:
             for rnd in range(state.rounds_done + 1, self.rounds + 1):
+                progress.start_round(rnd)
                 row = self._round(rnd)
                 state.rounds_done = rnd
                 state.elapsed = time.perf_counter() - started
@@ -161,6 +165,7 @@ class FederationOrchestrator:
             for task in tasks:
                 task.phase = phase
             num_tasks += len(tasks)
+            self.progress.start_phase(phase, len(tasks))
             updates = self._client_updates(rnd, tasks, client_metrics)
             seed_torch(derive_seed(self.seed, rnd, Owner.SERVER, server_phase(number)))  # server-side randomness
             server_metrics.update(self.strategy.aggregate(rnd, updates, phase) or {})
@@ -191,4 +196,5 @@ class FederationOrchestrator:
             del client_states[client.id]
         for key, value in update.metrics.items():
             metrics.setdefault(key, []).append(value)
+        self.progress.client_done()
         return update

@@ -1,37 +1,127 @@
-"""A rich progress bar: round, chosen metrics and ETA."""
+"""Progress of a run: a rich bar on a terminal, one plain line per round otherwise, and a warning when
+a run will take many hours."""
 
 from __future__ import annotations
 
+import sys
+import time
+
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+LONG_RUN_S = 2 * 3600  # estimated runs longer than this are announced with advice
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``7.5 min``, ``3.2 h``, ``2.5 days``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def long_run_warning(seconds_per_round: float, rounds_left: int, device: str, estimated: bool = False) -> str | None:
+    """One sentence announcing a run longer than :data:`LONG_RUN_S`, with what would make it faster."""
+    total = seconds_per_round * rounds_left
+    if total <= LONG_RUN_S:
+        return None
+    how = "estimated from the first client" if estimated else "measured"
+    advice = (
+        "a GPU (--runtime.accelerator cuda) runs it far faster"
+        if device == "cpu"
+        else "fewer rounds (--rounds) or a smaller population shortens it"
+    )
+    return (
+        f"this run will take about {duration(total)} on {device} ({duration(seconds_per_round)} per round "
+        f"{how}, {rounds_left} rounds to go); {advice}, and --stop_after with --resume auto splits it into jobs."
+    )
 
 
 class RoundProgress:
-    """Shows ``round k/N``, the monitored metric and the ETA; a no-op when disabled."""
+    """Shows ``round k/N``, the clients done in the current phase, the last monitored value and the ETA.
 
-    def __init__(self, enabled: bool, total: int, done: int, monitor: str):
-        self.enabled = enabled
-        self.monitor = monitor
-        if enabled:
+    On a terminal this is a rich bar; when output is redirected (a log file, a batch job) it prints one
+    plain line per round instead of redrawing a bar. Disabled, it only keeps the long-run warning.
+    """
+
+    def __init__(self, enabled: bool, total: int, done: int, monitor: str, device: str = "cpu"):
+        self.enabled, self.total, self.monitor, self.device = enabled, total, monitor, device
+        self.first_round, self.warned, self.last_value = done + 1, False, None
+        self.round, self.phase, self.phase_clients, self.clients_done = done + 1, "", 0, 0
+        self.console = Console(file=sys.stderr)
+        self.interactive = enabled and self.console.is_terminal
+        self.round_started = self.client_started = time.perf_counter()
+        self.started, self.done_at_start = self.round_started, done
+        if self.interactive:
             self.bar = Progress(
                 TextColumn("[bold]round"),
                 MofNCompleteColumn(),
                 BarColumn(),
+                TextColumn("{task.fields[phase]}"),
                 TextColumn("{task.fields[status]}"),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
+                console=self.console,
                 transient=False,
             )
-            self.task = self.bar.add_task("rounds", total=total, completed=done, status="")
+            self.task = self.bar.add_task("rounds", total=total, completed=done, status="", phase="")
             self.bar.start()
 
+    # ------------------------------------------------------------------ inside a round
+    def start_round(self, rnd: int) -> None:
+        self.round, self.round_started = rnd, time.perf_counter()
+
+    def start_phase(self, phase: str, clients: int) -> None:
+        self.phase, self.phase_clients, self.clients_done = phase, clients, 0
+        self.client_started = time.perf_counter()
+        self._show_phase()
+
+    def client_done(self) -> None:
+        self.clients_done += 1
+        if not self.warned and self.round == self.first_round and self.clients_done == 1:
+            # a first guess before a long first round ends: this client's time for every task of the phase
+            guess = (time.perf_counter() - self.client_started) * max(self.phase_clients, 1)
+            self._warn(guess, estimated=True)
+        self._show_phase()
+
+    def _show_phase(self) -> None:
+        if self.interactive:
+            label = f"{self.phase} " if self.phase and self.phase != "train" else ""
+            of = f"/{self.phase_clients}" if self.phase_clients else ""  # asynchronous rounds: arrivals, no total
+            self.bar.update(self.task, phase=f"{label}clients {self.clients_done}{of}")
+
+    # ------------------------------------------------------------------ after a round
     def update(self, rnd: int, metrics: dict[str, float]) -> None:
+        if self.monitor in metrics:
+            self.last_value = metrics[self.monitor]
+        if rnd == self.first_round:
+            self._warn(time.perf_counter() - self.round_started, estimated=False)
         if not self.enabled:
             return
-        shown = {k: v for k, v in metrics.items() if k == self.monitor or k == "train/loss"}
-        status = "  ".join(f"{k} {v:.4f}" for k, v in shown.items())
-        self.bar.update(self.task, completed=rnd, status=status or self.bar.tasks[0].fields["status"])
+        parts = [] if self.last_value is None else [f"{self.monitor} {self.last_value:.4f}"]
+        if "train/loss" in metrics:
+            parts.append(f"train/loss {metrics['train/loss']:.4f}")
+        status = "  ".join(parts)
+        if self.interactive:
+            self.bar.update(self.task, completed=rnd, status=status, phase="")
+            return
+        elapsed = time.perf_counter() - self.started
+        per_round = elapsed / max(rnd - self.done_at_start, 1)
+        eta = duration(per_round * (self.total - rnd))
+        print(f"round {rnd}/{self.total}  {status}  elapsed {duration(elapsed)}  eta {eta}", file=sys.stderr, flush=True)
+
+    def _warn(self, seconds_per_round: float, estimated: bool) -> None:
+        if self.warned:
+            return
+        message = long_run_warning(seconds_per_round, self.total - self.first_round + 1, self.device, estimated)
+        if message is not None:
+            self.warned = True
+            self.console.print(f"[bold yellow]note:[/] {message}", highlight=False, soft_wrap=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.interactive:
             self.bar.stop()

@@ -1,0 +1,33 @@
+"""What a user sees while a run goes on: plain lines when output is not a terminal, a warning for long runs."""
+
+from conftest import run_cli, write_recipe
+from fl_lightning.tracking import progress
+from fl_lightning.tracking.progress import duration, long_run_warning
+
+
+def test_durations_read_naturally():
+    assert [duration(s) for s in (42, 450, 3 * 3600, 60 * 3600)] == ["42 s", "7.5 min", "3.0 h", "2.5 days"]
+
+
+def test_a_sixty_hour_cpu_run_is_announced_with_advice():
+    message = long_run_warning(540.0, 400, "cpu")  # the flagship on this CPU: about 9 minutes a round
+    assert message.startswith("this run will take about 2.5 days on cpu (9.0 min per round measured, 400 rounds")
+    assert "--runtime.accelerator cuda" in message and "--stop_after" in message
+    assert long_run_warning(0.2, 400, "cpu") is None  # 80 s: nothing to say
+
+
+def test_redirected_output_gets_one_plain_line_per_round_and_keeps_the_last_accuracy(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=4, eval_every=2, runtime={"progress": True})
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run")) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("round ")]
+    assert [line.split()[1] for line in lines] == ["1/4", "2/4", "3/4", "4/4"]
+    assert "global/test_acc" not in lines[0] and "global/test_acc" in lines[2]  # round 3 shows round 2's value
+    assert all("eta" in line and "train/loss" in line for line in lines)
+
+
+def test_long_run_warning_is_printed_once_during_the_first_round(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(progress, "LONG_RUN_S", 0.0)  # every run is "long"
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=3, runtime={"progress": False})
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run")) == 0
+    err = capsys.readouterr().err
+    assert err.count("this run will take about") == 1 and "estimated from the first client" in err
