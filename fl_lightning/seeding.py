@@ -36,6 +36,8 @@ class Stream(IntEnum):
     """Asynchronous mode: every client's speed, drawn once at step 0 (server)."""
     ASYNC_START = 6
     """Asynchronous mode: the clients that start at time 0 when ``concurrency`` is set (server)."""
+    PUBLIC_SUBSET = 7
+    """The public-set examples a round's clients predict on (FedMD's alignment set, DS-FL's open batch; server)."""
     SERVER_PHASE = 10
     """torch's global generator while the strategy aggregates phase k of a round: ``SERVER_PHASE + k``."""
 

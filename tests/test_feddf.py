@@ -96,3 +96,5 @@ def test_feddf_without_distillation_is_exactly_fedavg(tmp_path):
     assert run_cli("fit", *recipe, *fedavg) == 0
     feddf, avg = read_summary(tmp_path / "df"), read_summary(tmp_path / "avg")
     assert feddf["final"] == avg["final"] and feddf["comm"] == avg["comm"]
+    assert "FedDF" in (tmp_path / "df" / "config.yaml").read_text()
+    assert "FedDF" not in (tmp_path / "avg" / "config.yaml").read_text()  # the second run really is FedAvg

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -61,12 +62,21 @@ class ClientContext:
     def data_y(self) -> Tensor:
         return self._data.y
 
+    @property
+    def public_indices(self) -> Tensor:
+        """Pool indices of the public set that the server and every client hold (``data.server_fraction``).
+
+        DS-FL and FedMD clients predict on it; a round's subset is sent as positions into it.
+        """
+        return self._data.server_idx
+
     def num_examples(self, split: str = "train") -> int:
         return len(getattr(self.indices, split))
 
     def batches(self, split: str = "train", steps: int | None = None, batch_size: int | None = None) -> Iterator[tuple]:
-        """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``)."""
-        idx = getattr(self.indices, split)
+        """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``), or of the
+        labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels)."""
+        idx = self.public_indices if split == "public" else getattr(self.indices, split)
         steps = steps if steps is not None else self.loop.num_steps(len(idx))
         y = None if split == "unlabeled" else self._data.y
         return batch_stream(
@@ -92,10 +102,19 @@ class ClientContext:
         return slot.module
 
     def fit(
-        self, role: str, split: str = "train", step_fn: StepFn | None = None, steps: int | None = None
+        self,
+        role: str,
+        split: str = "train",
+        step_fn: StepFn | None = None,
+        steps: int | None = None,
+        batches: Iterable[tuple] | None = None,
     ) -> dict[str, float]:
-        """Trains the loaded role on a local split with ``step_fn`` (default cross-entropy)."""
-        return self.loop.fit(self.slot(role), self.batches(split, steps), self.round, step_fn)
+        """Trains the loaded role on a local split with ``step_fn`` (default cross-entropy).
+
+        ``batches`` replaces the split's batches (public examples paired with the server's targets).
+        """
+        batches = batches if batches is not None else self.batches(split, steps)
+        return self.loop.fit(self.slot(role), batches, self.round, step_fn)
 
     def weights(self, role: str) -> StateDict:
         """A copy of the role's current weights, safe to keep after the next client reuses the instance."""

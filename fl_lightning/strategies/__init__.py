@@ -1,6 +1,7 @@
 """Federated strategies, one algorithm per file."""
 
 from .base import ServerContext, Strategy
+from .dsfl import DSFL
 from .fd import FD
 from .fedadam import FedAdam
 from .fedavg import FedAvg
@@ -19,6 +20,7 @@ from .standalone import Standalone
 from .velo import Velo
 
 __all__ = [
+    "DSFL",
     "FD",
     "FML",
     "FedAdam",

@@ -1,0 +1,164 @@
+"""DS-FL: Itahara, Nishio, Koda, Morikura, Yamamoto, "Distillation-Based Semi-Supervised Federated Learning
+for Communication-Efficient Collaborative Training With Non-IID Private Data", IEEE TMC 2021 (Sec. IV,
+Algorithm 1; entropy reduction aggregation, Sec. IV-B)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..client.context import ClientContext
+from ..errors import ConfigError
+from ..evaluation import Evaluator
+from ..knowledge.distillation import kl_to_targets
+from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
+from ..types import ClientTask, ClientUpdate, TensorPayload
+from .base import ServerContext, Strategy
+
+
+def entropy_reduction(mean_probs: Tensor, temperature: float) -> Tensor:
+    """ERA: ``softmax(p_bar / T)`` of the clients' averaged probabilities ``[N, C]``.
+
+    With T < 1 it sharpens the average (lower entropy); at T = 1 it flattens it, since probabilities
+    in [0, 1] become logits of a softmax (what an old AIJack version ran by default).
+    """
+    return F.softmax(mean_probs / temperature, dim=1)
+
+
+class DSFL(Strategy):
+    """Distillation-based semi-supervised FL: personal models exchange predictions on a shared open set.
+
+    Each round has two phases (Algorithm 1):
+
+    * ``train`` (Update, Prediction): a sampled client trains its own model on its private labeled data
+      with cross-entropy, then uploads its softmax outputs on the round's open batch, ``n x C`` numbers.
+    * the server averages them over the clients (Aggregation) and applies ERA, ``softmax(p_bar / T)``
+      (``aggregation: era``; ``sa`` keeps the plain average), and sends the result back (Distribution).
+    * ``distill`` (Distillation): the same clients train on the open batch against these soft labels,
+      ``-sum_c p_c log softmax(z)_c`` (computed as the KL, same gradient), for ``distill_steps`` steps
+      (one pass by default).
+
+    The open set is the server's public set (``data.server_fraction``), held by every client before
+    training; its labels are never read. With ``open_size: n`` the server draws n of its examples per
+    round and sends their positions (``n`` int32 down, counted); ``open_size: null`` uses the whole set
+    every round (AIJack's loop), and nothing but the predictions crosses the network. Paper 001 lists
+    no server model for DS-FL (Table 13), so none is trained here.
+
+    ERA's temperature: 0.1 in AIJack's current ``DSFLServer`` (``era_temperature=0.1``); an older AIJack
+    version applied softmax at T = 1 to the averaged outputs, which flattens them (``era_temperature:
+    1``). Paper 001's Table 13 lists "temperature 1" for DS-FL, which reads as the latter.
+
+    Args:
+        open_size: open-set examples per round (``None``: all of them).
+        aggregation: ``era`` (entropy reduction) or ``sa`` (simple average).
+        era_temperature: T of ERA.
+        distill_steps: distillation steps per round (``None``: one pass over the open batch).
+        distill_batch_size: examples per distillation step (``None``: the training batch size).
+        split: where personal models are evaluated (``global`` test set or the local ``test`` split).
+    """
+
+    phases = ("train", "distill")
+
+    def __init__(
+        self,
+        open_size: int | None = None,
+        aggregation: str = "era",
+        era_temperature: float = 0.1,
+        distill_steps: int | None = None,
+        distill_batch_size: int | None = None,
+        split: str = "global",
+    ):
+        if aggregation not in ("era", "sa"):
+            raise ConfigError(f"DS-FL aggregation must be era or sa, got {aggregation!r}.")
+        if era_temperature <= 0 or (distill_steps is not None and distill_steps < 0):
+            raise ConfigError(
+                f"DS-FL needs era_temperature > 0 and distill_steps >= 0 (or null); got {era_temperature}, "
+                f"{distill_steps}."
+            )
+        self.open_size, self.aggregation, self.era_temperature = open_size, aggregation, era_temperature
+        self.distill_steps, self.distill_batch_size, self.split = distill_steps, distill_batch_size, split
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        server.require_one_role_per_client("DS-FL")
+        num_public = len(server.server_inputs("DS-FL"))
+        if self.open_size is not None and not 1 <= self.open_size <= num_public:
+            raise ConfigError(
+                f"DS-FL open_size {self.open_size} must be between 1 and the open set's {num_public} examples "
+                "(data.server_fraction); lower it, or set null for the whole set."
+            )
+        self.num_public = num_public
+        self.uploaders, self.global_probs = [], None  # within a round only: never checkpointed
+
+    # ------------------------------------------------------------------ server -> client
+    def configure_round(self, rnd, clients, phase="train"):
+        if phase == "train":
+            positions = round_subset(self.server.seed, rnd, self.num_public, self.open_size)
+            down = (
+                {}
+                if positions is None
+                else {"open_positions": TensorPayload("open_positions", {"positions": positions})}
+            )
+            return [ClientTask(c, rnd, dict(down), phase) for c in clients]
+        if not self.uploaders:
+            return []
+        soft_labels = TensorPayload("global_soft_labels", {"probs": self.global_probs})
+        return [ClientTask(c, rnd, {"global_soft_labels": soft_labels}, phase) for c in self.uploaders]
+
+    # ------------------------------------------------------------------ client
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = task.client.roles[0]
+        module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
+        if task.phase == "train":
+            loss = ctx.fit(role)["loss"]
+            positions = task.downlink["open_positions"].tensors["positions"] if task.downlink else None
+            x_open = public_inputs(ctx.data_x, ctx.public_indices, positions)
+            probs = F.softmax(eval_logits(module, x_open, ctx.loop.training.eval_batch_size), dim=1)
+            if positions is not None:
+                ctx.state["open_positions"] = positions  # the client remembers its batch until the distill phase
+            uplink = {"open_probs": TensorPayload("open_probs", {"probs": probs})}
+            metrics = {f"{role}/loss": loss}
+        else:
+            x_open = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("open_positions", None))
+            targets = task.downlink["global_soft_labels"].tensors["probs"].to(x_open.device)
+            batch_size = self.distill_batch_size or ctx.loop.training.batch_size
+            batches = target_batches(x_open, targets, batch_size, self.distill_steps, ctx.generator)
+            loss = ctx.fit(role, step_fn=self.distillation_step, batches=batches)["loss"]
+            uplink, metrics = {}, {f"{role}/distill_loss": loss}
+        ctx.state["weights"] = ctx.weights(role)
+        return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
+
+    @staticmethod
+    def distillation_step(module, batch, i):
+        x, targets = batch
+        return kl_to_targets(module(x), targets)
+
+    # ------------------------------------------------------------------ server
+    def aggregate(self, rnd, updates, phase="train"):
+        if phase == "distill":
+            for _ in updates:  # the clients distilled locally; nothing comes back
+                pass
+            return {}
+        total, self.uploaders = None, []
+        for update in updates:
+            probs = update.uplink["open_probs"].tensors["probs"].double()
+            total = probs if total is None else total + probs
+            self.uploaders.append(update.client)
+        if not self.uploaders:
+            self.global_probs = None
+            return {}
+        mean = (total / len(self.uploaders)).float()
+        self.global_probs = entropy_reduction(mean, self.era_temperature) if self.aggregation == "era" else mean
+        entropy = -(self.global_probs * self.global_probs.clamp_min(1e-12).log()).sum(1).mean()
+        return {"server/soft_label_entropy": float(entropy)}
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        return evaluator.personalized(self.personal_weights, split=self.split)
+
+    def personal_weights(self, client, state):
+        return client.roles[0], self.server.own_weights(client, state.get("weights"))
+
+    @property
+    def monitor(self) -> str:
+        return "personal/test_acc"
