@@ -22,6 +22,7 @@ CASES = [
     ("digits_fedkd", 10, "personal/test_acc", 0.7),  # 0.91 measured
     ("digits_fd", 60, "personal/test_acc", 0.5),
     ("digits_feddf", 20, "small/test_acc", 0.7),  # 0.87 measured
+    ("digits_moon", 20, "small/test_acc", 0.7),  # 0.92 measured
     ("digits_dsfl", 20, "personal/test_acc", 0.3),  # 0.46 measured
 ]
 

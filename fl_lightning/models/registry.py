@@ -116,10 +116,13 @@ class ModelSpec:
         builder: registered name (see ``flrun models``), an installed entry point's name, or the dotted path
             of a builder function in a module trusted through ``FLRUN_TRUSTED_MODULES``.
         args: keyword arguments of the builder, e.g. ``{width: 0.25}``.
+        projection_dim: when set, the builder's head is replaced by a projection head of that output size
+            and a classifier on it (MOON's model; see :func:`~fl_lightning.models.projection.with_projection_head`).
     """
 
     builder: str
     args: dict[str, Any] = field(default_factory=dict)
+    projection_dim: int | None = None
 
     def build(self, **context: Any) -> FeatureClassifier:
         """Builds the model; ``context`` (e.g. ``num_classes``) fills builder arguments not set."""
@@ -155,4 +158,8 @@ class ModelSpec:
                 "(features + head); only builders returning one may be used: wrap your network in "
                 "fl_lightning.models.FeatureClassifier."
             )
+        if self.projection_dim is not None:
+            from .projection import with_projection_head
+
+            model = with_projection_head(model, self.projection_dim)
         return model

@@ -14,6 +14,7 @@ from .felo import Felo
 from .fml import FML
 from .lg_fedavg import LGFedAvg
 from .merged_codist import MergedCodist
+from .moon import MOON
 from .ondevice_kd import OnDeviceKD
 from .periodic_codist import PeriodicCodist
 from .standalone import Standalone
@@ -32,6 +33,7 @@ __all__ = [
     "FedProto",
     "Felo",
     "LGFedAvg",
+    "MOON",
     "MergedCodist",
     "OnDeviceKD",
     "PeriodicCodist",
