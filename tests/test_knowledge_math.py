@@ -10,7 +10,7 @@ from fl_lightning.knowledge.banks import ClassBank, class_sums
 from fl_lightning.knowledge.codistill import codistillation_targets
 from fl_lightning.knowledge.cvae import FeatureCVAE, cvae_loss
 from fl_lightning.knowledge.distillation import kd_kl_loss, ramp_up
-from fl_lightning.knowledge.header import header_step
+from fl_lightning.knowledge.header import header_step, train_header
 from fl_lightning.knowledge.server_optim import ServerAdam, merge_gradients
 
 
@@ -84,6 +84,27 @@ def test_fedgh_header_step_by_hand():
     assert loss == pytest.approx(math.log(2))
     assert torch.allclose(header.weight, torch.tensor([[0.05, 0.0], [-0.05, 0.0]]))
     assert torch.allclose(header.bias, torch.tensor([0.05, -0.05]))
+
+
+def test_fedgh_header_steps_per_lar_and_per_client_by_hand():
+    reps, labels = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    header = nn.Linear(2, 2)
+    nn.init.zeros_(header.weight)
+    nn.init.zeros_(header.bias)
+    losses = train_header(header, reps, labels, lr=0.1, per_lar=True)
+    # LAR 1 ([1, 0], class 0) as above: W = [[0.05, 0], [-0.05, 0]], b = [0.05, -0.05].
+    # LAR 2 ([0, 1], class 1): logits = b = [0.05, -0.05], p = [p0, 1 - p0] with p0 = 1 / (1 + e^-0.1);
+    # dL/dz = p - onehot(1) = [p0, -p0]; column 1 of W and b move by -0.1 [p0, -p0]
+    p0 = 1 / (1 + math.exp(-0.1))  # 0.52498
+    assert losses == pytest.approx([math.log(2), math.log(1 + math.exp(0.1))], rel=1e-6)
+    assert torch.allclose(header.weight, torch.tensor([[0.05, -0.1 * p0], [-0.05, 0.1 * p0]]))
+    assert torch.allclose(header.bias, torch.tensor([0.05 - 0.1 * p0, -0.05 + 0.1 * p0]))
+    nn.init.zeros_(header.weight)
+    nn.init.zeros_(header.bias)
+    # one step on the mean loss: each LAR's gradient halved, biases cancel
+    assert train_header(header, reps, labels, lr=0.1, per_lar=False) == pytest.approx([math.log(2)])
+    assert torch.allclose(header.weight, torch.tensor([[0.025, -0.025], [-0.025, 0.025]]))
+    assert torch.allclose(header.bias, torch.zeros(2))
 
 
 def test_cvae_loss_by_hand_and_generation_shape():

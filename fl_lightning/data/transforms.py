@@ -33,3 +33,18 @@ def random_crop_flip(
     cols = torch.where(flips[:, None], cols.flip(1), cols)  # flipping = reading columns backwards
     batch = torch.arange(b, device=x.device)[:, None, None]
     return padded[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
+
+
+def random_flips(x: Tensor, generator: torch.Generator, horizontal: bool = True, vertical: bool = True) -> Tensor:
+    """Flips each image horizontally and, independently, vertically, each with probability 0.5.
+
+    Args:
+        x: ``[B, C, H, W]`` images.
+        generator: the random stream of the draws (two per image, horizontal first).
+    """
+    b = x.shape[0]
+    draws = torch.rand(2, b, generator=generator).to(x.device) < 0.5
+    draws[0] &= horizontal
+    draws[1] &= vertical
+    out = torch.where(draws[0][:, None, None, None], x.flip(3), x)
+    return torch.where(draws[1][:, None, None, None], out.flip(2), out)

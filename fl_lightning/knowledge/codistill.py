@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..data.transforms import random_flips
+from ..errors import ConfigError
 from ..schedules import linear_decay
 from ..types import StateDict
 from .distillation import kl_to_targets
@@ -38,6 +42,20 @@ def random_batches(x: Tensor, targets: Tensor, batch_size: int, generator: torch
         yield x[idx], targets[idx]
 
 
+def mixup(x: Tensor, generator: torch.Generator, concentration: float) -> tuple[Tensor, float, Tensor]:
+    """Mixup (Zhang et al. 2017) of a batch with a shuffled copy of itself: ``lam x + (1 - lam) x[partner]``.
+
+    One ``lam ~ Beta(concentration, concentration)`` per batch, as the mixup paper's code. Returns the
+    mixed batch, ``lam`` and the partner indices ``[B]``.
+    """
+    partner = torch.randperm(len(x), generator=generator).to(x.device)
+    # torch's Beta sampler cannot take a generator; numpy's, seeded from it, keeps the draw reproducible
+    lam = float(
+        np.random.default_rng(int(torch.randint(2**62, (), generator=generator))).beta(concentration, concentration)
+    )
+    return lam * x + (1 - lam) * x[partner], lam, partner
+
+
 class Codistillation:
     """Settings and run of one bidirectional codistillation round between two model pools.
 
@@ -51,6 +69,12 @@ class Codistillation:
         lr_final: the rate in the last round as a fraction of ``lr`` (linear decay over rounds; 1: none).
         temperature: softmax temperature of each teacher (a number, or one per teacher role).
         student_reg: beta, weight of the student's own initial soft labels in its targets.
+        augment: augment the distillation examples (Appendix C.1); ``None`` does so for image inputs
+            ``[N, C, H, W]`` and not for token inputs.
+        mixup: the Beta(a, a) concentration a of mixup's ``lam`` (the paper's "beta = 2"); ``None`` or 0: no mixup.
+        flips: extra random horizontal and vertical flips (each with probability 0.5, per example).
+        data_augmentation: first apply the data set's training augmentation (FedJAX's crop and flip on
+            CIFAR, which the paper's "additional" flips come on top of).
     """
 
     def __init__(
@@ -61,9 +85,16 @@ class Codistillation:
         lr_final: float = 1.0,
         temperature: float | dict[str, float] = 1.0,
         student_reg: float = 0.0,
+        augment: bool | None = None,
+        mixup: float | None = 2.0,
+        flips: bool = True,
+        data_augmentation: bool = True,
     ):
+        if mixup is not None and mixup < 0:
+            raise ConfigError(f"Codistillation mixup is a Beta concentration and must be positive, got {mixup}.")
         self.steps, self.batch_size, self.lr, self.lr_final = steps, batch_size, lr, lr_final
         self.temperature, self.student_reg = temperature, student_reg
+        self.augment, self.mixup, self.flips, self.data_augmentation = augment, mixup, flips, data_augmentation
 
     @staticmethod
     def _per_role(value, role):
@@ -79,13 +110,23 @@ class Codistillation:
         generator: torch.Generator,
     ) -> dict[str, StateDict]:
         """Students of both roles; ``progress`` in [0, 1] decays the learning rates."""
-        logits = {r: server.predict(r, weights[r], x) for r in roles}
+        augment = self.augmentation(x, server.data.augment)
+        if augment is None:  # the teachers' predictions on the server set serve every step
+            logits = {r: server.predict(r, weights[r], x) for r in roles}
         students = {}
         for student, teacher in (roles, roles[::-1]):
             temperature = self._per_role(self.temperature, teacher)
-            targets = codistillation_targets(logits[teacher], logits[student], temperature, self.student_reg)
             lr = self._per_role(self.lr, student) * linear_decay(progress, self.lr_final)
-            batches = itertools.islice(random_batches(x, targets, self.batch_size, generator), self.steps)
+            if augment is None:
+                targets = codistillation_targets(logits[teacher], logits[student], temperature, self.student_reg)
+                batches = itertools.islice(random_batches(x, targets, self.batch_size, generator), self.steps)
+            else:  # the teachers label the augmented (mixed, flipped) examples themselves
+                inputs = self.augmented_examples(x, augment, generator)
+                teacher_logits = server.predict(teacher, weights[teacher], inputs)
+                own = server.predict(student, weights[student], inputs) if self.student_reg else teacher_logits
+                targets = codistillation_targets(teacher_logits, own, temperature, self.student_reg)
+                b = min(self.batch_size, len(x))
+                batches = ((inputs[i : i + b], targets[i : i + b]) for i in range(0, len(inputs), b))
 
             def step(module, batch, i, temperature=temperature):
                 xb, tb = batch
@@ -95,3 +136,42 @@ class Codistillation:
                 student, weights[student], batches, step, lambda params, lr=lr: torch.optim.Adam(params, lr=lr)
             )
         return students
+
+    def augmentation(
+        self, x: Tensor, data_augment: Callable[[Tensor, torch.Generator], Tensor]
+    ) -> Callable[[Tensor, torch.Generator], Tensor] | None:
+        """The batch augmentation of the distillation examples, or ``None`` when they are used as they are."""
+        images = x.dim() == 4 and x.is_floating_point()
+        if self.augment is False or (self.augment is None and not images):
+            return None
+        if not images:
+            raise ConfigError(
+                f"Codistillation augment: true needs image inputs [N, C, H, W]; the server set has shape "
+                f"{tuple(x.shape)} ({x.dtype}). Set distillation augment: false (or null: images only)."
+            )
+
+        def augment(batch: Tensor, generator: torch.Generator) -> Tensor:
+            if self.data_augmentation:
+                batch = data_augment(batch, generator)
+            if self.flips:
+                batch = random_flips(batch, generator)
+            if self.mixup:
+                batch = mixup(batch, generator, self.mixup)[0]
+            return batch
+
+        return augment
+
+    def augmented_examples(
+        self, x: Tensor, augment: Callable[[Tensor, torch.Generator], Tensor], generator: torch.Generator
+    ) -> Tensor:
+        """All ``steps`` batches of one student, ``[steps * batch, ...]``: drawn with replacement, then augmented.
+
+        They are built before training so that the frozen teacher and the student's initial model
+        (student regularisation) label them in one pass each.
+        """
+        b = min(self.batch_size, len(x))
+        batches = []
+        for _ in range(self.steps):
+            idx = torch.randint(len(x), (b,), generator=generator).to(x.device)
+            batches.append(augment(x[idx], generator))
+        return torch.cat(batches)

@@ -9,7 +9,7 @@ from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
-from ..knowledge.header import header_step
+from ..knowledge.header import train_header
 from ..types import ClientTask, ClientUpdate, ModelWeights
 from .base import ServerContext, Strategy
 
@@ -21,20 +21,29 @@ class FedGH(Strategy):
     model on its local data, keeps everything but the header, and uploads its local averaged
     representation (LAR) of every class it holds: the mean ``features`` output of its training data in
     eval mode, with the class label, ``S * (D + 1)`` numbers for S classes (Sec. 4.3). The server takes
-    one SGD step of cross-entropy on the global header per client's LARs, in arrival order, with
-    learning rate ``header_lr`` (eta_g), and broadcasts the header (``D * C + C`` numbers).
+    SGD steps of cross-entropy on the global header with learning rate ``header_lr`` (eta_g), clients
+    in arrival order, and broadcasts the header (``D * C + C`` numbers).
 
-    Personalized models (a client's extractor with the current global header) are evaluated on each
-    client's local test split, so recipes set ``data.local_split``, e.g. [0.8, 0.1, 0.1].
+    The personalized model of a client is its locally trained model, extractor and header after its
+    last local training (what Algorithm 1 returns and the official code evaluates). It is evaluated on
+    each client's local test split, so recipes set ``data.local_split``, e.g. [0.8, 0.1, 0.1].
 
     Args:
         header_lr: eta_g (0.01 in the paper).
+        header_update: ``per_lar``, one SGD step per uploaded class representation (eq. 4 as written,
+            the code's loop); ``per_client``, one step on the mean loss over a client's LARs.
+        evaluate_with: ``local``, each client's locally trained header (paper, code); ``global_header``,
+            each client's extractor with the current global header.
     """
 
     state_attributes = ("header",)
 
-    def __init__(self, header_lr: float = 0.01):
-        self.header_lr = header_lr
+    def __init__(self, header_lr: float = 0.01, header_update: str = "per_lar", evaluate_with: str = "local"):
+        if header_update not in ("per_lar", "per_client"):
+            raise ConfigError(f"FedGH header_update must be per_lar or per_client, got {header_update!r}.")
+        if evaluate_with not in ("local", "global_header"):
+            raise ConfigError(f"FedGH evaluate_with must be local or global_header, got {evaluate_with!r}.")
+        self.header_lr, self.header_update, self.evaluate_with = header_lr, header_update, evaluate_with
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
@@ -56,11 +65,11 @@ class FedGH(Strategy):
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
-        body = self.server.own_weights(task.client, ctx.state.get("body"))
-        weights = {**body, **{f"head.{k}": v for k, v in task.downlink["header"].state.items()}}
+        local = self.server.own_weights(task.client, ctx.state.get("weights"))
+        weights = {**local, **{f"head.{k}": v for k, v in task.downlink["header"].state.items()}}  # eq. 5
         module = ctx.load(role, weights)
         stats = ctx.fit(role)
-        ctx.state["body"] = {k: v for k, v in ctx.weights(role).items() if not k.startswith("head.")}
+        ctx.state["weights"] = ctx.weights(role)  # the header too: the local model is what gets evaluated
         lars = self.local_averaged_representations(module, ctx)
         return ClientUpdate(task.client, ctx.num_examples(), {"lars": lars}, {f"{role}/loss": stats["loss"]})
 
@@ -80,10 +89,11 @@ class FedGH(Strategy):
             self.header["weight"].device
         )
         header.load_state_dict(self.header)
-        losses = []
-        for update in updates:  # one step per client, in arrival order
+        losses, per_lar = [], self.header_update == "per_lar"
+        for update in updates:  # clients in arrival order
             lars = update.uplink["lars"]
-            losses.append(header_step(header, lars.vectors["representations"], lars.labels.long(), self.header_lr))
+            reps, labels = lars.vectors["representations"], lars.labels.long()
+            losses += train_header(header, reps, labels, self.header_lr, per_lar)
         self.header = {k: v.detach().clone() for k, v in header.state_dict().items()}
         return {"server/header_loss": sum(losses) / max(len(losses), 1)}
 
@@ -91,8 +101,11 @@ class FedGH(Strategy):
         return evaluator.personalized(self.personal_weights, split="test")
 
     def personal_weights(self, client, state):
-        body = self.server.own_weights(client, state.get("body"))
-        return client.roles[0], {**body, **{f"head.{k}": v for k, v in self.header.items()}}
+        """The client's locally trained model (its own initial one before it first trains)."""
+        local = self.server.own_weights(client, state.get("weights"))
+        if self.evaluate_with == "global_header":
+            local = {**local, **{f"head.{k}": v for k, v in self.header.items()}}
+        return client.roles[0], local
 
     @property
     def monitor(self) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from ..client.context import ClientContext
@@ -22,8 +21,9 @@ class FedHe(Strategy):
     and counts them (``V_k,y``), then uploads ``p_k,y / (V_k,y + 1)`` with the label y. Server (eq. 9-10):
     stores every received class logit and answers with their per-class average ``p_s,y``. Client loss
     (eq. 11-13): ``CE(z, y) + alpha * l_logit(z, p_s,y)`` with ``l_logit`` the MSE on logits (the
-    official code's choice; the paper leaves it open). Classes the server has no logits for yet train on
-    cross-entropy alone (cold start). Every client keeps its own model; no weights are exchanged.
+    official code's choice; the paper leaves it open), both averaged over the batch as eq. 13's
+    ``1/|D_k|`` sum: samples of a class the server has no logit for yet add no logit loss but count in
+    the average (cold start). Every client keeps its own model; no weights are exchanged.
 
     In asynchronous mode (``schedule: AsynchronousSchedule``) each arrival is answered with the current
     class averages, exactly as Algorithm 1's server loop.
@@ -35,10 +35,15 @@ class FedHe(Strategy):
         warmup_rounds: rounds of cross-entropy only before the logit term starts (the code waits N
             iterations); 0 uses server logits as soon as there are any.
         reset_every: every k rounds collapse the bank to its current averages weighted as one upload
-            (the code's periodic reset, not in the paper); ``None`` never does.
+            (the code's periodic reset, not in the paper); ``None`` never does. The collapse comes
+            once per period, after the last update of round k (before the first of round k + 1), also
+            in asynchronous mode where a round's arrivals are aggregated one at a time.
+        logit_average: ``batch`` averages the logit loss over the whole batch (eq. 12-13); ``available``
+            over the samples whose class has a server logit only (this code before, a larger weight
+            while few classes have logits).
     """
 
-    state_attributes = ("bank",)
+    state_attributes = ("bank", "last_reset_round")
 
     def __init__(
         self,
@@ -47,17 +52,23 @@ class FedHe(Strategy):
         logit_loss: str = "mse",
         warmup_rounds: int = 0,
         reset_every: int | None = None,
+        logit_average: str = "batch",
     ):
         if logit_loss not in ("mse", "kl"):
             raise ConfigError(f"FedHe logit_loss must be mse or kl, got {logit_loss!r}.")
+        if logit_average not in ("batch", "available"):
+            raise ConfigError(f"FedHe logit_average must be batch or available, got {logit_average!r}.")
+        if reset_every is not None and reset_every < 1:
+            raise ConfigError(f"FedHe reset_every must be at least 1 (or null: never), got {reset_every}.")
         self.alpha, self.plus_one, self.logit_loss = alpha, plus_one, logit_loss
-        self.warmup_rounds, self.reset_every = warmup_rounds, reset_every
+        self.warmup_rounds, self.reset_every, self.logit_average = warmup_rounds, reset_every, logit_average
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client("FedHe")
         self.num_classes = server.data.num_classes
         self.bank = ClassBank(self.num_classes, self.num_classes)
+        self.last_reset_round = 0  # the last round whose end collapsed the bank
 
     def configure_round(self, rnd, clients, phase="train"):
         # padded to C rows, so an upload is always C x (C + 1) numbers (paper Tables III-IV count the same)
@@ -80,7 +91,10 @@ class FedHe(Strategy):
             if use_logits:
                 mask = available[y]
                 if mask.any():
-                    loss = loss + self.alpha * logit_matching_loss(z[mask], server_logits[y[mask]], self.logit_loss)
+                    logit_loss = logit_matching_loss(z[mask], server_logits[y[mask]], self.logit_loss)
+                    if self.logit_average == "batch":  # mean over the covered samples -> sum / batch size
+                        logit_loss = logit_loss * (mask.sum() / len(y))
+                    loss = loss + self.alpha * logit_loss
             return loss
 
         stats = ctx.fit(role, step_fn=step)
@@ -89,10 +103,14 @@ class FedHe(Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
 
     def aggregate(self, rnd, updates, phase="train"):
+        if self.reset_every:
+            # the end of the last full period: collapse once for it, at the first aggregation after it
+            period_end = (rnd - 1) // self.reset_every * self.reset_every
+            if period_end > self.last_reset_round:
+                self.bank.collapse()
+                self.last_reset_round = period_end
         for update in updates:
             self.bank.add_statistics(update.uplink["class_logits"], "logits")
-        if self.reset_every and rnd % self.reset_every == 0:
-            self.bank.collapse()
         return {"server/classes_with_logits": float(self.bank.available.sum())}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:

@@ -31,6 +31,12 @@ class Felo(Strategy):
     Every role must have the same feature dimension, since features of different architectures are
     compared directly.
 
+    Downlink: one ``class_knowledge`` payload, per class the logits and (when the server has class
+    features) the features, with labels marking the classes it has them for. Velo's server may have
+    logits of classes it has no feature for (before its CVAE is trained, or when a class has left its
+    feature store); then the features travel in a second ``class_features`` payload with their own
+    labels, and before any feature exists none are sent.
+
     Args:
         alpha: weight of the feature + logit terms (0.5 in the code).
         logit_loss: ``kl`` (paper) or ``mse`` (code default).
@@ -71,20 +77,30 @@ class Felo(Strategy):
         self.global_weights = {r: server.initial_weights(r) for r in server.roles} if self.average_weights else {}
 
     # ------------------------------------------------------------------ server -> client
-    def server_features(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Class features sent to clients and which classes have one (Velo replaces this)."""
+    def server_features(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Class features sent to clients and which classes have one; ``None``: no feature source yet (Velo)."""
         return self.feature_bank.mean(), self.feature_bank.available
 
+    def knowledge_downlink(self) -> dict[str, ClassStatistics]:
+        """The class logits and features, each with the classes the server has it for (see the class doc)."""
+        logits, have_logits = self.logit_bank.mean(), self.logit_bank.available
+        features = self.server_features()
+        if features is None:
+            return {"class_knowledge": ClassStatistics.padded("class_knowledge", {"logits": logits}, have_logits)}
+        features, have_features = features
+        if torch.equal(have_features, have_logits):
+            vectors = {"features": features, "logits": logits}
+            return {"class_knowledge": ClassStatistics.padded("class_knowledge", vectors, have_logits)}
+        return {
+            "class_knowledge": ClassStatistics.padded("class_knowledge", {"logits": logits}, have_logits),
+            "class_features": ClassStatistics.padded("class_features", {"features": features}, have_features),
+        }
+
     def configure_round(self, rnd, clients, phase="train"):
-        features, have_features = self.server_features()
-        knowledge = ClassStatistics.padded(
-            "class_knowledge",
-            {"features": features, "logits": self.logit_bank.mean()},
-            self.logit_bank.available & have_features,
-        )
+        knowledge = self.knowledge_downlink()
         tasks = []
         for c in clients:
-            downlink = {"class_knowledge": knowledge}
+            downlink = dict(knowledge)
             if self.average_weights:
                 downlink["weights"] = ModelWeights(c.roles[0], self.global_weights[c.roles[0]])
             tasks.append(ClientTask(c, rnd, downlink))
@@ -97,11 +113,10 @@ class Felo(Strategy):
             ctx.load(role, task.downlink["weights"].state)
         else:
             ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        knowledge = task.downlink["class_knowledge"]
-        server_f, server_z, available = knowledge.vectors["features"], knowledge.vectors["logits"], knowledge.present
-        use = task.round > self.warmup_rounds and bool(available.any())
+        (server_f, have_f), (server_z, have_z) = received_targets(task.downlink)
+        use = task.round > self.warmup_rounds and (bool(have_z.any()) or bool(have_f.any()))
         dims = {"features": self.feature_dim, "logits": self.num_classes}
-        collector = ClassStatsCollector(self.num_classes, dims, server_f.device)
+        collector = ClassStatsCollector(self.num_classes, dims, server_z.device)
 
         def step(module, batch, i):
             x, y = batch
@@ -110,12 +125,14 @@ class Felo(Strategy):
             collector.add(y, features=f, logits=z)  # training-mode outputs, before the step
             loss = F.cross_entropy(z, y)
             if use:
-                mask = available[y]
-                if mask.any():
-                    loss = loss + self.alpha * (
-                        F.mse_loss(f[mask], server_f[y[mask]])
-                        + logit_matching_loss(z[mask], server_z[y[mask]], self.logit_loss)
-                    )
+                terms = []
+                f_mask, z_mask = have_f[y], have_z[y]
+                if f_mask.any():
+                    terms.append(F.mse_loss(f[f_mask], server_f[y[f_mask]]))
+                if z_mask.any():
+                    terms.append(logit_matching_loss(z[z_mask], server_z[y[z_mask]], self.logit_loss))
+                if terms:
+                    loss = loss + self.alpha * sum(terms[1:], terms[0])
             return loss
 
         stats = ctx.fit(role, step_fn=step)
@@ -172,3 +189,18 @@ class Felo(Strategy):
     @property
     def monitor(self) -> str:
         return "personal/test_acc"
+
+
+def received_targets(downlink: dict) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(features [C, D], have_features [C]), (logits [C, C], have_logits [C])`` from a Felo / Velo downlink.
+
+    Classes without a feature (none at all when the server sent no features) have ``have_features`` false.
+    """
+    knowledge = downlink["class_knowledge"]
+    logits, have_logits = knowledge.vectors["logits"], knowledge.present
+    if "features" in knowledge.vectors:
+        return (knowledge.vectors["features"], have_logits), (logits, have_logits)
+    if "class_features" in downlink:
+        features = downlink["class_features"]
+        return (features.vectors["features"], features.present), (logits, have_logits)
+    return (logits.new_zeros(len(have_logits), 0), torch.zeros_like(have_logits)), (logits, have_logits)

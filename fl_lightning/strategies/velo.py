@@ -17,7 +17,9 @@ class Velo(Felo):
     every ``cvae_interval`` rounds trains the CVAE on them for ``cvae_epochs`` epochs (batch
     ``cvae_batch_size``, a new Adam optimizer with ``cvae_lr`` on persistent CVAE weights, as the
     official code). Each round it decodes one ``z ~ N(0, I)`` per class into that class's feature for
-    the next round (code); logits are averaged as in Felo. Table 4 varies ``cvae_interval`` (1-10).
+    the next round (code); logits are averaged and sent as in Felo from the first round on. Until the
+    CVAE is first trained no features are sent (nor counted); afterwards features go to the classes
+    the CVAE has received features of. Table 4 varies ``cvae_interval`` (1-10).
 
     Args:
         cvae_interval: rounds between CVAE trainings.
@@ -91,7 +93,7 @@ class Velo(Felo):
         return total / max(batches, 1)
 
     def server_features(self):
-        seen = torch.bincount(self.stored_labels, minlength=self.num_classes) > 0
         if self.synthetic is None:
-            return torch.zeros(self.num_classes, self.feature_dim), torch.zeros(self.num_classes, dtype=torch.bool)
+            return None
+        seen = torch.bincount(self.stored_labels, minlength=self.num_classes) > 0
         return self.synthetic, seen

@@ -1,0 +1,246 @@
+"""Issue 9's fidelity fixes: FedGH's evaluated model and header step, codistillation's augmentation,
+Velo's logit targets before its CVAE, FedHe's reset period and logit-loss average; each checked on
+numbers computed by hand."""
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import client_update, method_env
+
+from fl_lightning.client import LocalTraining
+from fl_lightning.data.transforms import random_flips
+from fl_lightning.errors import ConfigError
+from fl_lightning.knowledge.class_stats import ClassStatistics
+from fl_lightning.knowledge.codistill import Codistillation, mixup
+from fl_lightning.models import ModelSpec
+from fl_lightning.population import Tier
+from fl_lightning.strategies import FedGH, FedHe, Velo
+from fl_lightning.strategies.felo import received_targets
+from fl_lightning.types import ClientUpdate, ModelWeights
+
+CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
+MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
+# one step on all of a client's data, weights unchanged: the reported loss is the loss of that batch
+ONE_FROZEN_BATCH = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_steps=1, batch_size=10_000)
+
+
+# ---------------------------------------------------------------------------------------------- FedGH
+def test_fedgh_takes_one_header_step_per_lar_in_order():
+    strategy = FedGH(header_lr=0.1)
+    server = method_env(strategy, MLP, [Tier("all", ["m"])])
+    strategy.header = {"weight": torch.zeros(10, 8), "bias": torch.zeros(10)}
+    reps = torch.eye(8)[:2]  # LAR of class 0 = e0, LAR of class 1 = e1
+    lars = ClassStatistics("lars", {"representations": reps}, torch.tensor([0, 1], dtype=torch.int32))
+    strategy.aggregate(1, iter([ClientUpdate(server.clients[0], 1, {"lars": lars})]))
+    # step 1 (e0, class 0): logits 0, softmax 0.1 each; grad = p - onehot(0); W[:, 0] = b = -0.1 grad
+    first = -0.1 * (torch.full((10,), 0.1) - F.one_hot(torch.tensor(0), 10))
+    # step 2 (e1, class 1): logits = W e1 + b = b = first; grad = softmax(first) - onehot(1)
+    p1 = math.exp(-0.01) / (math.exp(0.09) + 9 * math.exp(-0.01))
+    second = -0.1 * (F.softmax(first, 0) - F.one_hot(torch.tensor(1), 10))
+    assert strategy.header["weight"][1, 1].item() == pytest.approx(0.1 * (1 - p1), rel=1e-5)  # 0.0901
+    assert torch.allclose(strategy.header["weight"][:, 0], first)
+    assert torch.allclose(strategy.header["weight"][:, 1], second)
+    assert torch.allclose(strategy.header["bias"], first + second)
+    assert torch.equal(strategy.header["weight"][:, 2:], torch.zeros(10, 6))
+
+    per_client = FedGH(header_lr=0.1, header_update="per_client")  # one step on the mean loss (before)
+    method_env(per_client, MLP, [Tier("all", ["m"])])
+    per_client.header = {"weight": torch.zeros(10, 8), "bias": torch.zeros(10)}
+    per_client.aggregate(1, iter([ClientUpdate(server.clients[0], 1, {"lars": lars})]))
+    assert per_client.header["weight"][1, 1].item() == pytest.approx(0.1 * 0.9 / 2)
+
+
+def test_fedgh_evaluates_each_clients_locally_trained_model():
+    training = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=3, batch_size=16)
+    strategy = FedGH()
+    server = method_env(strategy, MLP, [Tier("all", ["m"])], training=training)
+    client = server.clients[0]
+    state = {}
+    client_update(strategy, server, strategy.configure_round(1, [client])[0], state)
+    trained = {k: v.clone() for k, v in server._loop.slots["m"].module.model.state_dict().items()}
+    strategy.aggregate(1, iter([]))  # the header is unchanged without uploads: it is still the initial one
+    role, weights = strategy.personal_weights(client, state)
+    assert role == "m" and weights.keys() == trained.keys()
+    assert all(torch.equal(weights[k], trained[k]) for k in trained)  # extractor and header after training
+    assert not torch.equal(weights["head.weight"], strategy.header["weight"])
+
+    option = FedGH(evaluate_with="global_header")
+    method_env(option, MLP, [Tier("all", ["m"])], training=training)
+    _, global_header = option.personal_weights(client, state)
+    assert torch.equal(global_header["head.weight"], option.header["weight"])
+    assert torch.equal(global_header["features.1.weight"], trained["features.1.weight"])
+
+
+def test_fedgh_rejects_unknown_options():
+    with pytest.raises(ConfigError, match="header_update"):
+        FedGH(header_update="per_round")
+    with pytest.raises(ConfigError, match="evaluate_with"):
+        FedGH(evaluate_with="global")
+
+
+# ------------------------------------------------------------------------------------- codistillation
+def test_mixup_is_a_convex_combination_with_the_drawn_lambda():
+    x = torch.randn(8, 1, 4, 4)
+    mixed, lam, partner = mixup(x, torch.Generator().manual_seed(3), 2.0)
+    assert 0.0 < lam < 1.0 and sorted(partner.tolist()) == list(range(8))
+    assert torch.allclose(mixed, lam * x + (1 - lam) * x[partner])
+    again, lam_again, _ = mixup(x, torch.Generator().manual_seed(3), 2.0)
+    assert lam_again == lam and torch.equal(again, mixed)  # seeded by the generator passed in
+    # "mixup with beta = 2": lam ~ Beta(2, 2), mean 1/2 and variance 2*2 / (4^2 * 5) = 0.05
+    generator = torch.Generator().manual_seed(0)
+    lams = torch.tensor([mixup(x, generator, 2.0)[1] for _ in range(4000)])
+    assert lams.mean().item() == pytest.approx(0.5, abs=0.015)
+    assert lams.var().item() == pytest.approx(0.05, abs=0.006)  # Beta(0.2, 0.2): 0.18; uniform: 0.083
+
+
+def test_random_flips_flip_each_image_horizontally_and_vertically():
+    x = torch.arange(64 * 9, dtype=torch.float32).reshape(64, 1, 3, 3)
+    out = random_flips(x, torch.Generator().manual_seed(0))
+    seen = set()
+    for original, flipped in zip(x, out):
+        cases = [original, original.flip(2), original.flip(1), original.flip(1).flip(2)]  # none, H, V, both
+        matches = [i for i, case in enumerate(cases) if torch.equal(flipped, case)]
+        assert len(matches) == 1
+        seen.add(matches[0])
+    assert seen == {0, 1, 2, 3}
+    assert torch.equal(random_flips(x, torch.Generator().manual_seed(0)), out)
+    assert torch.equal(random_flips(x, torch.Generator().manual_seed(0), horizontal=False, vertical=False), x)
+
+
+def test_codistillation_augments_images_only_by_default():
+    images, tokens = torch.zeros(4, 3, 8, 8), torch.zeros(4, 12, dtype=torch.long)
+    assert Codistillation().augmentation(images, lambda b, g: b) is not None
+    assert Codistillation().augmentation(tokens, lambda b, g: b) is None
+    assert Codistillation(augment=False).augmentation(images, lambda b, g: b) is None
+    with pytest.raises(ConfigError, match="image inputs"):
+        Codistillation(augment=True).augmentation(tokens, lambda b, g: b)
+
+
+def test_teachers_label_the_mixed_flipped_examples_of_each_step():
+    """Targets are the teacher's predictions on each augmented batch (not mixed targets of raw examples)."""
+    x = torch.randn(20, 1, 2, 2)
+    torch.manual_seed(0)
+    linear = {"small": {"w": torch.randn(4, 3)}, "large": {"w": torch.randn(4, 3)}}
+    seen = {}
+
+    def predict(role, weights, inputs):
+        return inputs.flatten(1) @ weights["w"]
+
+    def train(role, weights, batches, step_fn, optimizer):
+        seen[role] = list(batches)
+        return weights
+
+    server = SimpleNamespace(predict=predict, train=train, data=SimpleNamespace(augment=lambda b, g: b))
+    distillation = Codistillation(steps=3, batch_size=5, temperature=2.0, student_reg=0.0)
+    distillation.run(server, linear, ("small", "large"), x, 0.0, torch.Generator().manual_seed(1))
+    for student, teacher in (("small", "large"), ("large", "small")):
+        assert len(seen[student]) == 3
+        for inputs, targets in seen[student]:
+            assert inputs.shape == (5, 1, 2, 2)
+            raw = [any(torch.allclose(row, example) for example in x) for row in inputs]
+            assert not all(raw)  # mixed (a row mixed with itself, or its duplicate, stays raw)
+            assert torch.allclose(targets, F.softmax(predict(teacher, linear[teacher], inputs) / 2.0, 1))
+
+    plain = Codistillation(steps=3, batch_size=5, augment=False)
+    plain.run(server, linear, ("small", "large"), x, 0.0, torch.Generator().manual_seed(1))
+    assert all(any(torch.equal(row, example) for example in x) for row in seen["small"][0][0])  # raw examples
+
+
+# ----------------------------------------------------------------------------------------------- Velo
+def _knowledge_update(strategy, client, classes, logits, features):
+    labels = torch.tensor([c if c in classes else -1 for c in range(10)], dtype=torch.int32)
+    knowledge = ClassStatistics("class_knowledge", {"features": features, "logits": logits}, labels)
+    weights = ModelWeights("m", strategy.global_weights["m"])
+    return ClientUpdate(client, 10, {"class_knowledge": knowledge, "weights": weights})
+
+
+def test_velo_sends_averaged_logits_before_its_cvae_is_trained():
+    strategy = Velo(cvae_interval=2, cvae_epochs=1)
+    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=ONE_FROZEN_BATCH)
+    update = _knowledge_update(strategy, server.clients[1], {0, 1}, torch.zeros(10, 10), torch.ones(10, 4))
+    strategy.aggregate(1, iter([update]))  # round 1: no CVAE training (interval 2)
+    task = strategy.configure_round(2, [server.clients[0]])[0]
+    knowledge = task.downlink["class_knowledge"]
+    assert knowledge.labels[:3].tolist() == [0, 1, -1] and "features" not in knowledge.vectors
+    assert "class_features" not in task.downlink
+    assert knowledge.nbytes == 10 * (10 + 1) * 4  # only the logits and labels are sent, and counted
+    (_, have_f), (_, have_z) = received_targets(task.downlink)
+    assert not have_f.any() and have_z.tolist() == [True, True] + [False] * 8
+
+    # the client trains on them: constant logits z = [0..9], server logits 0 -> KL(uniform || softmax(z))
+    y = server.data.y[server.data.clients[0].train]
+    assert (y < 2).any()  # client 0 holds class 0 or 1
+    z = torch.arange(10.0)
+    ce = (torch.logsumexp(z, 0) - z[y]).mean().item()
+    p = F.softmax(z, 0)
+    kl = sum(0.1 * math.log(0.1 / p[j].item()) for j in range(10))  # the same for every covered sample
+    loss = client_update(strategy, server, task).metrics["m/loss"]
+    assert loss == pytest.approx(ce + 0.5 * kl, rel=1e-5)  # alpha 0.5; no feature term without features
+
+
+def test_velo_sends_features_with_their_own_classes_once_the_cvae_exists():
+    strategy = Velo(cvae_interval=1, cvae_epochs=1, cvae_batch_size=2)
+    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])])
+    update = _knowledge_update(strategy, server.clients[1], {0, 1}, torch.zeros(10, 10), torch.ones(10, 4))
+    strategy.aggregate(1, iter([update]))
+    knowledge = strategy.configure_round(2, [server.clients[0]])[0].downlink
+    assert list(knowledge) == ["class_knowledge", "weights"]  # same classes: one payload, as Felo
+    assert knowledge["class_knowledge"].nbytes == 10 * (4 + 10 + 1) * 4
+    strategy.stored_labels = torch.tensor([0])  # class 1 has left the feature store, its logits remain
+    downlink = strategy.configure_round(2, [server.clients[0]])[0].downlink
+    assert downlink["class_knowledge"].labels[:3].tolist() == [0, 1, -1]
+    assert downlink["class_features"].labels[:3].tolist() == [0, -1, -1]
+    assert downlink["class_knowledge"].nbytes + downlink["class_features"].nbytes == 10 * (10 + 1 + 4 + 1) * 4
+
+
+# ---------------------------------------------------------------------------------------------- FedHe
+def _logit_update(client, value):
+    logits = torch.zeros(10, 10)
+    logits[0] = value
+    labels = torch.tensor([0] + [-1] * 9, dtype=torch.int32)
+    return ClientUpdate(client, 1, {"class_logits": ClassStatistics("class_logits", {"logits": logits}, labels)})
+
+
+def test_fedhe_asynchronous_reset_collapses_once_per_period_and_resumes():
+    strategy = FedHe(reset_every=2)
+    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])])
+    c = server.clients
+    strategy.aggregate(1, iter([_logit_update(c[0], 1.0)]))
+    for client, value in ((c[1], 3.0), (c[2], 5.0)):  # two arrivals of the reset round, one at a time
+        strategy.aggregate(2, iter([_logit_update(client, value)]))
+    assert strategy.bank.counts[0].item() == 3.0  # not collapsed after each arrival
+    assert strategy.bank.mean()[0, 0].item() == pytest.approx(3.0)  # (1 + 3 + 5) / 3
+    strategy.aggregate(3, iter([_logit_update(c[3], 9.0)]))  # round 2's end: collapse to 3 weighted once
+    resumed = FedHe(reset_every=2)
+    method_env(resumed, CONSTANT, [Tier("all", ["m"])])
+    resumed.load_state_dict(copy.deepcopy(strategy.state_dict()))  # as a checkpoint would
+    for s in (strategy, resumed):
+        s.aggregate(3, iter([_logit_update(c[0], 11.0)]))  # same period: no second collapse
+        assert s.bank.counts[0].item() == 3.0
+        assert s.bank.mean()[0, 0].item() == pytest.approx((3.0 + 9.0 + 11.0) / 3)
+
+    synchronous = FedHe(reset_every=2)  # one aggregation per round: the reset as before
+    method_env(synchronous, CONSTANT, [Tier("all", ["m"])])
+    synchronous.aggregate(1, iter([_logit_update(c[0], 1.0)]))
+    synchronous.aggregate(2, iter([_logit_update(c[1], 3.0), _logit_update(c[2], 5.0)]))
+    synchronous.aggregate(3, iter([_logit_update(c[3], 9.0), _logit_update(c[0], 11.0)]))
+    assert torch.equal(synchronous.bank.sums, strategy.bank.sums)
+
+
+@pytest.mark.parametrize("average", ["batch", "available"])
+def test_fedhe_logit_loss_is_averaged_over_the_whole_batch(average):
+    strategy = FedHe(alpha=1.0, logit_average=average)
+    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=ONE_FROZEN_BATCH)
+    strategy.aggregate(1, iter([_logit_update(server.clients[3], 0.0)]))  # a server logit for class 0 only
+    labels = [server.data.y[server.data.clients[c.id].train] for c in server.clients]
+    client, y = next((c, y) for c, y in zip(server.clients, labels) if 0 < (y == 0).sum() < len(y))
+    z = torch.arange(10.0)  # the constant model's logits for every input
+    ce = (torch.logsumexp(z, 0) - z[y]).mean().item()
+    mse = sum(j * j for j in range(10)) / 10  # MSE(z, 0) of a class-0 sample: 28.5
+    share = (y == 0).float().mean().item() if average == "batch" else 1.0  # eq. 13: 1/|D| over all samples
+    loss = client_update(strategy, server, strategy.configure_round(2, [client])[0]).metrics["m/loss"]
+    assert loss == pytest.approx(ce + mse * share, rel=1e-5)
