@@ -186,7 +186,9 @@ def run_sweep_command(argv: list[str]) -> int:
 
     from .sweep import load_sweep, run_sweep
 
-    parser = argparse.ArgumentParser(prog="flrun sweep", description="Optuna study over a base recipe.")
+    parser = argparse.ArgumentParser(
+        prog="flrun sweep", description="Optuna study over a base recipe.", allow_abbrev=False
+    )
     parser.add_argument("--config", required=True, help="sweep file (sweeps/*.yaml)")
     parser.add_argument("--n_trials", type=int, help="trials in the study in total (re-running resumes up to it)")
     parser.add_argument("--timeout", type=float, help="seconds to keep starting trials")
@@ -194,21 +196,37 @@ def run_sweep_command(argv: list[str]) -> int:
     parser.add_argument("--storage", help="Optuna RDB URL (default: SQLite in the sweep directory)")
     parser.add_argument("--study_name", help="study name (default: the sweep file's name)")
     parser.add_argument("--output_dir", help="sweep directory (default runs/sweeps/<study>)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quota", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # set by the coordinator for its workers
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    storage = args.storage or (os.environ.get("FLRUN_SWEEP_STORAGE") if args.worker else None) or None
     spec = load_sweep(
         args.config,
+        check_recipe=not args.worker,
         n_trials=args.n_trials,
         timeout=args.timeout,
-        storage=args.storage,
+        storage=storage,
         study_name=args.study_name,
         output_dir=args.output_dir,
     )
-    result = run_sweep(spec, n_jobs=args.n_jobs, worker=args.worker, sweep_file=args.config, quota=args.quota)
-    if not args.worker:
-        print(json.dumps(result, indent=2))
-    return 0
+    if args.worker:
+        from .sweep_workers import run_worker
+
+        return run_worker(spec, json.loads(args.worker))
+    try:
+        if args.json:
+            with open(os.devnull, "w") as quiet:
+                result, status = run_sweep(spec, n_jobs=args.n_jobs, sweep_file=args.config, out=quiet)
+            print(json.dumps(result, indent=2, default=str))
+        else:
+            result, status = run_sweep(spec, n_jobs=args.n_jobs, sweep_file=args.config)
+    except KeyboardInterrupt:
+        print("flrun sweep: interrupted; re-run the same command to finish the study.", file=sys.stderr)
+        return 130
+    return status
 
 
 def run_report(argv: list[str]) -> int:

@@ -2,18 +2,23 @@
 
 A sweep file names the base recipe, the search space (dotted recipe keys, as on the command line), the
 objective and the sampler / pruner. Each trial is an ordinary run directory under the sweep's directory,
-run in-process through ``flrun fit``; a pruning logger reports the monitored metric every evaluation round
-so bad trials stop early. The study lives in an RDB storage (SQLite file in the sweep directory by
-default, or any Optuna URL such as PostgreSQL), so re-running the command resumes it and several
-processes or machines can work on one study.
+run through ``flrun fit``; a pruning logger reports the monitored metric every evaluation round so bad
+trials stop early. The study lives in an RDB storage (SQLite file in the sweep directory by default, or
+any Optuna URL such as PostgreSQL), so re-running the command resumes it and several processes or
+machines can work on one study.
+
+``n_trials`` is the study's total: trials that completed, were pruned or failed on their own count; a
+trial whose process died (a heartbeat that stopped, a killed worker, an interrupt) is failed and queued
+again with the same parameters, and only its retry counts. Worker processes (``--n_jobs``) ask the
+command for permission before each trial (:mod:`fl_lightning.sweep_workers`), so the total is exact.
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import subprocess
-import sys
+import os
+import socket
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +45,17 @@ class SweepSpec:
         study_name: the Optuna study (default: the sweep file's name).
         storage: an Optuna RDB URL; default ``sqlite:///<output_dir>/study.db``.
         output_dir: the sweep directory (default ``runs/sweeps/<study_name>``).
-        n_trials: trials in the study in total (finished, pruned or failed); re-running continues up to it.
-        timeout: seconds this command may run new trials for.
+        n_trials: trials in the study in total (completed, pruned or failed, retries not counted twice);
+            re-running continues up to it and never past it.
+        timeout: seconds this command may start new trials for.
         sampler: ``{name: tpe|random, seed: 0}``.
         pruner: ``{name: median|hyperband|none, ...}`` (Optuna pruner arguments).
         overrides: fixed recipe overrides for every trial, e.g. ``{rounds: 20}``.
         logger: the trials' logger (``wandb`` groups them by study).
+        heartbeat_interval: seconds between a running trial's heartbeats in the storage.
+        grace_period: seconds without a heartbeat after which a running trial counts as dead (its process
+            was killed or its machine lost); it is then failed and queued again with the same parameters.
+        max_retry: how many times one trial's parameters are queued again after such deaths.
     """
 
     base: str
@@ -62,16 +72,36 @@ class SweepSpec:
     pruner: dict[str, Any] = field(default_factory=lambda: {"name": "median"})
     overrides: dict[str, Any] = field(default_factory=dict)
     logger: Any = "csv"
+    heartbeat_interval: int = 10
+    grace_period: int = 30
+    max_retry: int = 3
 
 
-def load_sweep(path: str | Path, **cli: Any) -> SweepSpec:
-    """Reads and validates a sweep file; every problem is one sentence, before any trial runs."""
+def load_sweep(path: str | Path, check_recipe: bool = True, **cli: Any) -> SweepSpec:
+    """Reads and validates a sweep file; every problem is one sentence, before any trial runs.
+
+    Args:
+        path: the sweep file.
+        check_recipe: also parse the base recipe with each parameter (worker processes skip it: their
+            coordinator did it).
+        **cli: command-line values that replace the file's.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
             f"sweep file {path} does not exist; sweeps live in sweeps/, e.g. sweeps/digits_quickstart.yaml."
         )
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "malformed YAML"
+        raise ConfigError(f"sweep file {path} is not valid YAML ({problem}{where}); fix the YAML there.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"sweep file {path} is not a text file; give a YAML sweep file.") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"sweep file {path} must be a YAML mapping with base, metric and parameters.")
     known = set(SweepSpec.__dataclass_fields__)
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -89,20 +119,35 @@ def load_sweep(path: str | Path, **cli: Any) -> SweepSpec:
     spec = SweepSpec(**raw)
     spec.study_name = spec.study_name or path.stem
     spec.output_dir = spec.output_dir or str(Path("runs") / "sweeps" / spec.study_name)
-    _validate(spec)
+    _validate(spec, check_recipe)
     return spec
 
 
-def _validate(spec: SweepSpec) -> None:
+def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
     if not Path(spec.base).is_file():
         raise ConfigError(f"the sweep's base recipe {spec.base} does not exist.")
     if spec.direction not in ("maximize", "minimize") or spec.use not in ("best", "final"):
         raise ConfigError("direction must be maximize or minimize and use best or final.")
-    if not spec.parameters:
-        raise ConfigError("the sweep has no parameters to search.")
+    if not isinstance(spec.parameters, dict) or not spec.parameters:
+        raise ConfigError("the sweep has no parameters to search; give `parameters: {dotted.key: {type: ...}}`.")
+    for key in ("n_trials", "heartbeat_interval", "grace_period"):
+        value = getattr(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be a positive whole number, got {value!r}.")
+    if spec.grace_period <= spec.heartbeat_interval:
+        raise ConfigError(
+            f"grace_period ({spec.grace_period} s) must exceed heartbeat_interval ({spec.heartbeat_interval} s), "
+            "or live trials would be taken for dead ones."
+        )
+    if isinstance(spec.max_retry, bool) or not isinstance(spec.max_retry, int) or spec.max_retry < 0:
+        raise ConfigError(f"max_retry must be a whole number >= 0, got {spec.max_retry!r}.")
+    if spec.timeout is not None and not spec.timeout > 0:
+        raise ConfigError(f"timeout must be a positive number of seconds, got {spec.timeout!r}.")
     if spec.sampler.get("name", "tpe") not in SAMPLERS or spec.pruner.get("name", "median") not in PRUNERS:
         raise ConfigError(f"sampler name must be one of {SAMPLERS} and pruner name one of {PRUNERS}.")
     for name, p in spec.parameters.items():
+        if not isinstance(p, dict):
+            raise ConfigError(f"parameter {name!r}: give a mapping such as {{type: float, low: 0.01, high: 0.1}}.")
         kind = p.get("type")
         if kind in ("float", "int"):
             if "low" not in p or "high" not in p or not p["low"] < p["high"]:
@@ -114,6 +159,8 @@ def _validate(spec: SweepSpec) -> None:
                 raise ConfigError(f"parameter {name!r}: categorical needs a non-empty `choices` list.")
         else:
             raise ConfigError(f"parameter {name!r}: type must be float, int or categorical, got {kind!r}.")
+    if not check_recipe:
+        return
     # every parameter path must be an option of the base recipe: parse it once with a sample value
     from .cli import _UserError, parse_fit
 
@@ -147,10 +194,25 @@ class PruningLogger(RunLogger):
                 raise optuna.TrialPruned(f"pruned at round {step}")
 
 
-def _sampler(spec: SweepSpec):
+def sampler_seed(seed: int | None, epoch: int, worker: int) -> int | None:
+    """The sampler seed of one worker: the sweep's seed for the first worker of a fresh study, else a seed
+    derived from (seed, trials in the study when the command started, worker index). Workers then draw
+    different parameters (equal seeds made trial 0 = trial 1), a re-run does not repeat the first run's
+    draws, and the same command on the same study state draws the same values again."""
+    if seed is None:
+        return None
+    if epoch == 0 and worker == 0:
+        return int(seed)
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), epoch, worker]).generate_state(1)[0])
+
+
+def _sampler(spec: SweepSpec, epoch: int = 0, worker: int = 0):
     import optuna
 
     options = {k: v for k, v in spec.sampler.items() if k != "name"}
+    options["seed"] = sampler_seed(options.get("seed"), epoch, worker)
     return (
         optuna.samplers.RandomSampler(**options)
         if spec.sampler.get("name") == "random"
@@ -168,12 +230,52 @@ def _pruner(spec: SweepSpec):
     return optuna.pruners.HyperbandPruner(**options) if name == "hyperband" else optuna.pruners.MedianPruner(**options)
 
 
-def _storage(spec: SweepSpec):
+def storage_url(spec: SweepSpec) -> str:
+    return spec.storage or f"sqlite:///{Path(spec.output_dir).resolve() / 'study.db'}"
+
+
+def retry_callback(spec: SweepSpec):
+    """Optuna's callback that queues a dead trial's parameters again (renamed in Optuna 5)."""
     import optuna
 
-    url = spec.storage or f"sqlite:///{Path(spec.output_dir).resolve() / 'study.db'}"
+    retry = (
+        getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    )
+    return retry(max_retry=spec.max_retry)
+
+
+def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
+    """The study on its storage, with heartbeats: a trial whose process stops beating for ``grace_period``
+    is failed and queued again by the next process that asks for a trial."""
+    import inspect
+
+    import optuna
+
+    url = storage_url(spec)
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    stale_key = (
+        "heartbeat_stale_trial_callback"
+        if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
+        else "failed_trial_callback"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        storage = optuna.storages.RDBStorage(
+            url,
+            engine_kwargs=kwargs,
+            heartbeat_interval=spec.heartbeat_interval,
+            grace_period=spec.grace_period,
+            **{stale_key: retry_callback(spec)},
+        )
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # the sweep prints each trial's outcome itself
+    return optuna.create_study(
+        study_name=spec.study_name,
+        storage=storage,
+        sampler=_sampler(spec, epoch, worker),
+        pruner=_pruner(spec),
+        direction=spec.direction,
+        load_if_exists=True,
+    )
 
 
 def _suggest(trial, name: str, p: dict[str, Any]):
@@ -184,159 +286,134 @@ def _suggest(trial, name: str, p: dict[str, Any]):
     return trial.suggest_categorical(name, p["choices"])
 
 
-def run_sweep(
-    spec: SweepSpec, n_jobs: int = 1, worker: bool = False, sweep_file: str | None = None, quota: int | None = None
-) -> dict:
-    """Runs trials until the study holds ``n_trials`` (or ``timeout``); returns the best trial's summary.
+PROCESS = f"{socket.gethostname()}:{os.getpid()}"
 
-    With ``n_jobs`` the remaining trials are split between this process and ``n_jobs - 1`` workers, so
-    the study ends with exactly ``n_trials``. Independent commands on other machines share the study
-    through its storage and stop once it is full (each may overshoot by the trials it was running).
-    """
+
+def run_trial(spec: SweepSpec, trial, notify) -> float:
+    """The objective: one ``flrun fit`` run in ``trial_NNNN/`` with the trial's parameters."""
     import optuna
 
     from .cli import fit_from_argv
 
-    root = Path(spec.output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        study_name=spec.study_name,
-        storage=_storage(spec),
-        sampler=_sampler(spec),
-        pruner=_pruner(spec),
-        direction=spec.direction,
-        load_if_exists=True,
-    )
-    workers = []
-    if n_jobs > 1 and not worker and not spec.timeout:  # processes, not threads: trials share no torch state
-        remaining = max(0, spec.n_trials - len(study.trials))
-        shares = [remaining // n_jobs + (i < remaining % n_jobs) for i in range(n_jobs)]
-        quota = shares[0]
-        for share in shares[1:]:
-            if share:
-                workers.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "fl_lightning",
-                            "sweep",
-                            "--config",
-                            sweep_file,
-                            "--worker",
-                            "--quota",
-                            str(share),
-                            "--storage",
-                            str(_storage(spec).url),
-                            "--output_dir",
-                            str(root),
-                            "--study_name",
-                            spec.study_name,
-                        ]
-                    )
-                )
-
-    def objective(trial) -> float:
-        values = {name: _suggest(trial, name, p) for name, p in spec.parameters.items()}
-        run_dir = root / f"trial_{trial.number:04d}"
-        trial.set_user_attr("output_dir", str(run_dir))
-        logger = spec.logger
-        if logger == "wandb" or (isinstance(logger, list) and "wandb" in logger):
-            logger = [
-                {
-                    "class_path": "fl_lightning.tracking.WandbLogger",
-                    "init_args": {"group": spec.study_name, "tags": ["sweep", spec.study_name]},
-                }
-            ]
-        argv = [
-            "--config",
-            spec.base,
-            *_as_args(spec.overrides),
-            *_as_args(values),
-            "--output_dir",
-            str(run_dir),
-            "--name",
-            f"{spec.study_name}/trial_{trial.number:04d}",
-            "--runtime.progress",
-            "false",
-            *_as_args({"logger": logger}),
+    values = {name: _suggest(trial, name, p) for name, p in spec.parameters.items()}
+    run_dir = Path(spec.output_dir) / f"trial_{trial.number:04d}"
+    # a retry inherits its dead predecessor's attributes: each is set afresh
+    for key, value in (("output_dir", str(run_dir)), ("process", PROCESS), ("error", "")):
+        trial.set_user_attr(key, value)
+    notify("started", trial.number)
+    logger = spec.logger
+    if logger == "wandb" or (isinstance(logger, list) and "wandb" in logger):
+        logger = [
+            {
+                "class_path": "fl_lightning.tracking.WandbLogger",
+                "init_args": {"group": spec.study_name, "tags": ["sweep", spec.study_name]},
+            }
         ]
-        try:
-            summary = fit_from_argv(argv, [PruningLogger(trial, spec.metric)])
-        except optuna.TrialPruned:
-            raise
-        except Exception as err:  # recorded as a failed trial; the study goes on
-            trial.set_user_attr("error", f"{type(err).__name__}: {err}")
-            raise
+    argv = [
+        "--config",
+        spec.base,
+        *_as_args(spec.overrides),
+        *_as_args(values),
+        "--output_dir",
+        str(run_dir),
+        "--name",
+        f"{spec.study_name}/trial_{trial.number:04d}",
+        "--runtime.progress",
+        "false",
+        *_as_args({"logger": logger}),
+    ]
+    try:
+        summary = fit_from_argv(argv, [PruningLogger(trial, spec.metric)])
         value = summary[spec.use].get(spec.metric)
         if value is None:
             raise ConfigError(f"the run has no metric {spec.metric!r}; it reports {sorted(summary[spec.use])}.")
-        return float(value)
+    except optuna.TrialPruned:
+        raise
+    except KeyboardInterrupt:
+        trial.set_user_attr("error", "interrupted; its parameters are queued again")
+        raise
+    except Exception as err:  # recorded as a failed trial; the study goes on
+        from .cli import _UserError
 
-    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
-    if quota is None or quota > 0:
-        study.optimize(
-            objective,
-            n_trials=quota if quota is not None else (None if spec.timeout else spec.n_trials),
-            timeout=spec.timeout,
-            callbacks=[optuna.study.MaxTrialsCallback(spec.n_trials, states=states)],
-            catch=(Exception,),
-            gc_after_trial=True,
-        )
-    for process in workers:
-        process.wait()
-    return _write_results(study, spec, root)
+        message = str(err) if isinstance(err, (_UserError, ConfigError)) else f"{type(err).__name__}: {err}"
+        trial.set_user_attr("error", (message.splitlines() or [""])[0][:300])
+        raise
+    return float(value)
 
 
-def _write_results(study, spec: SweepSpec, root: Path) -> dict:
+def tally(trials) -> dict[str, int]:
+    """Counts by state. A failed trial that was queued again (a retry exists) is ``retried`` and does not
+    count towards ``n_trials``; ``finished`` = complete + pruned + failed."""
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+    counts = dict.fromkeys(("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING", "retried"), 0)
+    for t in trials:
+        counts["retried" if t.state.name == "FAIL" and t.number in retried else t.state.name] += 1
+    counts["finished"] = counts["COMPLETE"] + counts["PRUNED"] + counts["FAIL"]
+    return counts
+
+
+def open_slots(study, n_trials: int) -> int:
+    """Trials still to start so that the study ends with exactly ``n_trials`` (queued retries fill slots)."""
+    counts = tally(study.get_trials(deepcopy=False))
+    return n_trials - counts["finished"] - counts["RUNNING"]
+
+
+def requeue(study, spec: SweepSpec, trial_id: int, reason: str) -> int | None:
+    """Fails a trial whose process died (if still running) and queues its parameters again; returns the
+    dead trial's number, or None when it had finished or was already queued again."""
     import optuna
 
-    rows = []
-    for t in study.trials:
-        rows.append(
-            {
-                "trial": t.number,
-                "state": t.state.name,
-                "value": t.value,
-                **{f"param/{k}": v for k, v in t.params.items()},
-                "output_dir": t.user_attrs.get("output_dir", ""),
-                "error": t.user_attrs.get("error", ""),
-            }
-        )
-    columns: dict[str, None] = {}
-    for row in rows:
-        columns.update(dict.fromkeys(row))
-    with (root / "trials.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns))
-        writer.writeheader()
-        writer.writerows(rows)
-    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    result = {
-        "study": spec.study_name,
-        "trials": len(study.trials),
-        "complete": len(complete),
-        "pruned": sum(t.state.name == "PRUNED" for t in study.trials),
-        "failed": sum(t.state.name == "FAIL" for t in study.trials),
-    }
-    if complete:
-        best = study.best_trial
-        config = Path(best.user_attrs["output_dir"]) / "config.yaml"
-        recipe = yaml.safe_load(config.read_text())
-        for key in ("output_dir", "resume", "stop_after", "name"):
-            recipe.pop(key, None)
-        header = (
-            f"# Best trial {best.number} of sweep {spec.study_name} ({spec.metric} {spec.use} = {best.value:.4f});\n"
-            f"# parameters: {json.dumps(best.params)}\n"
-        )
-        (root / "best_recipe.yaml").write_text(header + yaml.safe_dump(recipe, sort_keys=False))
-        result.update(
-            {
-                "best_trial": best.number,
-                "best_value": best.value,
-                "best_params": best.params,
-                "best_recipe": str(root / "best_recipe.yaml"),
-            }
-        )
-    (root / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    State = optuna.trial.TrialState
+    storage = study._storage
+    trial = storage.get_trial(trial_id)
+    if trial.state == State.RUNNING:
+        storage.set_trial_user_attr(trial_id, "error", reason)
+        storage.set_trial_state_values(trial_id, State.FAIL)
+    elif trial.state != State.FAIL:
+        return None
+    if any(trial.number in t.system_attrs.get("retry_history", []) for t in study.get_trials(deepcopy=False)):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry_callback(spec)(study, storage.get_trial(trial_id))
+    return trial.number
+
+
+def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, out=None) -> tuple[dict, int]:
+    """Runs trials until the study holds ``n_trials`` (or ``timeout`` passes), printing progress.
+
+    With ``n_jobs`` > 1 the trials run in that many worker processes that ask this one before each
+    trial. Returns the results (also in ``sweep.json``) and the exit status: 0 when the study is full
+    or the timeout ended it, 1 when trials are missing (workers kept dying), 130 when interrupted.
+    """
+    import sys
+    import time
+
+    from .sweep_results import Progress, write_results
+    from .sweep_workers import coordinate, run_in_process, wait_for_stale
+
+    if n_jobs < 1:
+        raise ConfigError(f"--n_jobs must be at least 1, got {n_jobs}.")
+    if n_jobs > 1 and not sweep_file:
+        raise ConfigError("worker processes load the sweep file: give sweep_file with n_jobs > 1.")
+    root = Path(spec.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    study = open_study(spec)
+    epoch = len(study.get_trials(deepcopy=False))
+    study.sampler = _sampler(spec, epoch, worker=0)
+    progress = Progress(spec, study, out or sys.stdout)
+    progress.header(n_jobs)
+    deadline = time.monotonic() + spec.timeout if spec.timeout else None
+    status = 0
+    for _ in range(3):  # further passes run trials that went stale (a killed process) while this one ran
+        if n_jobs > 1:
+            status = coordinate(spec, study, n_jobs, sweep_file, epoch, deadline, progress)
+        else:
+            status = run_in_process(spec, study, deadline, progress)
+        if status or not wait_for_stale(spec, study, deadline, progress):
+            break
+    if status == 0 and open_slots(study, spec.n_trials) > 0 and not (deadline and time.monotonic() > deadline):
+        status = 1
+    result = write_results(study, spec, root)
+    progress.final(result, status)
+    return result, status

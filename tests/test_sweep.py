@@ -1,25 +1,31 @@
-"""flrun sweep: a real Optuna study over the digits quickstart, in-process and with worker processes."""
+"""flrun sweep: real Optuna studies over a tiny digits recipe, in-process and with worker processes, on
+SQLite and on a throw-away PostgreSQL server; workers and the sweep itself killed mid-trial."""
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
+from conftest import ROOT, read_summary, run_cli, write_recipe
 
-from conftest import ROOT, read_summary, run_cli
-
+LR = {"training.optimizer.init_args.lr": {"type": "float", "low": 0.01, "high": 0.3, "log": True}}
 PARAMETERS = {
-    "training.optimizer.init_args.lr": {"type": "float", "low": 0.01, "high": 0.3, "log": True},
+    **LR,
     # batch size 0 is invalid: trials that draw it fail, and the study must go on
     "training.batch_size": {"type": "categorical", "choices": [16, 0]},
 }
 
 
 def write_sweep(path, **changes):
+    """A sweep over a tiny digits recipe (8 clients, an MLP); the base says 6 rounds, the sweep runs 4."""
+    base = write_recipe(path.parent / "base.yaml", rounds=6, runtime={"num_threads": 1})
     sweep = {
-        "base": str(ROOT / "recipes/quickstart.yaml"),
+        "base": str(base),
         "metric": "global/test_acc",
         "n_trials": 4,
         "overrides": {"rounds": 4, "eval_every": 2},
@@ -27,6 +33,8 @@ def write_sweep(path, **changes):
         "pruner": {"name": "none"},
         "parameters": PARAMETERS,
         "output_dir": str(path.parent / "sweep"),
+        "heartbeat_interval": 1,
+        "grace_period": 3,
     }
     sweep.update(changes)
     path.write_text(yaml.safe_dump(sweep))
@@ -37,33 +45,60 @@ def trials(root):
     return list(csv.DictReader((root / "trials.csv").open()))
 
 
-def test_sweep_runs_survives_failures_resumes_and_writes_the_best_recipe(tmp_path, monkeypatch):
+def test_sweep_shows_progress_survives_failures_and_resumes_to_exactly_n_trials(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     sweep = write_sweep(tmp_path / "s.yaml", logger="wandb")
     assert run_cli("sweep", "--config", str(sweep)) == 0
+    out = capsys.readouterr().out
     root = tmp_path / "sweep"
     rows = trials(root)
     assert len(rows) == 4 and (root / "study.db").is_file()
     failed = [r for r in rows if r["state"] == "FAIL"]
     done = [r for r in rows if r["state"] == "COMPLETE"]
     assert failed and done, rows  # seed 1 draws both batch sizes
-    assert all("batch_size must be at least 1" in r["error"] for r in failed)
+    assert all(r["error"].startswith("training.batch_size must be at least 1") for r in failed)
     assert all(r["param/training.batch_size"] == "16" for r in done)
     for row in done:  # each trial is a normal run directory, logged to W&B offline
         assert read_summary(tmp_path / row["output_dir"])["rounds"] == 4
         assert list((tmp_path / row["output_dir"] / "wandb").glob("offline-run-*"))
-    # re-running with a larger budget resumes the same study
+    # progress: a line per trial start and end with k of n, the best so far and the counts, then a table
+    assert "sweep s: 0 of 4 trials done, in this process" in out
+    for k, row in enumerate(rows, start=1):
+        assert f"trial {row['trial']} started: " in out and f"[{k}/4] trial {row['trial']} {row['state']}" in out
+    best = max(done, key=lambda r: float(r["value"]))
+    assert f"| best {float(best['value']):.4f} (trial {best['trial']}) | 0 pruned, {len(failed)} failed" in out
+    table = out[out.index("trial  state") :].splitlines()
+    assert table[0].split() == ["trial", "state", "global/test_acc", "batch_size", "lr", "seconds"]
+    assert [line.split()[:2] for line in table[1:5]] == [[r["trial"], r["state"]] for r in rows]
+    # n_trials is the study's total: re-running a full study, or with fewer, adds nothing
+    for more in ([], ["--n_trials", "2"]):
+        assert run_cli("sweep", "--config", str(sweep), *more) == 0
+        assert "the study already holds 4 trials" in capsys.readouterr().out
+        assert len(trials(root)) == 4
+    # a larger n_trials resumes the same study up to exactly that total
     assert run_cli("sweep", "--config", str(sweep), "--n_trials", "6") == 0
     assert len(trials(root)) == 6 and [r["trial"] for r in trials(root)][:4] == [r["trial"] for r in rows]
+
+
+def test_best_recipe_is_the_base_recipe_with_the_best_parameters(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=3)
+    assert run_cli("sweep", "--config", str(sweep)) == 0
+    root = tmp_path / "sweep"
     result = json.loads((root / "sweep.json").read_text())
-    best = max(float(r["value"]) for r in trials(root) if r["state"] == "COMPLETE")
-    assert result["best_value"] == pytest.approx(best)
-    recipe = yaml.safe_load((root / "best_recipe.yaml").read_text())
-    assert recipe["training"]["optimizer"]["init_args"]["lr"] == pytest.approx(
-        result["best_params"]["training.optimizer.init_args.lr"]
-    )
-    assert run_cli("fit", "--config", str(root / "best_recipe.yaml"), "--output_dir", str(tmp_path / "best")) == 0
-    assert read_summary(tmp_path / "best")["best"]["global/test_acc"] == pytest.approx(result["best_value"])
+    best = max((r for r in trials(root) if r["state"] == "COMPLETE"), key=lambda r: float(r["value"]))
+    assert result["best_trial"] == int(best["trial"]) and result["best_value"] == pytest.approx(float(best["value"]))
+    # the base recipe, its 6 rounds and no progress setting; the two parameters; a name of its own
+    expected = yaml.safe_load((tmp_path / "base.yaml").read_text())
+    expected["training"]["optimizer"]["init_args"]["lr"] = float(best["param/training.optimizer.init_args.lr"])
+    expected["training"]["batch_size"] = 16
+    expected["name"] = "s_best"
+    text = (root / "best_recipe.yaml").read_text()
+    assert yaml.safe_load(text) == expected
+    assert f"flrun fit --config {root / 'best_recipe.yaml'} --eval_every 2 --rounds 4\n" in text
+    # run as its header says, it reproduces the best trial exactly
+    assert run_cli("fit", "--config", str(root / "best_recipe.yaml"), "--rounds", "4", "--eval_every", "2") == 0
+    assert read_summary(tmp_path / "runs/s_best/seed0")["best"]["global/test_acc"] == result["best_value"]
 
 
 @pytest.mark.parametrize(
@@ -83,6 +118,9 @@ def test_sweep_runs_survives_failures_resumes_and_writes_the_best_recipe(tmp_pat
             "log scale",
         ),
         ({"metrics": "acc"}, "unknown key(s) ['metrics']"),
+        ({"n_trials": 0}, "n_trials must be a positive whole number, got 0."),
+        ({"heartbeat_interval": 5, "grace_period": 5}, "grace_period (5 s) must exceed heartbeat_interval (5 s)"),
+        ({"parameters": {"training.batch_size": [8, 16]}}, "parameter 'training.batch_size': give a mapping"),
     ],
 )
 def test_malformed_sweeps_fail_before_any_trial(tmp_path, capsys, change, message):
@@ -93,19 +131,143 @@ def test_malformed_sweeps_fail_before_any_trial(tmp_path, capsys, change, messag
     assert not (tmp_path / "sweep" / "study.db").exists()
 
 
-def test_two_worker_processes_share_one_study_without_losing_trials(tmp_path):
-    sweep = write_sweep(tmp_path / "s.yaml", n_trials=6, parameters={k: v for k, v in PARAMETERS.items() if "lr" in k})
-    result = subprocess.run(
-        [sys.executable, "-m", "fl_lightning", "sweep", "--config", str(sweep), "--n_jobs", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    rows = trials(tmp_path / "sweep")
-    assert len(rows) == 6 and sorted(int(r["trial"]) for r in rows) == list(range(6))
-    assert all(r["state"] == "COMPLETE" for r in rows)
-    assert len({r["output_dir"] for r in rows}) == 6
+def test_a_sweep_file_with_a_yaml_error_names_the_file_and_line(tmp_path, capsys):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("base: recipes/quickstart.yaml\nparameters: {lr: [1, 2\n")
+    assert run_cli("sweep", "--config", str(sweep)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"flrun sweep: error: sweep file {sweep} is not valid YAML (") and "line 3" in err
+    assert len(err.splitlines()) == 1
+
+
+def sweep_command(sweep, *args, **popen):
+    command = [sys.executable, "-m", "fl_lightning", "sweep", "--config", str(sweep), *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(process, timeout=600):
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def storage(request, tmp_path):
+    """The study's storage URL: the sweep directory's SQLite file, or a throw-away PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'sweep' / 'study.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+def load(storage, name="s"):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def by_state(study):
+    from fl_lightning.sweep import tally
+
+    return tally(study.get_trials())
+
+
+def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_path, storage):
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=4, parameters=LR)
+    code, out, err = finish(sweep_command(sweep, "--n_jobs", "2", "--storage", storage))
+    assert code == 0, err
+    study = load(storage)
+    assert sorted(t.number for t in study.trials) == list(range(4))
+    assert all(t.state.name == "COMPLETE" for t in study.trials)
+    # each worker seeds its sampler differently (equal seeds drew trial 0 = trial 1)
+    assert len({t.params["training.optimizer.init_args.lr"] for t in study.trials}) == 4
+    assert len({t.user_attrs["process"] for t in study.trials}) == 2  # both workers ran trials
+    assert len({t.user_attrs["output_dir"] for t in study.trials}) == 4
+    assert "[4/4] trial" in out and len(trials(tmp_path / "sweep")) == 4
+    if storage.startswith("postgresql"):
+        assert not (tmp_path / "sweep" / "study.db").exists()  # nothing went to the SQLite default
+    # the study is full: another run starts no worker and adds no trial
+    code, out, err = finish(sweep_command(sweep, "--n_jobs", "2", "--storage", storage))
+    assert code == 0 and "already holds 4 trials" in out and len(load(storage).trials) == 4
+
+
+def wait_for_running(storage, count=1, timeout=300):
+    """Trials running in worker processes (their pid in the `process` attribute), once `count` run."""
+    from sqlalchemy.exc import OperationalError
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            running = [t for t in load(storage).trials if t.state.name == "RUNNING" and "process" in t.user_attrs]
+        except (KeyError, OperationalError):  # the study (or its SQLite directory) does not exist yet
+            running = []
+        if len(running) >= count:
+            return running
+        time.sleep(0.2)
+    raise AssertionError("no trial started")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"  # a zombie has ended
+
+
+# trials of 80 rounds last long enough to be killed in the middle
+LONG = {"overrides": {"rounds": 80, "eval_every": 40}, "parameters": LR}
+
+
+def test_a_killed_worker_s_trial_runs_again_and_the_study_ends_full(tmp_path, storage):
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=3, **LONG)
+    process = sweep_command(sweep, "--n_jobs", "2", "--storage", storage)
+    victim = wait_for_running(storage)[0]
+    pid = int(victim.user_attrs["process"].rsplit(":", 1)[1])
+    assert pid != process.pid
+    os.kill(pid, signal.SIGKILL)
+    code, _, err = finish(process)
+    assert code == 0, err
+    assert f"(pid {pid}) was killed by SIGKILL during trial {victim.number}, which is queued again." in err
+    study = load(storage)
+    counts = by_state(study)
+    assert (counts["COMPLETE"], counts["retried"], counts["RUNNING"], counts["WAITING"]) == (3, 1, 0, 0)
+    retry = next(t for t in study.trials if t.system_attrs.get("retry_history") == [victim.number])
+    assert retry.state.name == "COMPLETE" and retry.params == victim.params
+    assert study.trials[victim.number].user_attrs["error"] == "its worker process was killed by SIGKILL"
+
+
+@pytest.mark.parametrize("storage", ["sqlite"], indirect=True)  # the worker-death test covers both storages
+def test_a_killed_sweep_ends_its_workers_and_a_rerun_finishes_exactly_n_trials(tmp_path, storage):
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=3, **LONG)
+    process = sweep_command(sweep, "--n_jobs", "2", "--storage", storage)
+    running = wait_for_running(storage, count=2)
+    workers = [int(t.user_attrs["process"].rsplit(":", 1)[1]) for t in running]
+    process.kill()  # SIGKILL: no chance to clean up; the workers must notice on their own
+    finish(process)
+    end = time.monotonic() + 60
+    while any(map(alive, workers)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(map(alive, workers)), "workers outlived the killed sweep"
+    counts = by_state(load(storage))  # each worker failed its trial and queued it again
+    assert (counts["RUNNING"], counts["retried"], counts["WAITING"]) == (0, 2, 2)
+    code, _, err = finish(sweep_command(sweep, "--storage", storage))
+    assert code == 0, err
+    counts = by_state(load(storage))
+    assert (counts["COMPLETE"], counts["finished"], counts["retried"]) == (3, 3, 2)
+
+
+@pytest.mark.parametrize("storage", ["postgresql"], indirect=True)
+def test_trials_of_a_process_group_killed_at_once_are_run_again_after_their_heartbeat_stops(tmp_path, storage):
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=2, **LONG)
+    process = sweep_command(sweep, "--n_jobs", "2", "--storage", storage, start_new_session=True)
+    wait_for_running(storage, count=2)
+    os.killpg(process.pid, signal.SIGKILL)  # nobody marks the trials failed: they stay RUNNING
+    finish(process)
+    assert by_state(load(storage))["RUNNING"] == 2
+    code, _, err = finish(sweep_command(sweep, "--storage", storage))  # grace period 3 s
+    assert code == 0, err
+    counts = by_state(load(storage))
+    assert (counts["COMPLETE"], counts["finished"], counts["retried"], counts["RUNNING"]) == (2, 2, 2, 0)
 
 
 def _free_port():
@@ -163,38 +325,11 @@ def postgres_url():
         yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna"
     finally:
         subprocess.run(
-            [*as_postgres, f"{bindir}/pg_ctl", "-D", f"{root}/data", "-m", "immediate", "stop"], capture_output=True
+            [*as_postgres, f"{bindir}/pg_ctl", "-D", f"{root}/data", "-m", "immediate", "stop"],
+            capture_output=True,
+            check=False,
         )
         shutil.rmtree(root, ignore_errors=True)
-
-
-def test_two_workers_on_a_postgresql_study_record_every_trial_once(tmp_path, postgres_url):
-    sweep = write_sweep(tmp_path / "s.yaml", n_trials=6, parameters={k: v for k, v in PARAMETERS.items() if "lr" in k})
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fl_lightning",
-            "sweep",
-            "--config",
-            str(sweep),
-            "--n_jobs",
-            "2",
-            "--storage",
-            postgres_url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    import optuna
-
-    study = optuna.load_study(study_name="s", storage=postgres_url)
-    assert sorted(t.number for t in study.trials) == list(range(6))
-    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-    assert len({t.user_attrs["output_dir"] for t in study.trials}) == 6
-    assert not (tmp_path / "sweep" / "study.db").exists()  # nothing went to the SQLite default
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
