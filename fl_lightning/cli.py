@@ -233,7 +233,8 @@ def run_report(argv: list[str]) -> int:
     """``flrun report RUN_OR_SWEEP_DIR... --output report.html|report.md [--wandb]``."""
     import argparse
 
-    from .report import build_report, log_to_wandb, write_html, write_markdown
+    from .report import build_report, headline
+    from .report_render import log_to_wandb, write_html, write_markdown
 
     parser = argparse.ArgumentParser(prog="flrun report", description="Reproducibility report against the papers.")
     parser.add_argument("paths", nargs="+", help="run or sweep directories")
@@ -247,7 +248,7 @@ def run_report(argv: list[str]) -> int:
     (write_markdown if output.suffix == ".md" else write_html)(report, output)
     if args.wandb:
         log_to_wandb(report, args.project, output.parent)
-    print(f"report of {report['runs']} runs in {len(report['sections'])} recipes: {output}")
+    print(f"report of {headline(report)}: {output}")
     return 0
 
 

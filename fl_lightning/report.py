@@ -1,12 +1,16 @@
-"""``flrun report``: reproducibility reports from run (or sweep) directories against the papers' numbers."""
+"""``flrun report``: reproducibility reports from run and sweep directories against the papers' numbers.
+
+Everything shown comes from files (``summary.json``, ``metrics.csv``, a sweep's ``sweep.json`` and
+``trials.csv``) that may have been handed over by someone else: every value is HTML-escaped (or
+Markdown-escaped) and numbers are used only where they are numbers.
+"""
 
 from __future__ import annotations
 
-import base64
 import csv
-import html
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,91 +18,188 @@ import numpy as np
 
 from .errors import ConfigError
 
+MEASURED_NOTE = (
+    "Measured = the value after the last round (summary.json final), the mean over seeds; std over seeds = the "
+    "sample standard deviation (n/a for one seed). Best round = the mean of each run's best evaluation during "
+    "training (summary.json best, picked by the run's monitor on the test set, hence optimistic). Paper and "
+    "paper std = the recipe's reference block."
+)
 
-def find_runs(paths: list[str]) -> list[Path]:
-    """Every run directory (one holding summary.json) at or below ``paths``."""
+
+def number(value) -> float | None:
+    """``value`` as a float when it is a real number (not a bool, a string or NaN), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"{path} is not valid JSON ({getattr(err, 'msg', 'not text')}); the run was cut short or the file "
+            "was edited: re-run it or leave its directory out."
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object; re-run that run or leave its directory out.")
+    return data
+
+
+def find_runs(paths: list[str]) -> tuple[list[Path], list[Path]]:
+    """Run directories (holding summary.json) and sweep directories (holding sweep.json) at or below
+    ``paths``; a sweep's trial runs belong to its sweep, not to the runs."""
     runs: list[Path] = []
+    sweeps: list[Path] = []
     for path in map(Path, paths):
         if not path.exists():
             raise ConfigError(f"{path} does not exist; give run or sweep directories (those holding summary.json).")
+        sweeps += sorted(p.parent for p in path.rglob("sweep.json"))
         runs += sorted(p.parent for p in path.rglob("summary.json"))
-    if not runs:
+    runs = [r for r in dict.fromkeys(runs) if not any(s in r.parents for s in sweeps)]
+    if not runs and not sweeps:
         raise ConfigError(f"no run directory (with a summary.json) under {', '.join(paths)}.")
-    return runs
+    return runs, list(dict.fromkeys(sweeps))
+
+
+def read_curve(path: Path) -> list[dict[str, float]]:
+    """The numeric columns of a metrics.csv, one dict per logged round."""
+    if not path.is_file():
+        return []
+    rows = []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            values = {}
+            for key, text in row.items():
+                try:
+                    values[key] = float(text)
+                except (TypeError, ValueError):
+                    continue
+            if "round" in values:
+                rows.append(values)
+    return rows
 
 
 def load_run(root: Path) -> dict[str, Any]:
-    summary = json.loads((root / "summary.json").read_text())
-    curve = []
-    if (root / "metrics.csv").is_file():
-        with (root / "metrics.csv").open() as f:
-            curve = [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)]
-    return {"root": root, "summary": summary, "curve": curve}
+    summary = read_json(root / "summary.json")
+    for key in ("final", "best"):
+        if not isinstance(summary.get(key, {}), dict):
+            raise ConfigError(f"{root / 'summary.json'} has no `{key}` metrics; re-run that run or leave it out.")
+    return {"root": root, "summary": summary, "curve": read_curve(root / "metrics.csv")}
 
 
 def group_runs(runs: list[dict]) -> dict[str, list[dict]]:
     """Runs of one recipe (its name) with different seeds form one group."""
     groups: dict[str, list[dict]] = {}
     for run in runs:
-        groups.setdefault(run["summary"].get("name") or run["root"].name, []).append(run)
+        groups.setdefault(str(run["summary"].get("name") or run["root"].name), []).append(run)
     return groups
 
 
+def _reference(summary: dict) -> dict:
+    reference = summary.get("reference")
+    return reference if isinstance(reference, dict) else {}
+
+
+def paper_values(reference: dict) -> dict[str, tuple[float | None, float | None]]:
+    """{metric: (paper value, paper std)} from a recipe's reference block: ``metrics`` (the headline
+    first) with ``std`` for the headline, or per metric in ``stds``; older runs' ``metric`` / ``value``."""
+    metrics = reference.get("metrics") if isinstance(reference.get("metrics"), dict) else {}
+    stds = reference.get("stds") if isinstance(reference.get("stds"), dict) else {}
+    wanted = {str(k): [number(v), number(stds.get(k))] for k, v in metrics.items()}
+    headline = reference.get("metric") if isinstance(reference.get("metric"), str) else next(iter(wanted), None)
+    if headline is not None:
+        entry = wanted.setdefault(headline, [None, None])
+        entry[0] = entry[0] if number(reference.get("value")) is None else number(reference.get("value"))
+        entry[1] = entry[1] if number(reference.get("std")) is None else number(reference.get("std"))
+        wanted = {headline: entry, **wanted}  # the headline first
+    return {k: (v[0], v[1]) for k, v in wanted.items()}
+
+
+def _spread(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
+
+
 def compare(group: list[dict]) -> dict[str, Any]:
-    """Measured mean and spread over seeds of every metric the paper reports for this recipe."""
+    """Measured (final-round) mean and spread over seeds of every metric the paper reports for this recipe."""
     first = group[0]["summary"]
-    reference = first.get("reference") or {}
-    wanted = dict(reference.get("metrics") or {})
-    if not wanted and "metric" in reference:
-        wanted = {reference["metric"]: reference.get("value")}
-    if not wanted:
-        wanted = {first["monitor"]: None}
+    reference = _reference(first)
+    wanted = paper_values(reference) or {str(first.get("monitor")): (None, None)}
     rows = []
-    for metric, paper in wanted.items():
-        values = [r["summary"]["final"].get(metric) for r in group if metric in r["summary"]["final"]]
-        mean = float(np.mean(values)) if values else None
+    for metric, (paper, paper_std) in wanted.items():
+        finals = [v for r in group if (v := number(r["summary"].get("final", {}).get(metric))) is not None]
+        bests = [v for r in group if (v := number(r["summary"].get("best", {}).get(metric))) is not None]
+        mean, std = _spread(finals)
         rows.append(
             {
                 "metric": metric,
                 "paper": paper,
+                "paper_std": paper_std,
                 "mean": mean,
-                "std": float(np.std(values)) if values else None,
-                "n": len(values),
+                "std": std,
+                "best_mean": _spread(bests)[0],
+                "n": len(finals),
                 "delta": (mean - paper) if (mean is not None and paper is not None) else None,
             }
         )
+    comm = [r["summary"].get("comm") if isinstance(r["summary"].get("comm"), dict) else {} for r in group]
     return {
         "rows": rows,
         "reference": reference,
-        "seeds": sorted(r["summary"].get("seed") for r in group),
-        "complete": all(r["summary"].get("complete", True) for r in group),
-        "uplink_mb": np.mean([r["summary"]["comm"]["uplink_bytes"] for r in group]) / 2**20,
-        "downlink_mb": np.mean([r["summary"]["comm"]["downlink_bytes"] for r in group]) / 2**20,
-        "provenance": [
-            {
-                "seed": r["summary"].get("seed"),
-                "dir": str(r["root"]),
-                "config_sha256": (r["summary"].get("config_sha256") or "")[:12],
-                "git_commit": r["summary"].get("versions", {}).get("git_commit", "n/a")[:12],
-                "versions": {k: v for k, v in r["summary"].get("versions", {}).items() if k != "git_commit"},
-            }
-            for r in group
-        ],
+        "seeds": [r["summary"].get("seed") for r in group],
+        "complete": all(r["summary"].get("complete", True) is True for r in group),
+        "uplink_mb": _mib([number(c.get("uplink_bytes")) for c in comm]),
+        "downlink_mb": _mib([number(c.get("downlink_bytes")) for c in comm]),
+        "provenance": [_provenance(r, rows[0]["metric"]) for r in group],
     }
 
 
-def _figure_png(fig) -> bytes:
+def _mib(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) / 2**20 if known else None
+
+
+def _provenance(run: dict, metric: str) -> dict[str, Any]:
+    summary = run["summary"]
+    versions = summary.get("versions") if isinstance(summary.get("versions"), dict) else {}
+    return {
+        "seed": summary.get("seed"),
+        "final": number(summary.get("final", {}).get(metric)),
+        "best": number(summary.get("best", {}).get(metric)),
+        "best_round": summary.get("best_round"),
+        "dir": str(run["root"]),
+        "config_sha256": str(summary.get("config_sha256") or "")[:12],
+        "git_commit": str(versions.get("git_commit") or "n/a")[:12],
+        "versions": {k: v for k, v in versions.items() if k != "git_commit"},
+    }
+
+
+def png(fig) -> bytes | None:
+    """The figure as PNG bytes (None for no figure); closes it."""
+    if fig is None:
+        return None
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")  # two figures side by side in the page
+    pyplot().close(fig)
     return buffer.getvalue()
 
 
-def learning_curve(group: list[dict], metric: str) -> bytes | None:
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def learning_curve_figure(group: list[dict], metric: str, paper: float | None):
+    """Every seed's ``metric`` over rounds with the paper's value as a line; None without points."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3))
     drawn = False
     for run in group:
@@ -106,155 +207,71 @@ def learning_curve(group: list[dict], metric: str) -> bytes | None:
         if points:
             ax.plot(*zip(*points), marker=".", label=f"seed {run['summary'].get('seed')}")
             drawn = True
-    reference = group[0]["summary"].get("reference") or {}
-    paper = (reference.get("metrics") or {}).get(
-        metric, reference.get("value") if reference.get("metric") == metric else None
-    )
+    if not drawn:
+        plt.close(fig)
+        return None
     if paper is not None:
         ax.axhline(paper, color="black", linestyle="--", label="paper")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # rounds are whole numbers
+    ax.set_xlim(left=0)
     ax.set_xlabel("round")
     ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    data = _figure_png(fig) if drawn else None
-    plt.close(fig)
-    return data
+    return fig
 
 
-def client_histogram(group: list[dict]) -> bytes | None:
-    accs = [a for r in group for a in r["summary"].get("per_client_acc", {}).values()]
+def client_histogram_figure(group: list[dict]):
+    """Personalized per-client test accuracies of all seeds on the [0, 1] accuracy axis (matplotlib's
+    automatic range spread equal values over [v - 0.5, v + 0.5]); None without per-client accuracies."""
+    from matplotlib.ticker import MaxNLocator
+
+    accs = []
+    for run in group:
+        per_client = run["summary"].get("per_client_acc")
+        if isinstance(per_client, dict):
+            accs += [v for v in map(number, per_client.values()) if v is not None and 0.0 <= v <= 1.0]
     if not accs:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.hist(accs, bins=min(20, max(5, len(accs) // 2)), color="tab:green", alpha=0.8)
+    ax.hist(accs, bins=np.linspace(0.0, 1.0, 21), color="tab:green", alpha=0.8, edgecolor="white")
+    ax.set_xlim(0.0, 1.0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_xlabel("personalized test accuracy")
-    ax.set_ylabel("clients (all seeds)")
-    data = _figure_png(fig)
-    plt.close(fig)
-    return data
+    ax.set_ylabel(f"clients ({len(accs)}, all seeds)")
+    return fig
 
 
-def _fmt(value, digits=4):
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def fmt(value, digits: int = 4) -> str:
+    value = number(value)
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def build_report(paths: list[str]) -> dict[str, Any]:
-    runs = [load_run(root) for root in find_runs(paths)]
+    from .report_sweep import load_sweep_dir
+
+    run_dirs, sweep_dirs = find_runs(paths)
+    runs = [load_run(root) for root in run_dirs]
     sections = []
     for name, group in sorted(group_runs(runs).items()):
         comparison = compare(group)
-        metric = comparison["rows"][0]["metric"]
+        row = comparison["rows"][0]
         sections.append(
             {
                 "name": name,
                 "comparison": comparison,
-                "curve": learning_curve(group, metric),
-                "clients": client_histogram(group),
+                "curve": png(learning_curve_figure(group, row["metric"], row["paper"])),
+                "clients": png(client_histogram_figure(group)),
             }
         )
-    return {"sections": sections, "runs": len(runs)}
+    return {"sections": sections, "sweeps": [load_sweep_dir(root) for root in sweep_dirs], "runs": len(runs)}
 
 
-def write_html(report: dict, path: Path) -> None:
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>fl-lightning reproducibility report</title>",
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}h2{margin-top:2em}</style></head><body>",
-        f"<h1>Reproducibility report</h1><p>{report['runs']} runs in {len(report['sections'])} recipes.</p>",
-        "<table><tr><th>recipe</th><th>metric</th><th>paper</th><th>measured mean</th><th>std</th><th>seeds</th>"
-        "<th>measured - paper</th></tr>",
-    ]
-    for s in report["sections"]:
-        for row in s["comparison"]["rows"]:
-            parts.append(
-                f"<tr><td>{html.escape(s['name'])}</td><td>{html.escape(row['metric'])}</td>"
-                f"<td>{_fmt(row['paper'])}</td><td>{_fmt(row['mean'])}</td><td>{_fmt(row['std'])}</td>"
-                f"<td>{row['n']}</td><td>{_fmt(row['delta'])}</td></tr>"
-            )
-    parts.append("</table>")
-    for s in report["sections"]:
-        c = s["comparison"]
-        ref = c["reference"]
-        parts.append(f"<h2>{html.escape(s['name'])}</h2>")
-        if ref:
-            parts.append(
-                f"<p>Paper: {html.escape(str(ref.get('paper', '')))}, {html.escape(str(ref.get('table', '')))}, "
-                f"{html.escape(str(ref.get('column', '')))}.</p>"
-            )
-        parts.append(
-            f"<p>Seeds {c['seeds']}{'' if c['complete'] else ' (some runs incomplete)'}; communication per run: "
-            f"{c['uplink_mb']:.2f} MiB up, {c['downlink_mb']:.2f} MiB down.</p>"
-        )
-        for title, image in (("learning curve", s["curve"]), ("per-client accuracy", s["clients"])):
-            if image:
-                parts.append(f"<img alt='{title}' src='data:image/png;base64,{base64.b64encode(image).decode()}'>")
-        parts.append(
-            "<table><tr><th>seed</th><th>run</th><th>config sha256</th><th>git commit</th><th>versions</th></tr>"
-        )
-        for p in c["provenance"]:
-            parts.append(
-                f"<tr><td>{p['seed']}</td><td>{html.escape(p['dir'])}</td><td>{p['config_sha256']}</td>"
-                f"<td>{p['git_commit']}</td><td>{html.escape(json.dumps(p['versions']))}</td></tr>"
-            )
-        parts.append("</table>")
-    parts.append("</body></html>")
-    path.write_text("\n".join(parts))
-
-
-def write_markdown(report: dict, path: Path) -> None:
-    lines = [
-        "# Reproducibility report",
-        "",
-        f"{report['runs']} runs in {len(report['sections'])} recipes.",
-        "",
-        "| recipe | metric | paper | measured mean | std | seeds | measured - paper |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for s in report["sections"]:
-        for row in s["comparison"]["rows"]:
-            lines.append(
-                f"| {s['name']} | {row['metric']} | {_fmt(row['paper'])} | {_fmt(row['mean'])} | "
-                f"{_fmt(row['std'])} | {row['n']} | {_fmt(row['delta'])} |"
-            )
-    figures = path.parent / f"{path.stem}_figures"
-    for s in report["sections"]:
-        c = s["comparison"]
-        lines += [
-            "",
-            f"## {s['name']}",
-            "",
-            f"Seeds {c['seeds']}; {c['uplink_mb']:.2f} MiB up, {c['downlink_mb']:.2f} MiB down per run.",
-        ]
-        for kind, image in (("curve", s["curve"]), ("clients", s["clients"])):
-            if image:
-                figures.mkdir(parents=True, exist_ok=True)
-                file = figures / f"{s['name'].replace('/', '_')}_{kind}.png"
-                file.write_bytes(image)
-                lines.append(f"![{kind}]({figures.name}/{file.name})")
-        lines += ["", "| seed | config sha256 | git commit |", "|---|---|---|"]
-        lines += [f"| {p['seed']} | {p['config_sha256']} | {p['git_commit']} |" for p in c["provenance"]]
-    path.write_text("\n".join(lines) + "\n")
-
-
-def log_to_wandb(report: dict, project: str, directory: Path) -> None:
-    """The comparison table and the figures as one W&B run (offline with WANDB_MODE=offline), whose
-    files go under ``directory`` (beside the report)."""
-    import wandb
-
-    run = wandb.init(
-        project=project, job_type="report", name="reproducibility-report", dir=str(directory), reinit="finish_previous"
-    )
-    table = wandb.Table(columns=["recipe", "metric", "paper", "mean", "std", "seeds"])
-    for s in report["sections"]:
-        for row in s["comparison"]["rows"]:
-            table.add_data(s["name"], row["metric"], row["paper"], row["mean"], row["std"], row["n"])
-        if s["curve"]:
-            from PIL import Image
-
-            run.log({f"curves/{s['name']}": wandb.Image(Image.open(io.BytesIO(s["curve"])))})
-    run.log({"paper_vs_measured": table})
-    run.finish()
+def headline(report: dict) -> str:
+    text = f"{plural(report['runs'], 'run')} in {plural(len(report['sections']), 'recipe')}"
+    return text + (f" and {plural(len(report['sweeps']), 'sweep')}" if report["sweeps"] else "")

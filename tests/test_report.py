@@ -1,62 +1,205 @@
-"""flrun report: paper-vs-measured tables, plots and provenance from run directories."""
+"""flrun report: paper-vs-measured tables, plots, provenance and sweep sections from run and sweep
+directories; everything read from files is escaped."""
 
+import csv
+import json
 from html.parser import HTMLParser
 
 import pytest
-
+import yaml
 from conftest import read_summary, run_cli, write_recipe
 
 REFERENCE = {
     "paper": "paper-001 (test)",
     "table": "Table 4",
     "column": "Proposed",
-    "metric": "global/test_acc",
-    "value": 0.9,
+    "metrics": {"global/test_acc": 0.9},
+    "stds": {"global/test_acc": 0.01},
 }
+
+
+def fit_seeds(tmp_path, seeds, name="cell", **recipe):
+    path = write_recipe(tmp_path / f"{name}.yaml", reference=REFERENCE, **recipe)
+    for seed in seeds:
+        out = tmp_path / "runs" / name / f"seed{seed}"
+        assert run_cli("fit", "--config", str(path), "--seed", str(seed), "--output_dir", str(out)) == 0
+    return tmp_path / "runs"
 
 
 @pytest.fixture
 def runs(tmp_path):
-    recipe = write_recipe(tmp_path / "cell.yaml", reference=REFERENCE)
-    for seed in (0, 1):
-        assert (
-            run_cli(
-                "fit",
-                "--config",
-                str(recipe),
-                "--seed",
-                str(seed),
-                "--output_dir",
-                str(tmp_path / "runs" / f"seed{seed}"),
-            )
-            == 0
-        )
-    return tmp_path / "runs"
+    return fit_seeds(tmp_path, (0, 1))
 
 
-class _Collector(HTMLParser):
-    def __init__(self):
+REPORT_TAGS = {
+    "html",
+    "head",
+    "meta",
+    "title",
+    "style",
+    "body",
+    "h1",
+    "h2",
+    "p",
+    "table",
+    "tr",
+    "th",
+    "td",
+    "figure",
+    "img",
+    "figcaption",
+    "code",
+}
+
+
+class Page(HTMLParser):
+    """The tags, the embedded images and the text cells of an HTML report."""
+
+    def __init__(self, text):
         super().__init__()
-        self.images, self.cells = 0, []
+        self.tags, self.images, self.cells, self.rows = set(), 0, [], []
+        self.in_row = False
+        self.feed(text)
 
     def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        if tag == "tr":
+            self.rows.append([])
+            self.in_row = True
         self.images += tag == "img" and dict(attrs).get("src", "").startswith("data:image/png;base64,")
 
+    def handle_endtag(self, tag):
+        self.in_row = self.in_row and tag != "tr"
+
     def handle_data(self, data):
-        self.cells.append(data.strip())
+        if data.strip():
+            self.cells.append(data.strip())
+            if self.in_row:
+                self.rows[-1].append(data.strip())
 
 
-def test_html_report_compares_the_mean_over_seeds_with_the_paper(runs, tmp_path):
-    assert run_cli("report", str(runs), "--output", str(tmp_path / "report.html")) == 0
-    accs = [read_summary(runs / f"seed{s}")["final"]["global/test_acc"] for s in (0, 1)]
-    parser = _Collector()
-    parser.feed((tmp_path / "report.html").read_text())
-    mean = sum(accs) / 2
-    assert "cell" in parser.cells and "0.9000" in parser.cells and f"{mean:.4f}" in parser.cells
-    assert f"{mean - 0.9:.4f}" in parser.cells
-    assert parser.images >= 1  # the learning curve, embedded
-    commit = read_summary(runs / "seed0")["versions"].get("git_commit", "n/a")[:12]
-    assert commit in parser.cells
+def report_page(paths, out):
+    assert run_cli("report", *map(str, paths), "--output", str(out)) == 0
+    return Page(out.read_text())
+
+
+def test_html_report_compares_the_final_round_mean_over_seeds_with_the_paper(runs, tmp_path):
+    page = report_page([runs], tmp_path / "report.html")
+    finals = [read_summary(runs / "cell" / f"seed{s}")["final"]["global/test_acc"] for s in (0, 1)]
+    bests = [read_summary(runs / "cell" / f"seed{s}")["best"]["global/test_acc"] for s in (0, 1)]
+    mean = sum(finals) / 2
+    std = abs(finals[0] - finals[1]) / 2**0.5  # the sample std of two values
+    header = page.rows[0]
+    assert header[2:5] == ["paper", "paper std", "measured (final round)"]
+    assert page.rows[1] == [
+        "cell",
+        "global/test_acc",
+        "0.9000",
+        "0.0100",
+        f"{mean:.4f}",
+        f"{std:.4f}",
+        f"{sum(bests) / 2:.4f}",
+        "2",
+        f"{mean - 0.9:.4f}",
+    ]
+    assert "2 runs in 1 recipe." in page.cells
+    assert any(c.startswith("Measured = the value after the last round") for c in page.cells)
+    assert page.images >= 1  # the learning curve, embedded
+    commit = read_summary(runs / "cell" / "seed0")["versions"].get("git_commit", "n/a")[:12]
+    assert commit in page.cells
+
+
+def test_one_seed_has_no_std_and_one_run_is_one_run(tmp_path):
+    runs = fit_seeds(tmp_path, (0,))
+    page = report_page([runs], tmp_path / "report.html")
+    assert page.rows[1][5] == "n/a" and page.rows[1][7] == "1"
+    assert "1 run in 1 recipe." in page.cells
+
+
+def test_values_from_files_are_escaped_in_html_and_markdown(runs, tmp_path):
+    evil = "<script>alert(1)</script>"
+    path = runs / "cell" / "seed0" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.update(
+        seed=evil,
+        name=f"<b>{evil}|x</b>",
+        config_sha256=evil,
+        final={evil: 0.5},
+        best={evil: 0.5},
+        reference={"paper": "<img src=x onerror=alert(1)>", "table": evil, "column": "c", "metrics": {evil: 0.6}},
+        versions={"torch": evil, "git_commit": evil},
+    )
+    path.write_text(json.dumps(summary))
+    page = report_page([runs], tmp_path / "report.html")
+    # only the report's own tags: nothing from a file became markup
+    assert page.tags <= REPORT_TAGS
+    assert f"<b>{evil}|x</b>" in page.cells and evil in page.cells  # shown as text
+    assert any("<img src=x onerror=alert(1)>" in c for c in page.cells)
+    assert run_cli("report", str(runs), "--output", str(tmp_path / "report.md")) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "\\|x" in text  # a | from a file does not open a table column
+
+
+def test_a_truncated_summary_is_one_sentence(runs, tmp_path, capsys):
+    path = runs / "cell" / "seed1" / "summary.json"
+    path.write_text(path.read_text()[:40])
+    assert run_cli("report", str(runs), "--output", str(tmp_path / "r.html")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path} is not valid JSON" in err
+
+
+def test_figures_have_whole_round_ticks_and_an_accuracy_axis_from_0_to_1():
+    from fl_lightning.report import client_histogram_figure, learning_curve_figure, pyplot
+
+    run = {
+        "summary": {"seed": 0, "per_client_acc": {"0": 1.0, "1": 1.0, "2": 0.5}},
+        "curve": [{"round": 2.0, "acc": 0.5}, {"round": 4.0, "acc": 0.75}],
+    }
+    fig = learning_curve_figure([run], "acc", paper=0.8)
+    ax = fig.axes[0]
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    assert ticks and all(t == int(t) for t in ticks)
+    pyplot().close(fig)
+    fig = client_histogram_figure([run])
+    ax = fig.axes[0]
+    assert ax.get_xlim() == (0.0, 1.0)  # all-equal values used to stretch the axis to [0.5, 1.5]
+    # 20 bins of 0.05 from 0 to 1: 0.5 falls in bin 10, the two 1.0s in the last bin
+    assert [p.get_height() for p in ax.patches] == [0] * 10 + [1] + [0] * 8 + [2]
+    assert ax.patches[0].get_x() == pytest.approx(0.0) and ax.patches[-1].get_x() == pytest.approx(0.95)
+    pyplot().close(fig)
+
+
+def test_a_sweep_directory_gets_a_sweep_section_with_pruned_trials(runs, tmp_path):
+    base = write_recipe(tmp_path / "base.yaml")
+    sweep = {
+        "base": str(base),
+        "metric": "global/test_acc",
+        "n_trials": 5,
+        "overrides": {"rounds": 4, "eval_every": 1},
+        "sampler": {"name": "random", "seed": 0},
+        "pruner": {"name": "median", "n_startup_trials": 1, "n_warmup_steps": 0},
+        "parameters": {
+            "training.optimizer.init_args.lr": {"type": "categorical", "choices": [0.3, 0.001]},
+            "training.optimizer.init_args.momentum": {"type": "float", "low": 0.0, "high": 0.9},
+        },
+        "output_dir": str(tmp_path / "sweeps" / "s"),
+    }
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
+    assert run_cli("sweep", "--config", str(tmp_path / "s.yaml")) == 0
+    rows = list(csv.DictReader((tmp_path / "sweeps" / "s" / "trials.csv").open()))
+    assert {r["state"] for r in rows} == {"COMPLETE", "PRUNED"}
+    page = report_page([runs, tmp_path / "sweeps"], tmp_path / "report.html")
+    assert "2 runs in 1 recipe and 1 sweep." in page.cells  # trials are not recipes
+    assert "Sweep s" in page.cells
+    table = page.rows[page.rows.index(["trial", "state", "global/test_acc", "lr", "momentum", "seconds", "note"]) :]
+    assert [r[:2] for r in table[1:]] == [[r["trial"], r["state"]] for r in rows]
+    pruned = next(r for r in rows if r["state"] == "PRUNED")
+    assert f"pruned after round {pruned['last_round']}" in page.cells
+    assert page.images == 1 + 3  # the recipe's curve; history, importances, every trial's curve
+    db = tmp_path / "sweeps" / "s" / "study.db"
+    assert f"optuna-dashboard sqlite:///{db}" in page.cells
 
 
 def test_markdown_report_writes_figures_and_wandb_logs_offline(runs, tmp_path, monkeypatch):
@@ -64,7 +207,7 @@ def test_markdown_report_writes_figures_and_wandb_logs_offline(runs, tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert run_cli("report", str(runs), "--output", "out/report.md", "--wandb") == 0
     text = (tmp_path / "out/report.md").read_text()
-    assert "| cell | global/test_acc | 0.9000 |" in text
+    assert "| cell | global/test_acc | 0.9000 | 0.0100 |" in text
     assert (tmp_path / "out/report_figures/cell_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "out/wandb").glob("offline-run-*"))  # the W&B run beside the report
 

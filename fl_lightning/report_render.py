@@ -1,0 +1,209 @@
+"""HTML, Markdown and W&B output of ``flrun report``; every value read from a file is escaped here."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+from .report import MEASURED_NOTE, fmt, headline, plural
+
+STYLE = (
+    "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
+    "color:#222;line-height:1.4}h1{font-size:1.6em}h2{margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}"
+    "table{border-collapse:collapse;margin:.6em 0}th,td{border:1px solid #ccc;padding:3px 8px;font-size:13px}"
+    "th{background:#f3f3f3;text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}"
+    ".note{color:#555;font-size:13px}figure{display:inline-block;margin:.5em 1.5em .5em 0;vertical-align:top}"
+    "figcaption{font-size:12px;color:#555;text-align:center}tr.best td{background:#eaf5ea}"
+    "td.PRUNED{color:#a65e00}td.FAIL{color:#b00020}code{background:#f3f3f3;padding:0 3px}"
+)
+
+
+def e(value) -> str:
+    """HTML-escaped text of any value read from a file."""
+    return html.escape(str(value), quote=True)
+
+
+def html_table(header: list[str], rows: list[list[tuple[str, str]]], row_classes: list[str] | None = None) -> str:
+    """A table; each cell is (already escaped html, css class)."""
+    parts = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
+    for i, row in enumerate(rows):
+        css = f" class='{row_classes[i]}'" if row_classes and row_classes[i] else ""
+        cells = "".join(f"<td class='{c}'>{text}</td>" if c else f"<td>{text}</td>" for text, c in row)
+        parts.append(f"<tr{css}>{cells}</tr>")
+    return "".join(parts) + "</table>"
+
+
+def html_figure(image: bytes | None, caption: str) -> str:
+    if not image:
+        return ""
+    data = base64.b64encode(image).decode()
+    return f"<figure><img alt='{e(caption)}' src='data:image/png;base64,{data}'><figcaption>{e(caption)}</figcaption></figure>"
+
+
+SUMMARY_HEADER = [
+    "recipe",
+    "metric",
+    "paper",
+    "paper std",
+    "measured (final round)",
+    "std over seeds",
+    "best round",
+    "runs",
+    "measured − paper",
+]
+
+
+def _summary_cells(s: dict, row: dict) -> list[str]:
+    return [
+        str(s["name"]),
+        str(row["metric"]),
+        fmt(row["paper"]),
+        fmt(row["paper_std"]),
+        fmt(row["mean"]),
+        fmt(row["std"]),
+        fmt(row["best_mean"]),
+        str(row["n"]),
+        fmt(row["delta"]),
+    ]
+
+
+def _reference_text(ref: dict) -> str:
+    parts = [str(ref[k]) for k in ("paper", "table", "row", "column") if ref.get(k) not in (None, "")]
+    return ", ".join(parts)
+
+
+def write_html(report: dict, path: Path) -> None:
+    from .report_sweep import sweep_html
+
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>fl-lightning reproducibility report</title><style>{STYLE}</style></head><body>",
+        f"<h1>Reproducibility report</h1><p>{e(headline(report))}.</p>",
+    ]
+    if report["sections"]:
+        rows = [
+            [(e(cell), "num" if i >= 2 else "") for i, cell in enumerate(_summary_cells(s, row))]
+            for s in report["sections"]
+            for row in s["comparison"]["rows"]
+        ]
+        parts += [html_table(SUMMARY_HEADER, rows), f"<p class='note'>{e(MEASURED_NOTE)}</p>"]
+    for s in report["sections"]:
+        c = s["comparison"]
+        parts.append(f"<h2>{e(s['name'])}</h2>")
+        if c["reference"]:
+            parts.append(f"<p>Paper: {e(_reference_text(c['reference']))}.</p>")
+        parts.append(
+            f"<p>{e(plural(len(c['seeds']), 'run'))}, seeds {e(', '.join(map(str, c['seeds'])))}"
+            f"{'' if c['complete'] else ' (some runs incomplete)'}; communication per run: "
+            f"{fmt(c['uplink_mb'], 2)} MiB up, {fmt(c['downlink_mb'], 2)} MiB down.</p>"
+        )
+        parts.append(html_figure(s["curve"], f"learning curve ({c['rows'][0]['metric']})"))
+        parts.append(html_figure(s["clients"], "personalized accuracy per client"))
+        metric = c["rows"][0]["metric"]
+        rows = [
+            [
+                (e(p["seed"]), "num"),
+                (fmt(p["final"]), "num"),
+                (f"{fmt(p['best'])} (round {e(p['best_round'])})", "num"),
+                (e(p["dir"]), ""),
+                (e(p["config_sha256"]), ""),
+                (e(p["git_commit"]), ""),
+                (e(json.dumps(p["versions"])), ""),
+            ]
+            for p in c["provenance"]
+        ]
+        header = ["seed", f"{metric} final", "best", "run", "config sha256", "git commit", "versions"]
+        parts.append(html_table(header, rows))
+    for sweep in report["sweeps"]:
+        parts += sweep_html(sweep)
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts))
+
+
+def md(value) -> str:
+    """A value read from a file as Markdown table text: no HTML, no column breaks, one line."""
+    return html.escape(str(value), quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(md(h) for h in header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    from .report_sweep import sweep_markdown
+
+    lines = ["# Reproducibility report", "", f"{md(headline(report))}.", ""]
+    if report["sections"]:
+        rows = [[md(c) for c in _summary_cells(s, row)] for s in report["sections"] for row in s["comparison"]["rows"]]
+        lines += md_table(SUMMARY_HEADER, rows) + ["", md(MEASURED_NOTE)]
+    figures = path.parent / f"{path.stem}_figures"
+    for s in report["sections"]:
+        c = s["comparison"]
+        lines += ["", f"## {md(s['name'])}", ""]
+        if c["reference"]:
+            lines += [f"Paper: {md(_reference_text(c['reference']))}.", ""]
+        lines.append(
+            f"{md(plural(len(c['seeds']), 'run'))}, seeds {md(', '.join(map(str, c['seeds'])))}"
+            f"{'' if c['complete'] else ' (some runs incomplete)'}; communication per run: "
+            f"{fmt(c['uplink_mb'], 2)} MiB up, {fmt(c['downlink_mb'], 2)} MiB down."
+        )
+        for kind, image in (("curve", s["curve"]), ("clients", s["clients"])):
+            if image:
+                lines.append(f"![{kind}]({figures.name}/{save_figure(figures, s['name'], kind, image)})")
+        lines.append("")
+        lines += md_table(
+            ["seed", "final", "best", "config sha256", "git commit"],
+            [
+                [md(p["seed"]), fmt(p["final"]), fmt(p["best"]), md(p["config_sha256"]), md(p["git_commit"])]
+                for p in c["provenance"]
+            ],
+        )
+    for sweep in report["sweeps"]:
+        lines += sweep_markdown(sweep, figures)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def save_figure(directory: Path, name: str, kind: str, image: bytes) -> str:
+    """Writes a figure under ``directory`` with a file name made only of safe characters."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(name)).strip("._") or "figure"
+    directory.mkdir(parents=True, exist_ok=True)
+    file = directory / f"{safe}_{kind}.png"
+    file.write_bytes(image)
+    return file.name
+
+
+def log_to_wandb(report: dict, project: str, directory: Path) -> None:
+    """The comparison table, the sweeps' trials and the figures as one W&B run (offline with
+    WANDB_MODE=offline), whose files go under ``directory`` (beside the report)."""
+    import wandb
+    from PIL import Image
+
+    run = wandb.init(
+        project=project, job_type="report", name="reproducibility-report", dir=str(directory), reinit="finish_previous"
+    )
+    table = wandb.Table(
+        columns=["recipe", "metric", "paper", "paper_std", "final_mean", "final_std", "best_mean", "runs"]
+    )
+    for s in report["sections"]:
+        for row in s["comparison"]["rows"]:
+            table.add_data(
+                s["name"],
+                row["metric"],
+                row["paper"],
+                row["paper_std"],
+                row["mean"],
+                row["std"],
+                row["best_mean"],
+                row["n"],
+            )
+        if s["curve"]:
+            run.log({f"curves/{s['name']}": wandb.Image(Image.open(io.BytesIO(s["curve"])))})
+    run.log({"paper_vs_measured": table})
+    for sweep in report["sweeps"]:
+        if sweep["history"]:
+            run.log({f"sweeps/{sweep['study']}/history": wandb.Image(Image.open(io.BytesIO(sweep["history"])))})
+    run.finish()
