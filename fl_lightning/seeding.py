@@ -38,6 +38,8 @@ class Stream(IntEnum):
     """Asynchronous mode: the clients that start at time 0 when ``concurrency`` is set (server)."""
     PUBLIC_SUBSET = 7
     """The public-set examples a round's clients predict on (FedMD's alignment set, DS-FL's open batch; server)."""
+    SUBMODEL_RATE = 8
+    """HeteroFL's dynamic mode: the width rate every client would train this round (server)."""
     SERVER_PHASE = 10
     """torch's global generator while the strategy aggregates phase k of a round: ``SERVER_PHASE + k``."""
 

@@ -23,6 +23,7 @@ CASES = [
     ("digits_fd", 60, "personal/test_acc", 0.5),
     ("digits_feddf", 20, "small/test_acc", 0.7),  # 0.87 measured
     ("digits_moon", 20, "small/test_acc", 0.7),  # 0.92 measured
+    ("digits_heterofl", 40, "a/test_acc", 0.6),  # 0.86 measured
     ("digits_dsfl", 20, "personal/test_acc", 0.3),  # 0.46 measured
 ]
 

@@ -12,6 +12,7 @@ from .fedkd import FedKD
 from .fedproto import FedProto
 from .felo import Felo
 from .fml import FML
+from .heterofl import HeteroFL
 from .lg_fedavg import LGFedAvg
 from .merged_codist import MergedCodist
 from .moon import MOON
@@ -32,6 +33,7 @@ __all__ = [
     "FedKD",
     "FedProto",
     "Felo",
+    "HeteroFL",
     "LGFedAvg",
     "MOON",
     "MergedCodist",
