@@ -9,6 +9,7 @@ from .feddf import FedDF
 from .fedgh import FedGH
 from .fedhe import FedHe
 from .fedkd import FedKD
+from .fedmd import FedMD
 from .fedproto import FedProto
 from .felo import Felo
 from .fml import FML
@@ -31,6 +32,7 @@ __all__ = [
     "FedGH",
     "FedHe",
     "FedKD",
+    "FedMD",
     "FedProto",
     "Felo",
     "HeteroFL",

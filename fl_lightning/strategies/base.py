@@ -17,8 +17,9 @@ communication ledger counts them without any help from the strategy.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,6 +64,25 @@ class ServerContext:
                 "an out-of-domain server set."
             )
         return self.data.x[self.data.server_idx]
+
+    def server_labeled(self, method: str) -> tuple[Tensor, Tensor]:
+        """The server's public examples with their labels ``([N, ...], [N])``, for methods whose public set
+        is labeled (FedMD's transfer learning); ``method`` names who needs them.
+
+        It is the same set as :meth:`server_inputs` (``data.server_fraction``); an out-of-domain
+        ``server_dataset`` has no labels and is refused.
+        """
+        if len(self.data.server_idx) == 0:
+            raise ConfigError(
+                f"{method} needs labeled public data on the server; set data.init_args.server_fraction (e.g. 0.2)."
+            )
+        x, y = self.data.x[self.data.server_idx], self.data.y[self.data.server_idx]
+        if y.dim() != 1 or bool((y < 0).any()):
+            raise ConfigError(
+                f"{method} needs labeled public data, but the server set has no class labels (an out-of-domain "
+                "server_dataset or sequence targets); use data.init_args.server_fraction on a classification set."
+            )
+        return x, y
 
     # ------------------------------------------------------------------ model facts
     def model(self, role: str) -> FeatureClassifier:
