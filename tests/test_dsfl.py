@@ -37,7 +37,7 @@ def test_era_sharpens_at_t_01_and_flattens_at_t_1():
     sharp = entropy_reduction(mean, 0.1)
     assert torch.allclose(sharp, expected, atol=1e-6)
     assert abs(sharp[0, 0].item() - 0.84379) < 1e-5 and abs(sharp[1, 2].item() - 0.96466) < 1e-5
-    # T = 1 (the old AIJack version): softmax of the probabilities themselves, flatter than the input
+    # T = 1 on probabilities (one reading of paper 001's Table 13): softmax of the probabilities, flatter
     flat = entropy_reduction(mean, 1.0)
     assert abs(flat[0, 0].item() - math.exp(0.5) / (math.exp(0.5) + math.exp(0.3) + math.exp(0.2))) < 1e-6
     assert flat[0, 0] < 0.5 and sharp[0, 0] > 0.5
@@ -47,7 +47,7 @@ def _probs_upload(client, first: float, n: int) -> ClientUpdate:
     """A client's softmax outputs: ``first`` on class 0 and the rest spread evenly, for all n examples."""
     probs = torch.full((n, 10), (1 - first) / 9)
     probs[:, 0] = first
-    return ClientUpdate(client, 1, {"open_probs": TensorPayload("open_probs", {"probs": probs})})
+    return ClientUpdate(client, 1, {"open_outputs": TensorPayload("open_outputs", {"outputs": probs})})
 
 
 @pytest.mark.parametrize("aggregation", ["era", "sa"])
@@ -81,8 +81,8 @@ def test_bytes_each_way_open_positions_predictions_and_soft_labels():
     )
     state = {}
     update = client_update(strategy, server, task, state)
-    assert update.uplink["open_probs"].nbytes == 5 * 10 * 4  # n x C float32
-    assert torch.allclose(update.uplink["open_probs"].tensors["probs"].sum(1), torch.ones(5))
+    assert update.uplink["open_outputs"].nbytes == 5 * 10 * 4  # n x C float32
+    assert torch.allclose(update.uplink["open_outputs"].tensors["outputs"].sum(1), torch.ones(5))
     assert torch.equal(state["open_positions"], positions)  # remembered for the distill phase
     strategy.aggregate(3, iter([update]))
     distill = strategy.configure_round(3, [client], "distill")[0]
@@ -122,8 +122,30 @@ def test_bad_settings_are_refused_in_one_sentence():
         method_env(DSFL(), CONSTANT, [Tier("all", ["m"])])
     with pytest.raises(ConfigError, match="open_size 100000 must be between 1 and the open set's"):
         _env(DSFL(open_size=100_000))
-    with pytest.raises(ConfigError, match="aggregation must be era or sa"):
+    with pytest.raises(ConfigError, match="aggregation must be era or sa and upload probs or logits"):
         DSFL(aggregation="mean")
+    with pytest.raises(ConfigError, match="sa averages probabilities; with upload: logits use aggregation: era"):
+        DSFL(aggregation="sa", upload="logits")
+
+
+def test_early_aijack_uploads_logits_and_takes_the_softmax_of_their_mean():
+    strategy = DSFL(open_size=2, upload="logits", era_temperature=1.0)
+    server = _env(strategy, training=LocalTraining(local_steps=1))
+    task = strategy.configure_round(1, [server.clients[0]], "train")[0]
+    sent = client_update(strategy, server, task).uplink["open_outputs"].tensors["outputs"]
+    # the constant model: the logits are its bias (0, ..., 9), SGD on a CE step changes only the bias,
+    # so they are the same for both examples; what is sent is the logits, not their softmax
+    assert sent.shape == (2, 10) and torch.equal(sent[0], sent[1]) and not torch.allclose(sent.sum(1), torch.ones(2))
+    c = server.clients
+    logits = [torch.zeros(2, 10), torch.zeros(2, 10)]
+    logits[0][:, 0], logits[1][:, 0] = 3.0, 1.0  # mean (2, 0, ..., 0): softmax e^2 / (e^2 + 9)
+    uploads = [
+        ClientUpdate(c[i], 1, {"open_outputs": TensorPayload("open_outputs", {"outputs": z})})
+        for i, z in enumerate(logits)
+    ]
+    strategy.aggregate(1, iter(uploads))
+    first = math.exp(2) / (math.exp(2) + 9)
+    assert torch.allclose(strategy.global_probs[:, 0], torch.full((2,), first), atol=1e-6)
 
 
 def test_dsfl_without_distillation_is_exactly_standalone(tmp_path):

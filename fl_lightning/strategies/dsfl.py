@@ -16,13 +16,14 @@ from ..types import ClientTask, ClientUpdate, TensorPayload
 from .base import ServerContext, Strategy
 
 
-def entropy_reduction(mean_probs: Tensor, temperature: float) -> Tensor:
-    """ERA: ``softmax(p_bar / T)`` of the clients' averaged probabilities ``[N, C]``.
+def entropy_reduction(mean_outputs: Tensor, temperature: float) -> Tensor:
+    """ERA: ``softmax(p_bar / T)`` of the clients' averaged outputs ``[N, C]``.
 
-    With T < 1 it sharpens the average (lower entropy); at T = 1 it flattens it, since probabilities
-    in [0, 1] become logits of a softmax (what an old AIJack version ran by default).
+    On averaged probabilities, T < 1 sharpens the average (lower entropy) and T = 1 flattens it, since
+    probabilities in [0, 1] become the logits of a softmax. On averaged logits (``upload: logits``),
+    T = 1 gives the ensemble's ordinary soft labels.
     """
-    return F.softmax(mean_probs / temperature, dim=1)
+    return F.softmax(mean_outputs / temperature, dim=1)
 
 
 class DSFL(Strategy):
@@ -31,7 +32,8 @@ class DSFL(Strategy):
     Each round has two phases (Algorithm 1):
 
     * ``train`` (Update, Prediction): a sampled client trains its own model on its private labeled data
-      with cross-entropy, then uploads its softmax outputs on the round's open batch, ``n x C`` numbers.
+      with cross-entropy, then uploads its softmax outputs on the round's open batch, ``n x C`` numbers
+      (``upload: logits`` sends the eval-mode logits instead).
     * the server averages them over the clients (Aggregation) and applies ERA, ``softmax(p_bar / T)``
       (``aggregation: era``; ``sa`` keeps the plain average), and sends the result back (Distribution).
     * ``distill`` (Distillation): the same clients train on the open batch against these soft labels,
@@ -44,14 +46,18 @@ class DSFL(Strategy):
     every round (AIJack's loop), and nothing but the predictions crosses the network. Paper 001 lists
     no server model for DS-FL (Table 13), so none is trained here.
 
-    ERA's temperature: 0.1 in AIJack's current ``DSFLServer`` (``era_temperature=0.1``); an older AIJack
-    version applied softmax at T = 1 to the averaged outputs, which flattens them (``era_temperature:
-    1``). Paper 001's Table 13 lists "temperature 1" for DS-FL, which reads as the latter.
+    AIJack's history (Koukyosyumei/AIJack ``collaborative/dsfl``): its first versions (March 2022) uploaded
+    raw logits and took ``softmax`` of their average at T = 1, ordinary soft labels and no entropy
+    reduction (``upload: logits, era_temperature: 1``); ``era_temperature=0.1`` came next, still on
+    logits; since May 2022 clients upload softmax outputs and ERA is ``softmax(p_bar / 0.1)``, as the
+    paper (the defaults here). Paper 001's Table 13 lists "temperature 1" for DS-FL without saying whose;
+    read as ERA's T on probabilities (``era_temperature: 1``) it flattens the average.
 
     Args:
         open_size: open-set examples per round (``None``: all of them).
-        aggregation: ``era`` (entropy reduction) or ``sa`` (simple average).
+        aggregation: ``era`` (entropy reduction) or ``sa`` (simple average of the probabilities).
         era_temperature: T of ERA.
+        upload: what clients send, ``probs`` (softmax outputs, the paper) or ``logits`` (early AIJack).
         distill_steps: distillation steps per round (``None``: one pass over the open batch).
         distill_batch_size: examples per distillation step (``None``: the training batch size).
         split: where personal models are evaluated (``global`` test set or the local ``test`` split).
@@ -66,10 +72,15 @@ class DSFL(Strategy):
         era_temperature: float = 0.1,
         distill_steps: int | None = None,
         distill_batch_size: int | None = None,
+        upload: str = "probs",
         split: str = "global",
     ):
-        if aggregation not in ("era", "sa"):
-            raise ConfigError(f"DS-FL aggregation must be era or sa, got {aggregation!r}.")
+        if aggregation not in ("era", "sa") or upload not in ("probs", "logits"):
+            raise ConfigError(
+                f"DS-FL aggregation must be era or sa and upload probs or logits, got {aggregation!r} and {upload!r}."
+            )
+        if aggregation == "sa" and upload == "logits":
+            raise ConfigError("DS-FL aggregation: sa averages probabilities; with upload: logits use aggregation: era.")
         if era_temperature <= 0 or (distill_steps is not None and distill_steps < 0):
             raise ConfigError(
                 f"DS-FL needs era_temperature > 0 and distill_steps >= 0 (or null); got {era_temperature}, "
@@ -77,6 +88,7 @@ class DSFL(Strategy):
             )
         self.open_size, self.aggregation, self.era_temperature = open_size, aggregation, era_temperature
         self.distill_steps, self.distill_batch_size, self.split = distill_steps, distill_batch_size, split
+        self.upload = upload
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
@@ -113,10 +125,12 @@ class DSFL(Strategy):
             loss = ctx.fit(role)["loss"]
             positions = task.downlink["open_positions"].tensors["positions"] if task.downlink else None
             x_open = public_inputs(ctx.data_x, ctx.public_indices, positions)
-            probs = F.softmax(eval_logits(module, x_open, ctx.loop.training.eval_batch_size), dim=1)
+            outputs = eval_logits(module, x_open, ctx.loop.training.eval_batch_size)
+            if self.upload == "probs":
+                outputs = F.softmax(outputs, dim=1)
             if positions is not None:
                 ctx.state["open_positions"] = positions  # the client remembers its batch until the distill phase
-            uplink = {"open_probs": TensorPayload("open_probs", {"probs": probs})}
+            uplink = {"open_outputs": TensorPayload("open_outputs", {"outputs": outputs})}
             metrics = {f"{role}/loss": loss}
         else:
             x_open = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("open_positions", None))
@@ -141,8 +155,8 @@ class DSFL(Strategy):
             return {}
         total, self.uploaders = None, []
         for update in updates:
-            probs = update.uplink["open_probs"].tensors["probs"].double()
-            total = probs if total is None else total + probs
+            outputs = update.uplink["open_outputs"].tensors["outputs"].double()
+            total = outputs if total is None else total + outputs
             self.uploaders.append(update.client)
         if not self.uploaders:
             self.global_probs = None
