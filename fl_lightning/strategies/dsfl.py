@@ -1,6 +1,7 @@
 """DS-FL: Itahara, Nishio, Koda, Morikura, Yamamoto, "Distillation-Based Semi-Supervised Federated Learning
-for Communication-Efficient Collaborative Training With Non-IID Private Data", IEEE TMC 2021 (Sec. IV,
-Algorithm 1; entropy reduction aggregation, Sec. IV-B)."""
+for Communication-Efficient Collaborative Training With Non-IID Private Data", IEEE TMC 2021 (Algorithm 1
+and its entropy reduction aggregation). The paper is not in ../shared/papers: the method follows AIJack's
+``collaborative/dsfl`` code, read for this file; the paper's details are recalled."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """FedDF: Lin, Kong, Stich, Jaggi, "Ensemble Distillation for Robust Model Fusion in Federated Learning",
-NeurIPS 2020 (Sec. 3, Algorithm 1; Algorithm 3 of the appendix for several model prototypes)."""
+NeurIPS 2020 (Algorithm 1; the appendix's algorithm for several model prototypes). The paper is not in
+../shared/papers: its details here are recalled (``../shared/BASELINES.md``), not checked against its text."""
 
 from __future__ import annotations
 

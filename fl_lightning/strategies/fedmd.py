@@ -1,5 +1,6 @@
 """FedMD: Li and Wang, "FedMD: Heterogenous Federated Learning via Model Distillation", NeurIPS-W 2019
-(Sec. 2, Algorithm 1; the official code diogenes0319/FedMD_clean, ``FedMD.py``)."""
+(Algorithm 1). The paper is not in ../shared/papers: the steps follow the official code
+diogenes0319/FedMD_clean (``FedMD.py``, ``Neural_Networks.py``, ``conf/``), read for this file."""
 
 from __future__ import annotations
 
