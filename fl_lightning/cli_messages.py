@@ -143,11 +143,9 @@ def _unknown_init_option(text: str, keys: list[str], parser: Any) -> str | None:
     params = _init_params(class_path)
     hint = _did_you_mean(option, params, quote=True)
     where = f" ({'.'.join(keys)})" if keys else ""
-    takes = (
-        f"; its options: {', '.join(params)} (see `flrun fit --{keys[0] if keys else 'strategy'}.help {class_path}`)"
-        if params
-        else ""
-    )
+    takes = f"; its options: {', '.join(params)}" if params else ""
+    if len(keys) == 1:  # jsonargparse documents a top-level component's options with --key.help CLASS
+        takes += f" (see `flrun fit --{keys[0]}.help {class_path}`)"
     return f"{class_path}{where} has no option {option!r}{hint}{takes}."
 
 

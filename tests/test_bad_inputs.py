@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import yaml
-
 from conftest import ROOT, TINY, run_cli
 
 # the fix part of a message: an instruction or the rule the value must follow
@@ -179,6 +178,12 @@ CASES = [
     Case("local_split bad", ["--data.init_args.local_split", "[0.5, 0.5, 0.5]"], ["local_split", "summing to 1"]),
     Case("test_fraction above one", ["--data.init_args.test_fraction", "1.5"], ["test_fraction", "1.5"]),
     Case("partitioner unknown", ["--data.init_args.partitioner", "Dirichlet"], ["Dirichlet", "DirichletPartitioner"]),
+    Case("data option misspelled", ["--data.init_args.test_fractoin", "0.3"], ["test_fractoin", "'test_fraction'"]),
+    Case(
+        "partitioner option misspelled",
+        ["--data.init_args.partitioner.init_args.alhpa", "0.3"],
+        ["alhpa", "data.partitioner", "'alpha'"],
+    ),
     # ---------------------------------------------------------------- recipe files
     Case("recipe key unknown", [], ["roundz", "did you mean 'rounds'"], recipe={"roundz": 3}),
     Case("recipe nested key unknown", [], ["batch_sise", "batch_size"], recipe={"training": {"batch_sise": 8}}),
