@@ -47,6 +47,7 @@ def _tensor_digest(obj, digest) -> None:
 def fingerprint(recipe: Path, rounds: int) -> dict:
     from fl_lightning.checkpoint import load_checkpoint
     from fl_lightning.cli import fit_from_argv
+    from fl_lightning.client_store import load_client_states
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
@@ -54,9 +55,10 @@ def fingerprint(recipe: Path, rounds: int) -> dict:
         argv += ["--output_dir", str(out), "--runtime.progress", "false", "--seed", "0"]
         summary = fit_from_argv(argv)
         checkpoint = load_checkpoint(out / "checkpoints" / "last.ckpt")  # weights_only, checksum verified
+        client_states = load_client_states(checkpoint)  # the files it names, each SHA-256 verified
     server, clients = hashlib.sha256(), hashlib.sha256()
     _tensor_digest(checkpoint["strategy"], server)
-    _tensor_digest(checkpoint["client_states"], clients)
+    _tensor_digest(client_states, clients)
     return {
         "final": summary["final"],
         "comm": {k: v for k, v in summary["comm"].items() if k.endswith("bytes")},

@@ -8,6 +8,8 @@
 - The file is written to ``last.ckpt.tmp``, fsynced and renamed over ``last.ckpt``; the checkpoint it
   replaces is kept as ``previous.ckpt`` (a hard link, so ``last.ckpt`` exists at every moment), provided
   it is known to be intact: written or verified by this process, or verified before it is kept.
+- Per-client state is not inside the file: it holds a manifest of the client-state files next to it
+  (``client_store.py``), each named once, written and fsynced before the checkpoint that names it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if content_sha256(state) != saved:
         raise ConfigError(f"checkpoint {path} is damaged (its content does not match its SHA-256); {_fallback(path)}")
     _known_good.add(_identity(path))
+    state["loaded_from"] = str(path)  # not saved: where its client-state files are (client_store.py)
     return state
 
 
@@ -115,24 +118,33 @@ def content_sha256(state: Any) -> str:
     return digest.hexdigest()
 
 
+def check_plain(state: Any, where: str = "state") -> None:
+    """Raises TypeError, naming where, unless ``state`` is tensors and plain containers (what loads safely)."""
+    _feed(state, None, where)
+
+
 def _feed(obj: Any, digest: Any, where: str) -> None:
-    # exact types: a numpy float is a float subclass, but weights_only loading refuses it
+    # exact types: a numpy float is a float subclass, but weights_only loading refuses it; digest None: check only
     kind = type(obj)
     if kind in (dict, OrderedDict):
-        digest.update(b"{%d" % len(obj))
+        if digest is not None:
+            digest.update(b"{%d" % len(obj))
         for key, value in obj.items():
             _feed(key, digest, where)
             _feed(value, digest, f"{where}[{key!r}]")
     elif kind in (list, tuple, torch.Size):
-        digest.update(b"[%d" % len(obj) if kind is list else b"(%d" % len(obj))
+        if digest is not None:
+            digest.update(b"[%d" % len(obj) if kind is list else b"(%d" % len(obj))
         for i, value in enumerate(obj):
             _feed(value, digest, f"{where}[{i}]")
     elif isinstance(obj, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
-        data = obj.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        digest.update(f"T{data.dtype}{tuple(obj.shape)}".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes())
+        if digest is not None:
+            data = obj.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+            digest.update(f"T{data.dtype}{tuple(obj.shape)}".encode())
+            digest.update(data.view(torch.uint8).numpy().tobytes())
     elif kind in _PLAIN:
-        digest.update(f"{kind.__name__}:{obj!r};".encode())
+        if digest is not None:
+            digest.update(f"{kind.__name__}:{obj!r};".encode())
     else:
         raise TypeError(
             f"checkpoint state {where} is a {kind.__module__}.{kind.__qualname__}; checkpoints hold tensors and "

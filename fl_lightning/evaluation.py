@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -10,14 +11,46 @@ from torch import Tensor
 
 from .client.loop import LocalLoop
 from .data import FederatedData
+from .errors import ConfigError
+from .seeding import Owner, Stream, derive_seed
 from .types import PAD, ClientSpec, StateDict
+
+
+@dataclass
+class PersonalEvaluation:
+    """Which clients a personalized evaluation covers (every client at every evaluation by default).
+
+    Every client of a personalized method starts from its own seeded model, so a client that never
+    trained still costs a model build and a pass over the test set: linear in the population. These
+    options bound that cost; whenever an evaluation covers fewer clients than the population, its row
+    says how many in ``personal/clients_evaluated`` (the ``personal/`` metrics are over those clients).
+
+    Attributes:
+        sample: evaluate a seeded sample of this many clients at each evaluation but the last round's,
+            which evaluates them all; ``None`` evaluates them all every time.
+        untrained: ``evaluate`` clients that never trained with their initial model (as every client is
+            by default), or ``skip`` them: the metrics are then over the clients that have trained.
+    """
+
+    sample: int | None = None
+    untrained: str = "evaluate"
+
+    def __post_init__(self):
+        if self.sample is not None and self.sample < 1:
+            raise ConfigError(
+                f"evaluation.sample must be at least 1 (or null: every client), got {self.sample}; e.g. 100."
+            )
+        if self.untrained not in ("evaluate", "skip"):
+            raise ConfigError(f"evaluation.untrained must be evaluate or skip, got {self.untrained!r}.")
 
 
 class Evaluator:
     """Evaluates role weights on the global test set or a client's local split.
 
     Weights are loaded into the role's shared instance (no new module is built); results are exact
-    sums over the whole split, independent of the batch size.
+    sums over the whole split, independent of the batch size. ``plan`` and ``seed`` choose the clients a
+    personalized evaluation covers (:class:`PersonalEvaluation`); the orchestrator calls :meth:`begin`
+    before each evaluation.
     """
 
     def __init__(
@@ -25,13 +58,22 @@ class Evaluator:
         loop: LocalLoop,
         data: FederatedData,
         clients: list[ClientSpec] | None = None,
-        client_states: dict[int, dict] | None = None,
+        client_states: Mapping[int, dict] | None = None,
+        plan: PersonalEvaluation | None = None,
+        seed: int = 0,
     ):
         self.loop = loop
         self.data = data
         self.clients = clients or []
         self.client_states = client_states if client_states is not None else {}
+        self.plan = plan or PersonalEvaluation()
+        self.seed = seed
+        self.round, self.final = 0, True
         self.per_client: dict[int, float] = {}  # personal accuracy of each client at the last evaluation
+
+    def begin(self, rnd: int, final: bool) -> None:
+        """The evaluation of round ``rnd`` starts (``final``: the run's last round, which covers every client)."""
+        self.round, self.final = rnd, final
 
     def global_model(self, role: str, weights: StateDict | None) -> dict[str, float]:
         """Accuracy and mean cross-entropy of ``weights`` on the global test set (and ``acc_<name>`` on
@@ -56,7 +98,7 @@ class Evaluator:
         split: str = "global",
         prefix: str = "personal",
     ) -> dict[str, float]:
-        """Mean, spread and per-tier mean accuracy of every client's own model.
+        """Mean, spread and per-tier mean accuracy of every client's own model (or of those ``plan`` covers).
 
         Args:
             weights_of: gives a client's (role, weights) from the client and its persistent state.
@@ -64,9 +106,15 @@ class Evaluator:
                 local test split (FedGH's 8:1:1 setting).
             prefix: metric name prefix.
         """
+        covered = self._covered()
+        if not covered:  # `untrained: skip` before any client trained
+            nan = float("nan")
+            self.per_client = {}
+            names = ("test_acc", "test_acc_std", "test_acc_min", "test_loss")
+            return {**{f"{prefix}/{name}": nan for name in names}, f"{prefix}/clients_evaluated": 0.0}
         accs: dict[str, list[float]] = {}
         losses = []
-        for client in self.clients:
+        for client in covered:
             role, weights = weights_of(client, self.client_states.get(client.id, {}))
             result = (
                 self.global_model(role, weights)
@@ -76,7 +124,7 @@ class Evaluator:
             accs.setdefault(client.tier, []).append(result["acc"])
             losses.append(result["loss"])
         every = [a for tier in accs.values() for a in tier]
-        self.per_client = {client.id: acc for client, acc in zip(self.clients, self._in_order(accs))}
+        self.per_client = {client.id: acc for client, acc in zip(covered, self._in_order(accs, covered))}
         metrics = {
             f"{prefix}/test_acc": float(np.mean(every)),
             f"{prefix}/test_acc_std": float(np.std(every)),
@@ -85,12 +133,26 @@ class Evaluator:
         }
         if len(accs) > 1:
             metrics.update({f"{prefix}/{tier}/test_acc": float(np.mean(v)) for tier, v in accs.items()})
+        if len(covered) < len(self.clients):  # the row says what its personal metrics cover
+            metrics[f"{prefix}/clients_evaluated"] = float(len(covered))
         return metrics
 
-    def _in_order(self, accs: dict[str, list[float]]) -> list[float]:
+    def _covered(self) -> list[ClientSpec]:
+        """The clients this evaluation covers: all, or the trained ones, or a seeded sample of those."""
+        clients = self.clients
+        if self.plan.untrained == "skip":
+            clients = [c for c in clients if c.id in self.client_states]
+        k = self.plan.sample
+        if k is not None and not self.final and k < len(clients):
+            rng = np.random.default_rng(derive_seed(self.seed, self.round, Owner.SERVER, Stream.EVAL_SAMPLE))
+            clients = [clients[i] for i in np.sort(rng.choice(len(clients), k, replace=False))]
+        return clients
+
+    @staticmethod
+    def _in_order(accs: dict[str, list[float]], clients: list[ClientSpec]) -> list[float]:
         """Per-tier lists back in client order (for reports of the per-client distribution)."""
         cursor = {tier: iter(values) for tier, values in accs.items()}
-        return [next(cursor[client.tier]) for client in self.clients]
+        return [next(cursor[client.tier]) for client in clients]
 
     @torch.no_grad()
     def _run(self, role: str, weights: StateDict | None, x: Tensor, y: Tensor) -> dict[str, float]:

@@ -19,12 +19,14 @@ from .checkpoint import load_checkpoint
 from .client.loop import LocalLoop, LocalTraining
 from .data import FederatedData
 from .errors import ConfigError
+from .evaluation import PersonalEvaluation
 from .models import ModelSpec
 from .orchestrator import FederationOrchestrator
 from .population import Population
 from .run_state import check_resume
 from .sampling import ClientSampler, UniformSampler
 from .strategies import Strategy
+from .strategies.base import roles_to_build
 from .tracking import RunFiles, RunLogger, resolve_loggers
 
 
@@ -40,6 +42,9 @@ class Runtime:
         flush_denormal: flush denormal floats to zero, which near convergence otherwise halve CPU speed.
         deterministic: ask torch for deterministic kernels (identical numbers for a seed on CPU).
         progress: show the progress bar.
+        client_state_memory_mb: megabytes of per-client state (personal weights, optimizer moments) kept in
+            memory; the least recently trained clients beyond it wait in their checkpoint files
+            (``checkpoints/clients``). ``null`` keeps every client's state in memory. Numbers do not change.
     """
 
     accelerator: str = "auto"
@@ -48,8 +53,14 @@ class Runtime:
     flush_denormal: bool = True
     deterministic: bool = True
     progress: bool = True
+    client_state_memory_mb: float | None = 1024.0
 
     def __post_init__(self):
+        if self.client_state_memory_mb is not None and self.client_state_memory_mb < 0:
+            raise ConfigError(
+                f"runtime.client_state_memory_mb must be 0 or more (or null: no limit), got "
+                f"{self.client_state_memory_mb}; e.g. 1024."
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(
                 f"runtime.num_threads must be at least 1, got {self.num_threads}; use 1 for small models "
@@ -88,6 +99,7 @@ def fit(
     training: LocalTraining = LocalTraining(),
     rounds: int = 50,
     eval_every: int = 1,
+    evaluation: PersonalEvaluation | None = None,
     seed: int = 0,
     output_dir: str | None = None,
     resume: str | None = None,
@@ -113,6 +125,9 @@ def fit(
         training: local training of every client (optimizer, steps or epochs, batch size, schedule).
         rounds: number of communication rounds.
         eval_every: evaluate every k rounds (and after the last round).
+        evaluation: which clients a personalized evaluation covers: ``sample: k`` a seeded sample of k per
+            evaluation (all of them after the last round), ``untrained: skip`` only those that have trained;
+            every client at every evaluation when not given.
         seed: the run seed; the same seed gives the same numbers on CPU.
         output_dir: run directory; ``runs/<name>/seed<seed>`` when not given.
         resume: ``auto`` resumes from ``<output_dir>/checkpoints/last.ckpt`` if it exists, or a checkpoint path.
@@ -139,6 +154,13 @@ def fit(
             f"{sorted(models) or 'none'}); add them under models, e.g. models: {{{undefined[0]}: {{builder: "
             "digits_cnn}}, or change the tiers' roles."
         )
+    server_only = [role for role in strategy.server_roles() if role not in models]
+    if server_only:
+        raise ConfigError(
+            f"the strategy's server model role(s) {server_only} are not defined under models (defined: "
+            f"{sorted(models) or 'none'}); add them, e.g. models: {{{server_only[0]}: {{builder: digits_mlp}}}}, "
+            "or name a defined role in the strategy's server_role."
+        )
     files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
     check_output_dir(files.root)
     checkpoint = _find_checkpoint(resume, files)
@@ -152,7 +174,7 @@ def fit(
     loop = LocalLoop(fabric, training, rounds)
     loop.build_slots(
         models,
-        population.roles(),
+        roles_to_build(population.roles(), strategy),
         seed,
         num_classes=data.num_classes,
         in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
@@ -187,6 +209,8 @@ def fit(
         run_info=run_info,
         schedule=schedule,
         config=resolved_config,
+        evaluation=evaluation,
+        client_state_memory_mb=runtime.client_state_memory_mb,
     )
     # every check has passed: only now is the run directory written (a refused start changes nothing)
     files.write_json(files.partition, partition)

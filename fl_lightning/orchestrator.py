@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
-from .checkpoint import save_checkpoint
 from .client.context import ClientContext
 from .client.loop import LocalLoop
+from .client_store import CLIENTS_DIR
 from .data import FederatedData
 from .errors import ConfigError
-from .evaluation import Evaluator
+from .evaluation import Evaluator, PersonalEvaluation
 from .run_state import RunState
 from .sampling import ClientSampler
 from .seeding import Owner, Stream, derive_seed, seed_torch, server_phase
@@ -50,6 +50,9 @@ class FederationOrchestrator:
         run_info: extra entries for summary.json (name, config hash, versions).
         schedule: asynchronous mode (simulated clock and client speeds); synchronous rounds when None.
         config: the resolved recipe (YAML), kept in checkpoints so that a resume can be compared with it.
+        evaluation: which clients a personalized evaluation covers (all of them at every evaluation by default).
+        client_state_memory_mb: megabytes of per-client state kept in memory; the rest waits in its files
+            (``client_store.py``). None keeps it all in memory.
     """
 
     def __init__(
@@ -71,6 +74,8 @@ class FederationOrchestrator:
         run_info: dict[str, Any] | None = None,
         schedule: AsynchronousSchedule | None = None,
         config: str | None = None,
+        evaluation: PersonalEvaluation | None = None,
+        client_state_memory_mb: float | None = None,
     ):
         if rounds < 1:
             raise ConfigError(f"rounds must be at least 1, got {rounds}.")
@@ -81,8 +86,9 @@ class FederationOrchestrator:
         self.rounds, self.seed = rounds, seed
         self.eval_every, self.checkpoint_every, self.stop_after = eval_every, checkpoint_every, stop_after
         self.progress_enabled = progress
-        self.state = RunState(run_info, config)
-        self.evaluator = Evaluator(loop, data, clients, self.state.client_states)
+        client_dir = files.checkpoints / CLIENTS_DIR
+        self.state = RunState(client_dir, run_info, config, client_state_memory_mb, loop.fabric.device)
+        self.evaluator = Evaluator(loop, data, clients, self.state.client_states, evaluation, seed)
         self.schedule = schedule
         self.asynchronous = (
             AsynchronousRounds(schedule, strategy, clients, self.state.ledger, seed, self._run_client)
@@ -98,6 +104,8 @@ class FederationOrchestrator:
         state = self.state
         if checkpoint is not None:
             state.restore(checkpoint, self.strategy, self.loop, self.schedule)
+        else:
+            state.client_states.start()  # client files a killed start left behind go
         progress = RoundProgress(
             self.progress_enabled, self.rounds, state.rounds_done, self.monitor, self.loop.fabric.device.type
         )
@@ -111,6 +119,7 @@ class FederationOrchestrator:
                 state.elapsed = time.perf_counter() - started
                 row["time/elapsed_s"] = state.elapsed
                 if rnd % self.eval_every == 0 or rnd == self.rounds:
+                    self.evaluator.begin(rnd, final=rnd == self.rounds)
                     metrics = self.strategy.evaluate(self.evaluator)
                     state.record_evaluation(rnd, metrics, self.monitor)
                     row.update(metrics)
@@ -121,8 +130,7 @@ class FederationOrchestrator:
                 progress.update(rnd, row)
                 stopping = self.stop_after is not None and rnd >= self.stop_after
                 if rnd % self.checkpoint_every == 0 or rnd == self.rounds or stopping:
-                    checkpoint_state = state.checkpoint(self.strategy, self.loop, self.loggers, self.schedule)
-                    save_checkpoint(self.files.last_checkpoint, checkpoint_state)
+                    state.save(self.files.last_checkpoint, self.strategy, self.loop, self.loggers, self.schedule)
                 if stopping:
                     break
         finally:
@@ -188,12 +196,10 @@ class FederationOrchestrator:
         client = task.client
         seed_torch(derive_seed(self.seed, rnd, client.id, Stream.DROPOUT, *((stream,) if stream else ())))
         client_states = self.state.client_states
-        state = client_states.setdefault(client.id, {})
-        ctx = ClientContext(client, rnd, self.loop, self.data, state, self.seed, stream)
+        ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
         update = self.strategy.client_update(task, ctx)
         ctx.finish()
-        if not state:
-            del client_states[client.id]
+        client_states.close(client.id, ctx.state)  # kept, or written to its file beyond the memory budget
         for key, value in update.metrics.items():
             metrics.setdefault(key, []).append(value)
         self.progress.client_done()

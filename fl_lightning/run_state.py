@@ -6,10 +6,12 @@ with to the one it is resumed with, before anything in the run directory is writ
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import rng_state, set_rng_state
+from .checkpoint import rng_state, save_checkpoint, set_rng_state
+from .client_store import ClientStateStore
 from .errors import ConfigError
 from .ledger import CommunicationLedger
 
@@ -23,6 +25,7 @@ SAFE_TO_CHANGE = (
     "rounds",
     "logger",
     "runtime.progress",
+    "runtime.client_state_memory_mb",
     "output_dir",
     "stop_after",
     "checkpoint_every",
@@ -36,11 +39,21 @@ class RunState:
     """Rounds done, metric history, best and last evaluation, elapsed time, client states and traffic.
 
     Args:
+        client_dir: where the client-state files go (``<run>/checkpoints/clients``).
         run_info: entries for summary.json (name, hashes, versions, resumes), saved in checkpoints.
         config: the resolved recipe (YAML), saved in checkpoints so a resume can be compared with it.
+        client_state_memory_mb: megabytes of client state kept in memory (None: all of it).
+        device: the Fabric device (where client states read back from their files go).
     """
 
-    def __init__(self, run_info: dict[str, Any] | None = None, config: str | None = None):
+    def __init__(
+        self,
+        client_dir: Path,
+        run_info: dict[str, Any] | None = None,
+        config: str | None = None,
+        client_state_memory_mb: float | None = None,
+        device: Any = "cpu",
+    ):
         self.run_info = run_info or {}
         self.config = config
         self.rounds_done = 0
@@ -48,7 +61,8 @@ class RunState:
         self.best: dict[str, Any] | None = None
         self.last_eval: dict[str, Any] | None = None
         self.elapsed = 0.0
-        self.client_states: dict[int, dict] = {}  # handed to clients as ctx.state and to the evaluator
+        # handed to clients as ctx.state and to the evaluator; checkpoints name its files (client_store.py)
+        self.client_states = ClientStateStore(client_dir, client_state_memory_mb, device)
         self.ledger = CommunicationLedger()
 
     def record_evaluation(self, rnd: int, metrics: dict[str, float], monitor: str) -> None:
@@ -57,7 +71,8 @@ class RunState:
                 f"monitor metric {monitor!r} is not among the evaluation metrics "
                 f"{sorted(metrics)}; set --monitor to one of them."
             )
-        if self.best is None or metrics[monitor] > self.best["metrics"][monitor]:
+        value = metrics[monitor]  # NaN (no client evaluated) never becomes the best
+        if not math.isnan(value) and (self.best is None or value > self.best["metrics"][monitor]):
             self.best = {"round": rnd, "metrics": dict(metrics)}
         self.last_eval = {"round": rnd, "metrics": dict(metrics)}
 
@@ -69,12 +84,15 @@ class RunState:
         loggers: list[RunLogger],
         schedule: AsynchronousSchedule | None,
     ) -> dict[str, Any]:
-        """Everything a resume needs, as tensors and plain containers (see ``checkpoint.py``)."""
+        """Everything a resume needs, as tensors and plain containers (see ``checkpoint.py``).
+
+        The client states are written to their files here (those that changed); the checkpoint names them.
+        """
         shared = loop.training.optimizer_state == "shared"
         return {
             "rounds_done": self.rounds_done,
             "strategy": strategy.state_dict(),
-            "client_states": self.client_states,
+            "client_states": self.client_states.manifest(),
             "shared_optimizers": {r: s.optimizer.state_dict() for r, s in loop.slots.items()} if shared else {},
             "ledger": self.ledger.state_dict(),
             "history": self.history,
@@ -88,14 +106,25 @@ class RunState:
             "schedule": schedule.state_dict() if schedule is not None else None,
         }
 
+    def save(
+        self,
+        path: Path,
+        strategy: Strategy,
+        loop: LocalLoop,
+        loggers: list[RunLogger],
+        schedule: AsynchronousSchedule | None,
+    ) -> None:
+        """Writes the checkpoint to ``path`` (client files first), then deletes client files no kept one names."""
+        save_checkpoint(path, self.checkpoint(strategy, loop, loggers, schedule))
+        self.client_states.saved()
+
     def restore(
         self, state: dict[str, Any], strategy: Strategy, loop: LocalLoop, schedule: AsynchronousSchedule | None
     ) -> None:
         """Loads a checkpoint into this run (after :func:`check_resume` accepted it)."""
         self.rounds_done = state["rounds_done"]
         strategy.load_state_dict(state["strategy"])
-        self.client_states.clear()  # in place: the evaluator holds the same dict
-        self.client_states.update(state["client_states"])
+        self.client_states.restore(state["client_states"], state.get("loaded_from"))  # the evaluator holds it too
         for role, opt_state in state["shared_optimizers"].items():
             loop.slots[role].optimizer.load_state_dict(opt_state)
         self.ledger.load_state_dict(state["ledger"])

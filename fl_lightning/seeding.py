@@ -40,6 +40,8 @@ class Stream(IntEnum):
     """The public-set examples a round's clients predict on (FedMD's alignment set, DS-FL's open batch; server)."""
     SUBMODEL_RATE = 8
     """HeteroFL's dynamic mode: the width rate every client would train this round (server)."""
+    EVAL_SAMPLE = 9
+    """The clients a personalized evaluation covers when ``evaluation.sample`` is set (server, per round)."""
     SERVER_PHASE = 10
     """torch's global generator while the strategy aggregates phase k of a round: ``SERVER_PHASE + k``."""
 
