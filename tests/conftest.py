@@ -88,14 +88,16 @@ def method_env(strategy, models, tiers, num_clients=4, training=None, data=None,
     from fl_lightning.data import DigitsData
     from fl_lightning.population import Population
     from fl_lightning.strategies import ServerContext
+    from fl_lightning.strategies.base import roles_to_build
 
     data = data or DigitsData()
     population = Population(num_clients=num_clients, tiers=tiers)
     clients = population.build(seed)
     data.setup(num_clients, seed)
     loop = LocalLoop(L.Fabric(accelerator="cpu", devices=1), training or LocalTraining(), rounds)
-    loop.build_slots(models, population.roles(), seed, num_classes=10, in_channels=1)
-    server = ServerContext(clients, population.roles(), data, rounds, seed, loop)
+    roles = roles_to_build(population.roles(), strategy)
+    loop.build_slots(models, roles, seed, num_classes=10, in_channels=1)
+    server = ServerContext(clients, roles, data, rounds, seed, loop)
     strategy.setup(server)
     return server
 

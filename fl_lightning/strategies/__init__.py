@@ -6,6 +6,7 @@ from .fd import FD
 from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .feddf import FedDF
+from .fedgems import FedGEMS
 from .fedgh import FedGH
 from .fedhe import FedHe
 from .fedkd import FedKD
@@ -29,6 +30,7 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedDF",
+    "FedGEMS",
     "FedGH",
     "FedHe",
     "FedKD",

@@ -112,6 +112,15 @@ class ServerContext:
 
     # ------------------------------------------------------------------ server-side computation
     @torch.no_grad()
+    def features(self, role: str, weights: StateDict, x: Tensor, batch_size: int = 512) -> Tensor:
+        """Eval-mode features ``[N, D]`` of the role's model with ``weights`` on ``x`` (FedGKT's evaluation)."""
+        module = self._loop.slots[role].module
+        module.model.load_state_dict(weights)
+        module.eval()
+        with self._loop.fabric.autocast():
+            return torch.cat([module.model.features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+    @torch.no_grad()
     def predict(self, role: str, weights: StateDict, x: Tensor, batch_size: int = 512) -> Tensor:
         """Eval-mode logits ``[N, C]`` of the role's model with ``weights`` on ``x``."""
         module = self._loop.slots[role].module
@@ -161,6 +170,11 @@ class Strategy:
         """Called once before the first round (and before a checkpoint is restored)."""
         self.server = server
 
+    def server_roles(self) -> tuple[str, ...]:
+        """Model roles that only the server trains (FedGKT's and FedGEMS's large model): built with the
+        tiers' roles although no tier lists them. Their names are keys of the recipe's ``models``."""
+        return ()
+
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         """The tasks of ``phase``: usually one per sampled client, but a strategy may address any client
         of ``self.server.clients`` (paper 001's strong clients join every round)."""
@@ -191,6 +205,11 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self.state_attributes:
             setattr(self, name, _restore(getattr(self, name, None), state[name]))
+
+
+def roles_to_build(tier_roles: list[str], strategy: Strategy) -> list[str]:
+    """Every model role of a run: the tiers' roles, then the strategy's server-only roles."""
+    return list(tier_roles) + [r for r in strategy.server_roles() if r not in tier_roles]
 
 
 def _export(value: Any) -> Any:
