@@ -8,6 +8,7 @@ from .fedavg import FedAvg
 from .feddf import FedDF
 from .fedgems import FedGEMS
 from .fedgh import FedGH
+from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
 from .fedmd import FedMD
@@ -32,6 +33,7 @@ __all__ = [
     "FedDF",
     "FedGEMS",
     "FedGH",
+    "FedGKT",
     "FedHe",
     "FedKD",
     "FedMD",

@@ -1,0 +1,210 @@
+"""FedGKT: He et al., "Group Knowledge Transfer: Federated Learning of Large CNNs at the Edge", NeurIPS 2020
+(Algorithm 1, eq. 4-7). The paper is not in ../shared/papers: the details follow ../shared/BASELINES.md
+section 6 (FedML's ``fedgkt``: T = 3, alpha = 1, server distillation on) and paper 003's set-up (Section 4)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..client.context import ClientContext
+from ..errors import ConfigError
+from ..evaluation import Evaluator
+from ..knowledge.distillation import kd_kl_loss
+from ..knowledge.public_set import target_batches
+from ..types import ClientTask, ClientUpdate, TensorPayload
+from .base import ServerContext, Strategy
+
+SERVER_OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def bidirectional_losses(
+    z_client: Tensor, z_server: Tensor, y: Tensor, alpha: float, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """FedGKT's two losses on the same examples: the client's ``CE(z_c, y) + alpha KD(z_c, z_s)`` (eq. 5)
+    and the server's ``CE(z_s, y) + alpha KD(z_s, z_c)`` (eq. 7); KD is ``T^2 KL`` at temperature T and
+    the teacher side gets no gradient."""
+    client = F.cross_entropy(z_client, y) + alpha * kd_kl_loss(z_client, z_server, temperature)
+    server = F.cross_entropy(z_server, y) + alpha * kd_kl_loss(z_server, z_client, temperature)
+    return client, server
+
+
+class FedGKT(Strategy):
+    """Group knowledge transfer: small client models and a large server model on their features.
+
+    Client k keeps its own small model (extractor ``features`` + classifier ``head``). Each round
+    (Algorithm 1):
+
+    * the client trains on its private data with ``CE(z_c, y) + alpha KD(z_c, z_s)`` (eq. 5), ``z_s``
+      the server's logits on the same example from the client's previous round (plain CE before it has
+      any); then it uploads, for **every** training example in a fixed order, its feature vector
+      ``H = features(x)``, its logits and its label (eval mode): ``N_k (D + C + 1)`` numbers up;
+    * the server trains its model (``server_role``, a role no tier lists, whose input is the clients'
+      feature vector) for ``server_epochs`` passes over all received features with
+      ``CE(z_s, y) + alpha KD(z_s, z_c)`` (eq. 7; FedML's ``whether_distill_on_the_server`` on), then
+      computes ``z_s`` on each client's features, in the client's order, and sends them to it at its
+      next round: ``N_k C`` numbers down.
+
+    The order of the uploaded examples is the client's training split; the server's logits keep it,
+    so example i's teacher is the server's output on example i's features (FedML: an unshuffled
+    loader). Inference needs both sides: the **server** metrics are the server model on each client's
+    features of the global test set, averaged over the clients (paper 003 evaluates FedGKT on the
+    server side), the monitor; ``personal/`` are the clients' own small models. Paper 003 samples every
+    client each round ("it cannot converge if the sample ratio is 20%"), as the digits recipe.
+
+    Args:
+        server_role: the server model's role in ``models`` (no tier may list it; it takes ``[B, D]``).
+        alpha: weight of the distillation on both sides (1 in FedML).
+        temperature: T of the distillation (3 in FedML).
+        server_epochs: server passes over the round's features.
+        server_lr: learning rate of the server's optimizer (a fresh one each round).
+        server_optimizer: ``adam`` or ``sgd`` (momentum 0.9).
+        batch_size: features per server step.
+        split: where the clients' own models are evaluated (``global`` or their local ``test`` split).
+    """
+
+    state_attributes = ("server_weights", "server_logits")
+
+    def __init__(
+        self,
+        server_role: str = "server",
+        alpha: float = 1.0,
+        temperature: float = 3.0,
+        server_epochs: int = 1,
+        server_lr: float = 0.003,
+        server_optimizer: str = "adam",
+        batch_size: int = 32,
+        split: str = "global",
+    ):
+        if alpha < 0 or temperature <= 0 or server_epochs < 0 or server_lr <= 0 or batch_size < 1:
+            raise ConfigError(
+                f"FedGKT needs alpha >= 0, temperature > 0, server_epochs >= 0, server_lr > 0 and batch_size >= 1; "
+                f"got alpha={alpha}, temperature={temperature}, server_epochs={server_epochs}, "
+                f"server_lr={server_lr}, batch_size={batch_size}."
+            )
+        if server_optimizer not in SERVER_OPTIMIZERS:
+            raise ConfigError(f"FedGKT server_optimizer must be adam or sgd, got {server_optimizer!r}.")
+        self.server_role, self.alpha, self.temperature = server_role, alpha, temperature
+        self.server_epochs, self.server_lr, self.server_optimizer = server_epochs, server_lr, server_optimizer
+        self.batch_size, self.split = batch_size, split
+
+    def server_roles(self) -> tuple[str, ...]:
+        return (self.server_role,)
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        server.require_one_role_per_client("FedGKT")
+        held = [c.id for c in server.clients if self.server_role in c.roles]
+        if held:
+            raise ConfigError(
+                f"FedGKT server_role {self.server_role!r} is the server's own model, but tiers give it to "
+                f"clients {held[:5]}; give the server a model role that no tier lists."
+            )
+        self.server_weights = server.initial_weights(self.server_role)
+        for role in sorted({c.roles[0] for c in server.clients}):
+            dim = server.feature_dim(role)
+            try:
+                server.predict(self.server_role, self.server_weights, torch.zeros(2, dim, device=server.data.x.device))
+            except RuntimeError:
+                raise ConfigError(
+                    f"FedGKT's server model {self.server_role!r} must take the clients' feature vectors, but it "
+                    f"does not accept role {role!r}'s {dim} features; build it for them, e.g. builder "
+                    f"digits_mlp with args {{in_features: {dim}}}."
+                ) from None
+        self.server_logits: dict[int, Tensor] = {}  # per client, its training examples in order
+
+    # ------------------------------------------------------------------ server -> client
+    def configure_round(self, rnd, clients, phase="train"):
+        tasks = []
+        for c in clients:
+            logits = self.server_logits.get(c.id)
+            down = {} if logits is None else {"server_logits": TensorPayload("server_logits", {"logits": logits})}
+            tasks.append(ClientTask(c, rnd, down))
+        return tasks
+
+    # ------------------------------------------------------------------ client
+    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = task.client.roles[0]
+        module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
+        idx = ctx.indices.train
+        x, y = ctx.data_x[idx], ctx.data_y[idx]
+        received = task.downlink.get("server_logits")
+        teacher = None if received is None else received.tensors["logits"].to(x.device)
+        order = torch.arange(len(idx), device=x.device)
+        steps = ctx.loop.num_steps(len(idx))
+        batches = target_batches(x, order, ctx.loop.training.batch_size, steps, ctx.generator)
+
+        def step(module, batch, i):
+            xb, at = batch
+            z = module(xb)
+            if teacher is None:
+                return F.cross_entropy(z, y[at])
+            return F.cross_entropy(z, y[at]) + self.alpha * kd_kl_loss(z, teacher[at], self.temperature)
+
+        loss = ctx.fit(role, step_fn=step, batches=batches)["loss"]
+        ctx.state["weights"] = ctx.weights(role)
+        module.eval()
+        with torch.no_grad():
+            size = ctx.loop.training.eval_batch_size
+            features = torch.cat([module.model.features(x[i : i + size]).float() for i in range(0, len(x), size)])
+            logits = torch.cat([module.model.head(features[i : i + size]).float() for i in range(0, len(x), size)])
+        upload = TensorPayload("features", {"features": features, "logits": logits, "labels": y.to(torch.int32)})
+        return ClientUpdate(task.client, len(idx), {"features": upload}, {f"{role}/loss": loss})
+
+    # ------------------------------------------------------------------ server
+    def aggregate(self, rnd, updates, phase="train"):
+        received: dict[int, dict[str, Tensor]] = {}
+        for update in updates:
+            received[update.client.id] = {k: v.detach() for k, v in update.uplink["features"].tensors.items()}
+        if not received:
+            return {}
+        h = torch.cat([r["features"] for r in received.values()])
+        z_client = torch.cat([r["logits"] for r in received.values()])
+        y = torch.cat([r["labels"] for r in received.values()]).long()
+        loss = self.train_server(h, z_client, y)
+        for cid, r in received.items():
+            self.server_logits[cid] = self.server.predict(self.server_role, self.server_weights, r["features"]).float()
+        return {"server/loss": loss}
+
+    def train_server(self, h: Tensor, z_client: Tensor, y: Tensor) -> float:
+        # drawn from the round's server stream: the batch order depends on the seed and round only
+        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        steps = self.server_epochs * -(-len(h) // self.batch_size)
+        batches = target_batches(h, torch.arange(len(h), device=h.device), self.batch_size, steps, generator)
+        losses = []
+
+        def step(module, batch, i):
+            hb, at = batch
+            loss = bidirectional_losses(z_client[at], module(hb), y[at], self.alpha, self.temperature)[1]
+            losses.append(loss.detach())
+            return loss
+
+        kind = SERVER_OPTIMIZERS[self.server_optimizer]
+        extra = {"momentum": 0.9} if self.server_optimizer == "sgd" else {}
+        self.server_weights = self.server.train(
+            self.server_role, self.server_weights, batches, step, lambda p: kind(p, lr=self.server_lr, **extra)
+        )
+        return float(torch.stack(losses).mean()) if losses else 0.0
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        metrics = evaluator.personalized(self.personal_weights, split=self.split)
+        data = self.server.data
+        accs, losses = [], []
+        for client in self.server.clients:
+            role, weights = self.personal_weights(client, evaluator.client_states.get(client.id, {}))
+            features = self.server.features(role, weights, data.test_x)
+            logits = self.server.predict(self.server_role, self.server_weights, features).float()
+            accs.append(float((logits.argmax(1) == data.test_y).float().mean()))
+            losses.append(float(F.cross_entropy(logits, data.test_y)))
+        metrics["server/test_acc"] = sum(accs) / len(accs)
+        metrics["server/test_loss"] = sum(losses) / len(losses)
+        return metrics
+
+    def personal_weights(self, client, state):
+        return client.roles[0], self.server.own_weights(client, state.get("weights"))
+
+    @property
+    def monitor(self) -> str:
+        return "server/test_acc"
