@@ -246,3 +246,16 @@ def test_the_checkpoint_grows_by_its_manifest_only_and_a_resume_elsewhere_links_
     resume = ["--resume", str(run / "checkpoints/last.ckpt"), "--runtime.client_state_memory_mb", "0"]
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(moved), *resume) == 0
     assert read_summary(moved)["final"] == uninterrupted[0]["final"]
+
+
+@pytest.mark.parametrize("recipe", ["digits_dsfl", "digits_moon"])  # state kept between phases; a previous model
+def test_states_read_back_from_files_give_the_numbers_of_states_kept_in_memory(tmp_path, recipe):
+    common = ["--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--rounds", "2", "--eval_every", "2"]
+    common += ["--runtime.progress", "false"]
+    assert run_cli("fit", *common, "--output_dir", str(tmp_path / "memory")) == 0
+    argv = ["--output_dir", str(tmp_path / "files"), "--runtime.client_state_memory_mb", "0"]
+    assert run_cli("fit", *common, *argv) == 0  # every state written and dropped as its client finishes
+    assert read_summary(tmp_path / "files")["final"] == read_summary(tmp_path / "memory")["final"]
+    checkpoints = [load_checkpoint(tmp_path / run / "checkpoints/last.ckpt") for run in ("memory", "files")]
+    memory, files = (load_client_states(c) for c in checkpoints)
+    assert memory and memory.keys() == files.keys() and all(_states_equal(memory[c], files[c]) for c in memory)
