@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from .errors import ConfigError
+
+KIB_PER_CLIENT_ROUND = "comm/kib_per_client_round"
 
 MEASURED_NOTE = (
     "Measured = the value after the last round (summary.json final), the mean over seeds; std over seeds = the "
@@ -46,9 +49,10 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def find_runs(paths: list[str]) -> tuple[list[Path], list[Path]]:
+def find_runs(paths: list[str], allow_empty: bool = False) -> tuple[list[Path], list[Path]]:
     """Run directories (holding summary.json) and sweep directories (holding sweep.json) at or below
-    ``paths``; a sweep's trial runs belong to its sweep, not to the runs."""
+    ``paths``; a sweep's trial runs belong to its sweep, not to the runs. Finding neither is an error
+    unless ``allow_empty``."""
     runs: list[Path] = []
     sweeps: list[Path] = []
     for path in map(Path, paths):
@@ -57,7 +61,7 @@ def find_runs(paths: list[str]) -> tuple[list[Path], list[Path]]:
         sweeps += sorted(p.parent for p in path.rglob("sweep.json"))
         runs += sorted(p.parent for p in path.rglob("summary.json"))
     runs = [r for r in dict.fromkeys(runs) if not any(s in r.parents for s in sweeps)]
-    if not runs and not sweeps:
+    if not runs and not sweeps and not allow_empty:
         raise ConfigError(f"no run directory (with a summary.json) under {', '.join(paths)}.")
     return runs, list(dict.fromkeys(sweeps))
 
@@ -116,6 +120,55 @@ def paper_values(reference: dict) -> dict[str, tuple[float | None, float | None]
     return {k: (v[0], v[1]) for k, v in wanted.items()}
 
 
+def measured_value(run: dict, metric: str) -> float | None:
+    """A run's final value of ``metric``; ``comm/kib_per_client_round`` is derived from its traffic."""
+    if metric == KIB_PER_CLIENT_ROUND:
+        return kib_per_client_round(run)
+    final = run["summary"].get("final")
+    return number(final.get(metric)) if isinstance(final, dict) else None
+
+
+def kib_per_client_round(run: dict) -> float | None:
+    """KiB sent down and up per participating client and round (paper 004's CO/c/r): the ledger's total
+    over the rounds run and the clients the run's UniformSampler takes per round (config.yaml); None
+    when any of these is unknown."""
+    summary = run["summary"]
+    comm = summary.get("comm") if isinstance(summary.get("comm"), dict) else {}
+    up, down, rounds = (
+        number(comm.get("uplink_bytes")),
+        number(comm.get("downlink_bytes")),
+        number(summary.get("rounds")),
+    )
+    per_round = clients_per_round(run["root"] / "config.yaml")
+    if None in (up, down, rounds, per_round) or not rounds or not per_round:
+        return None
+    return (up + down) / 1024 / (rounds * per_round)
+
+
+def clients_per_round(config_path: Path) -> int | None:
+    """Clients a run's UniformSampler (fit's default when the recipe has none: every client) draws per
+    round, from its resolved config; None for another sampler or an unreadable file (the file may come
+    from anyone: it is parsed as plain YAML only)."""
+    from .population import Population, Tier
+    from .sampling import round_half
+
+    try:
+        config = yaml.safe_load(config_path.read_text())
+        sampler = config["sampler"] or {"class_path": "fl_lightning.sampling.UniformSampler"}  # fit's default
+        population = config["population"]
+        if sampler.get("class_path") != "fl_lightning.sampling.UniformSampler":
+            return None
+        args = sampler.get("init_args") or {}
+        tiers = [Tier(**tier) for tier in population["tiers"]]
+        counts = Population(num_clients=population["num_clients"], tiers=tiers).tier_counts()
+        eligible = sum(n for tier, n in zip(tiers, counts) if args.get("tiers") is None or tier.name in args["tiers"])
+        if args.get("num_per_round") is not None:
+            return int(args["num_per_round"])
+        return max(1, round_half(float(args.get("fraction", 1.0)) * eligible))
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError, ConfigError):
+        return None
+
+
 def _spread(values: list[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
@@ -129,7 +182,7 @@ def compare(group: list[dict]) -> dict[str, Any]:
     wanted = paper_values(reference) or {str(first.get("monitor")): (None, None)}
     rows = []
     for metric, (paper, paper_std) in wanted.items():
-        finals = [v for r in group if (v := number(r["summary"].get("final", {}).get(metric))) is not None]
+        finals = [v for r in group if (v := measured_value(r, metric)) is not None]
         bests = [v for r in group if (v := number(r["summary"].get("best", {}).get(metric))) is not None]
         mean, std = _spread(finals)
         rows.append(
