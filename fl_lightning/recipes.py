@@ -28,6 +28,7 @@ action resolves the bases before jsonargparse reads the file. The rules:
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -157,12 +158,13 @@ def check_reference(reference: Any, path: Path) -> None:
         )
     for key in ("metrics", "stds"):
         numbers = reference.get(key, {1: 1})
-        if (
-            not isinstance(numbers, dict)
-            or not numbers
-            or not all(isinstance(v, (int, float)) for v in numbers.values())
-        ):
-            raise ConfigError(f"`reference.{key}` in {path} must map metric names to the paper's numbers.")
+        # null: the paper prints no number for the cell ("-": did not converge, or a figure only)
+        allowed = (int, float, type(None)) if key == "metrics" else (int, float)
+        if not isinstance(numbers, dict) or not numbers or not all(isinstance(v, allowed) for v in numbers.values()):
+            raise ConfigError(
+                f"`reference.{key}` in {path} must map metric names to the paper's numbers"
+                + (" (null where the paper prints none)." if key == "metrics" else ".")
+            )
     if set(reference.get("stds", {})) - set(reference["metrics"]):
         raise ConfigError(f"`reference.stds` in {path} names metrics that `reference.metrics` lacks.")
 
@@ -178,13 +180,25 @@ def paper_recipes(folder: Path = RECIPES_DIR) -> list[tuple[Path, dict[str, Any]
     return rows
 
 
+def natural_key(text: str) -> list:
+    """Sorts "Table 10" after "Table 2" and "N=100" after "N=50": digit runs compare as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part.lower()) for part in re.split(r"(\d+)", text)]
+
+
 def readme_tables(folder: Path = RECIPES_DIR) -> str:
-    """The README's tables: one per paper, a row per recipe, from the reference blocks."""
+    """The README's tables: one per paper, a row per recipe (by table, row, column), from the reference blocks."""
     papers: dict[str, list[str]] = {}
-    for path, ref in paper_recipes(folder):
+    cells = sorted(
+        paper_recipes(folder),
+        key=lambda item: [natural_key(str(item[1].get(k, ""))) for k in ("table", "row", "column")] + [item[0].name],
+    )
+    for path, ref in cells:
         cell = ", ".join(str(ref[k]) for k in ("row", "column") if k in ref).replace("|", "\\|")
         stds = ref.get("stds", {})
-        values = [(k, f"{v}" + (f" (std {stds[k]})" if k in stds else "")) for k, v in ref["metrics"].items()]
+        values = [
+            (k, ("no number" if v is None else f"{v}") + (f" (std {stds[k]})" if k in stds else ""))
+            for k, v in ref["metrics"].items()
+        ]
         numbers = values[0][1] if len(values) == 1 else ", ".join(f"{k} {v}" for k, v in values)
         papers.setdefault(ref["paper"], []).append(
             f"| {ref['table']} | {cell} | {values[0][0]} | {numbers} | `{path.name}` |"

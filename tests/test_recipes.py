@@ -153,6 +153,13 @@ def test_a_reference_in_another_shape_is_refused(tmp_path):
     stray = {"paper": "p", "table": "t", "column": "c", "metrics": {"m": 0.5}, "stds": {"n": 0.1}}
     with pytest.raises(ConfigError, match="names metrics that `reference.metrics` lacks"):
         check_reference(stray, tmp_path / "r.yaml")
+    # null: a cell the paper prints no number for ("-"); a spread must still be a number
+    check_reference({"paper": "p", "table": "t", "column": "c", "metrics": {"m": None}}, tmp_path / "r.yaml")
+    no_std = {"paper": "p", "table": "t", "column": "c", "metrics": {"m": None}, "stds": {"m": None}}
+    with pytest.raises(ConfigError, match=r"`reference.stds` in .* must map metric names to the paper's numbers\.$"):
+        check_reference(no_std, tmp_path / "r.yaml")
+    with pytest.raises(ConfigError, match=r"numbers \(null where the paper prints none\)"):
+        check_reference({"paper": "p", "table": "t", "column": "c", "metrics": {"m": "93%"}}, tmp_path / "r.yaml")
 
 
 def test_the_committed_readme_is_the_generated_one():
@@ -176,11 +183,15 @@ def test_readme_tables_follow_the_reference_blocks(tmp_path):
         tmp_path / "a.yaml",
         "reference: {paper: P1, table: T9, row: R, column: c, metrics: {m: 0.1, n: 0.3}, stds: {m: 0.02}}\n",
     )
+    _write(tmp_path / "c.yaml", "reference: {paper: P1, table: T10, row: A, column: c, metrics: {m: null}}\n")
+    _write(tmp_path / "d.yaml", "reference: {paper: P1, table: T9, row: A, column: c, metrics: {m: 0.2}}\n")
     _write(tmp_path / "digits.yaml", "rounds: 3\n")  # no reference: not a paper cell
     header = "| table | cell | metric | paper's value | recipe |\n|---|---|---|---|---|\n"
+    # by table (T9 before T10), row and column; null is a cell without the paper's number
     assert readme(f"intro\n{README_BEGIN}\nold rows\n{README_END}\noutro\n", tmp_path) == (
         f"intro\n{README_BEGIN}\n\n"
-        f"## P1\n\n{header}| T9 | R, c | m | m 0.1 (std 0.02), n 0.3 | `a.yaml` |\n\n"
+        f"## P1\n\n{header}| T9 | A, c | m | 0.2 | `d.yaml` |\n| T9 | R, c | m | m 0.1 (std 0.02), n 0.3 | `a.yaml` |\n"
+        "| T10 | A, c | m | no number | `c.yaml` |\n\n"
         f"## P2\n\n{header}| T1 | \\|x\\| | a/acc | a/acc 0.5, b/acc 0.25 | `b.yaml` |\n\n"
         f"{README_END}\noutro\n"
     )
