@@ -22,6 +22,7 @@ commands:
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
   sweep    flrun sweep --config sweeps/NAME.yaml: an Optuna study over a recipe
   report   flrun report RUN_DIRS... --output report.html: measured vs the papers' numbers
+           flrun report RUN_DIRS --table paper-001/table-5: one paper table, paper vs measured per cell
 
 Run `flrun COMMAND --help` for the options of a command."""
 
@@ -230,7 +231,7 @@ def run_sweep_command(argv: list[str]) -> int:
 
 
 def run_report(argv: list[str]) -> int:
-    """``flrun report RUN_OR_SWEEP_DIR... --output report.html|report.md [--wandb]``."""
+    """``flrun report RUN_OR_SWEEP_DIR... --output report.html|report.md [--wandb] [--table PAPER/TABLE]``."""
     import argparse
 
     from .report import build_report, headline
@@ -241,7 +242,11 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--output", default="report.html", help="report file (.html or .md)")
     parser.add_argument("--wandb", action="store_true", help="also log the tables and plots to W&B")
     parser.add_argument("--project", default="fl-lightning", help="W&B project for --wandb")
+    parser.add_argument("--table", help="render one paper table instead, e.g. paper-001/table-5 (docs/experiments.md)")
+    parser.add_argument("--recipes", help="recipe folder whose reference blocks define the table (default: recipes/)")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        return _report_table(args)
     report = build_report(args.paths)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -249,6 +254,24 @@ def run_report(argv: list[str]) -> int:
     if args.wandb:
         log_to_wandb(report, args.project, output.parent)
     print(f"report of {headline(report)}: {output}")
+    return 0
+
+
+def _report_table(args) -> int:
+    """``flrun report RUN_DIRS --table paper-001/table-5``: the paper's table, paper vs measured per cell."""
+    from .recipes import RECIPES_DIR
+    from .report_table import build_table, write_table_html, write_table_markdown
+
+    if args.wandb:
+        raise _UserError("--table writes a file only; leave out --wandb (or run flrun report without --table).")
+    recipes = Path(args.recipes) if args.recipes else RECIPES_DIR
+    if not recipes.is_dir():
+        raise _UserError(f"--recipes {recipes} is not a folder; give the folder holding the recipes (recipes/).")
+    table = build_table(args.paths, args.table, recipes)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    (write_table_markdown if output.suffix == ".md" else write_table_html)(table, output)
+    print(f"{table['id']}: {len(table['cells'])} cells, {table['runs']} runs: {output}")
     return 0
 
 
