@@ -1,0 +1,97 @@
+"""benchmarks/digits_table.py: writes a paper's digits table between its markers, and --check re-runs rows."""
+
+import importlib.util
+import re
+
+import pytest
+from conftest import ROOT
+
+BLOCK = "<!-- digits-table paper-002/table-1: seeds 0 1 2; rounds recipe -->\nnot yet\n<!-- end of digits-table -->"
+
+
+@pytest.fixture(scope="module")
+def digits_table():
+    spec = importlib.util.spec_from_file_location("digits_table", ROOT / "benchmarks/digits_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def written(digits_table, tmp_path_factory):
+    docs = tmp_path_factory.mktemp("docs") / "algorithms.md"
+    docs.write_text(f"intro\n\n{BLOCK}\n\noutro\n")
+    assert (
+        digits_table.main(["--write", "--tables", "paper-002", "--rounds", "1", "--seeds", "0", "--docs", str(docs)])
+        == 0
+    )
+    return docs
+
+
+def _row(text, label):
+    return next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+
+
+def test_write_fills_the_block_with_one_row_per_method_and_records_seeds_and_rounds(written, tmp_path):
+    from fl_lightning.cli import fit_from_argv
+
+    text = written.read_text()
+    assert text.startswith("intro\n\n<!-- digits-table paper-002/table-1: seeds 0; rounds 1 -->\n")
+    assert text.endswith("<!-- end of digits-table -->\n\noutro\n") and "not yet" not in text
+    # the FedAdam row holds the values of the same run made directly
+    summary = fit_from_argv(
+        ["--config", str(ROOT / "recipes/digits_fedadam.yaml"), "--seed", "0", "--rounds", "1"]
+        + ["--eval_every", "1", "--output_dir", str(tmp_path / "run"), "--runtime.progress", "false"]
+    )
+    large, small = summary["final"]["large/test_acc"], summary["final"]["small/test_acc"]
+    assert _row(text, "FedAdam") == (
+        f"| FedAdam | `digits_fedadam` | {large:.3f} ({large:.3f}) | {small:.3f} ({small:.3f}) |"
+    )
+    assert _row(text, "MergedCodist").startswith("| MergedCodist | `digits_merged_codist` | ")
+
+
+def test_ranking_line_follows_the_written_means(written):
+    text = written.read_text()
+    means = {}
+    for label in ("FedAdam", "MergedCodist", "PeriodicCodist"):
+        cells = _row(text, label).split(" | ")[2:]
+        means[label] = [float(re.match(r"([\d.]+)", c).group(1)) for c in cells]
+    parts = []
+    for i, metric in enumerate(("large/test_acc", "small/test_acc")):
+        rivals = [m for m in ("FedAdam", "MergedCodist") if means[m][i] >= means["PeriodicCodist"][i]]
+        verdict = "holds" if not rivals else f"fails ({', '.join(rivals)} as high or higher)"
+        parts.append(f"PeriodicCodist above every other row ({metric}): {verdict}")
+    assert f"Ranking (means over seeds): {'; '.join(parts)}." in text
+
+
+def test_check_passes_on_the_written_rows_and_fails_on_a_changed_value(digits_table, written, tmp_path, capsys):
+    assert digits_table.main(["--check", "--rows", "FedAdam", "--docs", str(written)]) == 0
+    assert "1 of 1 rows reproduce." in capsys.readouterr().err
+    changed = tmp_path / "changed.md"
+    row = _row(written.read_text(), "FedAdam")
+    value = row.split(" | ")[2].split(" ")[0]
+    wrong = f"{float(value) + 0.001:.3f}"
+    changed.write_text(written.read_text().replace(row, row.replace(value, wrong, 1)))
+    assert digits_table.main(["--check", "--rows", "FedAdam", "--docs", str(changed)]) == 1
+    err = capsys.readouterr().err
+    assert "paper-002/table-1 FedAdam:" in err and f"docs:  | FedAdam | `digits_fedadam` | {wrong}" in err
+
+
+def test_check_without_a_generated_row_fails_and_write_needs_the_markers(digits_table, tmp_path, capsys):
+    docs = tmp_path / "algorithms.md"
+    docs.write_text(f"{BLOCK}\n")
+    assert digits_table.main(["--check", "--docs", str(docs)]) == 1
+    assert "run --write first" in capsys.readouterr().err
+    docs.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="has no block for paper-002/table-1"):
+        digits_table.main(["--write", "--tables", "paper-002", "--rounds", "1", "--seeds", "0", "--docs", str(docs)])
+
+
+def test_a_method_with_no_digits_recipe_of_the_set_up_runs_as_a_variant_of_it(digits_table):
+    """paper 004's FD row is digits_fedgh with FD swapped in: the run is FD's, on FedGH's clients."""
+    _, recipe, overrides, _ = next(r for r in digits_table.TABLES["paper-004/table-3"][2] if r[0] == "FD")
+    assert recipe == "digits_fedgh" and set(overrides) == {"strategy"}
+    summary, derived = digits_table.run_once(recipe, overrides, seed=0, rounds=1)
+    assert "personal/test_acc" in summary["final"]
+    # FD's traffic, not FedGH's: C x (C + 1) numbers up and down per client and round, 10 x 11 x 4 bytes each way
+    assert derived[digits_table.KIB] == pytest.approx(2 * 10 * 11 * 4 / 1024)
