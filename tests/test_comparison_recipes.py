@@ -92,6 +92,12 @@ def _aux_bytes():
         ("feddf_cifar10", HOMO, ("--strategy.init_args.steps", "2"), "aux/test_acc"),
         ("dsfl_cifar10", HETERO, ("--strategy.init_args.distill_steps", "2"), "personal/strong/test_acc"),
         (
+            "fedgems_cifar10",
+            HETERO,
+            ("--strategy.init_args.server_steps", "2", "--strategy.init_args.distill_steps", "2"),
+            "server/test_acc",
+        ),
+        (
             "fedmd_cifar10",
             HETERO,
             ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1")
@@ -109,7 +115,7 @@ def test_paper_001_table_5_baselines_run_a_round(tmp_path, recipe, population, e
     uplink = summary["comm"]["uplink_bytes"]
     if recipe == "feddf_cifar10":
         assert uplink == 3 * _aux_bytes()  # FedAvg's traffic: the small model from each of 3 clients
-    if recipe in ("dsfl_cifar10", "fedmd_cifar10"):
+    if recipe in ("dsfl_cifar10", "fedmd_cifar10", "fedgems_cifar10"):
         assert uplink == 3 * 20 * 10 * 4  # logits on the whole 20-example public set, C = 10
     if recipe == "moon_cifar10":
         assert uplink > 3 * _aux_bytes()  # the small model plus MOON's projection head
@@ -173,3 +179,12 @@ def test_the_fedmd_cells_of_paper_003_carry_no_number(tmp_path):
     summary = read_summary(out)
     assert summary["reference"]["metrics"] == {"personal/test_acc": None} and "personal/test_acc" in summary["final"]
     assert summary["comm"]["uplink_bytes"] == 5 * 4 * 10 * 4  # 5 clients, n = 4 public examples, C = 10
+
+
+def test_fedgkt_of_paper_003_uploads_every_example_and_reports_the_server_side(tmp_path):
+    write_cifar10(tmp_path, per_batch=20, test=10)  # 100 training images over 5 clients
+    population = json.dumps({"num_clients": 5, "tiers": [{"name": "all", "roles": ["client"]}]})
+    summary = _tiny_run(tmp_path, "fedgkt_cifar10_iid", "--population", population, "--training.local_steps", "1")
+    assert "server/test_acc" in summary["final"] and summary["reference"]["row"] == "FedGKT"
+    # every client, every training example: its 512-d features, 10 logits and an int32 label
+    assert summary["comm"]["uplink_bytes"] == 100 * (512 + 10 + 1) * 4
