@@ -6,8 +6,8 @@ communication ledger counts exactly what an algorithm exchanges, never an estima
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 
@@ -35,7 +35,11 @@ class Payload:
 
 @dataclass
 class ModelWeights(Payload):
-    """A model's state dict (parameters and buffers) for one role."""
+    """A model's weights for one role: the part of its state dict that a deployment sends.
+
+    Strategies put in ``state`` only the :func:`exchanged_keys` of the model (its trainable parameters
+    and the buffers of its trainable parts), so a frozen backbone is neither sent nor counted.
+    """
 
     role: Role
     state: StateDict
@@ -43,6 +47,51 @@ class ModelWeights(Payload):
     @property
     def nbytes(self) -> int:
         return tensor_bytes(self.state)
+
+    @classmethod
+    def part(cls, role: Role, state: StateDict, keys: list[str], copy: bool = False) -> ModelWeights:
+        """The ``keys`` of ``state`` (a model's :func:`exchanged_keys`); ``copy`` for a live module's tensors."""
+        return cls(role, {k: state[k].detach().clone() if copy else state[k] for k in keys})
+
+
+def exchanged_keys(model: torch.nn.Module) -> list[str]:
+    """State-dict keys of ``model`` that a real deployment exchanges, in state-dict order.
+
+    These are the trainable parameters and the buffers (batch-norm statistics) of the trainable parts.
+    A frozen part (every parameter of it has ``requires_grad=False``, e.g. paper 001's ViT backbone)
+    never changes, so each side keeps its own copy: neither its parameters nor its buffers are sent.
+    A buffer belongs to the nearest module around it that has parameters (a non-affine batch norm
+    to its block); it is sent when any parameter of that module trains. A frozen part must keep its
+    buffers fixed (eval mode, as ``ViTFeatures``); statistics it updated would stay on each client.
+    """
+    # tied weights keep every name, as the state dict does: the receiver loads each key it is given
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    owners = {}  # module path -> whether the module has parameters, and whether any of them trains
+    for path, module in model.named_modules(remove_duplicate=False):
+        names = [f"{path}.{n}" if path else n for n, _ in module.named_parameters(remove_duplicate=False)]
+        owners[path] = (bool(names), any(n in trainable for n in names))
+    buffers = {
+        f"{path}.{n}" if path else n
+        for path, m in model.named_modules(remove_duplicate=False)
+        for n, _ in m.named_buffers(recurse=False)
+    }
+
+    def buffer_trains(key: str) -> bool:
+        path = key.rpartition(".")[0]
+        while True:
+            has_params, trains = owners.get(path, (False, False))
+            if has_params or not path:
+                return trains
+            path = path.rpartition(".")[0]
+
+    return [k for k in model.state_dict() if k in trainable or (k in buffers and buffer_trains(k))]
+
+
+def load_exchanged(model: torch.nn.Module, state: StateDict) -> None:
+    """Loads received weights (the :func:`exchanged_keys` part) into ``model``; the rest stays as it is."""
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise KeyError(f"received weights have keys the model does not: {result.unexpected_keys[:5]}")
 
 
 @dataclass

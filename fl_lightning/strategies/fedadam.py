@@ -64,9 +64,9 @@ class FedAdam(FedAvg):
         return {k: current[k] - average[k] for k in self.param_keys[role]}
 
     def apply(self, role: str, gradient: StateDict, average: StateDict, rnd: int) -> None:
-        """Adam step on the parameters; buffers are set to the clients' average."""
+        """Adam step on the parameters; buffers are set to the clients' average; a frozen part (never sent) stays."""
         stepped = self.server_optimizers[role].step(self.global_weights[role], gradient, self.lr(role, rnd))
-        self.global_weights[role] = {k: stepped.get(k, average[k]) for k in average}
+        self.global_weights[role] = {**self.global_weights[role], **{k: stepped.get(k, average[k]) for k in average}}
 
     def aggregate(self, rnd, updates, phase="train"):
         for role, average in self.client_averages(updates).items():

@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
 from ..seeding import Owner, derive_seed
-from ..types import ClientTask, ClientUpdate, ModelWeights
+from ..types import ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -22,6 +22,9 @@ class FedAvg(Strategy):
     examples (``weighted: true``, McMahan et al. Algorithm 1) or uniformly (``weighted: false``, as in
     paper 001's code). With one role per architecture this is per-architecture averaging, and with a
     tier filter on the sampler it gives paper 001's weak-only and strong-only baselines.
+
+    Weights travel as a deployment would send them: trainable parameters and the buffers of trainable
+    parts only (:func:`~fl_lightning.types.exchanged_keys`); a frozen backbone stays where it is.
 
     Args:
         roles: the roles to train; all roles of the population when not given.
@@ -47,6 +50,7 @@ class FedAvg(Strategy):
             raise ConfigError(f"FedAvg roles {unknown} are not trained by any tier; tiers train {server.roles}.")
         self.roles = list(roles)
         self.global_weights = {role: server.initial_weights(role) for role in self.roles}
+        self.sent_keys = {role: exchanged_keys(server.model(role)) for role in self.roles}
         for role, k in (self.clients_per_round or {}).items():
             holders = sum(role in c.roles for c in server.clients)
             if role not in self.roles or not 1 <= k <= holders:
@@ -60,9 +64,13 @@ class FedAvg(Strategy):
             for client in self.cohort(rnd, role, index, clients):
                 assigned.setdefault(client.id, []).append(role)
         return [
-            ClientTask(self.server.clients[cid], rnd, {r: ModelWeights(r, self.global_weights[r]) for r in roles})
+            ClientTask(self.server.clients[cid], rnd, {r: self.outgoing(r, self.global_weights[r]) for r in roles})
             for cid, roles in sorted(assigned.items())
         ]
+
+    def outgoing(self, role: str, state: StateDict, copy: bool = False) -> ModelWeights:
+        """The part of ``state`` that is sent (not its frozen part); ``copy`` for a module's live tensors."""
+        return ModelWeights.part(role, state, self.sent_keys[role], copy)
 
     def cohort(self, rnd: int, role: str, index: int, sampled: list) -> list:
         """The clients that train ``role`` this round: the sampled ones holding it, or, with
@@ -76,9 +84,10 @@ class FedAvg(Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         uplink, metrics = {}, {}
         for role, payload in task.downlink.items():
-            ctx.load(role, payload.state)
+            model = ctx.load(role).model
+            load_exchanged(model, payload.state)
             metrics[f"{role}/loss"] = ctx.fit(role)["loss"]
-            uplink[role] = ModelWeights(role, ctx.weights(role))
+            uplink[role] = self.outgoing(role, model.state_dict(), copy=True)
         return ClientUpdate(task.client, ctx.num_examples("train"), uplink, metrics)
 
     def aggregate(self, rnd, updates, phase="train"):
@@ -88,7 +97,7 @@ class FedAvg(Strategy):
                 averages[role].add(payload.state, update.num_samples if self.weighted else 1.0)
         for role, average in averages.items():
             if average.count:
-                self.global_weights[role] = average.result()
+                self.global_weights[role] = {**self.global_weights[role], **average.result()}
         return {}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:

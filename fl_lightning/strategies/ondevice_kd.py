@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
 from ..knowledge.distillation import kd_kl_loss, ramp_up
-from ..types import ClientTask, ClientUpdate, ModelWeights
+from ..types import ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -26,7 +26,7 @@ class OnDeviceKD(Strategy):
     (Appendix 6.3, Tables 8-12; the code's schedule). Following the official code (FIDELITY), CE and KD
     are separate steps (``kd_mode: sequential``), the teacher runs in training mode (batch statistics),
     every strong client joins every round and averaging is uniform; ``kd_mode: joint`` sums CE and KD in
-    each step as the paper's eq. 2 is written.
+    each step as the paper's eq. 2 is written. Models travel without their frozen parts, as in FedAvg.
 
     Args:
         aux_role: role of the auxiliary (small) model, trained by every tier.
@@ -71,28 +71,39 @@ class OnDeviceKD(Strategy):
         if not self.strong:
             raise ConfigError(f"no tier trains {self.target_role!r}; give the strong tier roles [aux, target].")
         self.global_weights = {r: server.initial_weights(r) for r in (self.aux_role, self.target_role)}
+        self.sent_keys = {r: exchanged_keys(server.model(r)) for r in (self.aux_role, self.target_role)}
+
+    def outgoing(self, role: str, state: StateDict, copy: bool = False) -> ModelWeights:
+        """The part of ``state`` that is sent (not its frozen part); ``copy`` for a module's live tensors."""
+        return ModelWeights.part(role, state, self.sent_keys[role], copy)
+
+    def receive(self, ctx: ClientContext, task: ClientTask, role: str):
+        """Loads the received ``role`` weights over the client's instance (its frozen part stays); the module."""
+        module = ctx.load(role)
+        load_exchanged(module.model, task.downlink[role].state)
+        return module
 
     def configure_round(self, rnd, clients, phase="auxiliary"):
-        aux = ModelWeights(self.aux_role, self.global_weights[self.aux_role])
+        aux = self.outgoing(self.aux_role, self.global_weights[self.aux_role])
         if phase == "auxiliary":
             return [ClientTask(c, rnd, {self.aux_role: aux}) for c in clients if self.aux_role in c.roles]
         strong = self.strong if self.all_strong_every_round else [c for c in clients if self.target_role in c.roles]
-        target = ModelWeights(self.target_role, self.global_weights[self.target_role])
+        target = self.outgoing(self.target_role, self.global_weights[self.target_role])
         return [ClientTask(c, rnd, {self.aux_role: aux, self.target_role: target}) for c in strong]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         if task.phase == "auxiliary":
-            ctx.load(self.aux_role, task.downlink[self.aux_role].state)
+            aux = self.receive(ctx, task, self.aux_role)
             loss = ctx.fit(self.aux_role)["loss"]
             return ClientUpdate(
                 task.client,
                 ctx.num_examples(),
-                {self.aux_role: ModelWeights(self.aux_role, ctx.weights(self.aux_role))},
+                {self.aux_role: self.outgoing(self.aux_role, aux.model.state_dict(), copy=True)},
                 {f"{self.aux_role}/loss": loss},
             )
-        teacher = ctx.load(self.aux_role, task.downlink[self.aux_role].state)
+        teacher = self.receive(ctx, task, self.aux_role)
         teacher.train(self.teacher_mode == "train")
-        ctx.load(self.target_role, task.downlink[self.target_role].state)
+        target = self.receive(ctx, task, self.target_role)
         weight = ramp_up(task.round - 1, self.kd_weight, self.ramp_rounds)
 
         def kd_step(module, batch, i):
@@ -113,7 +124,7 @@ class OnDeviceKD(Strategy):
                 return F.cross_entropy(module(x), y) + kd_step(module, next(unlabeled), i)
 
             metrics[f"{self.target_role}/loss"] = ctx.fit(self.target_role, step_fn=joint_step)["loss"]
-        uplink = {self.target_role: ModelWeights(self.target_role, ctx.weights(self.target_role))}
+        uplink = {self.target_role: self.outgoing(self.target_role, target.model.state_dict(), copy=True)}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
     def aggregate(self, rnd, updates, phase="auxiliary"):
@@ -122,7 +133,7 @@ class OnDeviceKD(Strategy):
         for update in updates:
             average.add(update.uplink[role].state, update.num_samples if self.weighted else 1.0)
         if average.count:
-            self.global_weights[role] = average.result()
+            self.global_weights[role] = {**self.global_weights[role], **average.result()}
         return {"server/kd_weight": ramp_up(rnd - 1, self.kd_weight, self.ramp_rounds)} if phase == "target" else {}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
