@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ from .data import FederatedData
 from .errors import ConfigError
 from .seeding import Owner, Stream, derive_seed
 from .types import PAD, ClientSpec, StateDict
+
+log = logging.getLogger(__name__)
+COLLAPSED = 0.95  # a global model predicting one class for this share of the test set has collapsed
 
 
 @dataclass
@@ -76,8 +80,27 @@ class Evaluator:
         self.round, self.final = rnd, final
 
     def global_model(self, role: str, weights: StateDict | None) -> dict[str, float]:
-        """Accuracy and mean cross-entropy of ``weights`` on the global test set (and ``acc_<name>`` on
-        each of the data set's extra test sets)."""
+        """Accuracy, mean cross-entropy and ``top_class_share`` of ``weights`` on the global test set (and
+        ``acc_<name>`` on each of the data set's extra test sets).
+
+        ``top_class_share`` is the share of test examples given the most predicted class; a model that
+        gives one class to at least 95% of them (where the labels are not that skewed) has collapsed, a
+        warning says so (docs/algorithms.md, "What the digits recipes reach").
+        """
+        result = self._on_test_sets(role, weights)
+        labels = self.data.test_y[self.data.test_y != PAD]
+        if result["top_class_share"] >= COLLAPSED > _top_share(torch.bincount(labels.flatten())):
+            log.warning(
+                "%s gives one class to %.0f%% of the %d test examples at round %d: the model has collapsed "
+                "(diverged or dead units); if it lasts, lower the learning rate or standardise the inputs.",
+                role,
+                100 * result["top_class_share"],
+                len(labels),
+                self.round,
+            )
+        return result
+
+    def _on_test_sets(self, role: str, weights: StateDict | None) -> dict[str, float]:
         result = self._run(role, weights, self.data.test_x, self.data.test_y)
         for name, (x, y) in self.data.extra_tests.items():
             result[f"acc_{name}"] = self._run(role, None, x, y)["acc"]
@@ -116,8 +139,8 @@ class Evaluator:
         losses = []
         for client in covered:
             role, weights = weights_of(client, self.client_states.get(client.id, {}))
-            result = (
-                self.global_model(role, weights)
+            result = (  # personal models may rightly favour their client's classes: no collapse warning
+                self._on_test_sets(role, weights)
                 if split == "global"
                 else self.personal(role, weights, client.id, split)
             )
@@ -160,13 +183,21 @@ class Evaluator:
         if weights is not None:
             module.model.load_state_dict(weights)
         module.eval()
-        loss_sum = torch.zeros((), device=x.device)
+        loss_sum = torch.zeros((), device=x.device)  # float32 whatever the precision (test_step sums in float32)
         correct = torch.zeros((), dtype=torch.long, device=x.device)
+        predicted = torch.zeros((), dtype=torch.long, device=x.device)
         size = self.loop.training.eval_batch_size
         with self.loop.fabric.autocast():
             for start in range(0, len(y), size):
-                loss, right = module.test_step((x[start : start + size], y[start : start + size]))
+                loss, right, counts = module.test_step((x[start : start + size], y[start : start + size]))
                 loss_sum += loss.float()
                 correct += right
+                predicted = predicted + counts
         n = max(int((y != PAD).sum()), 1)  # tokens for sequence targets, examples otherwise
-        return {"acc": correct.item() / n, "loss": loss_sum.item() / n}
+        return {"acc": correct.item() / n, "loss": loss_sum.item() / n, "top_class_share": _top_share(predicted)}
+
+
+def _top_share(counts: Tensor) -> float:
+    """Share of the most frequent entry of per-class ``counts`` (0 for no counts)."""
+    total = int(counts.sum()) if counts.numel() else 0
+    return int(counts.max()) / total if total else 0.0

@@ -12,7 +12,10 @@ def test_digits_is_the_real_bundled_set_with_a_fixed_test_split():
     assert data.x.shape[1:] == (1, 8, 8) and data.x.dtype == torch.float32
     assert len(data.x) + len(data.test_x) == 1797
     assert len(data.test_y) == pytest.approx(0.2 * 1797, abs=10)
-    assert 0.0 <= float(data.x.min()) and float(data.x.max()) <= 1.0
+    raw = DigitsData(test_fraction=0.2, normalize="none")
+    raw.setup(num_clients=5, seed=0)
+    assert float(raw.x.min()) == 0.0 and float(raw.x.max()) == 1.0  # pixel counts 0-16 over 16
+    assert abs(float(data.x.mean())) < 1e-6  # standardised per pixel by default
     other = DigitsData(test_fraction=0.2)
     other.setup(num_clients=5, seed=1)  # another run seed keeps the global test set
     assert torch.equal(data.test_y, other.test_y) and torch.equal(data.test_x, other.test_x)

@@ -19,6 +19,11 @@ def _flat(logits: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return logits, y
 
 
+def _fp32(logits: Tensor) -> Tensor:
+    """Logits for a loss: softmax and its sums run in float32 whatever the precision (a no-op in 32-true)."""
+    return logits.float()
+
+
 class ClientModule(L.LightningModule):
     """Wraps a :class:`FeatureClassifier` with the supervised steps every method starts from.
 
@@ -44,19 +49,22 @@ class ClientModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> Tensor:
         x, y = batch
         logits, y = _flat(self.model(x), y)  # the wrapped model directly: one module dispatch less per step
-        return F.cross_entropy(logits, y, ignore_index=PAD)
+        return F.cross_entropy(_fp32(logits), y, ignore_index=PAD)
 
     @torch.no_grad()
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> tuple[Tensor, Tensor]:
-        """Summed loss and number correct of a batch (sums, so batches of any size combine exactly).
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """Summed loss, number correct and per-class prediction counts ``[C]`` of a batch (sums, so
+        batches of any size combine exactly).
 
-        For sequence outputs (language models) the counts are over non-padding tokens.
+        For sequence outputs (language models) the counts are over non-padding tokens. The summed loss
+        is float32 under any precision: a bfloat16 sum of a batch's losses keeps 3 significant digits.
         """
         x, y = batch
         logits, y = _flat(self.model(x), y)  # the wrapped model directly: one module dispatch less per step
         keep = y != PAD
-        loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=PAD)
-        return loss, ((logits.argmax(1) == y) & keep).sum()
+        loss = F.cross_entropy(_fp32(logits), y, reduction="sum", ignore_index=PAD)
+        predicted = logits.argmax(1)
+        return loss, ((predicted == y) & keep).sum(), torch.bincount(predicted[keep], minlength=logits.shape[1])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self._optimizer_factory(self.parameters())
