@@ -104,22 +104,25 @@ class LocalLoop:
         """The hot loop shared by client training and the server's own training (distillation).
 
         Fabric supplies autocast, backward and the precision plugin's optimizer step, so a server-side
-        student trains under the same device and precision as the clients.
+        student trains under the same device and precision as the clients. Autocast covers each step's
+        forward only: inside one autocast block torch caches the low-precision copy of every weight, so
+        a block spanning several optimizer steps would keep computing with the first step's weights
+        (under bf16-mixed the head then grows unchecked and test losses reach 1e8; docs/algorithms.md).
         """
         step_fn = step_fn or _training_step
         optimizer_step = self.fabric.strategy.optimizer_step
         module.train()
         total, steps = torch.zeros((), device=self.fabric.device), 0
-        with self.fabric.autocast():
-            for i, batch in enumerate(batches):
-                optimizer.zero_grad(set_to_none=True)
+        for i, batch in enumerate(batches):
+            optimizer.zero_grad(set_to_none=True)
+            with self.fabric.autocast():
                 loss = step_fn(module, batch, i)
-                self.fabric.backward(loss)
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-                optimizer_step(optimizer)
-                total += loss.detach()
-                steps += 1
+            self.fabric.backward(loss)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+            optimizer_step(optimizer)
+            total += loss.detach().float()
+            steps += 1
         return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
 
 

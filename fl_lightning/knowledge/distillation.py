@@ -17,13 +17,14 @@ def kd_kl_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: floa
         teacher_logits: ``[B, C]`` (no gradient flows into them).
         temperature: T.
     """
-    targets = F.softmax(teacher_logits.detach() / temperature, dim=1)
+    targets = F.softmax(teacher_logits.detach().float() / temperature, dim=1)  # float32 under any precision
     return kl_to_targets(student_logits, targets, temperature)
 
 
 def kl_to_targets(student_logits: Tensor, target_probs: Tensor, temperature: float = 1.0) -> Tensor:
-    """``T^2 * KL(targets || softmax(s/T))`` summed over classes, mean over the batch."""
-    log_student = F.log_softmax(student_logits / temperature, dim=1)
+    """``T^2 * KL(targets || softmax(s/T))`` summed over classes, mean over the batch (in float32: CPU
+    autocast would otherwise run the log-softmax in bfloat16)."""
+    log_student = F.log_softmax(student_logits.float() / temperature, dim=1)
     return F.kl_div(log_student, target_probs, reduction="batchmean") * temperature**2
 
 

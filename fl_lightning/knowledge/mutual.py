@@ -111,17 +111,17 @@ def fit_jointly(
     clip, optimizer_step = loop.training.grad_clip_norm, loop.fabric.strategy.optimizer_step
     totals = {role: torch.zeros((), device=loop.fabric.device) for role in roles}
     steps = 0
-    with loop.fabric.autocast():
-        for i, batch in enumerate(ctx.batches(split)):
-            for _, optimizer in trained:
-                optimizer.zero_grad(set_to_none=True)
+    for i, batch in enumerate(ctx.batches(split)):
+        for _, optimizer in trained:
+            optimizer.zero_grad(set_to_none=True)
+        with loop.fabric.autocast():  # the forward only: see LocalLoop.run_steps (stale low-precision weights)
             losses = step_fn(modules, batch, i)
-            loop.fabric.backward(sum(losses[role] for role in roles))
-            for module, optimizer in trained:
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-                optimizer_step(optimizer)
-            for role in roles:
-                totals[role] += losses[role].detach()
-            steps += 1
+        loop.fabric.backward(sum(losses[role] for role in roles))
+        for module, optimizer in trained:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+            optimizer_step(optimizer)
+        for role in roles:
+            totals[role] += losses[role].detach().float()
+        steps += 1
     return {role: (total / max(steps, 1)).item() for role, total in totals.items()}
