@@ -20,6 +20,7 @@ commands:
   fit      run a federated experiment from a recipe: flrun fit --config recipes/quickstart.yaml
   models   list the registered model builders with their parameter counts (--json)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
+           flrun data fetch DATASET [--data_dir data]: download and verify a data set (on a machine online)
   sweep    flrun sweep --config sweeps/NAME.yaml: an Optuna study over a recipe
   report   flrun report RUN_DIRS... --output report.html: measured vs the papers' numbers
            flrun report RUN_DIRS --table paper-001/table-5: one paper table, paper vs measured per cell
