@@ -65,8 +65,9 @@ class DigitsData(FederatedData):
         super().setup(num_clients, seed)
         if self.normalize == "none":
             return
-        # sorted: the same examples give the same statistics whichever client holds them
-        seen = torch.cat([torch.cat([c.train, c.unlabeled]) for c in self.clients]).sort().values
+        # sorted and distinct: the same examples give the same statistics whichever client holds them, and
+        # clients that share examples (SampledPartitioner, 100,000 clients) count each example once
+        seen = torch.unique(torch.cat([torch.cat([c.train, c.unlabeled]) for c in self.clients]))
         mean, std = normalization_stats(self.x[seen], self.normalize)
         self.x = (self.x - mean) / std
         self.test_x = (self.test_x - mean) / std
