@@ -5,6 +5,8 @@ and its entropy reduction aggregation). The paper is not in ../shared/papers: th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -13,7 +15,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
-from ..types import ClientTask, ClientUpdate, TensorPayload
+from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import ServerContext, Strategy
 
 
@@ -104,7 +106,7 @@ class DSFL(Strategy):
         self.uploaders, self.global_probs = [], None  # within a round only: never checkpointed
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         if phase == "train":
             positions = round_subset(self.server.seed, rnd, self.num_public, self.open_size)
             down = (
@@ -149,7 +151,7 @@ class DSFL(Strategy):
         return kl_to_targets(module(x), targets)
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         if phase == "distill":
             for _ in updates:  # the clients distilled locally; nothing comes back
                 pass

@@ -3,6 +3,8 @@ Augmentation under Non-IID Private Data", NeurIPS-W 2018 (Sec. 2, Algorithm 1)."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -64,7 +66,7 @@ class FD(Strategy):
         mean = (sums / counts.clamp(min=1.0)[:, None]).float() * present[:, None]
         return ClassStatistics.padded("teacher_logits", {"logits": mean}, present)
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         return [ClientTask(c, rnd, {"teacher_logits": self.teacher(c)}) for c in clients]
 
     # ------------------------------------------------------------------ client
@@ -93,7 +95,7 @@ class FD(Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         self.round_sums.zero_()
         self.round_counts.zero_()
         self.last_uploads = {}

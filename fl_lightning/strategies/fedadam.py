@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..knowledge import WeightedAverage
 from ..knowledge.server_optim import ServerAdam
 from ..schedules import linear_decay
-from ..types import StateDict
+from ..types import ClientUpdate, StateDict
 from .base import ServerContext
 from .fedavg import FedAvg
 
@@ -68,7 +70,7 @@ class FedAdam(FedAvg):
         stepped = self.server_optimizers[role].step(self.global_weights[role], gradient, self.lr(role, rnd))
         self.global_weights[role] = {**self.global_weights[role], **{k: stepped.get(k, average[k]) for k in average}}
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         for role, average in self.client_averages(updates).items():
             self.apply(role, self.pseudo_gradient(role, average), average, rnd)
         return {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from ..client.context import ClientContext
@@ -9,7 +11,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
 from ..seeding import Owner, derive_seed
-from ..types import ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -58,7 +60,7 @@ class FedAvg(Strategy):
                     f"clients_per_round[{role!r}] = {k} is impossible: {holders} clients train that role."
                 )
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         assigned: dict[int, list[str]] = {}
         for index, role in enumerate(self.roles):
             for client in self.cohort(rnd, role, index, clients):
@@ -90,7 +92,7 @@ class FedAvg(Strategy):
             uplink[role] = self.outgoing(role, model.state_dict(), copy=True)
         return ClientUpdate(task.client, ctx.num_examples("train"), uplink, metrics)
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         averages = {role: WeightedAverage() for role in self.roles}
         for update in updates:
             for role, payload in update.uplink.items():

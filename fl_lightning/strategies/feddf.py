@@ -5,6 +5,7 @@ NeurIPS 2020 (Algorithm 1; the appendix's algorithm for several model prototypes
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..knowledge.codistill import random_batches
 from ..knowledge.distillation import kl_to_targets
+from ..types import ClientUpdate
 from .base import ServerContext
 from .fedavg import FedAvg
 
@@ -71,7 +73,7 @@ class FedDF(FedAvg):
         self.server_x = server.server_inputs("FedDF")
         self.teacher: Tensor | None = None  # the last round's ensemble targets [N_server, C], for inspection
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         # drawn before the clients run, so the batches depend on the round's server seed only
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         logit_sum, members, trained = None, 0, set()

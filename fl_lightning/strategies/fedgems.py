@@ -5,6 +5,8 @@ arXiv:2110.11027, 2021. The paper is not in ../shared/papers: the steps follow A
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -13,7 +15,7 @@ from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
-from ..types import ClientTask, ClientUpdate, TensorPayload
+from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import ServerContext, Strategy
 
 SERVER_OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -146,7 +148,7 @@ class FedGEMS(Strategy):
         self.uploaders, self.positions, self.server_logits = [], None, None  # within a round only
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         if phase == "train":
             self.positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
             down = (
@@ -195,7 +197,7 @@ class FedGEMS(Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         if phase != "train":
             for _ in updates:  # the distillation stays on the clients
                 pass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -10,7 +12,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.header import train_header
-from ..types import ClientTask, ClientUpdate, ModelWeights
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights
 from .base import ServerContext, Strategy
 
 
@@ -59,7 +61,7 @@ class FedGH(Strategy):
         self.num_classes = server.data.num_classes
         self.feature_dim = shapes[server.roles[0]][0]
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         header = ModelWeights("header", self.header)
         return [ClientTask(c, rnd, {"header": header}) for c in clients]
 
@@ -84,7 +86,7 @@ class FedGH(Strategy):
             collector.add(ctx.data_y[chosen], representations=module.features(ctx.data_x[chosen]))
         return collector.result("lars").compact()
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         header = nn.Linear(self.header["weight"].shape[1], self.header["weight"].shape[0]).to(
             self.header["weight"].device
         )

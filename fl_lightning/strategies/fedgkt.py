@@ -4,6 +4,8 @@ section 6 (FedML's ``fedgkt``: T = 3, alpha = 1, server distillation on) and pap
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -13,7 +15,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
-from ..types import ClientTask, ClientUpdate, TensorPayload
+from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import ServerContext, Strategy
 
 SERVER_OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -115,7 +117,7 @@ class FedGKT(Strategy):
         self.server_logits: dict[int, Tensor] = {}  # per client, its training examples in order
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         tasks = []
         for c in clients:
             logits = self.server_logits.get(c.id)
@@ -153,7 +155,7 @@ class FedGKT(Strategy):
         return ClientUpdate(task.client, len(idx), {"features": upload}, {f"{role}/loss": loss})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         received: dict[int, dict[str, Tensor]] = {}
         for update in updates:
             received[update.client.id] = {k: v.detach() for k, v in update.uplink["features"].tensors.items()}

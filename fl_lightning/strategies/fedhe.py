@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch.nn.functional as F
 
 from ..client.context import ClientContext
@@ -10,7 +12,7 @@ from ..evaluation import Evaluator
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_matching_loss
-from ..types import ClientTask, ClientUpdate
+from ..types import ClientSpec, ClientTask, ClientUpdate
 from .base import ServerContext, Strategy
 
 
@@ -70,7 +72,7 @@ class FedHe(Strategy):
         self.bank = ClassBank(self.num_classes, self.num_classes)
         self.last_reset_round = 0  # the last round whose end collapsed the bank
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         # padded to C rows, so an upload is always C x (C + 1) numbers (paper Tables III-IV count the same)
         payload = ClassStatistics.padded("class_logits", {"logits": self.bank.mean()}, self.bank.available)
         return [ClientTask(c, rnd, {"class_logits": payload}) for c in clients]
@@ -102,7 +104,7 @@ class FedHe(Strategy):
         upload = collector.result("class_logits", plus_one=self.plus_one)
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         if self.reset_every:
             # the end of the last full period: collapse once for it, at the first aggregation after it
             period_end = (rnd - 1) // self.reset_every * self.reset_every

@@ -4,6 +4,8 @@ a baseline of paper 004)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -148,7 +150,7 @@ class FedKD(Strategy):
         return energy_threshold(rnd, self.server.rounds, self.energy_start, self.energy_end)
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         full = {self.mentee_role: ModelWeights(self.mentee_role, self.mentee_weights)}
         if not self.last_update:
             return [ClientTask(c, rnd, full) for c in clients]
@@ -206,7 +208,7 @@ class FedKD(Strategy):
         return mapping
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average, trained = WeightedAverage(), []
         for update in updates:
             average.add(update.uplink["mentee_update"].reconstruct(), update.num_samples if self.weighted else 1.0)

@@ -4,6 +4,8 @@ diogenes0319/FedMD_clean (``FedMD.py``, ``Neural_Networks.py``, ``conf/``), read
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch.nn.functional as F
 
 from ..client.context import ClientContext
@@ -11,7 +13,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
-from ..types import ClientTask, ClientUpdate, TensorPayload
+from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import ServerContext, Strategy
 
 DIGEST_LOSSES = ("l1", "mse", "kl")
@@ -97,7 +99,7 @@ class FedMD(Strategy):
         self.uploaders, self.consensus = [], None  # within a round only: never checkpointed
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd, clients, phase="communicate"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "communicate") -> list[ClientTask]:
         if phase == "transfer":  # before the first collaboration round, every client
             return [ClientTask(c, rnd, {}, phase) for c in self.server.clients] if rnd == 1 else []
         if phase == "communicate":
@@ -151,7 +153,7 @@ class FedMD(Strategy):
         return kl_to_targets(z, F.softmax(consensus / self.temperature, dim=1), self.temperature)
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="communicate"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "communicate") -> dict[str, float]:
         if phase != "communicate":
             for _ in updates:  # transfer learning and digest / revisit stay on the clients
                 pass

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -12,7 +14,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
-from ..types import ClientTask, ClientUpdate, StateDict
+from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from .base import ServerContext, Strategy
 
 ABSENT_CLASS_LOGIT = -1e9  # a class without a global prototype is never the nearest one
@@ -124,7 +126,7 @@ class FedProto(Strategy):
         padded = ClassStatistics.padded("global_prototypes", {"prototypes": self.bank.mean()}, self.bank.available)
         return padded.compact()
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         prototypes = self.global_prototypes()
         return [ClientTask(c, rnd, {"global_prototypes": prototypes}) for c in clients]
 
@@ -155,7 +157,7 @@ class FedProto(Strategy):
         )
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         self.bank = ClassBank(self.num_classes, self.feature_dim)
         for update in updates:
             upload = update.uplink["local_prototypes"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -12,7 +14,7 @@ from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_matching_loss
-from ..types import ClientTask, ClientUpdate, ModelWeights
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights
 from .base import ServerContext, Strategy
 
 
@@ -96,7 +98,7 @@ class Felo(Strategy):
             "class_features": ClassStatistics.padded("class_features", {"features": features}, have_features),
         }
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         knowledge = self.knowledge_downlink()
         tasks = []
         for c in clients:
@@ -144,7 +146,7 @@ class Felo(Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         if self.forget:
             for bank in (self.logit_bank, self.feature_bank):
                 bank.sums *= 1 - self.forget

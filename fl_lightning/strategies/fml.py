@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch.nn.functional as F
 
 from ..client.context import ClientContext
@@ -83,7 +85,7 @@ class FML(Strategy):
         stored = state.get("weights")
         return stored if stored is not None else self.server.initial_weights(self.private_role(client), client.id)
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         meme = ModelWeights(self.meme_role, self.meme_weights)
         return [ClientTask(c, rnd, {self.meme_role: meme}) for c in clients]
 
@@ -110,7 +112,7 @@ class FML(Strategy):
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
             average.add(update.uplink[self.meme_role].state, update.num_samples if self.weighted else 1.0)

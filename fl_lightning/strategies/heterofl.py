@@ -3,6 +3,8 @@ Heterogeneous Clients", ICLR 2021 (Sec. 3.1-3.2, eq. 1-3, Algorithm 1)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..models.slicing import SLICEABLE_BUILDERS, batch_norm_statistics, not_a_slice, slice_state
 from ..seeding import Owner, Stream, derive_seed
-from ..types import ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload
 from .base import ServerContext, Strategy
 
 
@@ -158,7 +160,7 @@ class HeteroFL(Strategy):
         return [self.draw_roles[i] for i in picks]
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         roles = self.round_roles(rnd)
         tasks = []
         for client in clients:
@@ -192,7 +194,7 @@ class HeteroFL(Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average = SliceAverage(self.global_weights, self.row_keys)
         for update in updates:
             classes = update.uplink["label_split"].tensors["classes"] if self.label_split else None

@@ -3,13 +3,15 @@ Representations", 2020 (Sec. 3, Algorithm 1; a baseline of paper 004)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from torch import nn
 
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
-from ..types import ClientTask, ClientUpdate, ModelWeights, StateDict
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict
 from .base import ServerContext, Strategy
 
 
@@ -106,7 +108,7 @@ class LGFedAvg(Strategy):
         """``local`` with the global part put in its place (matched by position for other architectures)."""
         return {**local, **{own: global_weights[name] for name, own in zip(self.names, self.keys[role])}}
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         shared = ModelWeights("global_layers", self.global_weights)
         return [ClientTask(c, rnd, {"global_layers": shared}) for c in clients]
 
@@ -120,7 +122,7 @@ class LGFedAvg(Strategy):
         uplink = ModelWeights("global_layers", {name: trained[own] for name, own in zip(self.names, self.keys[role])})
         return ClientUpdate(task.client, ctx.num_examples(), {"global_layers": uplink}, {f"{role}/loss": stats["loss"]})
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
             average.add(update.uplink["global_layers"].state, update.num_samples if self.weighted else 1.0)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ..errors import ConfigError
 from ..knowledge.codistill import Codistillation
 from ..knowledge.server_optim import global_norm, merge_gradients
+from ..types import ClientUpdate
 from .base import ServerContext
 from .fedadam import FedAdam
 
@@ -42,7 +45,7 @@ class MergedCodist(FedAdam):
         super().setup(server)
         self.server_x = server.server_inputs(type(self).__name__)
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         averages = self.client_averages(updates)
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         students = self.distillation.run(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch.nn.functional as F
 
 from ..client.context import ClientContext
@@ -9,7 +11,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
 from ..knowledge.distillation import kd_kl_loss, ramp_up
-from ..types import ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -83,7 +85,7 @@ class OnDeviceKD(Strategy):
         load_exchanged(module.model, task.downlink[role].state)
         return module
 
-    def configure_round(self, rnd, clients, phase="auxiliary"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "auxiliary") -> list[ClientTask]:
         aux = self.outgoing(self.aux_role, self.global_weights[self.aux_role])
         if phase == "auxiliary":
             return [ClientTask(c, rnd, {self.aux_role: aux}) for c in clients if self.aux_role in c.roles]
@@ -127,7 +129,7 @@ class OnDeviceKD(Strategy):
         uplink = {self.target_role: self.outgoing(self.target_role, target.model.state_dict(), copy=True)}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
-    def aggregate(self, rnd, updates, phase="auxiliary"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "auxiliary") -> dict[str, float]:
         role = self.aux_role if phase == "auxiliary" else self.target_role
         average = WeightedAverage()
         for update in updates:

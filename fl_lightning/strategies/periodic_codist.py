@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ..errors import ConfigError
 from ..knowledge.codistill import Codistillation
+from ..types import ClientUpdate
 from .base import ServerContext
 from .fedadam import FedAdam
 
@@ -45,7 +48,7 @@ class PeriodicCodist(FedAdam):
         super().setup(server)
         self.server_x = server.server_inputs(type(self).__name__)
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         super().aggregate(rnd, updates, phase)
         if rnd % self.period:
             return {}
@@ -58,4 +61,3 @@ class PeriodicCodist(FedAdam):
             for optimizer in self.server_optimizers.values():
                 optimizer.reset()
         return {"server/codistilled": 1.0}
-

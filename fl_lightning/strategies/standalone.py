@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..client.context import ClientContext
 from ..evaluation import Evaluator
-from ..types import ClientTask, ClientUpdate
+from ..types import ClientSpec, ClientTask, ClientUpdate
 from .base import ServerContext, Strategy
 
 
@@ -26,7 +28,7 @@ class Standalone(Strategy):
         super().setup(server)
         server.require_one_role_per_client("Standalone")
 
-    def configure_round(self, rnd, clients, phase="train"):
+    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         return [ClientTask(c, rnd) for c in clients]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
@@ -36,7 +38,7 @@ class Standalone(Strategy):
         ctx.state["weights"] = ctx.weights(role)
         return ClientUpdate(task.client, ctx.num_examples(), {}, {f"{role}/loss": loss})
 
-    def aggregate(self, rnd, updates, phase="train"):
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         for _ in updates:  # nothing reaches the server
             pass
         return {}
