@@ -201,6 +201,7 @@ def uninterrupted(tmp_path_factory):
     return read_summary(root / "run"), load_client_states(checkpoint)
 
 
+@pytest.mark.slow  # kills and resumes a 1,000-client run
 @pytest.mark.parametrize(
     "budget, dies_at",
     [

@@ -163,6 +163,7 @@ def test_a_base_only_recipe_is_its_base_run_under_another_cell():
         assert merged.pop("reference") != same.pop("reference") and merged == same
 
 
+@pytest.mark.slow  # a FedMD round with its transfer-learning phase
 def test_the_fedmd_cells_of_paper_003_carry_no_number(tmp_path):
     write_cifar10(tmp_path, per_batch=20, test=10)
     depths = [10, 14, 18, 22, 26]

@@ -4,6 +4,8 @@ import pytest
 
 from conftest import ROOT, read_summary, run_cli
 
+pytestmark = pytest.mark.slow  # every method's digits run to an accuracy: minutes of CPU
+
 # recipe, rounds (shortened from the recipe's), metric, minimum accuracy
 CASES = [
     ("digits_fedhe", 100, "personal/test_acc", 0.5),

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT, run_cli
 
+pytestmark = pytest.mark.slow  # two runs of every digits recipe (test_fit covers resume in the default suite)
+
 DIGITS_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("digits_*.yaml"))
 
 

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT
 
@@ -30,6 +31,7 @@ def test_the_minimal_loop_trains_on_the_examples_fl_lightnings_batches_hold():
     assert result["examples"] > 0 and result["losses"] == [] and 0.1 < result["acc"] <= 1.0
 
 
+@pytest.mark.slow  # runs the population benchmark
 def test_population_benchmark_prints_one_json_line_per_population():
     command = [sys.executable, str(ROOT / "benchmarks/population.py"), "--method", "fedhe", "--clients", "10", "30"]
     out = subprocess.run([*command, "--rounds", "2", "--json"], capture_output=True, text=True, check=True)

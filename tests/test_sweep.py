@@ -170,6 +170,7 @@ def by_state(study):
     return tally(study.get_trials())
 
 
+@pytest.mark.slow  # worker processes, each importing the stack
 def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=4, parameters=LR)
     code, out, err = finish(sweep_command(sweep, "--n_jobs", "2", "--storage", storage))
@@ -218,6 +219,7 @@ def alive(pid):
 LONG = {"overrides": {"rounds": 80, "eval_every": 40}, "parameters": LR}
 
 
+@pytest.mark.slow  # worker processes, each importing the stack
 def test_a_killed_worker_s_trial_runs_again_and_the_study_ends_full(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=3, **LONG)
     process = sweep_command(sweep, "--n_jobs", "2", "--storage", storage)
@@ -236,6 +238,7 @@ def test_a_killed_worker_s_trial_runs_again_and_the_study_ends_full(tmp_path, st
     assert study.trials[victim.number].user_attrs["error"] == "its worker process was killed by SIGKILL"
 
 
+@pytest.mark.slow  # worker processes, each importing the stack
 @pytest.mark.parametrize("storage", ["sqlite"], indirect=True)  # the worker-death test covers both storages
 def test_a_killed_sweep_ends_its_workers_and_a_rerun_finishes_exactly_n_trials(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=3, **LONG)
@@ -256,6 +259,7 @@ def test_a_killed_sweep_ends_its_workers_and_a_rerun_finishes_exactly_n_trials(t
     assert (counts["COMPLETE"], counts["finished"], counts["retried"]) == (3, 3, 2)
 
 
+@pytest.mark.slow  # worker processes, each importing the stack
 @pytest.mark.parametrize("storage", ["postgresql"], indirect=True)
 def test_trials_of_a_process_group_killed_at_once_are_run_again_after_their_heartbeat_stops(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=2, **LONG)
