@@ -212,6 +212,27 @@ def roles_to_build(tier_roles: list[str], strategy: Strategy) -> list[str]:
     return list(tier_roles) + [r for r in strategy.server_roles() if r not in tier_roles]
 
 
+class PersonalModels:
+    """For methods whose clients each keep their own model in ``ctx.state["weights"]`` (FedHe, FD, DS-FL, ...).
+
+    Evaluates every client's own model (its stored weights, or its own initialisation before it has
+    trained) on the global test set or its local test split (``split``), monitored by the mean accuracy.
+    Put it before ``Strategy`` in the bases; a method with more to report overrides ``evaluate``.
+    """
+
+    split: str = "global"
+
+    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        return evaluator.personalized(self.personal_weights, split=self.split)
+
+    def personal_weights(self, client: ClientSpec, state: dict) -> tuple[str, StateDict]:
+        return client.roles[0], self.server.own_weights(client, state.get("weights"))
+
+    @property
+    def monitor(self) -> str:
+        return "personal/test_acc"
+
+
 def _export(value: Any) -> Any:
     """Objects with a ``state_dict`` (banks, server optimizers, a CVAE) are saved as that dict."""
     if callable(getattr(value, "state_dict", None)):
@@ -226,7 +247,9 @@ def _restore(current: Any, saved: Any) -> Any:
     if callable(getattr(current, "load_state_dict", None)):
         current.load_state_dict(saved)
         return current
-    if isinstance(current, dict) and isinstance(saved, dict):
-        if any(callable(getattr(v, "load_state_dict", None)) for v in current.values()):
-            return {k: _restore(current.get(k), v) for k, v in saved.items()}
+    holds_objects = isinstance(current, dict) and any(
+        callable(getattr(v, "load_state_dict", None)) for v in current.values()
+    )
+    if holds_objects and isinstance(saved, dict):
+        return {k: _restore(current.get(k), v) for k, v in saved.items()}
     return saved

@@ -12,11 +12,10 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..errors import ConfigError
-from ..evaluation import Evaluator
 from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
 from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Strategy
 
 
 def entropy_reduction(mean_outputs: Tensor, temperature: float) -> Tensor:
@@ -29,7 +28,7 @@ def entropy_reduction(mean_outputs: Tensor, temperature: float) -> Tensor:
     return F.softmax(mean_outputs / temperature, dim=1)
 
 
-class DSFL(Strategy):
+class DSFL(PersonalModels, Strategy):
     """Distillation-based semi-supervised FL: personal models exchange predictions on a shared open set.
 
     Each round has two phases (Algorithm 1):
@@ -168,14 +167,3 @@ class DSFL(Strategy):
         self.global_probs = entropy_reduction(mean, self.era_temperature) if self.aggregation == "era" else mean
         entropy = -(self.global_probs * self.global_probs.clamp_min(1e-12).log()).sum(1).mean()
         return {"server/soft_label_entropy": float(entropy)}
-
-    # ------------------------------------------------------------------ evaluation
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(self.personal_weights, split=self.split)
-
-    def personal_weights(self, client, state):
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"

@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from ..client.context import ClientContext
-from ..evaluation import Evaluator
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import kl_to_targets
 from ..types import ClientSpec, ClientTask, ClientUpdate
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Strategy
 
 
-class FD(Strategy):
+class FD(PersonalModels, Strategy):
     """Federated distillation: personal models that exchange per-label average logits, no public data.
 
     Client k keeps its own model. While it trains it sums the logits of each label (training-mode
@@ -107,14 +106,3 @@ class FD(Strategy):
             self.round_counts += present.cpu().double()
             self.last_uploads[update.client.id] = {"logits": logits, "present": present.cpu()}
         return {"server/labels_with_logits": float((self.round_counts > 0).sum())}
-
-    # ------------------------------------------------------------------ evaluation
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(self.personal_weights, split=self.split)
-
-    def personal_weights(self, client, state):
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"

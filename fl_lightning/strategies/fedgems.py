@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
 from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Strategy
 
 SERVER_OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
@@ -44,7 +44,7 @@ def selective_fusion(client_logits: Tensor, labels: Tensor) -> tuple[Tensor, Ten
     return (weights[:, :, None] * client_logits.double()).sum(dim=0).float(), any_correct
 
 
-class FedGEMS(Strategy):
+class FedGEMS(PersonalModels, Strategy):
     """A large server model trained by selective knowledge fusion on a labeled public set.
 
     Every client keeps its own (small or large) model. A round (AIJack's ``FedGEMSAPI.run``):
@@ -261,9 +261,6 @@ class FedGEMS(Strategy):
         for name, value in evaluator.global_model(self.server_role, self.server_weights).items():
             metrics[f"{self.server_role}/test_{name}"] = value
         return metrics
-
-    def personal_weights(self, client, state):
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
 
     @property
     def monitor(self) -> str:

@@ -16,7 +16,7 @@ from ..evaluation import Evaluator
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
 from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Strategy
 
 SERVER_OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
@@ -32,7 +32,7 @@ def bidirectional_losses(
     return client, server
 
 
-class FedGKT(Strategy):
+class FedGKT(PersonalModels, Strategy):
     """Group knowledge transfer: small client models and a large server model on their features.
 
     Client k keeps its own small model (extractor ``features`` + classifier ``head``). Each round
@@ -203,9 +203,6 @@ class FedGKT(Strategy):
         metrics["server/test_acc"] = sum(accs) / len(accs)
         metrics["server/test_loss"] = sum(losses) / len(losses)
         return metrics
-
-    def personal_weights(self, client, state):
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
 
     @property
     def monitor(self) -> str:

@@ -8,15 +8,14 @@ import torch.nn.functional as F
 
 from ..client.context import ClientContext
 from ..errors import ConfigError
-from ..evaluation import Evaluator
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_matching_loss
 from ..types import ClientSpec, ClientTask, ClientUpdate
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Strategy
 
 
-class FedHe(Strategy):
+class FedHe(PersonalModels, Strategy):
     """FedHe: personalized heterogeneous models that exchange per-class average logits.
 
     Client (eq. 7-8): while training on its batches, client k sums the logits ``p_j`` of each class y
@@ -114,13 +113,3 @@ class FedHe(Strategy):
         for update in updates:
             self.bank.add_statistics(update.uplink["class_logits"], "logits")
         return {"server/classes_with_logits": float(self.bank.available.sum())}
-
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(self.personal_weights, split="global")
-
-    def personal_weights(self, client, state):
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"

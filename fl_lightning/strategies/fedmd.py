@@ -10,16 +10,15 @@ import torch.nn.functional as F
 
 from ..client.context import ClientContext
 from ..errors import ConfigError
-from ..evaluation import Evaluator
 from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
 from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Strategy
 
 DIGEST_LOSSES = ("l1", "mse", "kl")
 
 
-class FedMD(Strategy):
+class FedMD(PersonalModels, Strategy):
     """Heterogeneous personal models that learn from a labeled public set and a consensus on it.
 
     Transfer learning (Algorithm 1, before the rounds; phase ``transfer`` of round 1, every client): a
@@ -165,14 +164,3 @@ class FedMD(Strategy):
             self.uploaders.append(update.client)
         self.consensus = (total / len(self.uploaders)).float() if self.uploaders else None
         return {}
-
-    # ------------------------------------------------------------------ evaluation
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(self.personal_weights, split=self.split)
-
-    def personal_weights(self, client, state):
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"
