@@ -25,10 +25,11 @@ from .seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from .types import ClientSpec, ClientTask, ClientUpdate, Payload
 
 if TYPE_CHECKING:
+    from .robustness import Faults
     from .strategies.base import Strategy
 
-RunClient = Callable[[int, ClientTask, dict[str, list[float]], int], ClientUpdate]
-"""``run_client(round, task, client_metrics, stream)``: runs one client's task and returns its update."""
+RunClient = Callable[[int, ClientTask, dict[str, list[float]], int], ClientUpdate | None]
+"""``run_client(round, task, client_metrics, stream)``: runs one client's task; its update, None when lost."""
 
 
 @dataclass(order=True)
@@ -37,7 +38,7 @@ class Pending:
     seq: int
     client_id: int = field(compare=False)
     version: int = field(compare=False)
-    update: ClientUpdate = field(compare=False)
+    update: ClientUpdate | None = field(compare=False)  # None: lost (a fault); the server notices at arrival
 
 
 class AsynchronousSchedule:
@@ -88,11 +89,12 @@ class AsynchronousSchedule:
         # a Python float, not numpy's: arrival times go into checkpoints, which hold plain data only
         return float((1.0 + self.jitter * rng.uniform()) / self.speeds[client_id])
 
-    def push(self, client_id: int, update: ClientUpdate, rng: np.random.Generator) -> None:
+    def push(
+        self, client_id: int, update: ClientUpdate | None, rng: np.random.Generator, slowdown: float = 1.0
+    ) -> None:
         self.seq += 1
-        heapq.heappush(
-            self.queue, Pending(self.clock + self.duration(client_id, rng), self.seq, client_id, self.version, update)
-        )
+        arrival = self.clock + self.duration(client_id, rng) * slowdown
+        heapq.heappush(self.queue, Pending(arrival, self.seq, client_id, self.version, update))
 
     def pop(self) -> Pending:
         item = heapq.heappop(self.queue)
@@ -128,6 +130,7 @@ class AsynchronousRounds:
         ledger: counts each update's uplink when it arrives.
         seed: the run seed.
         run_client: runs one client's task (the orchestrator's: seeds the client's streams, counts the downlink).
+        faults: injected faults; a straggler's duration is multiplied by ``faults.straggle_factor``.
     """
 
     def __init__(
@@ -138,12 +141,14 @@ class AsynchronousRounds:
         ledger: CommunicationLedger,
         seed: int,
         run_client: RunClient,
+        faults: Faults | None = None,
     ):
         if len(strategy.phases) > 1:
             raise ConfigError(f"{type(strategy).__name__} has several phases per round and cannot run asynchronously.")
         schedule.setup(clients, derive_seed(seed, 0, Owner.SERVER, Stream.SPEEDS))
         self.schedule, self.strategy, self.clients = schedule, strategy, clients
         self.ledger, self.seed, self.run_client = ledger, seed, run_client
+        self.faults = faults
 
     def run_round(self, rnd: int, client_metrics: dict[str, list[float]], server_metrics: dict[str, float]) -> int:
         """Handles one round's arrivals; returns how many updates were aggregated."""
@@ -154,10 +159,11 @@ class AsynchronousRounds:
         for _ in range(schedule.arrivals_per_round):
             arrival = schedule.pop()
             staleness.append(schedule.version - arrival.version)
-            self.ledger.record(rnd, "uplink", arrival.update.uplink)
-            seed_torch(derive_seed(self.seed, schedule.seq, Owner.SERVER, server_phase(0)))
-            server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
-            schedule.version += 1
+            if arrival.update is not None:  # a lost update: the server keeps its state and sends the client again
+                self.ledger.record(rnd, "uplink", arrival.update.uplink)
+                seed_torch(derive_seed(self.seed, schedule.seq, Owner.SERVER, server_phase(0)))
+                server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
+                schedule.version += 1
             self._dispatch(rnd, self.clients[arrival.client_id], client_metrics)
         server_metrics.update(
             {
@@ -185,7 +191,9 @@ class AsynchronousRounds:
         stream = self.schedule.seq + 1  # tells this dispatch's random streams apart from the client's others
         update = self.run_client(rnd, task, client_metrics, stream)
         rng = np.random.default_rng(derive_seed(self.seed, stream, client.id, Stream.ARRIVAL))
-        self.schedule.push(client.id, update, rng)
+        faults = self.faults
+        straggles = faults is not None and faults.draw(self.seed, rnd, client.id, stream) == "straggle"
+        self.schedule.push(client.id, update, rng, faults.straggle_factor if straggles else 1.0)
 
 
 def _pending_state(item: Pending) -> dict[str, Any]:
@@ -195,7 +203,9 @@ def _pending_state(item: Pending) -> dict[str, Any]:
         "seq": item.seq,
         "client_id": item.client_id,
         "version": item.version,
-        "update": {
+        "update": None
+        if update is None
+        else {
             "client_id": update.client.id,
             "num_samples": update.num_samples,
             "uplink": {name: _payload_state(payload) for name, payload in update.uplink.items()},
@@ -206,6 +216,8 @@ def _pending_state(item: Pending) -> dict[str, Any]:
 
 def _pending(state: dict[str, Any], clients: list[ClientSpec]) -> Pending:
     saved = state["update"]
+    if saved is None:
+        return Pending(state["arrival"], state["seq"], state["client_id"], state["version"], None)
     update = ClientUpdate(
         clients[saved["client_id"]],
         saved["num_samples"],

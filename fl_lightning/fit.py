@@ -9,7 +9,7 @@ import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -23,6 +23,7 @@ from .evaluation import PersonalEvaluation
 from .models import ModelSpec
 from .orchestrator import FederationOrchestrator
 from .population import Population
+from .robustness import Faults
 from .run_state import check_resume
 from .sampling import ClientSampler, UniformSampler
 from .strategies import Strategy
@@ -108,6 +109,8 @@ def fit(
     checkpoint_every: int = 1,
     stop_after: int | None = None,
     monitor: str | None = None,
+    divergence: Literal["stop", "drop"] = "stop",
+    faults: Faults | None = None,
     name: str | None = None,
     reference: dict[str, Any] | None = None,
     resolved_config: str | None = None,
@@ -136,6 +139,11 @@ def fit(
         checkpoint_every: checkpoint every k rounds (and at the end).
         stop_after: end this invocation after that round, e.g. to fit a job's time limit; resume later.
         monitor: metric that decides the best round (default: the strategy's main accuracy).
+        divergence: a client update with NaN or infinite values ``stop``s the run (exit 2, the last good
+            checkpoint kept, ``diverged: true`` in summary.json) or is ``drop``ped (counted in
+            ``faults/dropped_nonfinite``). Non-finite server or evaluation metrics always stop it.
+        faults: faults injected into the clients (crash, nan, straggle, drop_upload rates; seeded per round
+            and client); none when not given.
         name: run name, used for the default output_dir and W&B; the recipe's file name by default.
         reference: the paper's reported numbers for this recipe (kept in summary.json for reports).
         resolved_config: the resolved YAML (written by the CLI; not a recipe option).
@@ -211,6 +219,8 @@ def fit(
         config=resolved_config,
         evaluation=evaluation,
         client_state_memory_mb=runtime.client_state_memory_mb,
+        faults=faults,
+        divergence=divergence,
     )
     # every check has passed: only now is the run directory written (a refused start changes nothing)
     files.write_json(files.partition, partition)

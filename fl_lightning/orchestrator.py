@@ -8,6 +8,7 @@ asynchronous round body lives next to its schedule in ``asynchrony.py``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from .client_store import CLIENTS_DIR
 from .data import FederatedData
 from .errors import ConfigError
 from .evaluation import Evaluator, PersonalEvaluation
+from .robustness import FAULT_KINDS, FIX, Diverged, Faults, nonfinite_metrics, nonfinite_parts, poison
 from .run_state import RunState
 from .sampling import ClientSampler
 from .seeding import Owner, Stream, derive_seed, seed_torch, server_phase
@@ -53,6 +55,8 @@ class FederationOrchestrator:
         evaluation: which clients a personalized evaluation covers (all of them at every evaluation by default).
         client_state_memory_mb: megabytes of per-client state kept in memory; the rest waits in its files
             (``client_store.py``). None keeps it all in memory.
+        faults: faults injected into the clients (``robustness.Faults``); none when None.
+        divergence: what a non-finite client update does: ``stop`` the run (exit 2) or ``drop`` the update.
     """
 
     def __init__(
@@ -76,6 +80,8 @@ class FederationOrchestrator:
         config: str | None = None,
         evaluation: PersonalEvaluation | None = None,
         client_state_memory_mb: float | None = None,
+        faults: Faults | None = None,
+        divergence: str = "stop",
     ):
         if rounds < 1:
             raise ConfigError(f"rounds must be at least 1, got {rounds}.")
@@ -86,12 +92,20 @@ class FederationOrchestrator:
         self.rounds, self.seed = rounds, seed
         self.eval_every, self.checkpoint_every, self.stop_after = eval_every, checkpoint_every, stop_after
         self.progress_enabled = progress
+        if divergence not in ("stop", "drop"):
+            raise ConfigError(f"divergence must be stop or drop, got {divergence!r}.")
+        if faults is not None:
+            faults.check_clients(len(clients))
+        self.faults, self.divergence = faults, divergence
+        # per-round counts of lost updates; logged only when something can be lost, so default rows keep their columns
+        self.event_keys = (*(FAULT_KINDS if faults else ()), "dropped_nonfinite", "phases_without_updates")
+        self.events: dict[str, int] = {}
         client_dir = files.checkpoints / CLIENTS_DIR
         self.state = RunState(client_dir, run_info, config, client_state_memory_mb, loop.fabric.device)
         self.evaluator = Evaluator(loop, data, clients, self.state.client_states, evaluation, seed)
         self.schedule = schedule
         self.asynchronous = (
-            AsynchronousRounds(schedule, strategy, clients, self.state.ledger, seed, self._run_client)
+            AsynchronousRounds(schedule, strategy, clients, self.state.ledger, seed, self._run_client, faults)
             if schedule is not None
             else None
         )
@@ -115,12 +129,15 @@ class FederationOrchestrator:
             for rnd in range(state.rounds_done + 1, self.rounds + 1):
                 progress.start_round(rnd)
                 row = self._round(rnd)
-                state.rounds_done = rnd
-                state.elapsed = time.perf_counter() - started
-                row["time/elapsed_s"] = state.elapsed
+                metrics = None
                 if rnd % self.eval_every == 0 or rnd == self.rounds:
                     self.evaluator.begin(rnd, final=rnd == self.rounds)
                     metrics = self.strategy.evaluate(self.evaluator)
+                self._check_finite(rnd, {**row, **(metrics or {})})
+                state.rounds_done = rnd
+                state.elapsed = time.perf_counter() - started
+                row["time/elapsed_s"] = state.elapsed
+                if metrics is not None:
                     state.record_evaluation(rnd, metrics, self.monitor)
                     row.update(metrics)
                     state.history.append(row)
@@ -133,15 +150,36 @@ class FederationOrchestrator:
                     state.save(self.files.last_checkpoint, self.strategy, self.loop, self.loggers, self.schedule)
                 if stopping:
                     break
+        except Diverged as err:  # the last good checkpoint stays; the summary says what happened, never a null
+            self._write_summary({"diverged": True, "diverged_round": err.round, "diverged_reason": str(err)})
+            raise
         finally:
             progress.close()
+        return self._write_summary({"diverged": False})
+
+    def _write_summary(self, extra: dict[str, Any]) -> dict[str, Any]:
+        state = self.state
         summary = state.summary(self.seed, self.rounds, self.monitor, self.evaluator.per_client, self.files.root)
+        summary.update(extra)
+        if self.faults is not None or self.divergence == "drop":
+            summary["faults"] = {k: state.events.get(k, 0) for k in self.event_keys}
         self.files.write_json(self.files.summary, summary)
         return summary
+
+    def _check_finite(self, rnd: int, row: dict[str, Any]) -> None:
+        """Stops the run when the server's or an evaluation's metrics are not finite (whatever the policy)."""
+        bad = nonfinite_metrics(row)
+        if bad:
+            raise Diverged(
+                f"round {rnd} diverged: {', '.join(sorted(bad)[:4])} {'is' if len(bad) == 1 else 'are'} not finite "
+                f"(the server state or an evaluation); {FIX.split(', or set')[0]}.",
+                rnd,
+            )
 
     def _round(self, rnd: int) -> dict[str, Any]:
         client_metrics: dict[str, list[float]] = {}
         server_metrics: dict[str, float] = {}
+        self.events = {}
         if self.asynchronous is None:
             num_tasks = self._synchronous(rnd, client_metrics, server_metrics)
         else:
@@ -153,6 +191,10 @@ class FederationOrchestrator:
         if client_metrics:
             row["train/loss"] = float(np.mean([np.mean(v) for k, v in client_metrics.items() if k.endswith("loss")]))
         row.update(server_metrics)
+        if self.faults is not None or self.divergence == "drop":
+            row.update({f"faults/{k}": self.events.get(k, 0) for k in self.event_keys})
+            for key, count in self.events.items():
+                self.state.events[key] = self.state.events.get(key, 0) + count
         row.update(
             {
                 "comm/round_uplink_bytes": traffic["uplink"],
@@ -175,6 +217,12 @@ class FederationOrchestrator:
             num_tasks += len(tasks)
             self.progress.start_phase(phase, len(tasks))
             updates = self._client_updates(rnd, tasks, client_metrics)
+            if self.faults is not None or self.divergence == "drop":  # updates may be lost: is any left?
+                first = next(updates, None)
+                if first is None:  # the server keeps its state; aggregate never sees an empty phase
+                    self._count("phases_without_updates")
+                    continue
+                updates = itertools.chain([first], updates)
             seed_torch(derive_seed(self.seed, rnd, Owner.SERVER, server_phase(number)))  # server-side randomness
             server_metrics.update(self.strategy.aggregate(rnd, updates, phase) or {})
             if next(updates, None) is not None:
@@ -187,20 +235,52 @@ class FederationOrchestrator:
         """Runs clients one at a time, as the strategy's ``aggregate`` asks for their updates."""
         for task in tasks:
             update = self._run_client(rnd, task, metrics)
-            self.state.ledger.record(rnd, "uplink", update.uplink)
-            yield update
+            if update is not None:  # a lost update sends nothing
+                self.state.ledger.record(rnd, "uplink", update.uplink)
+                yield update
 
-    def _run_client(self, rnd: int, task: ClientTask, metrics: dict[str, list[float]], stream: int = 0) -> ClientUpdate:
-        """Runs one client's task with its own random streams (``stream`` > 0: one of several in a round)."""
+    def _run_client(
+        self, rnd: int, task: ClientTask, metrics: dict[str, list[float]], stream: int = 0
+    ) -> ClientUpdate | None:
+        """Runs one client's task with its own random streams (``stream`` > 0: one of several in a round).
+
+        Returns None when the update is lost: an injected fault, or a non-finite update under ``divergence: drop``.
+        """
         self.state.ledger.record(rnd, "downlink", task.downlink)
         client = task.client
+        fault = self.faults.draw(self.seed, rnd, client.id, stream) if self.faults is not None else None
+        if fault == "crash":  # it fails before sending anything: its state stays as it was
+            self._count("crash")
+            self.progress.client_done()
+            return None
         seed_torch(derive_seed(self.seed, rnd, client.id, Stream.DROPOUT, *((stream,) if stream else ())))
         client_states = self.state.client_states
         ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
         update = self.strategy.client_update(task, ctx)
         ctx.finish()
         client_states.close(client.id, ctx.state)  # kept, or written to its file beyond the memory budget
+        self.progress.client_done()
+        if fault == "nan":
+            self._count("nan")
+            poison(update)
+        elif fault == "drop_upload" or (fault == "straggle" and self.asynchronous is None):
+            self._count(fault)  # trained, but the server never receives it (past the deadline, or lost)
+            return None
+        elif fault == "straggle":
+            self._count(fault)  # asynchronous mode: it arrives late (AsynchronousRounds delays it)
+        bad = nonfinite_parts(update)
+        if bad:
+            if self.divergence == "stop":
+                injected = " (an injected nan fault)" if fault == "nan" else ""
+                raise Diverged(
+                    f"round {rnd} diverged: client {client.id} sent non-finite {', '.join(bad[:4])}{injected}; {FIX}.",
+                    rnd,
+                )
+            self._count("dropped_nonfinite")
+            return None
         for key, value in update.metrics.items():
             metrics.setdefault(key, []).append(value)
-        self.progress.client_done()
         return update
+
+    def _count(self, event: str) -> None:
+        self.events[event] = self.events.get(event, 0) + 1

@@ -64,6 +64,7 @@ class RunState:
         # handed to clients as ctx.state and to the evaluator; checkpoints name its files (client_store.py)
         self.client_states = ClientStateStore(client_dir, client_state_memory_mb, device)
         self.ledger = CommunicationLedger()
+        self.events: dict[str, int] = {}  # lost updates over the run, by cause (robustness.py)
 
     def record_evaluation(self, rnd: int, metrics: dict[str, float], monitor: str) -> None:
         if monitor not in metrics:
@@ -95,6 +96,7 @@ class RunState:
             "client_states": self.client_states.manifest(),
             "shared_optimizers": {r: s.optimizer.state_dict() for r, s in loop.slots.items()} if shared else {},
             "ledger": self.ledger.state_dict(),
+            "events": dict(self.events),
             "history": self.history,
             "best": self.best,
             "last_eval": self.last_eval,
@@ -128,6 +130,7 @@ class RunState:
         for role, opt_state in state["shared_optimizers"].items():
             loop.slots[role].optimizer.load_state_dict(opt_state)
         self.ledger.load_state_dict(state["ledger"])
+        self.events = dict(state.get("events", {}))  # checkpoints written before faults existed have none
         self.history, self.best, self.elapsed = state["history"], state["best"], state["elapsed"]
         self.last_eval = state["last_eval"]
         set_rng_state(state["rng"])

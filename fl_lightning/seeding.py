@@ -44,6 +44,8 @@ class Stream(IntEnum):
     """The clients a personalized evaluation covers when ``evaluation.sample`` is set (server, per round)."""
     SERVER_PHASE = 10
     """torch's global generator while the strategy aggregates phase k of a round: ``SERVER_PHASE + k``."""
+    FAULTS = SERVER_PHASE + 10  # MAX_PHASES: the server phases take 10..19
+    """The fault injected into a client's task in a round (``robustness.Faults``)."""
 
 
 MAX_PHASES = 10

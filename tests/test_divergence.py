@@ -1,0 +1,123 @@
+"""Non-finite client updates and metrics: ``divergence: stop`` (exit 2, one sentence) or ``drop`` (issue 12 item 8)."""
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, read_summary, run_cli, write_recipe
+
+from fl_lightning.robustness import nonfinite_metrics, nonfinite_parts
+from fl_lightning.types import ClientSpec, ClientUpdate, ModelWeights, TensorPayload
+
+
+def _rows(out):
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_quickstart_with_lr_1e6_stops_with_exit_2_and_one_sentence(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "recipes/quickstart.yaml"),
+        "--rounds",
+        "2",
+        "--training.optimizer.init_args.lr",
+        "1e6",
+        "--output_dir",
+        str(out),
+        "--runtime.progress",
+        "false",
+    )
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("flrun fit: error: round 1 diverged: client ")
+    assert "non-finite uplink global" in err and "lower the learning rate" in err
+    summary = read_summary(out)
+    assert summary["diverged"] is True and summary["diverged_round"] == 1
+    assert summary["rounds"] == 0 and not summary["complete"]
+    assert "lower the learning rate" in summary["diverged_reason"]
+
+
+@pytest.mark.parametrize(
+    "recipe, override",
+    [
+        ("digits_ondevice_kd.yaml", ["--training.optimizer.init_args.lr", "1e6"]),
+        ("quickstart.yaml", ["--training.optimizer.init_args.lr", "1e3"]),
+    ],
+)
+def test_issue_cases_end_with_exit_2(tmp_path, capsys, recipe, override):
+    out = tmp_path / "run"
+    args = ["--rounds", "2", "--output_dir", str(out), "--runtime.progress", "false"]
+    assert run_cli("fit", "--config", str(ROOT / "recipes" / recipe), *override, *args) == 2
+    assert "diverged" in capsys.readouterr().err
+    assert read_summary(out)["diverged"] is True
+
+
+def test_a_later_divergence_keeps_the_last_good_checkpoint_and_summary(tmp_path, capsys):
+    """A client that sends NaN only from round 2 on: round 1 is checkpointed and summarized, exit 2."""
+    from fl_lightning.sampling import UniformSampler
+    from fl_lightning.seeding import Owner, Stream, derive_seed
+
+    clients = [ClientSpec(i, "all", ("global",)) for i in range(8)]
+
+    def sampled(rnd):
+        rng = np.random.default_rng(derive_seed(0, rnd, Owner.SERVER, Stream.SAMPLER))
+        return {c.id for c in UniformSampler(fraction=0.5).sample(rnd, clients, rng)}
+
+    late = min(sampled(2) - sampled(1))  # trains in round 2, not in round 1
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", eval_every=1, faults={"nan": 1.0, "clients": [late]})
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out)) == 2
+    err = capsys.readouterr().err
+    assert f"round 2 diverged: client {late} sent non-finite uplink global (an injected nan fault)" in err
+    summary = read_summary(out)
+    assert summary["diverged"] and summary["diverged_round"] == 2 and summary["rounds"] == 1
+    assert summary["final_round"] == 1 and math.isfinite(summary["final"]["global/test_acc"])
+    assert (out / "checkpoints" / "last.ckpt").exists()
+    assert [r["round"] for r in _rows(out)] == ["1"]
+
+
+def test_drop_policy_skips_every_nonfinite_update_and_keeps_the_server_state(tmp_path):
+    out = tmp_path / "run"
+    optimizer = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1e6}}
+    recipe = write_recipe(
+        tmp_path / "r.yaml", eval_every=1, divergence="drop", training={"optimizer": optimizer, "local_steps": 5}
+    )
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out)) == 0
+    rows = _rows(out)
+    # 4 of 8 clients per round, every one diverges: aggregate never runs and the server keeps its weights
+    assert [r["faults/dropped_nonfinite"] for r in rows] == ["4"] * 4
+    assert [r["faults/phases_without_updates"] for r in rows] == ["1"] * 4
+    assert len({r["global/test_acc"] for r in rows}) == 1  # the initial model, evaluated 4 times
+    summary = read_summary(out)
+    assert summary["diverged"] is False and summary["complete"]
+    assert summary["faults"] == {"dropped_nonfinite": 16, "phases_without_updates": 4}
+    assert summary["comm"]["uplink_bytes"] == 0 and summary["comm"]["downlink_bytes"] > 0
+
+
+def test_nonfinite_parts_names_each_bad_payload_and_metric():
+    client = ClientSpec(0, "all", ("global",))
+    good = ClientUpdate(client, 3, {"global": ModelWeights("global", {"w": torch.ones(2)})}, {"global/loss": 0.5})
+    assert nonfinite_parts(good) == []
+    bad = ClientUpdate(
+        client,
+        3,
+        {
+            "global": ModelWeights("global", {"w": torch.ones(2), "n": torch.tensor([1], dtype=torch.long)}),
+            "logits": TensorPayload("logits", {"x": torch.tensor([1.0, float("inf")])}),
+        },
+        {"global/loss": float("nan")},
+    )
+    assert nonfinite_parts(bad) == ["uplink logits", "metric global/loss"]
+
+
+def test_nonfinite_metrics_ignores_an_evaluation_that_covered_no_client():
+    nan = float("nan")
+    row = {"personal/test_acc": nan, "personal/clients_evaluated": 0.0, "global/test_loss": math.inf, "round": 3}
+    assert nonfinite_metrics(row) == ["global/test_loss"]
+    assert nonfinite_metrics({"personal/test_acc": nan, "personal/clients_evaluated": 2.0}) == ["personal/test_acc"]
