@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from .cli_messages import config_paths
+from .fit_args import DEFAULTS, UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
+
+_UserError, _recipe_name = UserError, recipe_name  # the names other modules and tests knew
+__all__ = ["DEFAULTS", "fit_from_argv", "fit_parser", "main", "parse_fit"]
 
 USAGE = """usage: flrun COMMAND [options]
 
@@ -26,68 +29,6 @@ commands:
            flrun report RUN_DIRS --table paper-001/table-5: one paper table, paper vs measured per cell
 
 Run `flrun COMMAND --help` for the options of a command."""
-
-DEFAULTS = {"training.optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}}}
-
-
-def fit_parser(prog: str = "flrun fit"):
-    from jsonargparse import ArgumentParser
-
-    from .fit import fit
-    from .recipes import RecipeConfigFile
-
-    parser = ArgumentParser(
-        prog=prog,
-        description="Run a federated experiment from a recipe.",
-        exit_on_error=False,
-        env_prefix="FLRUN",
-        default_env=False,
-        allow_abbrev=False,  # `--round 10` must not silently mean --rounds: an unknown option gets "did you mean"
-    )
-    parser.add_argument(
-        "--config", action=RecipeConfigFile, help="recipe YAML file (may be given more than once; `base:` inherits)"
-    )
-    parser.add_function_arguments(fit, skip={"resolved_config"})
-    parser.set_defaults(DEFAULTS)
-    return parser
-
-
-def parse_fit(argv: list[str], prog: str = "flrun fit"):
-    """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML).
-
-    ``prog`` is the command shown by ``--help`` (``flrun data inspect`` takes the same options).
-    """
-    from jsonargparse import ArgumentError
-
-    from .cli_messages import check_config_file, readable, root_cause
-
-    for path in config_paths(argv):
-        check_config_file(path)
-    parser = fit_parser(prog)
-    try:
-        cfg = parser.parse_args(argv)
-    except ArgumentError as err:
-        raise _UserError(readable(str(err), parser)) from None
-    if cfg.get("name") is None:
-        cfg.name = _recipe_name(argv)
-    resolved = parser.dump(cfg, skip_none=False)
-    try:
-        init = parser.instantiate(cfg)
-    except Exception as err:  # a component's own validation, wrapped by jsonargparse
-        raise _UserError(root_cause(err, parser)) from None
-    return cfg, init, resolved
-
-
-def fit_from_argv(argv: list[str], extra_loggers: list | None = None) -> dict:
-    """Runs ``flrun fit`` in-process (sweep trials add a pruning logger) and returns the summary."""
-    from .fit import fit
-    from .tracking import resolve_loggers
-
-    cfg, init, resolved = parse_fit(argv)
-    kwargs = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
-    if extra_loggers:
-        kwargs["logger"] = resolve_loggers(kwargs["logger"]) + list(extra_loggers)
-    return fit(**kwargs, resolved_config=resolved)
 
 
 def run_fit(argv: list[str]) -> int:
@@ -285,10 +226,6 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
-class _UserError(Exception):
-    pass
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -311,11 +248,6 @@ def main(argv: list[str] | None = None) -> int:
             f"flrun {command}: interrupted; the last checkpoint is kept, continue with --resume auto.", file=sys.stderr
         )
         return 130
-
-
-def _recipe_name(argv: list[str]) -> str:
-    configs = config_paths(argv)
-    return Path(configs[-1]).stem if configs else "run"
 
 
 if __name__ == "__main__":  # pragma: no cover

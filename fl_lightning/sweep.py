@@ -162,13 +162,13 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
     if not check_recipe:
         return
     # every parameter path must be an option of the base recipe: parse it once with a sample value
-    from .cli import _UserError, parse_fit
+    from .fit_args import UserError, parse_fit
 
     for name, p in spec.parameters.items():
         sample = p["choices"][0] if p["type"] == "categorical" else p["low"]
         try:
             parse_fit(["--config", spec.base, *_as_args(spec.overrides), *_as_args({name: sample})])
-        except (_UserError, ConfigError) as err:
+        except (UserError, ConfigError) as err:
             raise ConfigError(f"sweep parameter {name!r} does not fit the base recipe {spec.base}: {err}") from None
 
 
@@ -293,7 +293,7 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
     """The objective: one ``flrun fit`` run in ``trial_NNNN/`` with the trial's parameters."""
     import optuna
 
-    from .cli import fit_from_argv
+    from .fit_args import fit_from_argv
 
     values = {name: _suggest(trial, name, p) for name, p in spec.parameters.items()}
     run_dir = Path(spec.output_dir) / f"trial_{trial.number:04d}"
@@ -333,9 +333,9 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
         trial.set_user_attr("error", "interrupted; its parameters are queued again")
         raise
     except Exception as err:  # recorded as a failed trial; the study goes on
-        from .cli import _UserError
+        from .fit_args import UserError
 
-        message = str(err) if isinstance(err, (_UserError, ConfigError)) else f"{type(err).__name__}: {err}"
+        message = str(err) if isinstance(err, (UserError, ConfigError)) else f"{type(err).__name__}: {err}"
         trial.set_user_attr("error", (message.splitlines() or [""])[0][:300])
         raise
     return float(value)

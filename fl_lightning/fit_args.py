@@ -1,0 +1,84 @@
+"""From ``flrun fit`` arguments to a run: the parser generated from :func:`fl_lightning.fit.fit`'s signature.
+
+Shared by the command line (``cli.py``) and sweep trials (``sweep.py``), which both import it; it imports
+neither, so the two never import each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .cli_messages import config_paths
+
+
+class UserError(Exception):
+    """A mistake in what the user gave (a recipe, an option): one sentence, exit status 2."""
+
+
+DEFAULTS = {"training.optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}}}
+
+
+def fit_parser(prog: str = "flrun fit"):
+    from jsonargparse import ArgumentParser
+
+    from .fit import fit
+    from .recipes import RecipeConfigFile
+
+    parser = ArgumentParser(
+        prog=prog,
+        description="Run a federated experiment from a recipe.",
+        exit_on_error=False,
+        env_prefix="FLRUN",
+        default_env=False,
+        allow_abbrev=False,  # `--round 10` must not silently mean --rounds: an unknown option gets "did you mean"
+    )
+    parser.add_argument(
+        "--config", action=RecipeConfigFile, help="recipe YAML file (may be given more than once; `base:` inherits)"
+    )
+    parser.add_function_arguments(fit, skip={"resolved_config"})
+    parser.set_defaults(DEFAULTS)
+    return parser
+
+
+def parse_fit(argv: list[str], prog: str = "flrun fit"):
+    """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML).
+
+    ``prog`` is the command shown by ``--help`` (``flrun data inspect`` takes the same options).
+    """
+    from jsonargparse import ArgumentError
+
+    from .cli_messages import check_config_file, readable, root_cause
+
+    for path in config_paths(argv):
+        check_config_file(path)
+    parser = fit_parser(prog)
+    try:
+        cfg = parser.parse_args(argv)
+    except ArgumentError as err:
+        raise UserError(readable(str(err), parser)) from None
+    if cfg.get("name") is None:
+        cfg.name = recipe_name(argv)
+    resolved = parser.dump(cfg, skip_none=False)
+    try:
+        init = parser.instantiate(cfg)
+    except Exception as err:  # noqa: BLE001 - a component's own validation, wrapped by jsonargparse in any type
+        raise UserError(root_cause(err, parser)) from None
+    return cfg, init, resolved
+
+
+def fit_from_argv(argv: list[str], extra_loggers: list | None = None) -> dict:
+    """Runs ``flrun fit`` in-process (sweep trials add a pruning logger) and returns the summary."""
+    from .fit import fit
+    from .tracking import resolve_loggers
+
+    _, init, resolved = parse_fit(argv)
+    kwargs = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
+    if extra_loggers:
+        kwargs["logger"] = resolve_loggers(kwargs["logger"]) + list(extra_loggers)
+    return fit(**kwargs, resolved_config=resolved)
+
+
+def recipe_name(argv: list[str]) -> str:
+    """The run's default name: the stem of the last ``--config`` file."""
+    configs = config_paths(argv)
+    return Path(configs[-1]).stem if configs else "run"
