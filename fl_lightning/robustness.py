@@ -148,9 +148,18 @@ def nonfinite_parts(update: ClientUpdate) -> list[str]:
     """
     tensors = [t for payload in update.uplink.values() for t in _tensors(payload)]
     bad = [f"metric {k}" for k, v in update.metrics.items() if not math.isfinite(v)]
+    bad += [f"metric {k} = {v:.3g} (exploded)" for k, v in update.metrics.items() if _exploded(k, v)]
     if tensors and not bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all().item()):
         bad = [f"uplink {name}" for name, p in update.uplink.items() if not _finite(p)] + bad
     return bad
+
+
+LOSS_LIMIT = 1e4  # a training loss beyond this has exploded (cross-entropy of a uniform guess over C classes is ln C)
+
+
+def _exploded(key: str, value: float) -> bool:
+    """A finite local loss so large that training has diverged (kd_weight 1e8 reaches 1e6 and stays finite)."""
+    return key.endswith("loss") and math.isfinite(value) and abs(value) > LOSS_LIMIT
 
 
 def _finite(payload: Payload) -> bool:

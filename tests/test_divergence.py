@@ -48,6 +48,8 @@ def test_quickstart_with_lr_1e6_stops_with_exit_2_and_one_sentence(tmp_path, cap
     [
         ("digits_ondevice_kd.yaml", ["--training.optimizer.init_args.lr", "1e6"]),
         ("quickstart.yaml", ["--training.optimizer.init_args.lr", "1e3"]),
+        ("digits_ondevice_kd.yaml", ["--strategy.init_args.kd_weight", "1e8"]),  # finite, but past LOSS_LIMIT
+        ("digits_fedadam.yaml", ["--strategy.init_args.server_lr", "1e6"]),
     ],
 )
 def test_issue_cases_end_with_exit_2(tmp_path, capsys, recipe, override):
@@ -121,3 +123,9 @@ def test_nonfinite_metrics_ignores_an_evaluation_that_covered_no_client():
     row = {"personal/test_acc": nan, "personal/clients_evaluated": 0.0, "global/test_loss": math.inf, "round": 3}
     assert nonfinite_metrics(row) == ["global/test_loss"]
     assert nonfinite_metrics({"personal/test_acc": nan, "personal/clients_evaluated": 2.0}) == ["personal/test_acc"]
+
+
+def test_a_finite_loss_past_the_limit_counts_as_exploded():
+    client = ClientSpec(0, "all", ("m",))
+    update = ClientUpdate(client, 1, {}, {"target/kd_loss": 3.95e19, "target/loss": 2.3})
+    assert nonfinite_parts(update) == ["metric target/kd_loss = 3.95e+19 (exploded)"]
