@@ -342,7 +342,9 @@ def _cifar100_files(root):
             },
         },
     }
-    models = {"aux": {"builder": "torchvision_resnet50", "args": {"num_classes": 100}}, "target": tiny_vit}
+    # ResNet50 after one step on 4 random 32x32 images gives non-finite test losses, which the divergence
+    # check stops (exit 2); its construction is tested in test_model_zoo, so the tiny run uses ResNet20
+    models = {"aux": {"builder": "resnet20", "args": {"width": 0.25}}, "target": tiny_vit}
     # 40 images over 100 classes: a flatter Dirichlet so that no tiny client is empty
     return ("--models", json.dumps(models), "--data.init_args.partitioner.init_args.alpha", "10")
 
