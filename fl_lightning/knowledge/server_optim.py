@@ -54,3 +54,13 @@ class ServerAdam:
 
     def load_state_dict(self, state: dict) -> None:
         self.m, self.v = state["m"], state["v"]
+
+
+SERVER_OPTIMIZERS = ("adam", "sgd")
+
+
+def server_optimizer(kind: str, lr: float):
+    """A factory of a server model's optimizer: ``adam``, or ``sgd`` with momentum 0.9 (FedGEMS, FedGKT)."""
+    if kind == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)

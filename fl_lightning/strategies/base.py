@@ -136,16 +136,20 @@ class ServerContext:
         batches: Iterable[tuple],
         step_fn: StepFn,
         optimizer: Callable[[Iterable[Tensor]], torch.optim.Optimizer],
-    ) -> StateDict:
+        return_loss: bool = False,
+    ) -> StateDict | tuple[StateDict, float]:
         """Trains the role's model from ``weights`` with a fresh server optimizer; returns the new weights.
 
         ``step_fn(module, batch, i) -> loss`` as in client training; ``optimizer`` builds the server's
-        optimizer from the parameters (e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``).
+        optimizer from the parameters (e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``, or
+        ``knowledge.server_optim.server_optimizer``). ``return_loss`` also returns the mean training loss,
+        which the loop accumulates anyway (0 when there was no step).
         """
         module = self._loop.slots[role].module
         module.model.load_state_dict(weights)
-        self._loop.run_steps(module, optimizer(module.parameters()), batches, step_fn)
-        return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        stats = self._loop.run_steps(module, optimizer(module.parameters()), batches, step_fn)
+        trained = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        return (trained, stats["loss"]) if return_loss else trained
 
     def require_one_role_per_client(self, method: str) -> None:
         several = [c.id for c in self.clients if len(c.roles) != 1]

@@ -15,10 +15,9 @@ from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
+from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
 from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import PersonalModels, ServerContext, Strategy
-
-SERVER_OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
 def selective_fusion(client_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -240,20 +239,17 @@ class FedGEMS(PersonalModels, Strategy):
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         positions = torch.arange(len(x), device=x.device)
         batches = target_batches(x, positions, self.batch_size, self.server_steps, generator)
-        losses = []
 
         def step(module, batch, i):
             xb, at = batch
             loss = self.server_loss(module(xb), y[at], rows[at], fused[at], any_correct[at])
-            losses.append(loss.detach())
             return loss
 
-        kind = SERVER_OPTIMIZERS[self.server_optimizer]
-        extra = {"momentum": 0.9} if self.server_optimizer == "sgd" else {}
-        self.server_weights = self.server.train(
-            self.server_role, self.server_weights, batches, step, lambda p: kind(p, lr=self.server_lr, **extra)
+        optimizer = server_optimizer(self.server_optimizer, self.server_lr)
+        self.server_weights, loss = self.server.train(
+            self.server_role, self.server_weights, batches, step, optimizer, return_loss=True
         )
-        return float(torch.stack(losses).mean()) if losses else 0.0
+        return loss
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:

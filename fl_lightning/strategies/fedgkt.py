@@ -15,10 +15,9 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
+from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
 from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import PersonalModels, ServerContext, Strategy
-
-SERVER_OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
 def bidirectional_losses(
@@ -174,20 +173,17 @@ class FedGKT(PersonalModels, Strategy):
         generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
         steps = self.server_epochs * -(-len(h) // self.batch_size)
         batches = target_batches(h, torch.arange(len(h), device=h.device), self.batch_size, steps, generator)
-        losses = []
 
         def step(module, batch, i):
             hb, at = batch
             loss = bidirectional_losses(z_client[at], module(hb), y[at], self.alpha, self.temperature)[1]
-            losses.append(loss.detach())
             return loss
 
-        kind = SERVER_OPTIMIZERS[self.server_optimizer]
-        extra = {"momentum": 0.9} if self.server_optimizer == "sgd" else {}
-        self.server_weights = self.server.train(
-            self.server_role, self.server_weights, batches, step, lambda p: kind(p, lr=self.server_lr, **extra)
+        optimizer = server_optimizer(self.server_optimizer, self.server_lr)
+        self.server_weights, loss = self.server.train(
+            self.server_role, self.server_weights, batches, step, optimizer, return_loss=True
         )
-        return float(torch.stack(losses).mean()) if losses else 0.0
+        return loss
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
