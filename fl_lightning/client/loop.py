@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..models import FeatureClassifier, ModelSpec
+from .seeded_init import SeededInitializer
 from .training import LocalTraining
 
 if TYPE_CHECKING:  # lightning costs seconds to import: the CLI's parser (--help, recipe errors) must not wait for it
@@ -49,6 +50,7 @@ class LocalLoop:
         self.training = training
         self.rounds = rounds
         self.slots: dict[str, ModelSlot] = {}
+        self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
 
     def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
         """Builds one module per role (weights seeded per role) and its optimizer, once per run."""
@@ -70,10 +72,15 @@ class LocalLoop:
             self.slots[role] = ModelSlot(module, optimizer, [g["lr"] for g in optimizer.param_groups])
 
     def fresh_weights(self, role: str, seed: int) -> dict[str, Tensor]:
-        """Weights of a newly built model of ``role`` (seeded); used once per client by personalized methods."""
-        torch.manual_seed(seed)
-        model = self.specs[role].build(**self.context)
-        return {k: v.to(self.fabric.device) for k, v in model.state_dict().items()}
+        """Weights of a newly built model of ``role`` (seeded); used once per client by personalized methods.
+
+        One cached instance per role is re-initialised in place where that gives exactly a build's
+        weights (checked once per role, :class:`~fl_lightning.client.seeded_init.SeededInitializer`).
+        """
+        if role not in self._initializers:
+            spec, context = self.specs[role], self.context
+            self._initializers[role] = SeededInitializer(lambda: spec.build(**context))
+        return self._initializers[role].weights(seed, self.fabric.device)
 
     def num_steps(self, num_examples: int) -> int:
         if self.training.local_steps is not None:
