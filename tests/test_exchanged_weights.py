@@ -64,7 +64,7 @@ def _fit(tmp_path, name, **changes):
         == 0
     )
     summary = read_summary(out)
-    return summary, load_checkpoint(out / "checkpoints" / "last.ckpt")["strategy"]["global_weights"]
+    return summary, load_checkpoint(out / "checkpoints" / "last.ckpt")["strategy"].get("global_weights")
 
 
 def _send_everything(monkeypatch, module):
@@ -109,3 +109,77 @@ def test_ondevice_kd_ledger_counts_trainable_bytes_only_and_training_is_unchange
     assert full_summary["final"] == summary["final"]
     for role in ("aux", "target"):
         assert all(torch.equal(weights[role][k], full_weights[role][k]) for k in full_weights[role])
+
+
+# MOON's projection head on the frozen-first MLP: Linear(16, 16), Linear(16, 8), and a Linear(8, 10) head in
+# place of Linear(16, 10); all of it trains
+PROJECTION = 8
+MOON_TRAINABLE_BYTES = (
+    TRAINABLE_BYTES
+    + 4 * (HIDDEN * HIDDEN + HIDDEN + HIDDEN * PROJECTION + PROJECTION + PROJECTION * CLASSES + CLASSES)
+    - 4 * (HIDDEN * CLASSES + CLASSES)
+)
+LOCAL_SPLIT = {"class_path": "fl_lightning.data.DigitsData", "init_args": {"local_split": [0.8, 0.1, 0.1]}}
+FROZEN_MLP = {"builder": "test_frozen_first_mlp"}
+
+
+def _pair(*roles):
+    return {"num_clients": 8, "tiers": [{"name": "all", "roles": list(roles)}]}
+
+
+# strategy, recipe changes, payload name, bytes of one downlink and of one upload of that payload
+OTHER_WEIGHT_SENDERS = {
+    "Felo": ({}, "weights", TRAINABLE_BYTES, TRAINABLE_BYTES),
+    "Velo": ({}, "weights", TRAINABLE_BYTES, TRAINABLE_BYTES),
+    "FedDF": (
+        {"data": {"class_path": "fl_lightning.data.DigitsData", "init_args": {"server_fraction": 0.2}}},
+        "global",
+        TRAINABLE_BYTES,
+        TRAINABLE_BYTES,
+    ),
+    "MOON": (
+        {"models": {"global": {**FROZEN_MLP, "projection_dim": PROJECTION}}},
+        "global",
+        MOON_TRAINABLE_BYTES,
+        MOON_TRAINABLE_BYTES,
+    ),
+    "FML": (
+        {
+            "data": LOCAL_SPLIT,
+            "models": {"private": FROZEN_MLP, "meme": FROZEN_MLP},
+            "population": _pair("private", "meme"),
+        },
+        "meme",
+        TRAINABLE_BYTES,
+        TRAINABLE_BYTES,
+    ),
+    # the upload is the mentee's update of its floating-point tensors: no int64 batch-norm step counter
+    "FedKD": (
+        {
+            "data": LOCAL_SPLIT,
+            "models": {"mentor": FROZEN_MLP, "mentee": FROZEN_MLP},
+            "population": _pair("mentor", "mentee"),
+        },
+        ("mentee", "mentee_update"),
+        TRAINABLE_BYTES,
+        TRAINABLE_BYTES - 8,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_WEIGHT_SENDERS))
+def test_every_weight_sending_strategy_counts_trainable_bytes_only(tmp_path, name):
+    changes, payload, down, up = OTHER_WEIGHT_SENDERS[name]
+    recipe = {
+        "models": {"global": FROZEN_MLP},
+        "strategy": {"class_path": f"fl_lightning.strategies.{name}"},
+        "rounds": 2,
+        "eval_every": 2,
+        **changes,
+    }
+    summary, _ = _fit(tmp_path, name, **recipe)
+    down_name, up_name = payload if isinstance(payload, tuple) else (payload, payload)
+    by_payload = summary["comm"]["by_payload"]
+    transfers = 2 * 4  # 2 rounds, 4 of the 8 clients sampled in each
+    assert by_payload["downlink"][down_name] == transfers * down
+    assert by_payload["uplink"][up_name] == transfers * up

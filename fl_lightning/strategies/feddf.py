@@ -83,7 +83,9 @@ class FedDF(FedAvg):
             nonlocal logit_sum, members
             for update in updates:
                 for role, payload in update.uplink.items():
-                    z = self.server.predict(role, payload.state, self.server_x).double()
+                    # an upload leaves out a frozen part, identical to the global model's
+                    weights = {**self.global_weights[role], **payload.state}
+                    z = self.server.predict(role, weights, self.server_x).double()
                     logit_sum = z if logit_sum is None else logit_sum + z
                     members += 1
                     trained.add(role)

@@ -22,7 +22,7 @@ from ..knowledge.mutual import (
     mutual_kl,
     require_private_and_shared_role,
 )
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -134,6 +134,7 @@ class FedKD(Strategy):
         super().setup(server)
         require_private_and_shared_role(server, self.mentee_role, "FedKD", "mentee")
         self.mentee_weights = server.initial_weights(self.mentee_role)
+        self.sent_keys = exchanged_keys(server.model(self.mentee_role))  # a frozen part of the mentee stays home
         self.last_update: dict = {}  # the compressed mean update of the last round (svd), as plain state
         self.last_trained: list[int] = []  # the clients that trained in the last round
 
@@ -151,7 +152,7 @@ class FedKD(Strategy):
 
     # ------------------------------------------------------------------ server -> client
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        full = {self.mentee_role: ModelWeights(self.mentee_role, self.mentee_weights)}
+        full = {self.mentee_role: ModelWeights.part(self.mentee_role, self.mentee_weights, self.sent_keys)}
         if not self.last_update:
             return [ClientTask(c, rnd, full) for c in clients]
         update = {"mentee_update": LowRankUpdate.from_state(self.last_update)}
@@ -171,7 +172,7 @@ class FedKD(Strategy):
         if self.compression == "svd":
             ctx.state["mentee_base"] = base
         ctx.load(mentor, self.mentor_weights(task.client, ctx.state))
-        ctx.load(mentee, base)
+        load_exchanged(ctx.load(mentee).model, base)
         mapping = self.client_hidden_map(task.client, ctx)
 
         def step(modules, batch, i):
@@ -192,7 +193,7 @@ class FedKD(Strategy):
         ctx.state["weights"] = ctx.weights(mentor)
         ctx.state["hidden_map"] = {k: v.detach().clone() for k, v in mapping.state_dict().items()}
         trained = ctx.weights(mentee)
-        delta = {k: trained[k] - base[k] for k in trained if trained[k].is_floating_point()}
+        delta = {k: trained[k] - base[k] for k in base if trained[k].is_floating_point()}
         uplink = {"mentee_update": compress("mentee_update", delta, self.energy(task.round))}
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)

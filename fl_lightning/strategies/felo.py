@@ -14,7 +14,7 @@ from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_matching_loss
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -28,7 +28,8 @@ class Felo(Strategy):
     step) and uploads their class means with the labels. Server: averages the class vectors it
     received (``ClassBank``) and, as Sec. 3.1.2 describes, averages weights only among clients of the
     same architecture (one role per architecture); ``average_weights: false`` keeps personal models
-    as the official code does.
+    as the official code does. Averaged weights travel as their trainable part only
+    (:func:`~fl_lightning.types.exchanged_keys`): a frozen backbone is neither sent nor counted.
 
     Every role must have the same feature dimension, since features of different architectures are
     compared directly.
@@ -46,6 +47,10 @@ class Felo(Strategy):
         warmup_rounds: cross-entropy only for these rounds (the code starts at 5% of the run).
         forget: each round, old class vectors are down-weighted by ``1 - forget`` (0 keeps the
             all-time average; the code keeps a FIFO of recent uploads).
+        loss_average: ``batch`` averages the feature and logit terms over the whole batch, as eq. 1's
+            ``1/|D~_k|`` sum (a sample of a class the server has no vector for adds nothing to a term but
+            counts in its average); ``available`` over the samples that have the server vector only
+            (this code before: a larger weight while the server knows few classes).
     """
 
     state_attributes = ("global_weights", "logit_bank", "feature_bank")
@@ -57,11 +62,14 @@ class Felo(Strategy):
         average_weights: bool = True,
         warmup_rounds: int = 0,
         forget: float = 0.0,
+        loss_average: str = "batch",
     ):
         if logit_loss not in ("kl", "mse"):
             raise ConfigError(f"{type(self).__name__} logit_loss must be kl or mse, got {logit_loss!r}.")
+        if loss_average not in ("batch", "available"):
+            raise ConfigError(f"{type(self).__name__} loss_average must be batch or available, got {loss_average!r}.")
         self.alpha, self.logit_loss, self.average_weights = alpha, logit_loss, average_weights
-        self.warmup_rounds, self.forget = warmup_rounds, forget
+        self.warmup_rounds, self.forget, self.loss_average = warmup_rounds, forget, loss_average
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
@@ -77,6 +85,7 @@ class Felo(Strategy):
         self.logit_bank = ClassBank(self.num_classes, self.num_classes)
         self.feature_bank = ClassBank(self.num_classes, self.feature_dim)
         self.global_weights = {r: server.initial_weights(r) for r in server.roles} if self.average_weights else {}
+        self.sent_keys = {r: exchanged_keys(server.model(r)) for r in server.roles}  # a frozen part stays home
 
     # ------------------------------------------------------------------ server -> client
     def server_features(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -104,7 +113,8 @@ class Felo(Strategy):
         for c in clients:
             downlink = dict(knowledge)
             if self.average_weights:
-                downlink["weights"] = ModelWeights(c.roles[0], self.global_weights[c.roles[0]])
+                role = c.roles[0]
+                downlink["weights"] = ModelWeights.part(role, self.global_weights[role], self.sent_keys[role])
             tasks.append(ClientTask(c, rnd, downlink))
         return tasks
 
@@ -112,7 +122,7 @@ class Felo(Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         if self.average_weights:
-            ctx.load(role, task.downlink["weights"].state)
+            load_exchanged(ctx.load(role).model, task.downlink["weights"].state)
         else:
             ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         (server_f, have_f), (server_z, have_z) = received_targets(task.downlink)
@@ -130,9 +140,10 @@ class Felo(Strategy):
                 terms = []
                 f_mask, z_mask = have_f[y], have_z[y]
                 if f_mask.any():
-                    terms.append(F.mse_loss(f[f_mask], server_f[y[f_mask]]))
+                    terms.append(self.averaged(F.mse_loss(f[f_mask], server_f[y[f_mask]]), f_mask))
                 if z_mask.any():
-                    terms.append(logit_matching_loss(z[z_mask], server_z[y[z_mask]], self.logit_loss))
+                    logit_term = logit_matching_loss(z[z_mask], server_z[y[z_mask]], self.logit_loss)
+                    terms.append(self.averaged(logit_term, z_mask))
                 if terms:
                     loss = loss + self.alpha * sum(terms[1:], terms[0])
             return loss
@@ -140,10 +151,16 @@ class Felo(Strategy):
         stats = ctx.fit(role, step_fn=step)
         uplink = {"class_knowledge": collector.result("class_knowledge")}
         if self.average_weights:
-            uplink["weights"] = ModelWeights(role, ctx.weights(role))
+            uplink["weights"] = ModelWeights.part(role, ctx.weights(role), self.sent_keys[role])
         else:
             ctx.state["weights"] = ctx.weights(role)
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
+
+    def averaged(self, term: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
+        """``term``, a mean over the ``covered`` samples of the batch, as ``loss_average`` asks."""
+        if self.loss_average == "batch":  # eq. 1: the sum over the covered samples / the batch size
+            return term * (covered.sum() / len(covered))
+        return term
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
@@ -161,7 +178,7 @@ class Felo(Strategy):
                 role = update.client.roles[0]
                 averages.setdefault(role, WeightedAverage()).add(update.uplink["weights"].state, update.num_samples)
         for role, average in averages.items():
-            self.global_weights[role] = average.result()
+            self.global_weights[role] = {**self.global_weights[role], **average.result()}
         return self.server_step(rnd)
 
     def receive_features(self, features: torch.Tensor, present: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
 from ..knowledge.mutual import KL_REDUCTIONS, fit_jointly, mutual_kl, require_private_and_shared_role
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict
+from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -77,6 +77,7 @@ class FML(Strategy):
         super().setup(server)
         require_private_and_shared_role(server, self.meme_role, "FML", "meme")
         self.meme_weights = server.initial_weights(self.meme_role)
+        self.sent_keys = exchanged_keys(server.model(self.meme_role))  # a frozen part of the meme stays home
 
     def private_role(self, client: ClientSpec) -> str:
         return next(r for r in client.roles if r != self.meme_role)
@@ -86,13 +87,13 @@ class FML(Strategy):
         return stored if stored is not None else self.server.initial_weights(self.private_role(client), client.id)
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        meme = ModelWeights(self.meme_role, self.meme_weights)
+        meme = ModelWeights.part(self.meme_role, self.meme_weights, self.sent_keys)
         return [ClientTask(c, rnd, {self.meme_role: meme}) for c in clients]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         private, meme = self.private_role(task.client), self.meme_role
         ctx.load(private, self.private_weights(task.client, ctx.state))
-        ctx.load(meme, task.downlink[meme].state)
+        load_exchanged(ctx.load(meme).model, task.downlink[meme].state)
         alpha, beta, reduction, detach = self.alpha, self.beta, self.kl_reduction, self.detach_partner
 
         def step(modules, batch, i):
@@ -108,7 +109,7 @@ class FML(Strategy):
 
         losses = fit_jointly(ctx, (private, meme), step)
         ctx.state["weights"] = ctx.weights(private)
-        uplink = {meme: ModelWeights(meme, ctx.weights(meme))}
+        uplink = {meme: ModelWeights.part(meme, ctx.weights(meme), self.sent_keys)}
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
@@ -117,7 +118,7 @@ class FML(Strategy):
         for update in updates:
             average.add(update.uplink[self.meme_role].state, update.num_samples if self.weighted else 1.0)
         if average.count:
-            self.meme_weights = average.result()
+            self.meme_weights = {**self.meme_weights, **average.result()}
         return {}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:

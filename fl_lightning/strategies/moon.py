@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..errors import ConfigError
-from ..types import ClientTask, ClientUpdate, ModelWeights
+from ..types import ClientTask, ClientUpdate, load_exchanged
 from .base import ServerContext
 from .fedavg import FedAvg
 
@@ -38,7 +38,7 @@ def model_contrastive_loss(z: Tensor, z_global: Tensor, z_previous: list[Tensor]
 def frozen(model: torch.nn.Module, weights: dict[str, Tensor]) -> torch.nn.Module:
     """A copy of ``model`` holding ``weights``, in eval mode and without gradients (a MOON reference model)."""
     reference = copy.deepcopy(model)
-    reference.load_state_dict(weights)
+    load_exchanged(reference, weights)  # received weights leave out a frozen part, which the copy keeps
     return reference.eval().requires_grad_(False)
 
 
@@ -92,7 +92,8 @@ class MOON(FedAvg):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         received = task.downlink[role].state
-        module = ctx.load(role, received)
+        module = ctx.load(role)
+        load_exchanged(module.model, received)
         global_model = frozen(module.model, received)
         previous = ctx.state.get("previous")
         previous_models = [frozen(module.model, previous)] if previous is not None else []
@@ -112,5 +113,5 @@ class MOON(FedAvg):
         weights = ctx.weights(role)
         ctx.state["previous"] = weights
         return ClientUpdate(
-            task.client, ctx.num_examples(), {role: ModelWeights(role, weights)}, {f"{role}/loss": stats["loss"]}
+            task.client, ctx.num_examples(), {role: self.outgoing(role, weights)}, {f"{role}/loss": stats["loss"]}
         )

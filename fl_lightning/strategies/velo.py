@@ -27,7 +27,7 @@ class Velo(Felo):
         max_features: received class features kept for training.
         kl_weight: weight of the KL term (1 in eq. 2).
         cvae_hidden, cvae_latent: layer sizes (default: the feature dimension, as the code's 1024).
-        (alpha, logit_loss, average_weights, warmup_rounds, forget: as Felo)
+        (alpha, logit_loss, average_weights, warmup_rounds, forget, loss_average: as Felo)
     """
 
     state_attributes = Felo.state_attributes + ("cvae", "stored_features", "stored_labels", "synthetic")
