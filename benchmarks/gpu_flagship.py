@@ -1,7 +1,8 @@
 """The flagship (paper 001 on CIFAR-10, ResNet20) on one GPU: seconds per round next to plain PyTorch.
 
 Writes random-pixel CIFAR-10 in the real pickle format (no download needed), runs a few rounds of
-``recipes/ondevice_kd_cifar10.yaml`` per precision, and reports per run: seconds per steady round
+``recipes/ondevice_kd_cifar10.yaml`` per execution mode (``--executor sequential batched``) and
+precision, and reports per run: seconds per steady round
 (rounds 2 .. N-1; round N also evaluates), the first round's extra seconds, peak GPU memory, mean GPU
 utilisation (NVML, sampled every 0.2 s) and the final test losses (a bf16 run whose loss explodes
 shows here). In the same process it times plain-PyTorch ResNet20 SGD steps of 32 images for 20
@@ -97,13 +98,13 @@ class Utilisation:
         return float(np.mean(self.samples)) if self.samples else None
 
 
-def run_flagship(data_dir: Path, precision: str, rounds: int, tiny: bool, out: Path) -> dict:
+def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tiny: bool, out: Path) -> dict:
     from fl_lightning.cli import fit_from_argv
 
     argv = ["--config", str(ROOT / "recipes" / "ondevice_kd_cifar10.yaml"), "--rounds", str(rounds)]
     argv += ["--eval_every", str(rounds), "--checkpoint_every", str(rounds), "--runtime.progress", "false"]
     argv += ["--runtime.precision", precision, "--output_dir", str(out), "--data.init_args.data_dir", str(data_dir)]
-    argv += ["--data.init_args.download", "false"]
+    argv += ["--data.init_args.download", "false", "--runtime.executor", executor]
     if tiny:
         tiers = "[{name: strong, roles: [aux, target], count: 2}, {name: weak, roles: [aux]}]"
         argv += [
@@ -126,6 +127,8 @@ def run_flagship(data_dir: Path, precision: str, rounds: int, tiny: bool, out: P
     steady = per_round[1:-1] or per_round[-1:]
     return {
         "precision": precision,
+        "executor": executor,
+        "fits": summary.get("executor"),
         "rounds": rounds,
         "round_s": per_round,
         "s_per_steady_round": statistics.median(steady),
@@ -201,6 +204,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
+    parser.add_argument("--executor", nargs="+", default=["sequential", "batched"])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: small data, clients and steps")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip_plain", action="store_true")
@@ -211,7 +215,9 @@ def main() -> int:
         data_dir = Path(tmp) / "data"
         write_random_cifar10(data_dir, 200 if args.tiny else 10_000)
         result["runs"] = [
-            run_flagship(data_dir, p, args.rounds, args.tiny, Path(tmp) / f"run-{p}") for p in args.precision
+            run_flagship(data_dir, p, e, args.rounds, args.tiny, Path(tmp) / f"run-{e}-{p}")
+            for e in args.executor
+            for p in args.precision
         ]
     if not args.skip_plain:
         clients, steps = (2, 3) if args.tiny else (20, 30)

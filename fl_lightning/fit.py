@@ -38,6 +38,11 @@ class Runtime:
     Attributes:
         accelerator: Lightning Fabric accelerator (``cpu``, ``cuda``, ``auto``).
         precision: Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``).
+        executor: how a phase's clients train: ``sequential`` one after another; ``batched`` the clients of
+            one architecture as one vmapped computation per step (``client/batched.py``; same numbers to
+            float tolerance, not bit for bit); ``auto`` batched on a GPU, sequential on CPU (where batching
+            measured slower for small models, docs/performance.md).
+        batch_clients: at most this many clients per batched computation (bounds GPU memory).
         num_threads: torch CPU threads. 1 is the measured best for small models on 2 cores (up to 10x
             faster than torch's default, docs/performance.md); raise it for large CPU models.
         flush_denormal: flush denormal floats to zero, which near convergence otherwise halve CPU speed.
@@ -50,6 +55,8 @@ class Runtime:
 
     accelerator: str = "auto"
     precision: str = "32-true"
+    executor: Literal["auto", "sequential", "batched"] = "auto"
+    batch_clients: int = 64
     num_threads: int | None = 1
     flush_denormal: bool = True
     deterministic: bool = True
@@ -62,6 +69,8 @@ class Runtime:
                 f"runtime.client_state_memory_mb must be 0 or more (or null: no limit), got "
                 f"{self.client_state_memory_mb}; e.g. 1024."
             )
+        if self.batch_clients < 1:
+            raise ConfigError(f"runtime.batch_clients must be at least 1, got {self.batch_clients}; e.g. 64.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(
                 f"runtime.num_threads must be at least 1, got {self.num_threads}; use 1 for small models "
@@ -88,6 +97,21 @@ class Runtime:
                 f"({str(err).splitlines()[0].rstrip('.')}); use accelerator cpu, cuda or auto and a precision "
                 "such as 32-true, bf16-mixed or 16-mixed."
             ) from None
+
+
+def resolve_executor(runtime: Runtime, device: torch.device, training: LocalTraining) -> str:
+    """``sequential`` or ``batched`` for this run (``auto``: batched on a GPU)."""
+    if training.optimizer_state == "shared":  # each client continues the previous client's optimizer state
+        if runtime.executor == "batched":
+            raise ConfigError(
+                "runtime.executor batched cannot train with training.optimizer_state shared (each client starts "
+                "from the previous client's optimizer state, so clients cannot train at once); use executor "
+                "sequential or auto, or optimizer_state reset / per_client."
+            )
+        return "sequential"
+    if runtime.executor == "auto":
+        return "batched" if device.type == "cuda" else "sequential"
+    return runtime.executor
 
 
 def fit(
@@ -219,6 +243,8 @@ def fit(
         config=resolved_config,
         evaluation=evaluation,
         client_state_memory_mb=runtime.client_state_memory_mb,
+        executor=resolve_executor(runtime, fabric.device, training),
+        batch_clients=runtime.batch_clients,
         faults=faults,
         divergence=divergence,
     )

@@ -8,6 +8,7 @@ asynchronous round body lives next to its schedule in ``asynchrony.py``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import numpy as np
 
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
 from .client.context import ClientContext
+from .client.executor import BatchedExecutor
 from .client.loop import LocalLoop
 from .client_store import CLIENTS_DIR
 from .data import FederatedData
@@ -55,6 +57,9 @@ class FederationOrchestrator:
         evaluation: which clients a personalized evaluation covers (all of them at every evaluation by default).
         client_state_memory_mb: megabytes of per-client state kept in memory; the rest waits in its files
             (``client_store.py``). None keeps it all in memory.
+        executor: ``sequential`` (one client after another) or ``batched`` (clients' local fits batched
+            with ``torch.func.vmap`` where their step allows it; ``client/executor.py``).
+        batch_clients: at most this many clients per batched computation.
         faults: faults injected into the clients (``robustness.Faults``); none when None.
         divergence: what a non-finite client update does: ``stop`` the run (exit 2) or ``drop`` the update.
     """
@@ -80,6 +85,8 @@ class FederationOrchestrator:
         config: str | None = None,
         evaluation: PersonalEvaluation | None = None,
         client_state_memory_mb: float | None = None,
+        executor: str = "sequential",
+        batch_clients: int = 64,
         faults: Faults | None = None,
         divergence: str = "stop",
     ):
@@ -104,6 +111,10 @@ class FederationOrchestrator:
         self.state = RunState(client_dir, run_info, config, client_state_memory_mb, loop.fabric.device)
         self.evaluator = Evaluator(loop, data, clients, self.state.client_states, evaluation, seed)
         self.schedule = schedule
+        if executor not in ("sequential", "batched"):
+            raise ConfigError(f"executor must be sequential or batched, got {executor!r}.")
+        # asynchronous rounds run one arrival at a time: nothing to batch there
+        self.batched = BatchedExecutor(loop, batch_clients) if executor == "batched" and schedule is None else None
         self.asynchronous = (
             AsynchronousRounds(schedule, strategy, clients, self.state.ledger, seed, self._run_client, faults)
             if schedule is not None
@@ -161,6 +172,8 @@ class FederationOrchestrator:
         state = self.state
         summary = state.summary(self.seed, self.rounds, self.monitor, self.evaluator.per_client, self.files.root)
         summary.update(extra)
+        if self.batched is not None:  # how many local fits really ran batched (the rest could not)
+            summary["executor"] = {"mode": "batched", **self.batched.fits.counts}
         if self.faults is not None or self.divergence == "drop":
             summary["faults"] = {k: state.events.get(k, 0) for k in self.event_keys}
         self.files.write_json(self.files.summary, summary)
@@ -232,9 +245,13 @@ class FederationOrchestrator:
     def _client_updates(
         self, rnd: int, tasks: list[ClientTask], metrics: dict[str, list[float]]
     ) -> Iterator[ClientUpdate]:
-        """Runs clients one at a time, as the strategy's ``aggregate`` asks for their updates."""
-        for task in tasks:
-            update = self._run_client(rnd, task, metrics)
+        """Runs clients (one at a time, or a chunk batched) as the strategy's ``aggregate`` asks for their updates."""
+        self.loop.begin_phase()
+        if self.batched is None:
+            updates = (self._run_client(rnd, task, metrics) for task in tasks)
+        else:
+            updates = self.batched.run([functools.partial(self._run_client, rnd, task, metrics) for task in tasks])
+        for update in updates:
             if update is not None:  # a lost update sends nothing
                 self.state.ledger.record(rnd, "uplink", update.uplink)
                 yield update

@@ -89,7 +89,7 @@ class RunState:
 
         The client states are written to their files here (those that changed); the checkpoint names them.
         """
-        shared = loop.training.optimizer_state == "shared"
+        shared = loop.training.optimizer_state in ("shared", "shared_per_phase")
         return {
             "rounds_done": self.rounds_done,
             "strategy": strategy.state_dict(),

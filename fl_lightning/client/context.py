@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -92,12 +93,14 @@ class ClientContext:
         mode = self.loop.training.optimizer_state
         if mode == "reset":
             slot.optimizer.state.clear()
-        elif mode == "per_client":
-            saved = self.state.get(f"optimizer/{role}")
+        elif mode == "per_client" or mode == "shared_per_phase":
+            saved = self.state.get(f"optimizer/{role}") if mode == "per_client" else self.loop.phase_start.get(role)
             if saved is None:
                 slot.optimizer.state.clear()
-            else:
+            elif mode == "per_client":
                 slot.optimizer.load_state_dict(saved)
+            else:  # load_state_dict keeps the tensors, which the steps update in place: the next client needs them
+                slot.optimizer.load_state_dict(copy.deepcopy(saved))
         self._loaded.add(role)
         return slot.module
 

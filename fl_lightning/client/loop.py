@@ -8,6 +8,7 @@ single-device run needs none of what it adds.
 
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -50,6 +51,7 @@ class LocalLoop:
         self.training = training
         self.rounds = rounds
         self.slots: dict[str, ModelSlot] = {}
+        self.phase_start: dict[str, dict] = {}  # optimizer states every client of a phase starts from
         self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
 
     def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
@@ -70,6 +72,13 @@ class LocalLoop:
             module = self.fabric.setup_module(module).module  # device and precision from Fabric
             optimizer = module.configure_optimizers()
             self.slots[role] = ModelSlot(module, optimizer, [g["lr"] for g in optimizer.param_groups])
+
+    def begin_phase(self) -> None:
+        """Notes the optimizer states of the phase's start (``optimizer_state: shared_per_phase``)."""
+        if self.training.optimizer_state == "shared_per_phase":
+            self.phase_start = {
+                role: copy.deepcopy(slot.optimizer.state_dict()) for role, slot in self.slots.items() if slot.optimizer.state
+            }
 
     def fresh_weights(self, role: str, seed: int) -> dict[str, Tensor]:
         """Weights of a newly built model of ``role`` (seeded); used once per client by personalized methods.
@@ -95,6 +104,12 @@ class LocalLoop:
         Returns the mean training loss. The loss is accumulated as a tensor so that no step waits
         for a device sync.
         """
+        from .executor import paused_fit  # batched executor: the fit runs later, with other clients' fits
+
+        role = next(r for r, s in self.slots.items() if s is slot)
+        result = paused_fit(self, slot, role, batches, rnd, step_fn or _training_step)
+        if result is not None:
+            return result
         factor = self.training.lr_schedule(rnd, self.rounds)
         for group, base in zip(slot.optimizer.param_groups, slot.base_lrs):
             group["lr"] = base * factor

@@ -32,7 +32,10 @@ class LocalTraining:
         lr_schedule: multiplier of the base learning rate over rounds.
         optimizer_state: ``reset``: fresh optimizer state for each client and round (FedAvg);
             ``per_client``: each client keeps its own state across rounds (FedHe, Felo: persistent Adam);
-            ``shared``: one state per role shared by all clients (paper 001's code).
+            ``shared``: one state per role carried from client to client (paper 001's code);
+            ``shared_per_phase``: one state per role; every client of a phase starts from the state the phase
+            began with, and the last client's final state carries on. It is ``shared`` without the order
+            between clients, so the clients of a phase can train at once (``runtime.executor: batched``).
         grad_clip_norm: clip the gradient norm to this value (FedGH uses 50); ``None`` to disable.
         eval_batch_size: batch size of evaluation passes.
     """
@@ -42,7 +45,7 @@ class LocalTraining:
     local_steps: int | None = None
     batch_size: int = 32
     lr_schedule: RoundSchedule = field(default_factory=lambda: lazy_instance(ConstantLR))
-    optimizer_state: Literal["reset", "per_client", "shared"] = "reset"
+    optimizer_state: Literal["reset", "per_client", "shared", "shared_per_phase"] = "reset"
     grad_clip_norm: float | None = None
     eval_batch_size: int = 512
 

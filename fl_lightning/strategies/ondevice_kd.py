@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch.nn.functional as F
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
@@ -108,6 +109,7 @@ class OnDeviceKD(Strategy):
         target = self.receive(ctx, task, self.target_role)
         weight = ramp_up(task.round - 1, self.kd_weight, self.ramp_rounds)
 
+        @vmappable  # pure: clients of the target phase can train batched (client/batched.py)
         def kd_step(module, batch, i):
             x = batch[0]
             with_teacher = teacher(x).detach()
