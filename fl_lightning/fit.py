@@ -80,17 +80,18 @@ class Runtime:
     def apply(self):
         """Applies the torch settings and returns the run's ``lightning.Fabric``.
 
-        Lightning is imported here, not at the top: it costs seconds, and jsonargparse reads this module's
-        annotations to build the parser, so ``flrun fit --help`` and recipe errors would wait for it.
+        Fabric is imported here, not at the top (:mod:`fl_lightning.fabric_loader`: Fabric alone, without
+        the rest of Lightning): jsonargparse reads this module's annotations to build the parser, so
+        ``flrun fit --help`` and recipe errors would wait for it.
         """
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         torch.set_flush_denormal(self.flush_denormal)
         torch.use_deterministic_algorithms(self.deterministic, warn_only=True)
-        import lightning as L
+        from .fabric_loader import fabric_class
 
         try:
-            return L.Fabric(accelerator=self.accelerator, devices=1, precision=self.precision)
+            return fabric_class()(accelerator=self.accelerator, devices=1, precision=self.precision)
         except (ValueError, RuntimeError, TypeError) as err:
             raise ConfigError(
                 f"runtime accelerator={self.accelerator!r} / precision={self.precision!r} is not usable here "
@@ -317,12 +318,12 @@ def _config_dict(resolved_config: str | None) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, Any]:
-    import lightning
+    from .fabric_loader import lightning_version
 
     versions = {
         "fl_lightning": __version__,
         "torch": str(torch.__version__),  # a TorchVersion object would not load with weights_only
-        "lightning": lightning.__version__,
+        "lightning": lightning_version(),
         "python": platform.python_version(),
     }
     try:

@@ -1,8 +1,12 @@
-"""ClientModule: the LightningModule wrapper of one client model role."""
+"""ClientModule: the module wrapper of one client model role, with the steps Fabric's loop runs.
+
+A plain ``torch.nn.Module``, not a ``LightningModule``: the Fabric loop uses nothing a LightningModule adds
+(no Trainer, ``self.log`` or hooks), and ``lightning.pytorch`` imports torchmetrics, which imports
+torchvision, transformers and ``scipy.signal``: seconds of every run's start-up (docs/performance.md).
+"""
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,7 +28,7 @@ def _fp32(logits: Tensor) -> Tensor:
     return logits.float()
 
 
-class ClientModule(L.LightningModule):
+class ClientModule(torch.nn.Module):
     """Wraps a :class:`FeatureClassifier` with the supervised steps every method starts from.
 
     One instance exists per model role and is reused by every client of that role: a client's weights

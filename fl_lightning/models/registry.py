@@ -21,9 +21,11 @@ import difflib
 import importlib
 import inspect
 import os
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -33,6 +35,9 @@ Builder = Callable[..., FeatureClassifier]
 _BUILDERS: dict[str, Builder] = {}
 ENTRY_POINT_GROUP = "fl_lightning.models"
 TRUST_ENV = "FLRUN_TRUSTED_MODULES"
+# Bundled modules that import torchvision: a run of the other models never needs it, so they are imported
+# only for a name the other bundled modules do not register (tests/test_startup.py keeps the others light).
+_TORCHVISION_MODULES = frozenset({"cifar_resnet", "fedgkt"})
 
 
 def register_model(name: str) -> Callable[[Builder], Builder]:
@@ -47,11 +52,17 @@ def register_model(name: str) -> Callable[[Builder], Builder]:
     return wrap
 
 
+def import_bundled(with_torchvision: bool = True) -> None:
+    """Imports this package's modules, so that their builders register (those needing torchvision on request)."""
+    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if with_torchvision or module.name not in _TORCHVISION_MODULES:
+            importlib.import_module(f"{__package__}.{module.name}")
+
+
 def registered_models() -> dict[str, Builder]:
     """All trusted builders by name: the bundled and registered ones, then installed entry points (a
     registered name wins over an entry point of the same name)."""
-    from . import cifar_resnet, codist, digits, fedgh, fedmd, paper001, pretrained, resnet  # noqa: F401
-
+    import_bundled()
     builders = dict(_BUILDERS)
     for point in entry_points(group=ENTRY_POINT_GROUP):
         if point.name not in builders:
@@ -81,6 +92,9 @@ def resolve_builder(name: str) -> Builder:
     Raises:
         ConfigError: unknown name, or a dotted path outside the trusted modules (refused before import).
     """
+    import_bundled(with_torchvision=False)
+    if name in _BUILDERS:  # registered: it wins over an entry point of the same name (registered_models)
+        return _BUILDERS[name]
     builders = registered_models()
     if name in builders:
         return builders[name]

@@ -1,0 +1,130 @@
+"""Start-up: a digits run imports neither Lightning's Trainer side nor packages a digits run does not use, and
+its first round imports nothing (an import there stalls the first step, docs/performance.md)."""
+
+import json
+import operator
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+# What a digits FedAvg run must not import: the umbrella `lightning` (it imports lightning.pytorch, then
+# torchmetrics, which imports torchvision, transformers and scipy.signal), and the heavy packages of
+# other data sets, models and loggers. scikit-learn brings pandas and scipy; its digits file is read directly.
+HEAVY = (
+    "lightning",
+    "pytorch_lightning",
+    "torchmetrics",
+    "torchvision",
+    "transformers",
+    "scipy",
+    "sklearn",
+    "pandas",
+    "datasets",
+    "h5py",
+    "wandb",
+    "tensorboard",
+    "matplotlib",
+)
+
+# A recorder of sys.modules when the run starts (after Fabric, data and models are set up, just before
+# round 1) and when round 1's metrics arrive; then the whole process's modules when the run is over.
+DRIVER = """
+import json, sys
+from fl_lightning.fit_args import fit_from_argv
+from fl_lightning.tracking.loggers import RunLogger
+
+class ImportWatch(RunLogger):
+    def start(self, output_dir, name, config, state):
+        self.before = set(sys.modules)
+
+    def log_metrics(self, metrics, step):
+        if step == 1:
+            self.first_round = sorted(set(sys.modules) - self.before)
+
+watch = ImportWatch()
+summary = fit_from_argv(sys.argv[1:], extra_loggers=[watch])
+print(json.dumps({"first_round": watch.first_round, "modules": sorted(sys.modules), "final": summary["final"]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """The README's quickstart, 2 rounds, in a fresh process (the test process has imported everything)."""
+    out = tmp_path_factory.mktemp("startup") / "run"
+    argv = ["--config", "recipes/quickstart.yaml", "--rounds", "2", "--eval_every", "1"]
+    argv += ["--output_dir", str(out), "--runtime.progress", "false"]
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_digits_run_imports_no_heavy_package(digits_run):
+    modules = set(digits_run["modules"])
+    assert {"torch", "lightning_fabric", "fl_lightning.client.module"} <= modules  # it did run, on Fabric
+    assert "global/test_acc" in digits_run["final"]
+    imported = {name.split(".")[0] for name in modules}
+    assert sorted(imported & set(HEAVY)) == []
+
+
+def test_digits_first_round_imports_nothing(digits_run):
+    """Round 1 (local training, aggregation, evaluation) finds every module already imported."""
+    assert digits_run["first_round"] == []
+
+
+def test_fabric_reads_torchmetrics_version_without_importing_it():
+    import lightning_utilities.core.imports as requirement_checks
+
+    from fl_lightning.fabric_loader import _version_from_metadata, fabric_class, lightning_version
+
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return "delegated"
+
+    compare = _version_from_metadata(original)
+    assert compare("torchmetrics", operator.ge, "1.0.0") is True  # 1.9.0 is installed (pip list)
+    assert compare("torchmetrics", operator.ge, "99.0") is False
+    assert calls == []
+    assert compare("torch", operator.ge, "2.0") == "delegated"
+    assert calls == [("torch", operator.ge, "2.0", False)]
+
+    before = requirement_checks.compare_version
+    assert fabric_class().__module__ == "lightning_fabric.fabric"
+    assert requirement_checks.compare_version is before  # the replacement lasts only while Fabric loads
+    assert lightning_version().count(".") >= 1
+
+
+def test_digits_read_directly_equal_load_digits():
+    """The digits file read without scikit-learn gives exactly ``load_digits``'s pixels and labels."""
+    from sklearn.datasets import load_digits
+
+    from fl_lightning.data.digits import read_digits
+
+    pixels, labels = read_digits()
+    bunch = load_digits()
+    assert pixels.shape == (1797, 64) and labels.shape == (1797,)
+    assert np.array_equal(pixels, bunch.data) and pixels.dtype == bunch.data.dtype
+    assert np.array_equal(labels, bunch.target)
+    assert np.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+
+
+def test_models_resolved_without_torchvision_modules_import_no_torchvision():
+    """resolve_builder imports every bundled model module but those listed as importing torchvision."""
+    script = (
+        "import sys\n"
+        "from fl_lightning.models import registry\n"
+        "registry.resolve_builder('digits_cnn')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('fl_lightning.models.')), 'torchvision' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "fl_lightning.models.resnet" in result.stdout and "fl_lightning.models.cifar_resnet" not in result.stdout
+    assert result.stdout.strip().endswith("False"), result.stdout
