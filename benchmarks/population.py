@@ -55,7 +55,7 @@ def recipe(method: str, clients: int, args: argparse.Namespace) -> dict:
         config["population"]["tiers"] = FEDHE_TIERS
     config["sampler"] = {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"num_per_round": 10}}
     config.update(rounds=args.rounds, eval_every=args.rounds, checkpoint_every=1)
-    config["evaluation"] = {"untrained": args.untrained}
+    config["evaluation"] = {"untrained": args.untrained, "clients_per_batch": args.clients_per_batch}
     config.setdefault("runtime", {})["progress"] = False
     return config
 
@@ -121,6 +121,7 @@ def run_one(method: str, clients: int, args: argparse.Namespace) -> dict:
         "final_eval_s": timings["eval_s"][-1],
         "clients_evaluated": _clients_evaluated(summary["final"], clients),
         "untrained": args.untrained,
+        "clients_per_batch": args.clients_per_batch,
         "setup_s": timings["setup_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "final": summary["final"],
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--examples_per_client", type=int, default=50)
     parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet class proportions per client")
     parser.add_argument("--untrained", choices=["skip", "evaluate"], default="skip", help="evaluation.untrained")
+    parser.add_argument(
+        "--clients_per_batch", type=int, default=1, help="evaluation.clients_per_batch (1: one client at a time)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON line per run instead of a table")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "CLIENTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -158,6 +162,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
     options = ["--rounds", str(args.rounds), "--examples_per_client", str(args.examples_per_client)]
     options += ["--alpha", str(args.alpha), "--untrained", args.untrained]
+    options += ["--clients_per_batch", str(args.clients_per_batch)]
     for method in args.method:
         for clients in args.clients:
             command = [sys.executable, __file__, "--worker", method, str(clients), *options]

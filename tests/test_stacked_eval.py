@@ -1,0 +1,127 @@
+"""Personalized evaluation of a role's clients stacked (torch.func.vmap) equals one client at a time."""
+
+import logging
+
+import pytest
+import torch
+from conftest import ROOT, method_env, read_summary, run_cli
+from torch import nn
+
+from fl_lightning.evaluation import Evaluator, PersonalEvaluation
+from fl_lightning.models import FeatureClassifier, ModelSpec
+from fl_lightning.population import Tier
+from fl_lightning.stacked_eval import StackedEvaluation
+from fl_lightning.strategies import FedHe
+
+MODELS = {
+    "mlp": ModelSpec("digits_mlp", {"hidden": 32}),
+    "cnn": ModelSpec("digits_cnn", {"width": 0.5, "batch_norm": True}),
+    "lstm": ModelSpec("test_stacked_eval.row_lstm"),
+}
+TIERS = [Tier("mlp", ["mlp"], count=5), Tier("cnn", ["cnn"], count=4), Tier("lstm", ["lstm"], count=3)]
+
+
+class RowLSTM(nn.Module):
+    """Reads an 8x8 digit row by row; vmap has no batching rule for ``aten::lstm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x.reshape(len(x), 8, 8))[0][:, -1]
+
+
+def row_lstm(num_classes: int = 10) -> FeatureClassifier:
+    return FeatureClassifier(RowLSTM(), nn.Linear(16, num_classes), 16, num_classes)
+
+
+def _evaluate(server, strategy, clients_per_batch, states=None):
+    plan = PersonalEvaluation(clients_per_batch=clients_per_batch)
+    evaluator = Evaluator(server._loop, server.data, server.clients, states or {}, plan)
+    metrics = evaluator.personalized(strategy.personal_weights)
+    return metrics, evaluator, torch.get_rng_state()
+
+
+@pytest.fixture
+def fedhe(monkeypatch):
+    monkeypatch.setenv("FLRUN_TRUSTED_MODULES", "conftest,test_stacked_eval")
+    strategy = FedHe()
+    server = method_env(strategy, MODELS, TIERS, num_clients=12)
+    # trained-looking clients: batch-norm statistics away from their initial 0 / 1, other weights perturbed
+    states = {}
+    for client in server.clients[::2]:
+        weights = server.own_weights(client, None)
+        generator = torch.Generator().manual_seed(client.id)
+        states[client.id] = {
+            "weights": {
+                k: v + 0.3 * torch.rand(v.shape, generator=generator) if v.is_floating_point() else v + 3
+                for k, v in weights.items()
+            }
+        }
+    return server, strategy, states
+
+
+def test_stacked_clients_score_as_one_at_a_time(fedhe, caplog):
+    server, strategy, states = fedhe
+    one_metrics, one, one_rng = _evaluate(server, strategy, 1, states)
+    with caplog.at_level(logging.WARNING, logger="fl_lightning.evaluation"):
+        stacked_metrics, evaluator, stacked_rng = _evaluate(server, strategy, 3, states)  # chunks of 3 and a rest
+    assert [type(evaluator._stacked[role]).__name__ for role in ("mlp", "cnn", "lstm")] == [
+        "StackedEvaluation",
+        "StackedEvaluation",
+        "NoneType",
+    ]
+    one, stacked = one.per_client, evaluator.per_client
+    tier = {c.id: c.tier for c in server.clients}
+    assert stacked.keys() == one.keys() and len(one) == 12
+    for cid, acc in one.items():
+        if tier[cid] == "cnn":  # a grouped convolution sums in another order: float tolerance
+            assert stacked[cid] == pytest.approx(acc, abs=1 / 359)
+        else:  # linear layers sum the same way stacked; the LSTM falls back to one at a time
+            assert stacked[cid] == acc
+    assert set(stacked_metrics) == set(one_metrics)
+    for name, value in one_metrics.items():
+        assert stacked_metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+    assert stacked_metrics["personal/mlp/test_acc"] == one_metrics["personal/mlp/test_acc"]
+    assert stacked_metrics["personal/lstm/test_acc"] == one_metrics["personal/lstm/test_acc"]
+    assert len(set(one.values())) > 6  # the clients' models differ (own seeds, own states)
+    assert torch.equal(stacked_rng, one_rng)  # initial weights drawn in the same client order
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "lstm's clients are evaluated one at a time"
+    ]  # said once, for the role vmap cannot run
+
+
+def test_stacked_losses_match_test_step_on_the_cpu_mlp():
+    torch.manual_seed(0)
+    models = [MODELS["mlp"].build(num_classes=10) for _ in range(4)]
+    x, y = torch.randn(37, 1, 8, 8), torch.randint(0, 10, (37,))
+    stacked = StackedEvaluation(models[0], batch_size=16)  # three test batches: 16, 16, 5
+    scores = stacked.scores([m.state_dict() for m in models], x, y)
+    for model, (acc, loss) in zip(models, scores):
+        logits = torch.cat([model.eval()(x[i : i + 16]) for i in range(0, 37, 16)])
+        by_hand = sum(
+            nn.functional.cross_entropy(model(x[i : i + 16]), y[i : i + 16], reduction="sum") for i in range(0, 37, 16)
+        )
+        assert acc == (logits.argmax(1) == y).sum().item() / 37
+        assert loss == by_hand.item() / 37  # the same float32 sums, batch by batch
+
+
+def test_an_lstm_raises_so_the_evaluator_falls_back():
+    model = row_lstm()
+    with pytest.raises(RuntimeError, match="lstm"):
+        StackedEvaluation(model, batch_size=8).scores([model.state_dict()] * 2, torch.randn(4, 1, 8, 8), torch.zeros(4))
+
+
+def test_the_option_through_fit(tmp_path, capsys):
+    argv = ["fit", "--config", str(ROOT / "recipes" / "digits_fedhe.yaml"), "--runtime.progress", "false"]
+    argv += ["--rounds", "2", "--eval_every", "1", "--seed", "0"]
+    assert run_cli(*argv, "--output_dir", str(tmp_path / "one")) == 0
+    assert run_cli(*argv, "--output_dir", str(tmp_path / "stacked"), "--evaluation.clients_per_batch", "8") == 0
+    one, stacked = read_summary(tmp_path / "one"), read_summary(tmp_path / "stacked")
+    assert stacked["final"]["personal/mlp/test_acc"] == one["final"]["personal/mlp/test_acc"]
+    assert stacked["final"]["personal/test_loss"] == pytest.approx(one["final"]["personal/test_loss"], rel=1e-6)
+    assert stacked["final"]["personal/test_acc"] == pytest.approx(one["final"]["personal/test_acc"], abs=1 / 359)
+    assert run_cli(*argv, "--output_dir", str(tmp_path / "bad"), "--evaluation.clients_per_batch", "0") == 2
+    err = capsys.readouterr().err.strip()
+    assert "evaluation.clients_per_batch must be a whole number of at least 1" in err and "\n" not in err
