@@ -396,7 +396,8 @@ def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
     root = tmp_path / "stackoverflow"
     root.mkdir()
     (root / "stackoverflow.word_count").write_text("".join(f"w{i} {100 - i}\n" for i in range(30)))
-    posts = {f"u{i}": ([f"w{i} w{i + 1} w{i + 2} w99".encode()] * 6, [b"question"] * 6) for i in range(6)}
+    # 8 users: the recipe's pool draws 6 of them, the other two hold the in-domain server set
+    posts = {f"u{i}": ([f"w{i} w{i + 1} w{i + 2} w99".encode()] * 6, [b"question"] * 6) for i in range(8)}
     write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
     write_tff(root / "stackoverflow_test.h5", {"t": ([b"w1 w2"] * 3, [b"answer"] * 3)}, ("tokens", "type"))
     population = _pools(6, 2)
@@ -418,8 +419,8 @@ def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
             "30",
             "--data.init_args.max_clients",
             "6",
-            "--data.init_args.server_fraction",
-            "0.3",
+            "--data.init_args.distillation_examples",
+            "10",
             "--population",
             population,
             "--strategy.init_args.clients_per_round",
@@ -440,6 +441,9 @@ def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
     )
     summary = read_summary(out)
     assert 0.0 <= summary["final"]["large/test_acc"] <= 1.0 and summary["reference"]["table"] == "Table 1"
+    partition = json.loads((out / "partition.json").read_text())
+    assert [c["train"] for c in partition["clients"]] == [6] * 6  # every pool user keeps its 6 posts
+    assert partition["server_size"] == 10  # from the 12 posts of the two users outside the pool
 
 
 def test_stackoverflow_domain_shift_recipe_reports_per_domain_accuracy(tmp_path):
@@ -449,7 +453,8 @@ def test_stackoverflow_domain_shift_recipe_reports_per_domain_accuracy(tmp_path)
     root.mkdir()
     (root / "stackoverflow.word_count").write_text("".join(f"w{i} {100 - i}\n" for i in range(20)))
     kinds = [b"question", b"answer"] * 4  # every user asks and answers, so both pools can be formed
-    posts = {f"u{i}": ([f"w{i + k} w{k}".encode() for k in range(8)], kinds) for i in range(4)}
+    # 6 users: the pools draw 4 of them, the other two hold the server set
+    posts = {f"u{i}": ([f"w{i + k} w{k}".encode() for k in range(8)], kinds) for i in range(6)}
     write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
     write_tff(root / "stackoverflow_test.h5", {"t": ([b"w1 w2", b"w3"], [b"question", b"answer"])}, ("tokens", "type"))
     population = _pools(4, 2, high_roles=("large",))
@@ -477,8 +482,8 @@ def test_stackoverflow_domain_shift_recipe_reports_per_domain_accuracy(tmp_path)
             "4",
             "--data.init_args.question_clients",
             "2",
-            "--data.init_args.server_fraction",
-            "0.25",
+            "--data.init_args.distillation_examples",
+            "8",
             "--population",
             population,
             "--strategy.init_args.clients_per_round",

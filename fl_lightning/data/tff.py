@@ -19,6 +19,8 @@ from .partition import NaturalIdPartitioner
 from .transforms import random_crop_flip
 from .vision import CIFAR_MEAN, CIFAR_STD
 
+OUTSIDE_USERS = "outside_users"  # StackOverflow distillation_texts: posts of training users no client holds
+
 
 def require(path: Path, download: bool, name: str) -> Path:
     """``path`` of data set ``name`` (``fed_cifar100`` or ``stackoverflow``), fetched first with ``download``;
@@ -81,16 +83,24 @@ class StackOverflowData(FederatedData):
 
     Args:
         post_type: ``all``, ``question`` or ``answer`` (paper 002's domain-shifted pools).
-        max_clients: users read from the training file (the first ones in file order); None reads all
-            342k, which needs tens of GB.
-        max_examples_per_client: posts kept per user (TFF's baseline uses 256).
+        max_clients: users read from the training file into the client pool (see ``pool_users``); None
+            reads all 342,477, which needs tens of GB.
+        pool_users: which ``max_clients`` users: ``first`` in file order, or ``random``, drawn with
+            ``pool_seed`` from all users of the training file (paper 002's 34,248 users are 10% of them).
+        pool_seed: seed of the ``random`` draw; fixed, so that every run and recipe has the same pool.
+        max_examples_per_client: posts kept per user (TFF's baseline uses 256); None keeps them all
+            (paper 002's pools: Tables 3-5 count every post of the pool's users).
         test_examples: posts drawn (seeded) from the test file for the global test set.
-        distillation_texts: out-of-domain server set (paper 002's C4 slice): a local ``.json[.gz]`` /
-            ``.jsonl`` file with one ``{"text": ...}`` document per line (C4's own format) or a parquet file
-            with a ``text`` column; ``hub`` reads ``<data_dir>/c4/c4-validation.00000-of-00008.json.gz``,
-            the first shard of ``allenai/c4`` (en, validation), fetched with ``download`` or ``flrun data
-            fetch c4``. The first ``distillation_examples`` documents are encoded like posts and become
-            the server's set.
+        distillation_texts: the server's unlabeled set, unlabeled posts or documents encoded like posts.
+            ``outside_users``: in-domain, posts of training-split users outside the client pool (paper
+            002's in-domain distillation data, which no client holds): the first
+            ``distillation_examples`` posts of those users in file order. Out-of-domain (paper 002's C4
+            slice): a local ``.json[.gz]`` / ``.jsonl`` file with one ``{"text": ...}`` document per line
+            (C4's own format) or a parquet file with a ``text`` column; ``hub`` reads
+            ``<data_dir>/c4/c4-validation.00000-of-00008.json.gz``, the first shard of ``allenai/c4`` (en,
+            validation), fetched with ``download`` or ``flrun data fetch c4``; its first
+            ``distillation_examples`` documents. Replaces ``server_fraction``, which would take posts
+            from the clients' users.
         distillation_revision: the ``allenai/c4`` commit to fetch and require (no commit is pinned by
             default: none could be found in public code; the fetched one is recorded in ``c4/REVISION``).
         question_clients: domain-shifted pools (paper 002 Table 2): clients ``0 .. k-1`` keep only their
@@ -138,7 +148,7 @@ class StackOverflowData(FederatedData):
         sequence_length: int = 20,
         post_type: str = "all",
         max_clients: int | None = 1000,
-        max_examples_per_client: int = 256,
+        max_examples_per_client: int | None = 256,
         test_examples: int = 10_000,
         test_seed: int = 0,
         distillation_texts: str | None = None,
@@ -146,12 +156,30 @@ class StackOverflowData(FederatedData):
         distillation_revision: str | None = None,
         question_clients: int | None = None,
         domain_test_sets: bool = False,
+        pool_users: str = "first",
+        pool_seed: int = 0,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.question_clients, self.domain_test_sets = question_clients, domain_test_sets
         if post_type not in ("all", "question", "answer"):
             raise ConfigError(f"post_type must be all, question or answer, got {post_type!r}.")
+        if pool_users not in ("first", "random"):
+            raise ConfigError(f"pool_users must be first or random, got {pool_users!r}.")
+        if max_examples_per_client is not None and max_examples_per_client < 1:
+            raise ConfigError(
+                f"max_examples_per_client must be a positive number of posts or null (all of them), "
+                f"got {max_examples_per_client}."
+            )
+        if distillation_texts is not None and (
+            self.server_fraction > 0 or self.server_examples is not None or self.server_dataset is not None
+        ):
+            raise ConfigError(
+                "distillation_texts replaces server_fraction, server_examples and server_dataset as the server's "
+                "set; set only one."
+            )
+        self.pool_users, self.pool_seed = pool_users, pool_seed
+        self.server_owners: np.ndarray | None = None  # the users of an outside_users server set
         self.root, self.download = Path(data_dir) / "stackoverflow", download
         self.vocab_size, self.sequence_length, self.post_type = vocab_size, sequence_length, post_type
         self.max_clients, self.max_examples_per_client = max_clients, max_examples_per_client
@@ -182,17 +210,21 @@ class StackOverflowData(FederatedData):
         y[y == 0] = -100
         return x, y
 
-    def _read(self, path: Path, clients: list[str] | None, limit: int | None):
+    def _read(self, path: Path, clients: list[str] | None, limit: int | None, total: int | None = None):
+        """Posts, their users and kinds: at most ``limit`` per user, and with ``total`` that many in all."""
         import h5py
 
         posts, owners, types = [], [], []
         with h5py.File(path, "r") as f:
             names = clients if clients is not None else sorted(f["examples"])
             for name in names:
+                if total is not None and len(posts) >= total:
+                    break
                 group = f["examples"][name]
                 kinds = [k.decode() if isinstance(k, bytes) else k for k in group["type"][()]]
                 pairs = [(t, k) for t, k in zip(group["tokens"][()], kinds) if self.post_type in ("all", k)]
                 pairs = pairs[:limit] if limit else pairs
+                pairs = pairs[: total - len(posts)] if total is not None else pairs
                 posts += [t for t, _ in pairs]
                 types += [k for _, k in pairs]
                 owners += [name] * len(pairs)
@@ -204,7 +236,7 @@ class StackOverflowData(FederatedData):
         self.vocab = self.load_vocab()
         train_path = require(self.root / "stackoverflow_train.h5", self.download, "stackoverflow")
         with h5py.File(train_path, "r") as f:
-            clients = sorted(f["examples"])[: self.max_clients] if self.max_clients else None
+            clients, outside = self.pool_and_outside_users(sorted(f["examples"]))
         posts, owners, self.post_types = self._read(train_path, clients, self.max_examples_per_client)
         test_posts, _, test_types = self._read(
             require(self.root / "stackoverflow_test.h5", self.download, "stackoverflow"), None, None
@@ -218,9 +250,34 @@ class StackOverflowData(FederatedData):
                 keep = torch.from_numpy(test_types[chosen] == kind)
                 self.extra_tests[f"{kind}s"] = (tx[keep], ty[keep])
         arrays = DataArrays(x, y, tx, ty, groups=owners, num_classes=self.vocab_size + 4)
-        if self.distillation_texts is not None:
+        if self.distillation_texts == OUTSIDE_USERS:
+            self.server_dataset = _EncodedTexts(self.encode(self._outside_posts(train_path, outside))[0])
+        elif self.distillation_texts is not None:
             self.server_dataset = _EncodedTexts(self.encode(self._distillation_documents())[0])
         return arrays
+
+    def pool_and_outside_users(self, names: list[str]) -> tuple[list[str], list[str]]:
+        """The client pool's users (``max_clients`` of ``names``, chosen as ``pool_users`` says) and the
+        others, both in file order."""
+        if self.max_clients is None or self.max_clients >= len(names):
+            return names, []
+        if self.pool_users == "first":
+            return names[: self.max_clients], names[self.max_clients :]
+        chosen = np.zeros(len(names), dtype=bool)
+        chosen[np.random.default_rng(self.pool_seed).choice(len(names), self.max_clients, replace=False)] = True
+        return [n for n, c in zip(names, chosen) if c], [n for n, c in zip(names, chosen) if not c]
+
+    def _outside_posts(self, path: Path, outside: list[str]) -> list[bytes]:
+        """The first ``distillation_examples`` posts of the users outside the pool (in-domain server set)."""
+        wanted = self.distillation_examples
+        posts, owners, _ = self._read(path, outside, None, total=wanted)
+        if len(posts) < wanted:
+            raise ConfigError(
+                f"distillation_texts: outside_users needs {wanted} posts of users outside the client pool, but "
+                f"the {len(outside)} users outside it hold {len(posts)}; lower distillation_examples or max_clients."
+            )
+        self.server_owners = owners
+        return posts
 
     def _distillation_documents(self) -> list[str]:
         source, n = self.distillation_texts, self.distillation_examples
