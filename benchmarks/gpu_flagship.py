@@ -105,6 +105,8 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
     argv += ["--eval_every", str(rounds), "--checkpoint_every", str(rounds), "--runtime.progress", "false"]
     argv += ["--runtime.precision", precision, "--output_dir", str(out), "--data.init_args.data_dir", str(data_dir)]
     argv += ["--data.init_args.download", "false", "--runtime.executor", executor]
+    if executor == "batched":  # paper 001's shared momentum is carried client to client; its per-phase form batches
+        argv += ["--training.optimizer_state", "shared_per_phase"]
     if tiny:
         tiers = "[{name: strong, roles: [aux, target], count: 2}, {name: weak, roles: [aux]}]"
         argv += [
