@@ -97,3 +97,32 @@ def test_batched_with_a_shared_optimizer_state_is_refused():
             ["--config", str(ROOT / "recipes" / "quickstart.yaml"), "--runtime.executor", "batched"]
             + ["--training.optimizer_state", "shared", "--rounds", "1"]
         )
+
+
+def test_a_batched_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path):
+    """shared_per_phase carries one optimizer state across phases and rounds: it must survive the checkpoint."""
+    common = ["--config", str(ROOT / "recipes" / "digits_ondevice_kd.yaml"), "--rounds", "3", "--eval_every", "1"]
+    common += ["--runtime.progress", "false", "--runtime.executor", "batched"]
+    common += ["--training.optimizer_state", "shared_per_phase"]
+    full = fit_from_argv([*common, "--output_dir", str(tmp_path / "full")])
+    fit_from_argv([*common, "--output_dir", str(tmp_path / "cut"), "--stop_after", "1"])
+    resumed = fit_from_argv([*common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto"])
+    assert resumed["final"] == full["final"]
+    full_rows = [r.split(",")[:4] for r in (tmp_path / "full" / "metrics.csv").read_text().splitlines()]
+    cut_rows = [r.split(",")[:4] for r in (tmp_path / "cut" / "metrics.csv").read_text().splitlines()]
+    assert cut_rows == full_rows  # round, clients and the training losses of every round
+
+
+def test_a_client_error_inside_a_batched_chunk_stops_the_run_as_sequentially(tmp_path):
+    """An injected NaN update under divergence: stop raises the same one-sentence error in both modes."""
+    from fl_lightning.robustness import Diverged
+
+    errors = []
+    for executor in ("sequential", "batched"):
+        argv = ["--config", str(ROOT / "recipes" / "quickstart.yaml"), "--rounds", "2", "--runtime.progress", "false"]
+        argv += ["--runtime.executor", executor, "--output_dir", str(tmp_path / executor)]
+        argv += ["--faults", "{nan: 0.3}"]
+        with pytest.raises(Diverged) as caught:
+            fit_from_argv(argv)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1] and "an injected nan fault" in errors[0]
