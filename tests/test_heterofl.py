@@ -3,13 +3,13 @@ batch norm, masking, label-split aggregation and the bytes a sub-model sends."""
 
 import pytest
 import torch
+from conftest import client_update, method_env, read_summary, run_cli, write_recipe
 from torch import nn
 
-from conftest import client_update, method_env, read_summary, run_cli, write_recipe
 from fl_lightning.data import DigitsData, DirichletPartitioner
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import ModelSpec, digits_cnn, digits_mlp
-from fl_lightning.models.slicing import batch_norm_statistics, scatter_state, slice_state, sliced_width
+from fl_lightning.models.slicing import batch_norm_statistics, not_a_slice, scatter_state, slice_state, sliced_width
 from fl_lightning.population import Tier
 from fl_lightning.strategies import HeteroFL
 from fl_lightning.strategies.heterofl import SliceAverage
@@ -203,3 +203,84 @@ def test_all_clients_at_full_width_without_split_or_mask_is_unweighted_fedavg(tm
         recipe = write_recipe(tmp_path / f"{name}.yaml", strategy=strategy, **common)
         assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / name)) == 0
     assert read_summary(tmp_path / "heterofl")["final"] == read_summary(tmp_path / "fedavg")["final"]
+
+
+def _basic_resnet_count(layers, widths, classes=10, in_channels=3):
+    """Parameters of a CIFAR ResNet of basic blocks by hand: stem conv + norm, each block's two 3x3 convs and
+    two norms (2 numbers a channel), a 1x1 conv + norm on the first block's shortcut when its shape changes,
+    the dense head."""
+    total, previous = 9 * in_channels * widths[0] + 2 * widths[0], widths[0]
+    for stage, (blocks, out) in enumerate(zip(layers, widths)):
+        for block in range(blocks):
+            total += 9 * previous * out + 9 * out * out + 4 * out
+            if block == 0 and (stage > 0 or previous != out):
+                total += previous * out + 2 * out
+            previous = out
+    return total + previous * classes + classes
+
+
+def _bottleneck_resnet_count(layers, widths, classes=10, in_channels=3):
+    """The same for bottleneck blocks (1x1, 3x3, 1x1 convs; 4 x planes out; ResNet50)."""
+    total, previous = 9 * in_channels * widths[0] + 2 * widths[0], widths[0]
+    for blocks, planes in zip(layers, widths):
+        for block in range(blocks):
+            total += previous * planes + 9 * planes * planes + planes * 4 * planes + 2 * (planes + planes + 4 * planes)
+            if block == 0:  # every stage's first block changes the shape (64 -> 256 channels in stage 1)
+                total += previous * 4 * planes + 2 * 4 * planes
+            previous = 4 * planes
+    return total + previous * classes + classes
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5, 0.25, 0.125, 0.0625])
+def test_sliced_cifar_resnets_have_the_parameters_of_their_width_formula(rate):
+    from fl_lightning.models import registered_models
+
+    models = registered_models()
+    widths = [sliced_width(w, rate) for w in (64, 128, 256, 512)]  # 4, 8, 16, 32 channels at rate 1/16
+    for depth, layers in ((10, [1, 1, 1, 1]), (26, [3, 3, 3, 3]), (34, [3, 4, 6, 3])):
+        model = models[f"cifar_resnet{depth}"](rate=rate)
+        assert sum(p.numel() for p in model.parameters()) == _basic_resnet_count(layers, widths), depth
+    resnet50 = models["cifar_resnet50"](rate=rate)
+    assert sum(p.numel() for p in resnet50.parameters()) == _bottleneck_resnet_count([3, 4, 6, 3], widths)
+    assert sum(p.numel() for p in models["cifar_resnet26"](rate=1.0).parameters()) == 17_444_682  # unchanged
+    # resnet20: a projection on every stage's first block; widths ceil(r * 16, 32, 64), the stem cut too
+    small = [sliced_width(w, rate) for w in (16, 32, 64)]
+    count = 27 * small[0] + 2 * small[0]
+    previous = small[0]
+    for out in small:
+        count += (
+            9 * previous * out + 9 * out * out + 4 * out + previous * out + 2 * out + 2 * (18 * out * out + 4 * out)
+        )
+        previous = out
+    assert sum(p.numel() for p in models["resnet20"](rate=rate).parameters()) == count + 10 * previous + 10
+
+
+@pytest.mark.parametrize("builder", ["cifar_resnet26", "cifar_resnet50", "resnet20"])
+def test_a_sliced_resnet_is_the_global_resnet_with_the_other_channels_at_zero(builder):
+    from fl_lightning.models import registered_models
+
+    torch.manual_seed(0)
+    build = registered_models()[builder]
+    full, sub = build(rate=1.0), build(rate=0.25)
+    with torch.no_grad():  # non-trivial batch-norm statistics and affine parameters to carry over
+        for norm in [m for m in full.modules() if isinstance(m, nn.BatchNorm2d)]:
+            norm.running_mean.uniform_(-0.5, 0.5)
+            norm.running_var.uniform_(0.5, 2.0)
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.2, 0.2)
+    state = full.state_dict()
+    shapes = {k: v.shape for k, v in sub.state_dict().items()}
+    assert not_a_slice({k: v.shape for k, v in state.items()}, shapes) is None
+    sliced = slice_state(state, shapes)
+    sub.load_state_dict(sliced)
+    # round trip: writing the slice back over the global state changes nothing
+    assert all(torch.equal(v, state[k]) for k, v in scatter_state(state, sliced).items())
+    # the global network whose entries outside the slice are zero computes what the slice computes (eval mode,
+    # where the scaler is off): the slice holds the first channels of every layer and nothing else
+    empty = {k: torch.ones_like(v) if k.endswith("running_var") else torch.zeros_like(v) for k, v in state.items()}
+    full.load_state_dict(scatter_state(empty, sliced))
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.allclose(full.eval()(x), sub.eval()(x), atol=1e-5)
+    scaled = [m for m in sub.modules() if isinstance(m, nn.Conv2d) and m._forward_hooks]
+    assert len(scaled) == sum(isinstance(m, nn.Conv2d) for m in sub.modules())  # every conv has the scaler
+    assert not any(m._forward_hooks for m in full.modules())  # rate 1 adds none

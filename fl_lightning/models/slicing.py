@@ -3,8 +3,9 @@
 A builder supports slicing when it takes a ``rate`` argument and builds the rate-r model whose parameter
 shapes are exactly the leading blocks of the rate-1 model's (same names, each dimension cut to the
 first entries); it marks the model with :func:`mark_sliceable`. The input channels of the first layer
-and the classes of the output layer are never cut. ``digits_mlp`` and ``digits_cnn`` support it
-(:data:`SLICEABLE_BUILDERS`); other builders are refused by the strategies that need slicing.
+and the classes of the output layer are never cut. ``digits_mlp``, ``digits_cnn``, ``resnet20`` and the
+CIFAR ResNets ``cifar_resnet10`` ... ``cifar_resnet50`` support it (:data:`SLICEABLE_BUILDERS`); other
+builders are refused by the strategies that need slicing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from ..types import StateDict
 
-SLICEABLE_BUILDERS = ("digits_cnn", "digits_mlp")
+SLICEABLE_BUILDERS = ("digits_cnn", "digits_mlp", "resnet20") + tuple(
+    f"cifar_resnet{depth}" for depth in (10, 14, 18, 22, 26, 34, 50)
+)
 
 
 def sliced_width(units: int, rate: float) -> int:

@@ -57,7 +57,8 @@ class HeteroFL(Strategy):
 
     The global model is the role built at ``rate: 1``; every other role is the same builder with a
     smaller ``rate`` (HeteroFL's levels a-e are 1, 1/2, 1/4, 1/8, 1/16), whose layers keep the first
-    ``ceil(r * n)`` channels / units (``models/slicing.py``; sliceable builders: digits_cnn, digits_mlp).
+    ``ceil(r * n)`` channels / units (``models/slicing.py``; sliceable builders: digits_cnn, digits_mlp,
+    resnet20 and the CIFAR ResNets cifar_resnet10 ... 50, which paper 003's HeteroFL cells slice).
     A client receives the slice of the global parameters its rate holds, about ``r^2 |theta|`` numbers,
     trains it and sends it back; the server averages each entry over the clients holding it
     (:class:`SliceAverage`). Its parts, as the paper and the official code:
