@@ -57,10 +57,44 @@ def test_sizes_sent_and_server_logits_aligned_with_the_clients_examples():
     client_update(strategy, server, strategy.configure_round(2, [client])[0], state)  # distills from them
 
 
+def test_fedgkt_resnet8_sends_its_stem_feature_maps_and_the_server_resnet_continues_from_them():
+    models = {
+        "m": ModelSpec("fedgkt_client_resnet8", {"in_channels": 1}),
+        "server": ModelSpec("fedgkt_server_resnet", {"depth": 20}),
+    }
+    strategy = FedGKT(server_epochs=1)
+    server = _env(strategy, models=models)
+    client, idx = server.clients[1], server.data.clients[1].train
+    update = client_update(strategy, server, strategy.configure_round(1, [client])[0], {})
+    sent = update.uplink["features"].tensors
+    # every example's 16 x 8 x 8 map after the stem (digits are 8 x 8), its 10 logits and an int32 label
+    assert sent["features"].shape == (len(idx), 16, 8, 8)
+    assert update.uplink["features"].nbytes == len(idx) * (16 * 8 * 8 + 10 + 1) * 4
+    model = server.model("m")  # the trained client's weights are still loaded: its own split pieces agree
+    model.eval()
+    with torch.no_grad():
+        x = server.data.x[idx]
+        assert torch.allclose(sent["features"], model.extract(x), atol=1e-6)
+        assert torch.allclose(sent["logits"], model(x), atol=1e-5)
+        assert torch.allclose(model.classify(model.extract(x)), model.head(model.features(x)), atol=1e-6)
+    strategy.aggregate(1, iter([update]))
+    down = strategy.configure_round(2, [client])[0].downlink["server_logits"].tensors["logits"]
+    assert down.shape == (len(idx), 10)
+    assert torch.allclose(down, server.predict("server", strategy.server_weights, sent["features"]))
+
+
 def test_bad_settings_are_refused_in_one_sentence():
     wrong = {"m": MODELS["m"], "server": ModelSpec("digits_mlp", {"in_features": 64})}
-    with pytest.raises(ConfigError, match="must take the clients' feature vectors, but it does not accept role 'm'"):
+    with pytest.raises(ConfigError, match=r"does not accept role 'm''s features of shape \(8,\); .*\{in_features: 8\}"):
         _env(FedGKT(), models=wrong)
+    maps = {
+        "m": ModelSpec("fedgkt_client_resnet8", {"in_channels": 1}),
+        "server": ModelSpec("fedgkt_server_resnet", {"feature_channels": 8}),
+    }
+    with pytest.raises(
+        ConfigError, match=r"shape \(16, 8, 8\); .*fedgkt_server_resnet with args \{feature_channels: 16\}"
+    ):
+        _env(FedGKT(), models=maps)
     with pytest.raises(ConfigError, match="server_role 'server' is the server's own model, but tiers give it"):
         _env(FedGKT(), tiers=[Tier("all", ["server"])])
     with pytest.raises(ConfigError, match="FedGKT needs alpha >= 0, temperature > 0"):

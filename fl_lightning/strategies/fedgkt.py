@@ -4,7 +4,7 @@ section 6 (FedML's ``fedgkt``: T = 3, alpha = 1, server distillation on) and pap
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,8 @@ from ..evaluation import Evaluator
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
 from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
-from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
+from ..models.fedgkt import SplitFeatureClassifier
+from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from .base import PersonalModels, ServerContext, Strategy
 
 
@@ -31,6 +32,15 @@ def bidirectional_losses(
     return client, server
 
 
+def split_point(model: torch.nn.Module) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """A client model cut where FedGKT cuts it: ``(extract, classify)``. A
+    :class:`~fl_lightning.models.fedgkt.SplitFeatureClassifier` (FedGKT's ResNet-8) is cut at its split point
+    and sends feature maps; any other model after its feature extractor, and sends feature vectors."""
+    if isinstance(model, SplitFeatureClassifier):
+        return model.extract, model.classify
+    return model.features, model.head
+
+
 class FedGKT(PersonalModels, Strategy):
     """Group knowledge transfer: small client models and a large server model on their features.
 
@@ -39,10 +49,13 @@ class FedGKT(PersonalModels, Strategy):
 
     * the client trains on its private data with ``CE(z_c, y) + alpha KD(z_c, z_s)`` (eq. 5), ``z_s``
       the server's logits on the same example from the client's previous round (plain CE before it has
-      any); then it uploads, for **every** training example in a fixed order, its feature vector
-      ``H = features(x)``, its logits and its label (eval mode): ``N_k (D + C + 1)`` numbers up;
+      any); then it uploads, for **every** training example in a fixed order, its features ``H``, its
+      logits and its label (eval mode): ``N_k (|H| + C + 1)`` numbers up. ``H`` is the feature map at the
+      model's split point for FedGKT's own client (``fedgkt_client_resnet8``: ``16 x 32 x 32`` after its
+      stem, :func:`split_point`), else the feature vector ``features(x)`` (``|H| = D``);
     * the server trains its model (``server_role``, a role no tier lists, whose input is the clients'
-      feature vector) for ``server_epochs`` passes over all received features with
+      features: ``fedgkt_server_resnet`` for feature maps, e.g. an MLP for vectors) for ``server_epochs``
+      passes over all received features with
       ``CE(z_s, y) + alpha KD(z_s, z_c)`` (eq. 7; FedML's ``whether_distill_on_the_server`` on), then
       computes ``z_s`` on each client's features, in the client's order, and sends them to it at its
       next round: ``N_k C`` numbers down.
@@ -104,14 +117,19 @@ class FedGKT(PersonalModels, Strategy):
             )
         self.server_weights = server.initial_weights(self.server_role)
         for role in sorted({c.roles[0] for c in server.clients}):
-            dim = server.feature_dim(role)
+            probe = self.client_features(role, server.initial_weights(role), server.data.x[:2])
             try:
-                server.predict(self.server_role, self.server_weights, torch.zeros(2, dim, device=server.data.x.device))
+                server.predict(self.server_role, self.server_weights, probe)
             except RuntimeError:
+                shape = tuple(probe.shape[1:])
+                example = (
+                    f"digits_mlp with args {{in_features: {shape[0]}}}"
+                    if len(shape) == 1
+                    else (f"fedgkt_server_resnet with args {{feature_channels: {shape[0]}}}")
+                )
                 raise ConfigError(
-                    f"FedGKT's server model {self.server_role!r} must take the clients' feature vectors, but it "
-                    f"does not accept role {role!r}'s {dim} features; build it for them, e.g. builder "
-                    f"digits_mlp with args {{in_features: {dim}}}."
+                    f"FedGKT's server model {self.server_role!r} must take the clients' features, but it does not "
+                    f"accept role {role!r}'s features of shape {shape}; build it for them, e.g. builder {example}."
                 ) from None
         self.server_logits: dict[int, Tensor] = {}  # per client, its training examples in order
 
@@ -146,10 +164,11 @@ class FedGKT(PersonalModels, Strategy):
         loss = ctx.fit(role, step_fn=step, batches=batches)["loss"]
         ctx.state["weights"] = ctx.weights(role)
         module.eval()
+        extract, classify = split_point(module.model)
         with torch.no_grad():
             size = ctx.loop.training.eval_batch_size
-            features = torch.cat([module.model.features(x[i : i + size]).float() for i in range(0, len(x), size)])
-            logits = torch.cat([module.model.head(features[i : i + size]).float() for i in range(0, len(x), size)])
+            features = torch.cat([extract(x[i : i + size]).float() for i in range(0, len(x), size)])
+            logits = torch.cat([classify(features[i : i + size]).float() for i in range(0, len(x), size)])
         upload = TensorPayload("features", {"features": features, "logits": logits, "labels": y.to(torch.int32)})
         return ClientUpdate(task.client, len(idx), {"features": upload}, {f"{role}/loss": loss})
 
@@ -192,13 +211,24 @@ class FedGKT(PersonalModels, Strategy):
         accs, losses = [], []
         for client in self.server.clients:
             role, weights = self.personal_weights(client, evaluator.client_states.get(client.id, {}))
-            features = self.server.features(role, weights, data.test_x)
+            features = self.client_features(role, weights, data.test_x)
             logits = self.server.predict(self.server_role, self.server_weights, features).float()
             accs.append(float((logits.argmax(1) == data.test_y).float().mean()))
             losses.append(float(F.cross_entropy(logits, data.test_y)))
         metrics["server/test_acc"] = sum(accs) / len(accs)
         metrics["server/test_loss"] = sum(losses) / len(losses)
         return metrics
+
+    @torch.no_grad()
+    def client_features(self, role: str, weights: StateDict, x: Tensor, batch_size: int = 512) -> Tensor:
+        """What a client with ``weights`` would send for ``x`` (eval mode): feature maps at the split point
+        of a split model, else the server context's feature vectors."""
+        model = self.server.model(role)
+        if not isinstance(model, SplitFeatureClassifier):
+            return self.server.features(role, weights, x, batch_size)
+        model.load_state_dict(weights)
+        model.eval()
+        return torch.cat([model.extract(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
 
     @property
     def monitor(self) -> str:
