@@ -121,6 +121,27 @@ def test_paper_001_table_5_baselines_run_a_round(tmp_path, recipe, population, e
         assert uplink > 3 * _aux_bytes()  # the small model plus MOON's projection head
 
 
+def test_moon_on_google_speech_runs_the_cell_the_paper_leaves_empty(tmp_path):
+    from test_paper_recipes import _speech_files
+
+    from fl_lightning.models import ModelSpec
+
+    _speech_files(tmp_path)  # two words: two classes
+    population = json.dumps({"num_clients": 4, "tiers": [{"name": "all", "roles": ["aux"]}]})
+    tiny = ("--sampler.init_args.num_per_round", "2", "--training.local_steps", "1", "--training.batch_size", "4")
+    summary = _tiny_run(
+        tmp_path, "moon_speech", "--population", population, *tiny,
+        "--data.init_args.partitioner.init_args.min_partition_size", "1",
+    )  # fmt: skip
+    assert summary["reference"]["column"] == "MOON (homo)" and summary["reference"]["metrics"] == {"aux/test_acc": None}
+    assert "aux/test_acc" in summary["final"]
+    # 2 clients send the 25% speech CNN with MOON's projection head (Linear(D, D), ReLU, Linear(D, 256)) and
+    # its classifier on the 256-d projection, whole state dicts, and get the same back
+    moon = ModelSpec("speech_cnn", {"width": 0.25}, projection_dim=256).build(num_classes=2, in_channels=1)
+    model_bytes = sum(v.numel() * v.element_size() for v in moon.state_dict().values())
+    assert summary["comm"]["uplink_bytes"] == summary["comm"]["downlink_bytes"] == 2 * model_bytes
+
+
 def test_feddf_large_runs_on_the_strong_clients_only(tmp_path):
     write_cifar10(tmp_path, per_batch=40, test=20)
     summary = _tiny_run(
@@ -187,5 +208,31 @@ def test_fedgkt_of_paper_003_uploads_every_example_and_reports_the_server_side(t
     population = json.dumps({"num_clients": 5, "tiers": [{"name": "all", "roles": ["client"]}]})
     summary = _tiny_run(tmp_path, "fedgkt_cifar10_iid", "--population", population, "--training.local_steps", "1")
     assert "server/test_acc" in summary["final"] and summary["reference"]["row"] == "FedGKT"
-    # every client, every training example: its 512-d features, 10 logits and an int32 label
-    assert summary["comm"]["uplink_bytes"] == 100 * (512 + 10 + 1) * 4
+    # every client, every training example: the ResNet-8's 16 x 32 x 32 stem map, 10 logits and an int32 label
+    assert summary["comm"]["uplink_bytes"] == 100 * (16 * 32 * 32 + 10 + 1) * 4
+    assert summary["comm"]["downlink_bytes"] == 0  # the server's logits go out with each client's next round
+    config = (tmp_path / "fedgkt_cifar10_iid" / "config.yaml").read_text()
+    assert "fedgkt_server_resnet" in config and "fedgkt_client_resnet8" in config
+
+
+def _sliced_bytes(rate):
+    """Bytes of a ResNet26 slice's parameters: what HeteroFL sends (batch-norm statistics stay home)."""
+    from fl_lightning.models import registered_models
+
+    return sum(p.numel() * 4 for p in registered_models()["cifar_resnet26"](rate=rate).parameters())
+
+
+def test_heterofl_of_paper_003_trains_width_slices_of_resnet26_and_evaluates_the_global_model(tmp_path):
+    write_cifar10(tmp_path, per_batch=20, test=10)  # 100 training images over 5 clients
+    population = json.dumps({"num_clients": 5, "tiers": [{"name": "all", "roles": ["a", "b", "c", "d", "e"]}]})
+    tiny = ("--sampler.init_args.fraction", "1.0", "--training.local_epochs", "1", "--training.batch_size", "5")
+    summary = _tiny_run(tmp_path, "heterofl_cifar10_iid", "--population", population, *tiny)
+    assert summary["reference"]["row"] == "HeteroFL" and summary["reference"]["metrics"] == {"a/test_acc": None}
+    assert summary["monitor"] == "a/test_acc" and "a/test_acc" in summary["final"]
+    rates = {"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.125, "e": 0.0625}
+    uplink = dict(summary["comm"]["by_payload"]["uplink"])
+    assert uplink.pop("label_split") == 5 * 10  # each client's label set: C booleans
+    # every client sends the slice of its drawn rate, whole: 5 clients' slices in all
+    drawn = {role: sent / _sliced_bytes(rates[role]) for role, sent in uplink.items()}
+    assert all(n == int(n) for n in drawn.values()) and sum(drawn.values()) == 5, drawn
+    assert summary["comm"]["by_payload"]["downlink"] == uplink  # the same slices went out
