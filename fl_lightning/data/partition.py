@@ -148,7 +148,13 @@ class NaturalIdPartitioner(Partitioner):
         if num_clients > len(ids):
             raise ConfigError(f"the data set has {len(ids)} natural clients, fewer than num_clients={num_clients}.")
         chosen = ids if num_clients == len(ids) else np.sort(rng.choice(ids, num_clients, replace=False))
-        return [np.flatnonzero(groups == g) for g in chosen]
+        # one stable sort instead of a scan of all examples per group: 34,248 StackOverflow users over 13.6M
+        # posts would be 4.6e11 comparisons; the indices of each group stay in ascending order, as before
+        group_of = np.searchsorted(ids, groups)
+        order = np.argsort(group_of, kind="stable")
+        bounds = np.searchsorted(group_of[order], np.arange(len(ids) + 1))
+        position = np.searchsorted(ids, chosen)
+        return [order[bounds[i] : bounds[i + 1]] for i in position]
 
 
 class SampledPartitioner(Partitioner):
