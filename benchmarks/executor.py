@@ -71,9 +71,9 @@ def main() -> int:
         times: dict[str, list[float]] = {"sequential": [], "batched": []}
         fits = None
         for _ in range(args.repeats):
-            for executor in times:
+            for executor, seconds_list in times.items():
                 seconds, counts = seconds_per_round(recipe, extra, executor, args.rounds)
-                times[executor].append(seconds)
+                seconds_list.append(seconds)
                 fits = counts or fits
         sequential, batched = (statistics.median(times[e]) for e in ("sequential", "batched"))
         results.append(

@@ -53,7 +53,10 @@ def _run(tmp_path, recipe, executor, *extra):
         ("digits_ondevice_kd.yaml", ("--strategy.init_args.ramp_rounds", "0")),
         ("digits_fedadam.yaml", ("--training.optimizer_state", "per_client")),  # Adam moments kept per client
         # paper 001's one state per role, taken at each phase's start (the order-free form batched clients can run)
-        ("digits_ondevice_kd.yaml", ("--strategy.init_args.ramp_rounds", "0", "--training.optimizer_state", "shared_per_phase")),
+        (
+            "digits_ondevice_kd.yaml",
+            ("--strategy.init_args.ramp_rounds", "0", "--training.optimizer_state", "shared_per_phase"),
+        ),
     ],
 )
 def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, extra):
@@ -71,7 +74,7 @@ def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, ext
 def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
     """Standalone: per-client weights persist across rounds; batched clients must not mix them up."""
     base = ("--strategy", "fl_lightning.strategies.Standalone", "--training.local_steps", "3")
-    sequential, weights = _run(tmp_path, "quickstart.yaml", "sequential", *base)
+    _, weights = _run(tmp_path, "quickstart.yaml", "sequential", *base)
     batched, batched_weights = _run(tmp_path, "quickstart.yaml", "batched", *base)
     assert batched["executor"]["batched_fits"] > 0
     personal = [n for n in weights if n.startswith("client/") and "weights" in n]

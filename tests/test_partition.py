@@ -89,11 +89,15 @@ def test_dirichlet_does_not_favour_the_last_client_with_small_classes():
 def test_natural_id_partition_is_each_chosen_groups_indices_in_order(seed):
     """The sort-based grouping (made for 34,248 users over 13.6M posts) equals a scan per group."""
     rng = np.random.default_rng(seed)
-    groups = rng.choice(np.array(["f0", "f1", "m7", "x", "writer_12"]), size=200) if seed % 2 else rng.integers(0, 40, 300)
+    groups = (
+        rng.choice(np.array(["f0", "f1", "m7", "x", "writer_12"]), size=200) if seed % 2 else rng.integers(0, 40, 300)
+    )
     ids = np.unique(groups)
     num_clients = len(ids) - seed  # all groups, or a sample of them
     parts = NaturalIdPartitioner()(None, num_clients, np.random.default_rng(seed), groups)
-    chosen = ids if num_clients == len(ids) else np.sort(np.random.default_rng(seed).choice(ids, num_clients, replace=False))
+    chosen = (
+        ids if num_clients == len(ids) else np.sort(np.random.default_rng(seed).choice(ids, num_clients, replace=False))
+    )
     assert len(parts) == len(chosen)
     for part, group in zip(parts, chosen):
         assert part.tolist() == np.flatnonzero(groups == group).tolist()

@@ -232,7 +232,11 @@ class _GroupTraining:
         clip = self.loop.training.grad_clip_norm
         if clip is not None:
             grads = _clip_per_client(grads, clip)
-        state = self.state if everyone else {n: {k: t.index_select(0, index) for k, t in s.items()} for n, s in self.state.items()}
+        state = (
+            self.state
+            if everyone
+            else {n: {k: t.index_select(0, index) for k, t in s.items()} for n, s in self.state.items()}
+        )
         self.rule(params, grads, state, self.options)
         if everyone:
             self.stacked[self.role].update(params)
@@ -338,10 +342,7 @@ def _clip_per_client(grads: dict[str, Tensor], max_norm: float) -> dict[str, Ten
 def snapshot_slots(loop: LocalLoop) -> dict[str, dict[str, Tensor]]:
     """Copies of every role's parameters and buffers, as the instances hold them now."""
     return {
-        role: {
-            name: t.detach().clone()
-            for name, t in [*slot.module.named_parameters(), *slot.module.named_buffers()]
-        }
+        role: {name: t.detach().clone() for name, t in [*slot.module.named_parameters(), *slot.module.named_buffers()]}
         for role, slot in loop.slots.items()
     }
 
@@ -408,7 +409,9 @@ def _rebuild(fn: Callable, values: list) -> Callable:
     function = getattr(fn, "__func__", fn)
     offset = 1 if hasattr(fn, "__func__") else 0
     cells = tuple(types.CellType(v) for v in values[offset:])
-    rebuilt = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, cells)
+    rebuilt = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, cells
+    )
     rebuilt.__kwdefaults__ = function.__kwdefaults__
     return types.MethodType(rebuilt, values[0]) if offset else rebuilt
 

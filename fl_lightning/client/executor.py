@@ -81,7 +81,7 @@ class _Coroutine:
                 self.value = self.job()
         except _Cancelled:
             pass
-        except BaseException as err:  # handed to the executor, which raises it in the run's thread
+        except BaseException as err:  # noqa: BLE001 (any error, KeyboardInterrupt too, is raised again in the run's thread)
             self.error = err
         finally:
             self.done = True
