@@ -387,7 +387,20 @@ def test_paper_001_recipe_families_run_a_round(tmp_path, recipe, writer):
         args += ["--data.init_args.download", "false"]
     assert run_cli(*args) == 0
     summary = read_summary(out)
-    assert summary["reference"]["table"] == "Table 4" and summary["comm"]["uplink_bytes"] > 0
+    assert summary["reference"]["table"] == "Table 4"
+    # the traffic by formula: in the round, each of the 2 sampled clients sends the auxiliary model and the strong
+    # client the target model, their whole saved global states (but the ViT's frozen backbone stays home: only its
+    # two output layers travel, 16 x 8 + 8 and 8 x 100 + 100 numbers); the strong client also gets the auxiliary
+    # model, its teacher
+    from fl_lightning.checkpoint import load_checkpoint
+
+    saved = load_checkpoint(out / "checkpoints" / "last.ckpt")["strategy"]["global_weights"]
+    size = {role: sum(v.numel() * v.element_size() for v in w.values()) for role, w in saved.items()}
+    if recipe == "ondevice_kd_cifar100":
+        size["target"] = (16 * 8 + 8 + 8 * 100 + 100) * 4
+    uplink = 2 * size.get("aux", 0) + size.get("target", 0)
+    assert summary["comm"]["uplink_bytes"] == uplink
+    assert summary["comm"]["downlink_bytes"] == uplink + (size["aux"] if len(size) == 2 else 0)
 
 
 def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
@@ -440,7 +453,22 @@ def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
         == 0
     )
     summary = read_summary(out)
-    assert 0.0 <= summary["final"]["large/test_acc"] <= 1.0 and summary["reference"]["table"] == "Table 1"
+    assert summary["reference"]["table"] == "Table 1"
+    # the large model's test accuracy, recomputed from its saved weights: next-word hits over the test posts'
+    # non-padding targets
+    import torch
+
+    from fl_lightning.checkpoint import load_checkpoint
+    from fl_lightning.data import StackOverflowData
+    from fl_lightning.models import registered_models
+
+    test = StackOverflowData(data_dir=str(tmp_path), download=False, vocab_size=30).load()
+    large = registered_models()["stackoverflow_lstm_large"](vocab_size=34)
+    large.load_state_dict(load_checkpoint(out / "checkpoints" / "last.ckpt")["strategy"]["global_weights"]["large"])
+    with torch.no_grad():
+        hits = large.eval()(test.test_x).argmax(-1) == test.test_y
+    kept = test.test_y != -100
+    assert summary["final"]["large/test_acc"] == (hits & kept).sum().item() / kept.sum().item()
     partition = json.loads((out / "partition.json").read_text())
     assert [c["train"] for c in partition["clients"]] == [6] * 6  # every pool user keeps its 6 posts
     assert partition["server_size"] == 10  # from the 12 posts of the two users outside the pool
