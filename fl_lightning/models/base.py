@@ -31,6 +31,34 @@ class FeatureClassifier(nn.Module):
         return self.head(self.features(x))
 
 
+class SplitFeatureClassifier(FeatureClassifier):
+    """A classifier with a split point for split learning: the first ``split`` modules of ``features``
+    produce what crosses the network (FedGKT's feature maps), the rest and the head finish the prediction.
+
+    ``forward(x) == classify(extract(x)) == head(features(x))``; the extra methods slice ``features``
+    (no module is registered twice, so the state dict has each parameter once).
+
+    Args:
+        features: the whole feature extractor (an ``nn.Sequential``) up to the pooled vector ``[B, D]``.
+        head: maps ``[B, D]`` to logits ``[B, C]``.
+        feature_dim: D.
+        num_classes: C.
+        split: how many modules of ``features`` run before the split point.
+    """
+
+    def __init__(self, features: nn.Sequential, head: nn.Module, feature_dim: int, num_classes: int, split: int):
+        super().__init__(features, head, feature_dim, num_classes)
+        self.split = split
+
+    def extract(self, x: Tensor) -> Tensor:
+        """What the client side computes and sends: the activations at the split point."""
+        return self.features[: self.split](x)
+
+    def classify(self, maps: Tensor) -> Tensor:
+        """Logits from the split point's activations: the rest of ``features``, then ``head``."""
+        return self.head(self.features[self.split :](maps))
+
+
 def scaled(channels: int, width: float) -> int:
     """Channel count after a width multiplier, never below one."""
     # max(1, ...) alone would turn width -1 or hidden 0 into a one-unit layer: a silently wrong model

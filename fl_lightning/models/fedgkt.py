@@ -16,41 +16,13 @@ contract (the pooled 64-d vector, then the dense layer) and ``extract`` / ``clas
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 from torchvision.models.resnet import Bottleneck
 
 from ..errors import ConfigError
-from .base import FeatureClassifier
+from .base import FeatureClassifier, SplitFeatureClassifier
 from .cifar_resnet import init_resnet, resnet_stage
 from .registry import register_model
-
-
-class SplitFeatureClassifier(FeatureClassifier):
-    """A classifier with a split point for split learning: the first ``split`` modules of ``features``
-    produce what crosses the network (FedGKT's feature maps), the rest and the head finish the prediction.
-
-    ``forward(x) == classify(extract(x)) == head(features(x))``; the extra methods slice ``features``
-    (no module is registered twice, so the state dict has each parameter once).
-
-    Args:
-        features: the whole feature extractor (an ``nn.Sequential``) up to the pooled vector ``[B, D]``.
-        head: maps ``[B, D]`` to logits ``[B, C]``.
-        feature_dim: D.
-        num_classes: C.
-        split: how many modules of ``features`` run before the split point.
-    """
-
-    def __init__(self, features: nn.Sequential, head: nn.Module, feature_dim: int, num_classes: int, split: int):
-        super().__init__(features, head, feature_dim, num_classes)
-        self.split = split
-
-    def extract(self, x: Tensor) -> Tensor:
-        """What the client side computes and sends: the activations at the split point."""
-        return self.features[: self.split](x)
-
-    def classify(self, maps: Tensor) -> Tensor:
-        """Logits from the split point's activations: the rest of ``features``, then ``head``."""
-        return self.head(self.features[self.split :](maps))
 
 
 @register_model("fedgkt_client_resnet8")

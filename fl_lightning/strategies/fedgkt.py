@@ -16,7 +16,7 @@ from ..evaluation import Evaluator
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
 from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
-from ..models.fedgkt import SplitFeatureClassifier
+from ..models.base import SplitFeatureClassifier  # not models.fedgkt: it imports torchvision
 from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from .base import PersonalModels, ServerContext, Strategy
 
@@ -34,7 +34,7 @@ def bidirectional_losses(
 
 def split_point(model: torch.nn.Module) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
     """A client model cut where FedGKT cuts it: ``(extract, classify)``. A
-    :class:`~fl_lightning.models.fedgkt.SplitFeatureClassifier` (FedGKT's ResNet-8) is cut at its split point
+    :class:`~fl_lightning.models.base.SplitFeatureClassifier` (FedGKT's ResNet-8) is cut at its split point
     and sends feature maps; any other model after its feature extractor, and sends feature vectors."""
     if isinstance(model, SplitFeatureClassifier):
         return model.extract, model.classify
