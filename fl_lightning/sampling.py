@@ -34,7 +34,8 @@ class UniformSampler(ClientSampler):
         self.tiers = tiers
 
     def sample(self, rnd, clients, rng):
-        eligible = [c for c in clients if self.tiers is None or c.tier in self.tiers]
+        # no copy of the population per round without a tier filter (10,000+ clients, issue 14)
+        eligible = clients if self.tiers is None else [c for c in clients if c.tier in self.tiers]
         if not eligible:
             raise ConfigError(f"no client belongs to the sampler's tiers {self.tiers}; check population.tiers names.")
         k = self.num_per_round if self.num_per_round is not None else max(1, round_half(self.fraction * len(eligible)))
