@@ -83,11 +83,32 @@ def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
         torch.testing.assert_close(batched_weights[name], weights[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [
+        ("digits_fedhe.yaml", ()),
+        # SGD: with the recipe's Adam (lr 1e-3) on near-zero gradients of dead units, even 1 vs 2 CPU threads
+        # in the sequential loop move Felo's feature sums by 5e-3 after one round, which says nothing of batching
+        ("digits_felo.yaml", ("--training.optimizer", "torch.optim.SGD", "--training.optimizer.lr", "0.05")),
+    ],
+)
+def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, extra):
+    """FedHe and Felo collect each step's training-mode logits (and features): their steps return them as a
+    record, which reaches each client's own collector; the uploaded class statistics must match too."""
+    sequential, weights = _run(tmp_path, recipe, "sequential", *extra)
+    batched, batched_weights = _run(tmp_path, recipe, "batched", *extra)
+    assert batched["executor"]["batched_fits"] > 0
+    for name, value in weights.items():
+        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for metric, value in sequential["final"].items():
+        assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
+
+
 def test_a_step_with_side_effects_runs_sequentially_with_the_same_numbers(tmp_path):
-    """FedHe's step collects per-class logits (a side effect): it is not marked vmappable, so every fit runs
-    through the sequential loop inside the batched executor, and the numbers are identical bit for bit."""
-    sequential, weights = _run(tmp_path, "digits_fedhe.yaml", "sequential")
-    batched, batched_weights = _run(tmp_path, "digits_fedhe.yaml", "batched")
+    """FD's step collects per-class logits inside the step (a side effect): it is not marked vmappable, so
+    every fit runs through the sequential loop inside the batched executor, identical bit for bit."""
+    sequential, weights = _run(tmp_path, "digits_fd.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_fd.yaml", "batched")
     assert batched["executor"]["batched_fits"] == 0 and batched["executor"]["sequential_fits"] > 0
     assert batched["final"] == sequential["final"]
     for name, value in weights.items():

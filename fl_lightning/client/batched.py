@@ -50,6 +50,7 @@ class FitRequest:
     role: str
     batches: Iterator[tuple]
     step_fn: StepFn
+    on_record: Callable[[tuple], None] | None
     rnd: int
     slots: dict[str, dict[str, Tensor]]
     modes: tuple[tuple[bool, ...], ...]
@@ -107,7 +108,7 @@ class BatchedFit:
         restore(loop, request)
         set_random_state(request.rng_state)
         slot = loop.slots[request.role]
-        request.result = loop.fit(slot, request.batches, request.rnd, request.step_fn)
+        request.result = loop.fit(slot, request.batches, request.rnd, request.step_fn, request.on_record)
         request.rng_state = random_state()
         request.slots = snapshot_slots(loop)
         request.optimizer_state = snapshot_optimizer(slot)
@@ -158,9 +159,14 @@ class _GroupTraining:
         if not self.state:  # fresh moments, made for the whole group at once (torch makes them at the first step)
             params = dict(module.named_parameters())
             self.state = {n: _fresh_state(self.rule, self.options, params[n], self.clients) for n in self.trainable}
-        per_client = zip(*(_closure_values(r.step_fn) for r in group))
-        self.cells = [torch.stack(values) if isinstance(values[0], Tensor) else values[0] for values in per_client]
-        self.tensor_cells = [i for i, c in enumerate(self.cells) if isinstance(c, Tensor)]
+        # closure values: one object for every client stays as it is; per-client tensors are stacked and mapped
+        per_client = list(zip(*(_closure_values(r.step_fn) for r in group)))
+        self.tensor_cells = [  # the group key made sure that other values are equal numbers or one object
+            i
+            for i, values in enumerate(per_client)
+            if isinstance(values[0], Tensor) and any(v is not values[0] for v in values)
+        ]
+        self.cells = [torch.stack(v) if i in self.tensor_cells else v[0] for i, v in enumerate(per_client)]
         self.step_index = 0
 
     def run(self) -> None:
@@ -222,9 +228,9 @@ class _GroupTraining:
         params = {n: stacked[self.role][n] for n in self.trainable}
         cells = [take(self.cells[i]) for i in self.tensor_cells]
         batch = tuple(torch.stack(parts) for parts in zip(*batches))
-        compute = torch.func.grad_and_value(self._loss)
+        compute = torch.func.grad_and_value(self._loss, has_aux=True)
         try:
-            grads, losses = torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
+            grads, (losses, record) = torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
@@ -248,6 +254,10 @@ class _GroupTraining:
             for name, values in state.items():
                 for key, value in values.items():
                     self.state[name][key].index_copy_(0, index, value)
+        for j, k in enumerate(members):  # each client's record to its own callback, in client order
+            on_record = self.group[k].on_record
+            if on_record is not None and record:
+                on_record(tuple(t[j].detach() for t in record))
         return losses.detach().float()
 
     def _loss(self, params: dict[str, Tensor], stacked: dict, tensor_cells: list[Tensor], batch: tuple) -> Tensor:
@@ -263,7 +273,8 @@ class _GroupTraining:
                 stack.enter_context(_reparametrize(slot.module, tensors))
             with loop.fabric.autocast():  # the forward only, as in the sequential loop
                 loss = step_fn(self.slot.module, batch, self.step_index)
-        return loss.float()
+        loss, record = loss if isinstance(loss, tuple) else (loss, ())
+        return loss.float(), tuple(record)
 
 
 # ---------------------------------------------------------------------------- optimizer updates

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,13 +111,15 @@ class ClientContext:
         step_fn: StepFn | None = None,
         steps: int | None = None,
         batches: Iterable[tuple] | None = None,
+        on_record: Callable[[tuple], None] | None = None,
     ) -> dict[str, float]:
         """Trains the loaded role on a local split with ``step_fn`` (default cross-entropy).
 
         ``batches`` replaces the split's batches (public examples paired with the server's targets).
+        A step may return ``(loss, record)`` (a tuple of tensors): ``on_record`` gets each step's record.
         """
         batches = batches if batches is not None else self.batches(split, steps)
-        return self.loop.fit(self.slot(role), batches, self.round, step_fn)
+        return self.loop.fit(self.slot(role), batches, self.round, step_fn, on_record)
 
     def weights(self, role: str) -> StateDict:
         """A copy of the role's current weights, safe to keep after the next client reuses the instance."""

@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 _current = threading.local()  # the coroutine running on this thread, if any
 
 
-def paused_fit(loop: LocalLoop, slot: ModelSlot, role: str, batches, rnd: int, step_fn: StepFn) -> dict | None:
+def paused_fit(
+    loop: LocalLoop, slot: ModelSlot, role: str, batches, rnd: int, step_fn: StepFn, on_record: Callable | None
+) -> dict | None:
     """Inside a coroutine: pauses the client until its fit has run and returns the fit's result; None outside."""
     coroutine = getattr(_current, "coroutine", None)
     if coroutine is None:
@@ -45,6 +47,7 @@ def paused_fit(loop: LocalLoop, slot: ModelSlot, role: str, batches, rnd: int, s
         role=role,
         batches=batches,
         step_fn=step_fn,
+        on_record=on_record,
         rnd=rnd,
         slots=snapshot_slots(loop),
         modes=training_modes(loop),

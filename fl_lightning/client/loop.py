@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -97,23 +98,29 @@ class LocalLoop:
         return self.training.local_epochs * -(-num_examples // self.training.batch_size)
 
     def fit(
-        self, slot: ModelSlot, batches: Iterable[tuple], rnd: int, step_fn: StepFn | None = None
+        self,
+        slot: ModelSlot,
+        batches: Iterable[tuple],
+        rnd: int,
+        step_fn: StepFn | None = None,
+        on_record: Callable[[tuple], None] | None = None,
     ) -> dict[str, float]:
         """Trains ``slot.module`` on ``batches`` with ``step_fn`` (default: its ``training_step``).
 
         Returns the mean training loss. The loss is accumulated as a tensor so that no step waits
-        for a device sync.
+        for a device sync. A step function may return ``(loss, record)``: ``on_record`` receives each
+        step's record (detached), which is how a pure step hands out what it observed (FedHe's logits).
         """
         from .executor import paused_fit  # batched executor: the fit runs later, with other clients' fits
 
         role = next(r for r, s in self.slots.items() if s is slot)
-        result = paused_fit(self, slot, role, batches, rnd, step_fn or _training_step)
+        result = paused_fit(self, slot, role, batches, rnd, step_fn or _training_step, on_record)
         if result is not None:
             return result
         factor = self.training.lr_schedule(rnd, self.rounds)
         for group, base in zip(slot.optimizer.param_groups, slot.base_lrs):
             group["lr"] = base * factor
-        return self.run_steps(slot.module, slot.optimizer, batches, step_fn, self.training.grad_clip_norm)
+        return self.run_steps(slot.module, slot.optimizer, batches, step_fn, self.training.grad_clip_norm, on_record)
 
     def run_steps(
         self,
@@ -122,6 +129,7 @@ class LocalLoop:
         batches: Iterable[tuple],
         step_fn: StepFn | None = None,
         clip: float | None = None,
+        on_record: Callable[[tuple], None] | None = None,
     ) -> dict[str, float]:
         """The hot loop shared by client training and the server's own training (distillation).
 
@@ -139,6 +147,10 @@ class LocalLoop:
             optimizer.zero_grad(set_to_none=True)
             with self.fabric.autocast():
                 loss = step_fn(module, batch, i)
+            if isinstance(loss, tuple):  # (loss, record): what the step observed goes to on_record
+                loss, record = loss
+                if on_record is not None:
+                    on_record(tuple(t.detach() for t in record))
             self.fabric.backward(loss)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), clip)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -37,6 +38,27 @@ def logit_matching_loss(z: Tensor, target: Tensor, kind: str = "mse") -> Tensor:
     if kind == "mse":
         return F.mse_loss(z, target)
     return F.kl_div(F.log_softmax(z, 1), F.softmax(target, 1), reduction="batchmean")
+
+
+def logit_distance_rows(z: Tensor, target: Tensor, kind: str = "mse") -> Tensor:
+    """Per-example ``[B]`` form of :func:`logit_matching_loss`: its mean over rows is that loss (float32)."""
+    z, target = z.float(), target.float()
+    if kind == "mse":
+        return (z - target).pow(2).mean(1)
+    return F.kl_div(F.log_softmax(z, 1), F.softmax(target, 1), reduction="none").sum(1)
+
+
+def masked_row_mean(per_row: Tensor, covered: Tensor, over: str = "batch") -> Tensor:
+    """The mean of ``per_row`` ``[B]`` over the ``covered`` rows, or their sum over the batch size.
+
+    ``over='batch'``: sum over the covered rows / B (FedHe eq. 12-13, Felo eq. 1); ``available``: / the
+    covered rows. 0 when no row is covered. Fixed shapes and no data-dependent branch (no boolean
+    indexing, no ``if mask.any()``), so a step using it can run batched under ``torch.func.vmap``.
+    """
+    total = torch.where(covered, per_row, torch.zeros_like(per_row)).sum()
+    if over == "batch":
+        return total / per_row.shape[0]
+    return total / covered.sum().clamp(min=1)
 
 
 def ramp_up(rnd: int, weight: float, ramp_rounds: int) -> float:

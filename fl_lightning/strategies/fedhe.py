@@ -6,11 +6,12 @@ from collections.abc import Iterator
 
 import torch.nn.functional as F
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
-from ..knowledge.distillation import logit_matching_loss
+from ..knowledge.distillation import logit_distance_rows, masked_row_mean
 from ..types import ClientSpec, ClientTask, ClientUpdate
 from .base import PersonalModels, ServerContext, Strategy
 
@@ -84,21 +85,17 @@ class FedHe(PersonalModels, Strategy):
         use_logits = task.round > self.warmup_rounds and bool(available.any())
         collector = ClassStatsCollector(self.num_classes, {"logits": self.num_classes}, server_logits.device)
 
+        @vmappable  # pure: the logits it observes go out as its record, so clients can train batched
         def step(module, batch, i):
             x, y = batch
             z = module(x)  # [B, C] training-mode logits, collected before the step (eq. 7)
-            collector.add(y, logits=z)
             loss = F.cross_entropy(z, y)
-            if use_logits:
-                mask = available[y]
-                if mask.any():
-                    logit_loss = logit_matching_loss(z[mask], server_logits[y[mask]], self.logit_loss)
-                    if self.logit_average == "batch":  # mean over the covered samples -> sum / batch size
-                        logit_loss = logit_loss * (mask.sum() / len(y))
-                    loss = loss + self.alpha * logit_loss
-            return loss
+            if use_logits:  # only samples whose class has a server logit; "batch": their sum / batch size
+                distance = logit_distance_rows(z, server_logits[y], self.logit_loss)
+                loss = loss + self.alpha * masked_row_mean(distance, available[y], self.logit_average)
+            return loss, (y, z)
 
-        stats = ctx.fit(role, step_fn=step)
+        stats = ctx.fit(role, step_fn=step, on_record=lambda record: collector.add(record[0], logits=record[1]))
         ctx.state["weights"] = ctx.weights(role)
         upload = collector.result("class_logits", plus_one=self.plus_one)
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})

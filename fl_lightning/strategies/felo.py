@@ -7,13 +7,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
-from ..knowledge.distillation import logit_matching_loss
+from ..knowledge.distillation import logit_distance_rows, masked_row_mean
 from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
@@ -126,41 +127,38 @@ class Felo(Strategy):
         else:
             ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         (server_f, have_f), (server_z, have_z) = received_targets(task.downlink)
-        use = task.round > self.warmup_rounds and (bool(have_z.any()) or bool(have_f.any()))
+        any_features, any_logits = bool(have_f.any()), bool(have_z.any())
+        use = task.round > self.warmup_rounds and (any_logits or any_features)
         dims = {"features": self.feature_dim, "logits": self.num_classes}
         collector = ClassStatsCollector(self.num_classes, dims, server_z.device)
 
+        @vmappable  # pure: the outputs it observes go out as its record, so clients can train batched
         def step(module, batch, i):
             x, y = batch
             f = module.features(x)
             z = module.head(f)
-            collector.add(y, features=f, logits=z)  # training-mode outputs, before the step
             loss = F.cross_entropy(z, y)
-            if use:
+            if use:  # each term over the samples whose class the server has it for (an absent term is 0)
                 terms = []
-                f_mask, z_mask = have_f[y], have_z[y]
-                if f_mask.any():
-                    terms.append(self.averaged(F.mse_loss(f[f_mask], server_f[y[f_mask]]), f_mask))
-                if z_mask.any():
-                    logit_term = logit_matching_loss(z[z_mask], server_z[y[z_mask]], self.logit_loss)
-                    terms.append(self.averaged(logit_term, z_mask))
-                if terms:
-                    loss = loss + self.alpha * sum(terms[1:], terms[0])
-            return loss
+                if any_features:  # Velo sends none before its CVAE first trains
+                    feature_rows = (f.float() - server_f[y].float()).pow(2).mean(1)
+                    terms.append(masked_row_mean(feature_rows, have_f[y], self.loss_average))
+                if any_logits:
+                    logit_rows = logit_distance_rows(z, server_z[y], self.logit_loss)
+                    terms.append(masked_row_mean(logit_rows, have_z[y], self.loss_average))
+                loss = loss + self.alpha * sum(terms[1:], terms[0])
+            return loss, (y, f, z)  # training-mode outputs, before the step
 
-        stats = ctx.fit(role, step_fn=step)
+        def collect(record):
+            collector.add(record[0], features=record[1], logits=record[2])
+
+        stats = ctx.fit(role, step_fn=step, on_record=collect)
         uplink = {"class_knowledge": collector.result("class_knowledge")}
         if self.average_weights:
             uplink["weights"] = ModelWeights.part(role, ctx.weights(role), self.sent_keys[role])
         else:
             ctx.state["weights"] = ctx.weights(role)
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
-
-    def averaged(self, term: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
-        """``term``, a mean over the ``covered`` samples of the batch, as ``loss_average`` asks."""
-        if self.loss_average == "batch":  # eq. 1: the sum over the covered samples / the batch size
-            return term * (covered.sum() / len(covered))
-        return term
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
