@@ -14,7 +14,7 @@ from ..seeding import Stream, derive_seed, seed_torch  # noqa: F401 (re-exported
 from ..types import ClientSpec, StateDict
 from .loop import LocalLoop, ModelSlot, StepFn, batch_stream
 
-if TYPE_CHECKING:  # imports lightning (seconds): the CLI parser must not need it
+if TYPE_CHECKING:  # annotations only
     from .module import ClientModule
 
 

@@ -22,7 +22,7 @@ from ..models import FeatureClassifier, ModelSpec
 from .seeded_init import SeededInitializer
 from .training import LocalTraining
 
-if TYPE_CHECKING:  # lightning costs seconds to import: the CLI's parser (--help, recipe errors) must not wait for it
+if TYPE_CHECKING:  # annotations only: Fabric is imported when a run starts (fabric_loader), never by the parser
     import lightning as L
 
     from .module import ClientModule
@@ -64,7 +64,7 @@ class LocalLoop:
                 f"population tiers use model role(s) {missing} that `models` does not define; "
                 f"defined roles: {sorted(models)}."
             )
-        from .module import ClientModule  # imports lightning, needed from here on only
+        from .module import ClientModule
 
         for role in roles:
             torch.manual_seed(role_seed(seed, role))
