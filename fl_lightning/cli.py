@@ -32,9 +32,17 @@ Run `flrun COMMAND --help` for the options of a command."""
 
 
 def run_fit(argv: list[str]) -> int:
-    from .fit import summary_metrics
+    from .fit import fit, summary_metrics
+    from .ranks import check_shardable, from_env, launch, needs_launch
 
-    summary = fit_from_argv(argv)
+    _, init, resolved = parse_fit(argv)
+    runtime = init.runtime
+    if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
+        check_shardable(runtime.devices, init.schedule, init.training.optimizer_state)
+        return launch(["fit", *argv], runtime.devices)
+    summary = fit(**{k: v for k, v in vars(init).items() if k not in ("config", "__path__")}, resolved_config=resolved)
+    if from_env().rank > 0:  # under torchrun or srun every rank ends here: rank 0 reports
+        return 0
     print(summary_metrics(summary))
     print(f"run files: {summary['output_dir']}")
     return 0

@@ -23,6 +23,7 @@ from .evaluation import PersonalEvaluation
 from .models import ModelSpec
 from .orchestrator import FederationOrchestrator
 from .population import Population
+from .ranks import connect_ranks, join_ranks, leave_ranks
 from .robustness import Faults
 from .run_state import check_resume
 from .sampling import ClientSampler, UniformSampler
@@ -51,6 +52,10 @@ class Runtime:
         client_state_memory_mb: megabytes of per-client state (personal weights, optimizer moments) kept in
             memory; the least recently trained clients beyond it wait in their checkpoint files
             (``checkpoints/clients``). ``null`` keeps every client's state in memory. Numbers do not change.
+        devices: ranks (processes) that share each phase's clients, each on its own GPU (``cuda:<local
+            rank>``) or, on CPU, its own ``num_threads`` cores; ``flrun fit`` starts them on this machine.
+            Under torchrun or srun leave it at 1: their process count decides (docs/performance.md).
+            The numbers are those of one process.
     """
 
     accelerator: str = "auto"
@@ -62,8 +67,13 @@ class Runtime:
     deterministic: bool = True
     progress: bool = True
     client_state_memory_mb: float | None = 1024.0
+    devices: int = 1
 
     def __post_init__(self):
+        if self.devices < 1:
+            raise ConfigError(
+                f"runtime.devices must be at least 1, got {self.devices}; e.g. 2 for two GPUs or two CPU processes."
+            )
         if self.client_state_memory_mb is not None and self.client_state_memory_mb < 0:
             raise ConfigError(
                 f"runtime.client_state_memory_mb must be 0 or more (or null: no limit), got "
@@ -77,8 +87,8 @@ class Runtime:
                 "or null for torch's default."
             )
 
-    def apply(self):
-        """Applies the torch settings and returns the run's ``lightning.Fabric``.
+    def apply(self, local_rank: int = 0):
+        """Applies the torch settings and returns the run's ``lightning.Fabric`` (on GPUs: GPU ``local_rank``).
 
         Fabric is imported here, not at the top (:mod:`fl_lightning.fabric_loader`: Fabric alone, without
         the rest of Lightning): jsonargparse reads this module's annotations to build the parser, so
@@ -91,10 +101,13 @@ class Runtime:
         # deterministic kernels without deterministic mode's debugging aid of filling every tensor torch allocates
         # uninitialised with NaN: 19 fills more per digits-CNN training step, 5 per MLP step; numbers unchanged
         torch.utils.deterministic.fill_uninitialized_memory = False
+        devices: int | list[int] = 1
+        if local_rank and self.accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available():
+            devices = [local_rank % torch.cuda.device_count()]  # modulo: a Slurm task may see one GPU only
         from .fabric_loader import fabric_class
 
         try:
-            return fabric_class()(accelerator=self.accelerator, devices=1, precision=self.precision)
+            return fabric_class()(accelerator=self.accelerator, devices=devices, precision=self.precision)
         except (ValueError, RuntimeError, TypeError) as err:
             raise ConfigError(
                 f"runtime accelerator={self.accelerator!r} / precision={self.precision!r} is not usable here "
@@ -163,7 +176,7 @@ def fit(
         output_dir: run directory; ``runs/<name>/seed<seed>`` when not given.
         resume: ``auto`` resumes from ``<output_dir>/checkpoints/last.ckpt`` if it exists, or a checkpoint path.
         logger: ``csv`` (always written), ``wandb``, ``tensorboard``, a RunLogger class_path, or a list.
-        runtime: accelerator, precision, CPU threads, determinism and the progress bar.
+        runtime: accelerator, precision, CPU threads, determinism, the progress bar and the ranks (devices).
         checkpoint_every: checkpoint every k rounds (and at the end).
         stop_after: end this invocation after that round, e.g. to fit a job's time limit; resume later.
         monitor: metric that decides the best round (default: the strategy's main accuracy).
@@ -200,7 +213,9 @@ def fit(
     files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
     check_output_dir(files.root)
     checkpoint = _find_checkpoint(resume, files)
-    fabric = runtime.apply()
+    ranks = join_ranks(runtime.devices, schedule, training.optimizer_state)  # several if launched as several
+    fabric = runtime.apply(ranks.local_rank)
+    connect_ranks(ranks, fabric.device)
 
     clients = population.build(seed)
     data.setup(len(clients), seed)
@@ -215,7 +230,7 @@ def fit(
         num_classes=data.num_classes,
         in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
     )
-    loggers = resolve_loggers(logger)
+    loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
     run_info = {
         "name": name,
         "config_sha256": hashlib.sha256((resolved_config or "").encode()).hexdigest() if resolved_config else None,
@@ -241,7 +256,7 @@ def fit(
         checkpoint_every=checkpoint_every,
         stop_after=stop_after,
         monitor=monitor,
-        progress=runtime.progress,
+        progress=runtime.progress and ranks.writes,
         run_info=run_info,
         schedule=schedule,
         config=resolved_config,
@@ -253,9 +268,10 @@ def fit(
         divergence=divergence,
     )
     # every check has passed: only now is the run directory written (a refused start changes nothing)
-    files.write_json(files.partition, partition)
-    if resolved_config is not None:
-        files.write_text(files.config, resolved_config)
+    if ranks.writes:  # rank 0 alone writes it
+        files.write_json(files.partition, partition)
+        if resolved_config is not None:
+            files.write_text(files.config, resolved_config)
     config_dict = _config_dict(resolved_config)
     for i, run_logger in enumerate(loggers):
         previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
@@ -267,6 +283,7 @@ def fit(
         for run_logger in loggers:
             run_logger.log_image("partition/client_by_class", chart)
     summary = orchestrator.run(checkpoint)
+    leave_ranks()
     for run_logger in loggers:
         run_logger.log_files([files.last_checkpoint])
         run_logger.finish(summary)

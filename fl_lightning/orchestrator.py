@@ -24,10 +24,12 @@ from .client_store import CLIENTS_DIR
 from .data import FederatedData
 from .errors import ConfigError
 from .evaluation import Evaluator, PersonalEvaluation
+from .ranks import check_shardable, current_ranks
 from .robustness import FAULT_KINDS, FIX, Diverged, Faults, nonfinite_metrics, nonfinite_parts, poison
 from .run_state import RunState
 from .sampling import ClientSampler
 from .seeding import Owner, Stream, derive_seed, seed_torch, server_phase
+from .sharding import ShardedPhases
 from .strategies.base import ServerContext, Strategy
 from .tracking import RoundProgress, RunFiles, RunLogger
 from .types import ClientSpec, ClientTask, ClientUpdate
@@ -107,7 +109,8 @@ class FederationOrchestrator:
         # per-round counts of lost updates; logged only when something can be lost, so default rows keep their columns
         self.event_keys = (*(FAULT_KINDS if faults else ()), "dropped_nonfinite", "phases_without_updates")
         self.events: dict[str, int] = {}
-        client_dir = files.checkpoints / CLIENTS_DIR
+        self.ranks = current_ranks()  # one process, or one of several that share each phase's clients
+        client_dir = files.checkpoints / CLIENTS_DIR if self.ranks.writes else self.ranks.scratch  # rank 0 alone
         self.state = RunState(client_dir, run_info, config, client_state_memory_mb, loop.fabric.device)
         self.evaluator = Evaluator(loop, data, clients, self.state.client_states, evaluation, seed)
         self.schedule = schedule
@@ -120,6 +123,14 @@ class FederationOrchestrator:
             if schedule is not None
             else None
         )
+        self.sharded = None
+        if self.ranks.world > 1:
+            check_shardable(self.ranks.world, schedule, loop.training.optimizer_state)
+
+            def crashes(rnd: int, task: ClientTask) -> bool:  # a crashing client never trains
+                return faults is not None and faults.draw(seed, rnd, task.client.id) == "crash"
+
+            self.sharded = ShardedPhases(self.ranks, self.state, loop, crashes)
         strategy.setup(ServerContext(clients, list(loop.slots), data, rounds, seed, loop))
         self.monitor = monitor or strategy.monitor
 
@@ -152,12 +163,13 @@ class FederationOrchestrator:
                     state.record_evaluation(rnd, metrics, self.monitor)
                     row.update(metrics)
                     state.history.append(row)
-                    self.files.write_metrics(state.history)
+                    if self.ranks.writes:
+                        self.files.write_metrics(state.history)
                 for logger in self.loggers:
                     logger.log_metrics({k: v for k, v in row.items() if k != "round"}, step=rnd)
                 progress.update(rnd, row)
                 stopping = self.stop_after is not None and rnd >= self.stop_after
-                if rnd % self.checkpoint_every == 0 or rnd == self.rounds or stopping:
+                if (rnd % self.checkpoint_every == 0 or rnd == self.rounds or stopping) and self.ranks.writes:
                     state.save(self.files.last_checkpoint, self.strategy, self.loop, self.loggers, self.schedule)
                 if stopping:
                     break
@@ -176,7 +188,8 @@ class FederationOrchestrator:
             summary["executor"] = {"mode": "batched", **self.batched.fits.counts}
         if self.faults is not None or self.divergence == "drop":
             summary["faults"] = {k: state.events.get(k, 0) for k in self.event_keys}
-        self.files.write_json(self.files.summary, summary)
+        if self.ranks.writes:
+            self.files.write_json(self.files.summary, summary)
         return summary
 
     def _check_finite(self, rnd: int, row: dict[str, Any]) -> None:
@@ -229,7 +242,12 @@ class FederationOrchestrator:
                 task.phase = phase
             num_tasks += len(tasks)
             self.progress.start_phase(phase, len(tasks))
-            updates = self._client_updates(rnd, tasks, client_metrics)
+            if self.sharded is None:
+                updates = self._client_updates(rnd, tasks, client_metrics)
+            else:  # this rank trains its share; every rank gets every update, in task order (sharding.py)
+                updates = self.sharded.updates(
+                    rnd, tasks, self._client_updates, client_metrics, self.events, self.progress
+                )
             if self.faults is not None or self.divergence == "drop":  # updates may be lost: is any left?
                 first = next(updates, None)
                 if first is None:  # the server keeps its state; aggregate never sees an empty phase

@@ -26,6 +26,7 @@ SAFE_TO_CHANGE = (
     "logger",
     "runtime.progress",
     "runtime.client_state_memory_mb",
+    "runtime.devices",
     "output_dir",
     "stop_after",
     "checkpoint_every",

@@ -1,0 +1,136 @@
+"""Seconds per steady round of one process against two ranks (``flrun fit --runtime.devices 2``), same numbers.
+
+The workload is ``benchmarks/overhead.py``'s digits CNN FedAvg case run through ``flrun fit``: 20 clients
+with a Dirichlet(0.5) split, 10 per round, 20 local SGD steps (lr 0.05, momentum 0.9) of 16 examples, one
+CPU thread per process. The global model is evaluated after every round (359 test images, a few
+milliseconds) so that ``metrics.csv`` holds every round's ``time/elapsed_s``, which counts from the start
+of the round loop: imports, data and process start-up are excluded, and so are the first ``--warmup``
+rounds. ``identical`` compares the two runs' ``metrics.csv`` (elapsed seconds aside) and final weights
+bit for bit.
+
+    python benchmarks/ranks.py            # a table
+    python benchmarks/ranks.py --json     # one JSON object: s_per_round_1, s_per_round_2, identical, ...
+
+On CPU each rank takes one core: run it on an otherwise idle machine with at least two cores (on a
+shared one the times only bound the idle ones from above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+from fl_lightning.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKLOAD = {
+    "seed": 0,
+    "eval_every": 1,
+    "data": {
+        "class_path": "fl_lightning.data.DigitsData",
+        "init_args": {
+            "partitioner": {
+                "class_path": "fl_lightning.data.DirichletPartitioner",
+                "init_args": {"alpha": 0.5, "min_partition_size": 10},
+            }
+        },
+    },
+    "models": {"global": {"builder": "digits_cnn", "args": {}}},
+    "population": {"num_clients": 20},
+    "sampler": {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"num_per_round": 10}},
+    "strategy": {"class_path": "fl_lightning.strategies.FedAvg"},
+    "training": {
+        "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05, "momentum": 0.9}},
+        "local_steps": 20,
+        "batch_size": 16,
+    },
+    "runtime": {"accelerator": "cpu", "num_threads": 1, "progress": False},
+}
+
+
+def run(recipe: Path, output: Path, rounds: int, devices: int) -> None:
+    command = [sys.executable, "-m", "fl_lightning", "fit", "--config", str(recipe), "--output_dir", str(output)]
+    command += ["--rounds", str(rounds), "--checkpoint_every", str(rounds), "--runtime.devices", str(devices)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def rows(output: Path) -> list[dict[str, str]]:
+    with open(output / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def steady_seconds(output: Path, warmup: int) -> float:
+    """Seconds per round after the first ``warmup`` rounds, from the rounds' elapsed times."""
+    elapsed = [float(row["time/elapsed_s"]) for row in rows(output)]
+    return (elapsed[-1] - elapsed[warmup - 1]) / (len(elapsed) - warmup)
+
+
+def identical(one: Path, two: Path) -> bool:
+    """The same metrics (elapsed seconds aside) and the same final server state, bit for bit."""
+
+    def numbers(output: Path) -> list[dict[str, str]]:
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows(output)]
+
+    if numbers(one) != numbers(two):
+        return False
+    first, second = (load_checkpoint(p / "checkpoints" / "last.ckpt")["strategy"] for p in (one, two))
+    return _same(first, second)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=12, help="rounds per run (default 12)")
+    parser.add_argument("--warmup", type=int, default=2, help="first rounds left out of the timing (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if not 1 <= args.warmup < args.rounds:
+        parser.error("--warmup must be at least 1 and below --rounds")
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        recipe = scratch / "digits_cnn_fedavg.yaml"
+        recipe.write_text(yaml.safe_dump(WORKLOAD))
+        for devices in (1, 2):
+            run(recipe, scratch / f"devices{devices}", args.rounds, devices)
+        one, two = (steady_seconds(scratch / f"devices{d}", args.warmup) for d in (1, 2))
+        result = {
+            "s_per_round_1": one,
+            "s_per_round_2": two,
+            "speedup": one / two,
+            "identical": identical(scratch / "devices1", scratch / "devices2"),
+            "rounds": args.rounds,
+            "warmup_rounds": args.warmup,
+            "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"digits CNN FedAvg, {args.rounds} rounds, the first {args.warmup} left out, one CPU thread per rank")
+    print(f"  1 process : {one:.3f} s per round")
+    print(f"  2 ranks   : {two:.3f} s per round ({result['speedup']:.2f}x)")
+    print(f"  identical : {result['identical']}")
+
+
+if __name__ == "__main__":
+    main()

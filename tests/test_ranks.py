@@ -1,0 +1,213 @@
+"""Several ranks share each phase's clients (``ranks.py``, ``sharding.py``) and give the numbers of one process."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, run_cli, write_recipe
+
+from fl_lightning import ranks
+from fl_lightning.checkpoint import load_checkpoint
+from fl_lightning.client_store import load_client_states
+from fl_lightning.errors import ConfigError
+from fl_lightning.fit import Runtime
+from fl_lightning.sharding import shard
+from fl_lightning.types import ClientSpec, ClientTask
+
+
+# ---------------------------------------------------------------------- same numbers as one process
+def _metrics(run: Path) -> list[dict[str, str]]:
+    with open(run / "metrics.csv") as f:  # elapsed seconds differ between any two runs
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in csv.DictReader(f)]
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _assert_identical_runs(one: Path, two: Path) -> dict:
+    """metrics.csv, the checkpoint's server and client states, traffic, faults and generator: bit for bit."""
+    assert _metrics(one) == _metrics(two)
+    first, second = load_checkpoint(one / "checkpoints/last.ckpt"), load_checkpoint(two / "checkpoints/last.ckpt")
+    for key in ("rounds_done", "strategy", "shared_optimizers", "ledger", "events", "best", "last_eval"):
+        _assert_same(first[key], second[key], key)
+    _assert_same(first["rng"]["torch"], second["rng"]["torch"], "torch generator")
+    _assert_same(load_client_states(first), load_client_states(second), "client states")
+    summary_one, summary_two = (json.loads((run / "summary.json").read_text()) for run in (one, two))
+    for key in ("final", "best", "comm", "per_client_acc", "faults", "rounds", "diverged"):
+        assert summary_one.get(key) == summary_two.get(key), key
+    # rank 0 alone wrote the run directory: the same files as one process (client file names are random)
+    files = [sorted(str(p.relative_to(run)) for p in run.rglob("*") if "clients" not in p.parts) for run in (one, two)]
+    assert files[0] == files[1]
+    return summary_two
+
+
+def test_two_cpu_ranks_give_fedavg_the_numbers_of_one_process_with_lost_updates(tmp_path):
+    """FedAvg with crashes, NaN updates dropped and lost uploads: 2 gloo ranks equal 1 process bit for bit."""
+    recipe = write_recipe(
+        tmp_path / "fedavg.yaml",
+        rounds=4,
+        faults={"crash": 0.2, "nan": 0.15, "drop_upload": 0.15},
+        divergence="drop",
+        population={"num_clients": 9, "tiers": [{"name": "all", "roles": ["global"]}]},  # odd: uneven shares
+        sampler={"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"fraction": 0.6}},
+    )
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "one")) == 0
+    argv = ["fit", "--config", str(recipe), "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2"]
+    assert run_cli(*argv) == 0  # this process launches the 2 ranks and waits for them
+    summary = _assert_identical_runs(tmp_path / "one", tmp_path / "two")
+    faults = summary["faults"]  # the exchange carried events from both ranks (each kind happened)
+    assert faults["crash"] > 0 and faults["dropped_nonfinite"] > 0 and faults["drop_upload"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe, rounds",
+    [
+        ("digits_fedhe.yaml", 3),  # per-client models and Adam states: client states cross ranks
+        ("digits_velo.yaml", 2),  # server CVAE batches drawn from the last client's generator
+    ],
+)
+def test_two_cpu_ranks_give_personalized_methods_the_numbers_of_one_process(tmp_path, recipe, rounds):
+    common = ["--config", str(ROOT / "recipes" / recipe), "--rounds", str(rounds), "--eval_every", str(rounds)]
+    common += ["--runtime.progress", "false"]
+    # a fresh process, as each rank is: Velo builds its CVAE from torch's unseeded global generator, which
+    # this test process has advanced
+    subprocess.run(
+        [sys.executable, "-m", "fl_lightning", "fit", *common, "--output_dir", str(tmp_path / "one")], check=True
+    )
+    assert run_cli("fit", *common, "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2") == 0
+    _assert_identical_runs(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_start_refused_on_every_rank_reports_once_with_exit_2(tmp_path, capfd):
+    """Both ranks refuse the missing recipe; rank 0 says why, the other rank's copy stays back."""
+    missing = tmp_path / "missing.yaml"
+    assert ranks.launch(["fit", "--config", str(missing), "--output_dir", str(tmp_path / "run")], 2) == 2
+    err = capfd.readouterr().err
+    assert err.count(str(missing)) == 1 and "rank 1" not in err
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------- what cannot be sharded, refused
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"schedule": {"class_path": "fl_lightning.asynchrony.AsynchronousSchedule"}}, "asynchronous rounds"),
+        ({"training": {"optimizer_state": "shared", "local_steps": 2}}, "optimizer_state shared"),
+    ],
+)
+def test_flrun_fit_refuses_what_ranks_cannot_split_before_starting_them(tmp_path, capfd, changes, message):
+    recipe = write_recipe(tmp_path / "r.yaml", **changes)
+    argv = ["fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run"), "--runtime.devices", "2"]
+    assert run_cli(*argv) == 2
+    err = capfd.readouterr().err.strip()
+    assert message in err and "runtime.devices 1" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_runtime_devices_must_be_positive():
+    with pytest.raises(ConfigError, match="runtime.devices must be at least 1, got 0"):
+        Runtime(devices=0)
+
+
+def test_fit_in_process_with_several_devices_says_how_to_launch(tmp_path, monkeypatch):
+    """A sweep trial (or fit() from Python) cannot start ranks: it is told to use flrun fit."""
+    from fl_lightning.fit_args import fit_from_argv
+
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    recipe = write_recipe(tmp_path / "r.yaml")
+    with pytest.raises(ConfigError, match=r"starts its ranks from the command line: run flrun fit"):
+        fit_from_argv(["--config", str(recipe), "--output_dir", str(tmp_path / "run"), "--runtime.devices", "2"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_devices_must_match_the_world_of_an_outside_launcher(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ConfigError, match="runtime.devices 2 does not match the 4 ranks"):
+        ranks.join_ranks(2)
+    assert ranks.join_ranks(1).world == 4  # devices left at 1: the launcher decides
+
+
+# ---------------------------------------------------------------------- launcher environments
+def test_torchrun_environment_gives_the_rank_its_place():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "29500"}
+    assert ranks.from_env(env) == ranks.Ranks(3, 4, 1, "node7", 29500)
+    assert not ranks.needs_launch(4, env)  # torchrun started it: no second launch
+    assert ranks.needs_launch(2, {}) and not ranks.needs_launch(1, {})
+
+
+def test_srun_step_environment_gives_the_rank_its_place_and_a_shared_rendezvous():
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_STEP_NUM_TASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NODELIST": "gpu[003-005,010]",
+        "SLURM_JOB_ID": "4412345",
+    }
+    assert ranks.from_env(env) == ranks.Ranks(5, 8, 1, "gpu003", 15000 + 2345)
+
+
+def test_a_batch_script_without_srun_is_one_process():
+    """sbatch --ntasks 4 sets SLURM_NTASKS in the script's shell, which is no srun step: no rank would join it."""
+    assert ranks.from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) == ranks.Ranks()
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR or MASTER_PORT is not"),
+        ({"RANK": "zero", "WORLD_SIZE": "2"}, "not a number"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "rank 2 is outside a world of 2"),
+    ],
+)
+def test_a_broken_launcher_environment_is_one_sentence(env, message):
+    with pytest.raises(ConfigError, match=message):
+        ranks.from_env(env)
+
+
+@pytest.mark.parametrize(
+    "nodes, first",
+    [("gpu[003-005,010],cpu1", "gpu003"), ("a,b", "a"), ("n[7]", "n7"), ("host0 host1", "host0"), ("", "127.0.0.1")],
+)
+def test_first_node_of_a_slurm_node_list(nodes, first):
+    assert ranks.first_node(nodes) == first
+
+
+# ---------------------------------------------------------------------- which rank trains which task
+def _tasks(client_ids: list[int]) -> list[ClientTask]:
+    return [ClientTask(ClientSpec(c, "all", ("global",)), 1) for c in client_ids]
+
+
+def test_shares_are_round_robin_and_cover_every_task_once():
+    tasks = _tasks([4, 9, 1, 7, 3])
+    assert shard(tasks, 0, 2) == [0, 2, 4] and shard(tasks, 1, 2) == [1, 3]
+    assert shard(tasks, 2, 3) == [2] and shard(_tasks([]), 0, 2) == []
+
+
+def test_all_tasks_of_one_client_stay_on_one_rank_in_order():
+    """A client's second task starts from the state its first left, so both run on the same rank.
+
+    Clients go round-robin in order of first appearance: 4 -> rank 0, 9 -> rank 1, 7 -> rank 0.
+    """
+    tasks = _tasks([4, 9, 4, 7])
+    assert shard(tasks, 0, 2) == [0, 2, 3] and shard(tasks, 1, 2) == [1]
