@@ -150,3 +150,31 @@ def test_a_client_error_inside_a_batched_chunk_stops_the_run_as_sequentially(tmp
             fit_from_argv(argv)
         errors.append(str(caught.value))
     assert errors[0] == errors[1] and "an injected nan fault" in errors[0]
+
+
+@pytest.mark.parametrize("per_example", [True, False])
+def test_gathered_and_augmented_at_once_equals_client_by_client(per_example):
+    """The batched executor gathers every client's batch in one indexing call and crops / flips them in one
+    call with each client's own draws: bit for bit what each client's own stream gives, in the same order."""
+    from fl_lightning.client.batched import _gather, _gatherable
+    from fl_lightning.client.loop import batch_stream
+    from fl_lightning.data.transforms import CropFlip
+
+    x, y = torch.randn(40, 3, 8, 8), torch.randint(0, 10, (40,))
+    pools = [torch.arange(0, 13), torch.arange(13, 31), torch.arange(31, 40)]
+    augment = CropFlip(padding=2, per_example=per_example)
+
+    def streams():
+        return [batch_stream(x, y, idx, 4, 6, torch.Generator().manual_seed(k), augment) for k, idx in enumerate(pools)]
+
+    expected = [list(s) for s in streams()]
+    together = streams()
+    assert _gatherable(together)
+    for step in range(6):
+        parts = [s.next_parts() for s in together]
+        for size in {len(chosen) for chosen, _ in parts}:  # one shape at a time, as the executor groups them
+            members = [k for k, (chosen, _) in enumerate(parts) if len(chosen) == size]
+            xb, yb = _gather(together[0], [parts[k] for k in members])
+            for j, k in enumerate(members):
+                assert torch.equal(xb[j], expected[k][step][0]) and torch.equal(yb[j], expected[k][step][1])
+    assert all(s.next_parts() is None for s in together)

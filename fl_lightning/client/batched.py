@@ -178,30 +178,39 @@ class _GroupTraining:
         totals = torch.zeros(self.clients, device=loop.fabric.device)
         steps = [0] * self.clients
         streams = [iter(r.batches) for r in group]
+        gathered = _gatherable(streams)  # every client's indices and draws, gathered and augmented at once
         rng_before = [r.rng_state for r in group]
         active = list(range(self.clients))
         step = 0
         while active:
             batches = {}
             for k in list(active):
-                batch = self._next_batch(k, streams[k])
+                batch = streams[k].next_parts() if gathered else self._next_batch(k, streams[k])
                 if batch is None:
                     active.remove(k)
                 else:
                     batches[k] = batch
             by_shape: dict[tuple, list[int]] = {}
             for k, batch in batches.items():
-                by_shape.setdefault(tuple(tuple(t.shape) for t in batch), []).append(k)
+                shape = len(batch[0]) if gathered else tuple(tuple(t.shape) for t in batch)
+                by_shape.setdefault(shape, []).append(k)
             try:
                 for members in by_shape.values():
                     self.step_index = step
-                    losses = self._step(members, [batches[k] for k in members], step)
+                    if gathered:
+                        batch = _gather(streams[members[0]], [batches[k] for k in members])
+                    else:
+                        batch = tuple(torch.stack(parts) for parts in zip(*(batches[k] for k in members)))
+                    losses = self._step(members, batch, step)
                     totals[members] += losses
                     for k in members:
                         steps[k] += 1
             except _NotBatchable:  # nothing of the group has changed: give the clients their first batches back
                 for k, request in enumerate(group):
-                    request.batches = itertools.chain([batches[k]] if k in batches else [], streams[k])
+                    first = batches.get(k)
+                    if first is not None and gathered:
+                        first = tuple(t[0] for t in _gather(streams[k], [first]))
+                    request.batches = itertools.chain([first] if first is not None else [], streams[k])
                     request.rng_state = rng_before[k]
                 raise
             step += 1
@@ -219,15 +228,14 @@ class _GroupTraining:
         request.rng_state = (torch.default_generator.get_state(), request.rng_state[1])
         return batch
 
-    def _step(self, members: list[int], batches: list[tuple], step: int) -> Tensor:
-        """One optimizer step of the clients ``members`` (their batches have one shape); their losses."""
+    def _step(self, members: list[int], batch: tuple, step: int) -> Tensor:
+        """One optimizer step of the clients ``members`` on their stacked batches ``[m, B, ...]``; their losses."""
         everyone = len(members) == self.clients
         index = None if everyone else torch.tensor(members, device=self.loop.fabric.device)
         take = (lambda t: t) if everyone else (lambda t: t.index_select(0, index))
         stacked = {role: {n: take(t) for n, t in tensors.items()} for role, tensors in self.stacked.items()}
         params = {n: stacked[self.role][n] for n in self.trainable}
         cells = [take(self.cells[i]) for i in self.tensor_cells]
-        batch = tuple(torch.stack(parts) for parts in zip(*batches))
         compute = torch.func.grad_and_value(self._loss, has_aux=True)
         try:
             grads, (losses, record) = torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
@@ -275,6 +283,28 @@ class _GroupTraining:
                 loss = step_fn(self.slot.module, batch, self.step_index)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
         return loss.float(), tuple(record)
+
+
+def _gatherable(streams: list) -> bool:
+    """Whether every client's batches come from one pool with one augmentation that can be drawn per client."""
+    from .loop import BatchStream
+
+    if not all(type(s) is BatchStream for s in streams):
+        return False
+    first = streams[0]
+    augment_ok = first.augment is None or hasattr(first.augment, "draw")
+    return augment_ok and all(s.x is first.x and s.y is first.y and (s.augment == first.augment) for s in streams[1:])
+
+
+def _gather(stream, parts: list[tuple[Tensor, Tensor | None]]) -> tuple[Tensor, ...]:
+    """The stacked batches ``[m, B, ...]`` of m clients: one gather from the pool, one augmentation call
+    with every client's own draws (bit-identical to gathering and augmenting client by client)."""
+    index = torch.stack([chosen for chosen, _ in parts])  # [m, B]
+    x = stream.x[index.reshape(-1)]
+    if stream.augment is not None:
+        x = stream.augment.apply(x, torch.cat([draws for _, draws in parts]))
+    x = x.reshape(*index.shape, *x.shape[1:])
+    return (x,) if stream.y is None else (x, stream.y[index])
 
 
 # ---------------------------------------------------------------------------- optimizer updates

@@ -80,9 +80,11 @@ class ClientContext:
         idx = self.public_indices if split == "public" else getattr(self.indices, split)
         steps = steps if steps is not None else self.loop.num_steps(len(idx))
         y = None if split == "unlabeled" else self._data.y
-        return batch_stream(
-            self._data.x, y, idx, batch_size or self.loop.training.batch_size, steps, self.generator, self._data.augment
-        )
+        # a data set's own CropFlip can be drawn per client and applied to many clients at once (batched
+        # executor); a data set that overrides augment() is called as it is
+        data = self._data
+        augment = data.augmentation if type(data).augment is FederatedData.augment else data.augment
+        return batch_stream(data.x, y, idx, batch_size or self.loop.training.batch_size, steps, self.generator, augment)
 
     # ------------------------------------------------------------------ models
     def load(self, role: str, weights: StateDict | None = None) -> ClientModule:

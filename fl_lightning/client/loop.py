@@ -78,7 +78,9 @@ class LocalLoop:
         """Notes the optimizer states of the phase's start (``optimizer_state: shared_per_phase``)."""
         if self.training.optimizer_state == "shared_per_phase":
             self.phase_start = {
-                role: copy.deepcopy(slot.optimizer.state_dict()) for role, slot in self.slots.items() if slot.optimizer.state
+                role: copy.deepcopy(slot.optimizer.state_dict())
+                for role, slot in self.slots.items()
+                if slot.optimizer.state
             }
 
     def fresh_weights(self, role: str, seed: int) -> dict[str, Tensor]:
@@ -172,27 +174,58 @@ def batch_stream(
     num_steps: int,
     generator: torch.Generator,
     augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
-) -> Iterator[tuple]:
-    """``num_steps`` batches gathered from the in-memory pool by index.
+) -> BatchStream:
+    """``num_steps`` batches gathered from the in-memory pool by index (see :class:`BatchStream`)."""
+    return BatchStream(x, y, idx, batch_size, num_steps, generator, augment)
+
+
+class BatchStream:
+    """``num_steps`` batches gathered from the in-memory pool by index; iterate it for ``(x, y)`` / ``(x,)``.
 
     Each pass over ``idx`` is a fresh permutation; the last batch of a pass may be smaller, so an epoch
-    sees every example exactly once. With ``y`` None (unlabeled data) batches are ``(x,)``.
+    sees every example exactly once. With ``y`` None (unlabeled data) batches are ``(x,)``. ``augment``
+    is applied to each batch with the same generator; when it is a :class:`~fl_lightning.data.transforms.
+    CropFlip` the batched executor takes :meth:`next_parts` (indices and augmentation draws) from every
+    client and gathers and augments all of them at once, with the same random numbers in the same order.
+    Nothing is drawn before the first batch is asked for.
     """
-    n = len(idx)
-    if n == 0:
-        raise ConfigError(
-            "a client has no examples in the split it must train on; check the partition "
-            "(min_partition_size) and the labeled / local-split fractions."
-        )
-    produced = 0
-    while produced < num_steps:
-        order = idx[torch.randperm(n, generator=generator).to(idx.device)]
-        for start in range(0, n, batch_size):
-            if produced == num_steps:
-                return
-            chosen = order[start : start + batch_size]
-            xb = x[chosen]
-            if augment is not None:
-                xb = augment(xb, generator)
-            yield (xb,) if y is None else (xb, y[chosen])
-            produced += 1
+
+    def __init__(self, x, y, idx, batch_size, num_steps, generator, augment=None):
+        self.x, self.y, self.idx = x, y, idx
+        self.batch_size, self.num_steps, self.generator, self.augment = batch_size, num_steps, generator, augment
+        self.produced, self._order, self._start = 0, None, 0
+
+    def next_parts(self) -> tuple[Tensor, Tensor | None] | None:
+        """The next batch's pool indices and its augmentation draws (None without a ``CropFlip``), or None
+        after the last step."""
+        n = len(self.idx)
+        if n == 0:
+            raise ConfigError(
+                "a client has no examples in the split it must train on; check the partition "
+                "(min_partition_size) and the labeled / local-split fractions."
+            )
+        if self.produced == self.num_steps:
+            return None
+        if self._order is None or self._start >= n:  # a new pass: a fresh permutation
+            self._order = self.idx[torch.randperm(n, generator=self.generator).to(self.idx.device)]
+            self._start = 0
+        chosen = self._order[self._start : self._start + self.batch_size]
+        self._start += self.batch_size
+        self.produced += 1
+        draws = self.augment.draw(len(chosen), self.generator) if hasattr(self.augment, "draw") else None
+        return chosen, draws
+
+    def __iter__(self) -> Iterator[tuple]:
+        return self
+
+    def __next__(self) -> tuple:
+        parts = self.next_parts()
+        if parts is None:
+            raise StopIteration
+        chosen, draws = parts
+        xb = self.x[chosen]
+        if draws is not None:
+            xb = self.augment.apply(xb, draws)
+        elif self.augment is not None:
+            xb = self.augment(xb, self.generator)
+        return (xb,) if self.y is None else (xb, self.y[chosen])

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from .partition import IidPartitioner, Partitioner
+from .transforms import CropFlip
 
 
 @dataclass
@@ -108,9 +109,15 @@ class FederatedData:
         """Returns the raw arrays; subclasses read local files or download them."""
         raise NotImplementedError
 
+    @property
+    def augmentation(self) -> CropFlip | None:
+        """Training-time augmentation of a batch (none by default; the CIFAR-like data sets crop and flip)."""
+        return None
+
     def augment(self, x: Tensor, generator: torch.Generator) -> Tensor:
-        """Training-time augmentation of a batch (identity by default; CIFAR crop / flip override it)."""
-        return x
+        """``augmentation`` applied to a batch with the client's generator. A subclass may override this
+        instead of ``augmentation`` (the batched executor then augments client by client)."""
+        return x if self.augmentation is None else self.augmentation(x, generator)
 
     # ------------------------------------------------------------------ common splitting
     def setup(self, num_clients: int, seed: int) -> None:

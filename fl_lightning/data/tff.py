@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from . import sources
 from .federated import DataArrays, FederatedData
 from .partition import NaturalIdPartitioner
-from .transforms import random_crop_flip
+from .transforms import CropFlip
 from .vision import CIFAR_MEAN, CIFAR_STD
 
 OUTSIDE_USERS = "outside_users"  # StackOverflow distillation_texts: posts of training users no client holds
@@ -52,8 +52,9 @@ class FedCifar100Data(FederatedData):
         self.root, self.download = Path(data_dir) / "fed_cifar100", download
         self.augment_train, self.augment_per_example = augment, augment_per_example
 
-    def augment(self, x, generator):
-        return random_crop_flip(x, generator, per_example=self.augment_per_example) if self.augment_train else x
+    @property
+    def augmentation(self) -> CropFlip | None:
+        return CropFlip(per_example=self.augment_per_example) if self.augment_train else None
 
     def load(self) -> DataArrays:
         import h5py

@@ -20,7 +20,7 @@ from torch import Tensor
 from ..errors import ConfigError
 from . import sources
 from .federated import DataArrays, FederatedData
-from .transforms import random_crop_flip
+from .transforms import CropFlip
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # papers 002 / 003
 
@@ -54,8 +54,9 @@ class ImageData(FederatedData):
         self.data_dir, self.download = Path(data_dir), download
         self.normalize, self.augment_train, self.augment_per_example = normalize, augment, augment_per_example
 
-    def augment(self, x: Tensor, generator: torch.Generator) -> Tensor:
-        return random_crop_flip(x, generator, per_example=self.augment_per_example) if self.augment_train else x
+    @property
+    def augmentation(self) -> CropFlip | None:
+        return CropFlip(per_example=self.augment_per_example) if self.augment_train else None
 
     def ensure_files(self, name: str) -> None:
         """Fetches (``download: true``) and checks the data set's files; one sentence when they are missing."""
