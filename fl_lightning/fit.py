@@ -123,7 +123,8 @@ def resolve_executor(runtime: Runtime, device: torch.device, training: LocalTrai
             raise ConfigError(
                 "runtime.executor batched cannot train with training.optimizer_state shared (each client starts "
                 "from the previous client's optimizer state, so clients cannot train at once); use executor "
-                "sequential or auto, or optimizer_state reset / per_client."
+                "sequential or auto, or optimizer_state shared_per_phase (one state per role taken at each phase's "
+                "start), reset or per_client."
             )
         return "sequential"
     if runtime.executor == "auto":

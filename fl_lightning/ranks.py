@@ -162,7 +162,8 @@ def check_shardable(world: int, schedule: Any, optimizer_state: str) -> None:
     if optimizer_state == "shared":
         raise ConfigError(
             f"training.optimizer_state shared carries one optimizer state from client to client in order, so "
-            f"{world} ranks cannot split the clients; set runtime.devices 1 or optimizer_state reset / per_client."
+            f"{world} ranks cannot split the clients; set runtime.devices 1 or optimizer_state shared_per_phase "
+            "(one state per role taken at each phase's start), reset or per_client."
         )
 
 
