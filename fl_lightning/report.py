@@ -20,6 +20,8 @@ import yaml
 from .errors import ConfigError
 
 KIB_PER_CLIENT_ROUND = "comm/kib_per_client_round"
+ROUNDS_TO = "rounds_to/"  # rounds_to/<metric>@<target>: the first round the metric reaches the target
+KIB_TO = "comm/kib_to/"  # comm/kib_to/<metric>@<target>: KiB sent down and up until that round
 
 MEASURED_NOTE = (
     "Measured = the value after the last round (summary.json final), the mean over seeds; std over seeds = the "
@@ -121,11 +123,40 @@ def paper_values(reference: dict) -> dict[str, tuple[float | None, float | None]
 
 
 def measured_value(run: dict, metric: str) -> float | None:
-    """A run's final value of ``metric``; ``comm/kib_per_client_round`` is derived from its traffic."""
+    """A run's final value of ``metric``; ``comm/kib_per_client_round`` is derived from its traffic, and
+    ``rounds_to/<metric>@<target>`` / ``comm/kib_to/<metric>@<target>`` from its metrics.csv."""
     if metric == KIB_PER_CLIENT_ROUND:
         return kib_per_client_round(run)
+    for prefix in (ROUNDS_TO, KIB_TO):
+        if metric.startswith(prefix) and "@" in metric:
+            name, _, target = metric[len(prefix) :].rpartition("@")
+            return to_target(run, name, number(_float(target)), traffic=prefix == KIB_TO)
     final = run["summary"].get("final")
     return number(final.get(metric)) if isinstance(final, dict) else None
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def to_target(run: dict, metric: str, target: float | None, traffic: bool) -> float | None:
+    """Paper 004's Rounds (X) and CO: the first logged round whose ``metric`` reaches ``target``, or the KiB
+    sent down and up until the end of that round (metrics.csv's cumulative traffic); None if no logged round
+    reaches it. Rounds are those the run evaluated, so a recipe that wants the exact round evaluates every
+    round (``eval_every: 1``)."""
+    if target is None:
+        return None
+    for row in run["curve"]:
+        value = row.get(metric)
+        if value is not None and value >= target:
+            if not traffic:
+                return row["round"]
+            up, down = row.get("comm/uplink_bytes"), row.get("comm/downlink_bytes")
+            return None if up is None or down is None else (up + down) / 1024
+    return None
 
 
 def kib_per_client_round(run: dict) -> float | None:

@@ -276,7 +276,8 @@ TABLE_NOTE = (
     "Paper = the recipe's reference block (its std after ±; – where the paper prints no number). Ours = the "
     "value after the last round (summary.json final), the mean over seeds ± the sample standard deviation, one run "
     "per seed; n = runs. Accuracies in %; comm/kib_per_client_round = KiB down and up per participating client and "
-    "round. A cell also shows the runs of a recipe that is the same experiment (a base recipe plus a reference)."
+    "round; rounds_to/M@X = the first evaluated round whose M reaches X, comm/kib_to/M@X = the KiB sent until "
+    "then (paper 004's Rounds (X) and CO). A cell also shows the runs of a recipe that is the same experiment (a base recipe plus a reference)."
 )
 RANKING_LABEL = "ranking in our runs"
 RANKING_NOTE = (
@@ -289,7 +290,7 @@ RANKING_NOTE = (
 def _number_text(value: float | None, metric: str, std: float | None = None) -> str:
     if value is None:
         return "–"
-    scale = 100.0 if "acc" in metric and not metric.startswith("comm/") else 1.0
+    scale = 100.0 if "acc" in metric and not metric.startswith(("comm/", "rounds_to/")) else 1.0
     text = f"{value * scale:.2f}"
     return text + (f" ± {std * scale:.2f}" if std is not None else "")
 

@@ -44,6 +44,32 @@ def test_paper_004_table_3_baselines_run_a_round_and_send_what_the_paper_counts(
     assert kib == (uplink + downlink) / 1024 / 10
     if method == "lg_fedavg":
         assert round(kib, 2) == summary["reference"]["metrics"][KIB_PER_CLIENT_ROUND] == 39.14
+    # Rounds (90%) and CO: this one-round run's accuracy decides whether round 1 reaches the target
+    run = load_run(tmp_path / f"{method}_cifar10_heterogeneous")
+    reached = summary["final"]["personal/test_acc"] >= 0.9
+    assert measured_value(run, "rounds_to/personal/test_acc@0.9") == (1 if reached else None)
+    assert measured_value(run, "comm/kib_to/personal/test_acc@0.9") == ((uplink + downlink) / 1024 if reached else None)
+    assert measured_value(run, "rounds_to/personal/test_acc@0.0") == 1  # any accuracy reaches 0
+    assert measured_value(run, "comm/kib_to/personal/test_acc@0.0") == (uplink + downlink) / 1024
+
+
+def test_rounds_and_traffic_to_a_target_come_from_the_first_logged_round_reaching_it(tmp_path):
+    """Paper 004's Rounds (X) and CO, derived from a metrics.csv written by hand."""
+    (tmp_path / "summary.json").write_text(json.dumps({"final": {}, "best": {}}))
+    rows = [
+        "round,personal/test_acc,comm/uplink_bytes,comm/downlink_bytes",
+        "1,0.5,1024,2048",
+        "2,",
+        "3,0.91,3072,6144",
+    ]
+    rows.append("4,0.95,4096,8192")
+    (tmp_path / "metrics.csv").write_text("\n".join(rows) + "\n")
+    run = load_run(tmp_path)
+    assert measured_value(run, "rounds_to/personal/test_acc@0.9") == 3  # round 2 logged no accuracy
+    assert measured_value(run, "comm/kib_to/personal/test_acc@0.9") == (3072 + 6144) / 1024
+    assert measured_value(run, "rounds_to/personal/test_acc@0.5") == 1  # reaching means at least the target
+    assert measured_value(run, "rounds_to/personal/test_acc@0.99") is None  # never reached
+    assert measured_value(run, "rounds_to/personal/test_acc@high") is None  # not a number
 
 
 def test_fedkd_heterogeneous_recipe_sends_a_truncated_svd_of_the_mentee_update(tmp_path):

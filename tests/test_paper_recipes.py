@@ -239,7 +239,12 @@ def test_fedgh_heterogeneous_cnn_recipe_runs_a_round(tmp_path):
     summary = _tiny_run(
         tmp_path, "fedgh_cifar10_heterogeneous", "--training.local_epochs", "1", "--training.batch_size", "8"
     )
-    assert summary["reference"]["metrics"] == {"personal/test_acc": 0.976, "comm/kib_per_client_round": 23.45}
+    assert summary["reference"]["metrics"] == {
+        "personal/test_acc": 0.976,
+        "comm/kib_per_client_round": 23.45,
+        "rounds_to/personal/test_acc@0.9": 2,
+        "comm/kib_to/personal/test_acc@0.9": 468.91,
+    }
     assert summary["comm"]["downlink_bytes"] == 10 * (500 * 10 + 10) * 4  # the header to all 10 clients
     assert summary["comm"]["uplink_bytes"] == 10 * 2 * (500 + 1) * 4  # 2 classes per client, S (D + 1) numbers
     # Table 3's CO/c/r: 23.48 KiB per client and round measured (the header down, two LARs with labels up)
