@@ -143,8 +143,11 @@ def test_paper_001_table_5_baselines_run_a_round(tmp_path, recipe, population, e
         assert uplink == 3 * _aux_bytes()  # FedAvg's traffic: the small model from each of 3 clients
     if recipe in ("dsfl_cifar10", "fedmd_cifar10", "fedgems_cifar10"):
         assert uplink == 3 * 20 * 10 * 4  # logits on the whole 20-example public set, C = 10
-    if recipe == "moon_cifar10":
-        assert uplink > 3 * _aux_bytes()  # the small model plus MOON's projection head
+    if recipe == "moon_cifar10":  # the small model with MOON's projection head and its classifier, whole
+        from fl_lightning.models import ModelSpec
+
+        moon = ModelSpec("resnet20", {"width": 0.25}, projection_dim=256).build(num_classes=10, in_channels=3)
+        assert uplink == 3 * sum(v.numel() * v.element_size() for v in moon.state_dict().values())
 
 
 def test_moon_on_google_speech_runs_the_cell_the_paper_leaves_empty(tmp_path):
