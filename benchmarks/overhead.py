@@ -15,6 +15,7 @@ Two hand-written loops, each timed in its own process (so peak memory, max RSS, 
 
     python benchmarks/overhead.py                       # digits MLP, digits CNN and ResNet20: a table
     python benchmarks/overhead.py --model resnet20 --rounds 2
+    python benchmarks/overhead.py --counts             # calls per step instead of seconds (busy machines)
 
 The ResNet20 case feeds random 32x32 images (a timing workload only: no accuracy is claimed on it).
 """
@@ -22,7 +23,9 @@ The ResNet20 case feeds random 32x32 images (a timing workload only: no accuracy
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import resource
 import subprocess
 import sys
@@ -50,6 +53,32 @@ CASES = {
     "digits_mlp": ({"builder": "digits_mlp", "args": {}}, "digits", 20, 10, 20, 16),
     "resnet20": ({"builder": "resnet20", "args": {}}, "random32", 8, 4, 5, 32),
 }
+
+
+class Probe:
+    """The measured part of a worker: its wall time, and with ``--counts`` (``Probe.counting``) the Python
+    function calls (cProfile) and torch operator calls (torch.profiler, nested ones included) in it, which
+    do not depend on how busy the machine is."""
+
+    counting = False
+
+    def start(self) -> Probe:
+        self.result: dict = {}
+        if Probe.counting:
+            self.ops = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.ops.__enter__()
+            self.python = cProfile.Profile()
+            self.python.enable()
+        self.began = time.perf_counter()
+        return self
+
+    def stop(self) -> None:
+        self.result["time_s"] = time.perf_counter() - self.began
+        if Probe.counting:
+            self.python.disable()
+            self.ops.__exit__(None, None, None)
+            self.result["python_calls"] = sum(calls for _, calls, *_ in pstats.Stats(self.python).stats.values())
+            self.result["torch_ops"] = sum(event.count for event in self.ops.key_averages())
 
 
 class RandomImages(FederatedData):
@@ -102,10 +131,10 @@ def run_framework(case: str, rounds: int, seed: int, threads: int) -> dict:
             checkpoint_every=rounds,
             progress=False,
         )
-        start = time.perf_counter()
+        probe = Probe().start()
         summary = orchestrator.run()
-        elapsed = time.perf_counter() - start
-    return {"losses": recorder.losses, "time_s": elapsed, "acc": summary["final"]["global/test_acc"]}
+        probe.stop()
+    return {"losses": recorder.losses, **probe.result, "acc": summary["final"]["global/test_acc"]}
 
 
 def examples_seen(num_examples: int, batch: int, steps: int) -> int:
@@ -141,7 +170,7 @@ def run_minimal(case: str, rounds: int, seed: int, threads: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     seen = 0
-    start = time.perf_counter()
+    probe = Probe().start()
     for chosen in schedule:
         sums, total = None, 0
         for cid in chosen:
@@ -174,10 +203,10 @@ def run_minimal(case: str, rounds: int, seed: int, threads: int) -> dict:
     model.eval()
     with torch.no_grad():
         acc = (model(data.test_x).argmax(1) == data.test_y).float().mean().item()
-    elapsed = time.perf_counter() - start
+    probe.stop()
     if seen != expected:
         raise SystemExit(f"the minimal loop saw {seen} examples, fl-lightning's batches {expected}")
-    return {"losses": [], "time_s": elapsed, "acc": acc, "examples": seen}
+    return {"losses": [], **probe.result, "acc": acc, "examples": seen}
 
 
 def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
@@ -194,7 +223,7 @@ def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
-    start = time.perf_counter()
+    probe = Probe().start()
     for rnd in range(1, rounds + 1):
         rng = np.random.default_rng(derive_seed(seed, rnd, SERVER_STREAM, 2))
         chosen = np.sort(rng.choice(num_clients, per_round, replace=False))
@@ -239,10 +268,11 @@ def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
     model.eval()
     with torch.no_grad():
         acc = (model(data.test_x).argmax(1) == data.test_y).float().mean().item()
-    return {"losses": losses, "time_s": time.perf_counter() - start, "acc": acc}
+    probe.stop()
+    return {"losses": losses, **probe.result, "acc": acc}
 
 
-def measure(side: str, case: str, rounds: int, seed: int, threads: int) -> dict:
+def measure(side: str, case: str, rounds: int, seed: int, threads: int, counts: bool = False) -> dict:
     command = [
         sys.executable,
         __file__,
@@ -256,6 +286,7 @@ def measure(side: str, case: str, rounds: int, seed: int, threads: int) -> dict:
         str(seed),
         "--threads",
         str(threads),
+        *(["--counts"] if counts else []),
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -268,8 +299,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; the best time counts")
+    parser.add_argument(
+        "--counts",
+        action="store_true",
+        help="instead of timing: Python function calls and torch operator calls per training step of each side "
+        "(cProfile, torch.profiler), which a busy machine does not change",
+    )
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    Probe.counting = args.counts
+    if args.counts and not args.worker:
+        print_counts(args)
+        return
     if args.worker:
         result = WORKERS[args.worker](args.model[0], args.rounds, args.seed, args.threads)
         result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -297,6 +338,20 @@ def main() -> None:
         )
         if diff > 1e-4:
             raise SystemExit(f"losses differ by {diff:.2e}: the mirror and fl-lightning did not run the same steps")
+
+
+def print_counts(args: argparse.Namespace) -> None:
+    """One run per side and model, each counted in its own process: calls per local training step."""
+    print("| model | steps | Python calls per step minimal / mirror / fl | torch ops per step minimal / mirror / fl |")
+    print("|---|---|---|---|")
+    for case in args.model or ["digits_mlp", "digits_cnn", "resnet20"]:
+        rounds = args.rounds or (2 if case == "resnet20" else 30)
+        _, _, _, per_round, steps, _ = CASES[case]
+        total = rounds * per_round * steps
+        runs = {side: measure(side, case, rounds, args.seed, args.threads, counts=True) for side in WORKERS}
+        python = " / ".join(f"{runs[side]['python_calls'] / total:.1f}" for side in ("minimal", "hand", "framework"))
+        ops = " / ".join(f"{runs[side]['torch_ops'] / total:.1f}" for side in ("minimal", "hand", "framework"))
+        print(f"| {case} | {total:,} | {python} | {ops} |", flush=True)
 
 
 WORKERS = {"minimal": run_minimal, "hand": run_hand_written, "framework": run_framework}

@@ -15,13 +15,19 @@ rounds), ``checkpoint_s_per_round`` and ``checkpoint_bytes_per_round`` (bytes th
 state per round: the checkpoint file plus the client-state files written since the previous one),
 ``final_eval_s`` (the last round's evaluation), ``clients_evaluated`` (the clients that evaluation
 covered: with ``--untrained skip``, the default here, those that trained), ``setup_s`` (data,
-partition and models, before the first round) and ``peak_rss_mb``.
+partition and models, before the first round) and ``peak_rss_mb``. With ``--counts`` also
+``python_calls_per_round`` (cProfile's count of the rounds' Python function calls, evaluations left out):
+unlike the seconds it does not depend on how busy the machine is.
+
+    python benchmarks/population.py --method fedhe --clients 100 10000 --json --counts
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import resource
 import subprocess
 import sys
@@ -55,7 +61,9 @@ def recipe(method: str, clients: int, args: argparse.Namespace) -> dict:
         config["population"]["tiers"] = FEDHE_TIERS
     config["sampler"] = {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"num_per_round": 10}}
     config.update(rounds=args.rounds, eval_every=args.rounds, checkpoint_every=1)
-    config["evaluation"] = {"untrained": args.untrained, "clients_per_batch": args.clients_per_batch}
+    config["evaluation"] = {"untrained": args.untrained}
+    if args.clients_per_batch != 1:  # left out at its default, so that the script also runs on older commits
+        config["evaluation"]["clients_per_batch"] = args.clients_per_batch
     config.setdefault("runtime", {})["progress"] = False
     return config
 
@@ -67,6 +75,7 @@ def run_one(method: str, clients: int, args: argparse.Namespace) -> dict:
     from fl_lightning.orchestrator import FederationOrchestrator
 
     timings: dict = {"checkpoint_s": [], "checkpoint_bytes": [], "eval_s": []}
+    profile = cProfile.Profile() if args.counts else None  # the rounds' Python calls, evaluations left out
 
     class TimedOrchestrator(FederationOrchestrator):
         def __init__(self, *a, **k):
@@ -84,9 +93,13 @@ def run_one(method: str, clients: int, args: argparse.Namespace) -> dict:
                 written[0] = store.bytes_written
 
             def timed_evaluate(evaluator):
+                if profile is not None:
+                    profile.disable()
                 start = time.perf_counter()
                 metrics = evaluate(evaluator)
                 timings["eval_s"].append(time.perf_counter() - start)
+                if profile is not None:
+                    profile.enable()
                 return metrics
 
             state.save, strategy.evaluate = timed_save, timed_evaluate
@@ -94,7 +107,11 @@ def run_one(method: str, clients: int, args: argparse.Namespace) -> dict:
         def run(self, checkpoint=None):
             timings["setup_s"] = time.perf_counter() - timings["started"]
             start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             summary = super().run(checkpoint)
+            if profile is not None:
+                profile.disable()
             timings["run_s"] = time.perf_counter() - start
             return summary
 
@@ -108,6 +125,10 @@ def run_one(method: str, clients: int, args: argparse.Namespace) -> dict:
     finally:
         fit_module.FederationOrchestrator = FederationOrchestrator
     rounds = summary["rounds"]
+    counts = {}
+    if profile is not None:
+        calls = sum(ncalls for _, ncalls, *_ in pstats.Stats(profile).stats.values())
+        counts["python_calls_per_round"] = calls / rounds
     return {
         "method": method,
         "clients": clients,
@@ -124,6 +145,7 @@ def run_one(method: str, clients: int, args: argparse.Namespace) -> dict:
         "clients_per_batch": args.clients_per_batch,
         "setup_s": timings["setup_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        **counts,
         "final": summary["final"],
     }
 
@@ -146,6 +168,11 @@ def main() -> None:
     parser.add_argument(
         "--clients_per_batch", type=int, default=1, help="evaluation.clients_per_batch (1: one client at a time)"
     )
+    parser.add_argument(
+        "--counts",
+        action="store_true",
+        help="also count the rounds' Python function calls (cProfile; evaluations left out): python_calls_per_round",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON line per run instead of a table")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "CLIENTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -162,7 +189,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
     options = ["--rounds", str(args.rounds), "--examples_per_client", str(args.examples_per_client)]
     options += ["--alpha", str(args.alpha), "--untrained", args.untrained]
-    options += ["--clients_per_batch", str(args.clients_per_batch)]
+    options += ["--clients_per_batch", str(args.clients_per_batch), *(["--counts"] if args.counts else [])]
     for method in args.method:
         for clients in args.clients:
             command = [sys.executable, __file__, "--worker", method, str(clients), *options]
