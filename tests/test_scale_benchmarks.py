@@ -31,10 +31,22 @@ def test_the_minimal_loop_trains_on_the_examples_fl_lightnings_batches_hold():
     assert result["examples"] > 0 and result["losses"] == [] and 0.1 < result["acc"] <= 1.0
 
 
+def test_counts_are_the_same_in_every_run_and_grow_with_the_steps():
+    overhead = _module("overhead")
+    overhead.Probe.counting = True
+    try:
+        one, again, two = (overhead.run_minimal("digits_mlp", rounds, 0, 1) for rounds in (1, 1, 2))
+    finally:
+        overhead.Probe.counting = False
+    assert one["torch_ops"] == again["torch_ops"] and one["python_calls"] == again["python_calls"]
+    # 10 clients x 20 steps a round: the second round's operators are about the first's (no setup inside)
+    assert 1.9 < two["torch_ops"] / one["torch_ops"] < 2.1 and one["torch_ops"] > 200 * 50
+
+
 @pytest.mark.slow  # runs the population benchmark
 def test_population_benchmark_prints_one_json_line_per_population():
     command = [sys.executable, str(ROOT / "benchmarks/population.py"), "--method", "fedhe", "--clients", "10", "30"]
-    out = subprocess.run([*command, "--rounds", "2", "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run([*command, "--rounds", "2", "--json", "--counts"], capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
     assert [line["clients"] for line in lines] == [10, 30]
     for line in lines:
@@ -42,3 +54,4 @@ def test_population_benchmark_prints_one_json_line_per_population():
         assert line["s_per_round"] > 0 and line["final_eval_s"] > 0 and line["peak_rss_mb"] > 100
         assert line["checkpoint_s_per_round"] > 0 and line["checkpoint_bytes_per_round"] > 10 * 4000
         assert 10 <= line["clients_evaluated"] <= 20  # the clients of 2 rounds of 10: those that trained
+        assert line["python_calls_per_round"] > 10 * 3 * 20  # 10 clients x 3 steps, tens of calls each
