@@ -142,21 +142,34 @@ class LocalLoop:
         (under bf16-mixed the head then grows unchecked and test losses reach 1e8; docs/algorithms.md).
         """
         step_fn = step_fn or _training_step
-        optimizer_step = self.fabric.strategy.optimizer_step
+        strategy = self.fabric.strategy
+        optimizer_step = strategy.optimizer_step
+        # 32-true on one device: Fabric's autocast is a no-op and its backward and optimizer step are the plain
+        # calls, so they are made directly (21 Python calls fewer per step, docs/performance.md)
+        plain = type(strategy).__name__ == "SingleDeviceStrategy" and type(strategy.precision).__name__ == "Precision"
         module.train()
         total, steps = torch.zeros((), device=self.fabric.device), 0
         for i, batch in enumerate(batches):
             optimizer.zero_grad(set_to_none=True)
-            with self.fabric.autocast():
+            if plain:
                 loss = step_fn(module, batch, i)
+            else:
+                with self.fabric.autocast():
+                    loss = step_fn(module, batch, i)
             if isinstance(loss, tuple):  # (loss, record): what the step observed goes to on_record
                 loss, record = loss
                 if on_record is not None:
                     on_record(tuple(t.detach() for t in record))
-            self.fabric.backward(loss)
+            if plain:
+                loss.backward()
+            else:
+                self.fabric.backward(loss)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-            optimizer_step(optimizer)
+            if plain:
+                optimizer.step()
+            else:
+                optimizer_step(optimizer)
             total += loss.detach().float()
             steps += 1
         return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
