@@ -178,3 +178,16 @@ def test_gathered_and_augmented_at_once_equals_client_by_client(per_example):
             for j, k in enumerate(members):
                 assert torch.equal(xb[j], expected[k][step][0]) and torch.equal(yb[j], expected[k][step][1])
     assert all(s.next_parts() is None for s in together)
+
+
+def test_a_step_drawing_a_second_stream_runs_in_both_executors(tmp_path):
+    """On-device KD's joint mode draws unlabeled batches with next() inside its step: not vmappable, so the
+    batched executor runs the target phase sequentially with the client's restored state (the auxiliary
+    phase, the default step, still runs batched)."""
+    joint = ("--strategy.init_args.kd_mode", "joint", "--strategy.init_args.ramp_rounds", "0")
+    _, weights = _run(tmp_path, "digits_ondevice_kd.yaml", "sequential", *joint)
+    batched, batched_weights = _run(tmp_path, "digits_ondevice_kd.yaml", "batched", *joint)
+    assert batched["executor"]["sequential_fits"] == 2 * 4  # 2 rounds x the 4 strong clients' joint fits
+    assert batched["executor"]["batched_fits"] > 0
+    for name, value in weights.items():
+        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -207,38 +207,47 @@ class BatchStream:
         self.x, self.y, self.idx = x, y, idx
         self.batch_size, self.num_steps, self.generator, self.augment = batch_size, num_steps, generator, augment
         self.produced, self._order, self._start = 0, None, 0
+        self._iterator: Iterator[tuple] | None = None
 
     def next_parts(self) -> tuple[Tensor, Tensor | None] | None:
         """The next batch's pool indices and its augmentation draws (None without a ``CropFlip``), or None
         after the last step."""
+        if self.produced == self.num_steps:
+            return None
+        chosen = self._next_indices()
+        draw = getattr(self.augment, "draw", None)
+        return chosen, draw(len(chosen), self.generator) if draw is not None else None
+
+    def _next_indices(self) -> Tensor:
         n = len(self.idx)
         if n == 0:
             raise ConfigError(
                 "a client has no examples in the split it must train on; check the partition "
                 "(min_partition_size) and the labeled / local-split fractions."
             )
-        if self.produced == self.num_steps:
-            return None
         if self._order is None or self._start >= n:  # a new pass: a fresh permutation
             self._order = self.idx[torch.randperm(n, generator=self.generator).to(self.idx.device)]
             self._start = 0
         chosen = self._order[self._start : self._start + self.batch_size]
         self._start += self.batch_size
         self.produced += 1
-        draws = self.augment.draw(len(chosen), self.generator) if hasattr(self.augment, "draw") else None
-        return chosen, draws
-
-    def __iter__(self) -> Iterator[tuple]:
-        return self
+        return chosen
 
     def __next__(self) -> tuple:
-        parts = self.next_parts()
-        if parts is None:
-            raise StopIteration
-        chosen, draws = parts
-        xb = self.x[chosen]
-        if draws is not None:
-            xb = self.augment.apply(xb, draws)
-        elif self.augment is not None:
-            xb = self.augment(xb, self.generator)
-        return (xb,) if self.y is None else (xb, self.y[chosen])
+        """The next batch (``next(stream)``, as a step that draws a second stream does)."""
+        if self._iterator is None:
+            self._iterator = iter(self)
+        return next(self._iterator)
+
+    def __iter__(self) -> Iterator[tuple]:
+        """The batches from where the stream stands (a generator: the sequential loop's hot path)."""
+        x, y, augment, generator = self.x, self.y, self.augment, self.generator
+        draw = getattr(augment, "draw", None)
+        while self.produced < self.num_steps:
+            chosen = self._next_indices()
+            xb = x[chosen]
+            if draw is not None:
+                xb = augment.apply(xb, draw(len(chosen), generator))
+            elif augment is not None:
+                xb = augment(xb, generator)
+            yield (xb,) if y is None else (xb, y[chosen])
