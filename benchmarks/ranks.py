@@ -2,11 +2,14 @@
 
 The workload is ``benchmarks/overhead.py``'s digits CNN FedAvg case run through ``flrun fit``: 20 clients
 with a Dirichlet(0.5) split, 10 per round, 20 local SGD steps (lr 0.05, momentum 0.9) of 16 examples, one
-CPU thread per process. The global model is evaluated after every round (359 test images, a few
-milliseconds) so that ``metrics.csv`` holds every round's ``time/elapsed_s``, which counts from the start
-of the round loop: imports, data and process start-up are excluded, and so are the first ``--warmup``
-rounds. ``identical`` compares the two runs' ``metrics.csv`` (elapsed seconds aside) and final weights
-bit for bit.
+CPU thread per process. As in overhead.py the global model is evaluated once, after the last round: a
+steady round is the difference of a ``--rounds`` and a ``--warmup`` run's round-loop seconds (summary.json
+``wall_time_s``, which starts at the first round: imports, data and process start-up are excluded) over
+their difference in rounds; the last round's evaluation and checkpoint are in both and cancel.
+``evaluating_every_round`` repeats it with an evaluation after every round (timed from ``metrics.csv``'s
+``time/elapsed_s``, the first ``--warmup`` rounds left out): the evaluation runs on every rank, a serial
+part. ``identical`` compares the 1- and 2-rank runs' ``metrics.csv`` (elapsed seconds aside) and final
+weights bit for bit.
 
     python benchmarks/ranks.py            # a table
     python benchmarks/ranks.py --json     # one JSON object: s_per_round_1, s_per_round_2, identical, ...
@@ -35,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WORKLOAD = {
     "seed": 0,
-    "eval_every": 1,
     "data": {
         "class_path": "fl_lightning.data.DigitsData",
         "init_args": {
@@ -58,9 +60,10 @@ WORKLOAD = {
 }
 
 
-def run(recipe: Path, output: Path, rounds: int, devices: int) -> None:
+def run(recipe: Path, output: Path, rounds: int, devices: int, eval_every: int = 1) -> None:
     command = [sys.executable, "-m", "fl_lightning", "fit", "--config", str(recipe), "--output_dir", str(output)]
     command += ["--rounds", str(rounds), "--checkpoint_every", str(rounds), "--runtime.devices", str(devices)]
+    command += ["--eval_every", str(eval_every)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -75,6 +78,11 @@ def steady_seconds(output: Path, warmup: int) -> float:
     """Seconds per round after the first ``warmup`` rounds, from the rounds' elapsed times."""
     elapsed = [float(row["time/elapsed_s"]) for row in rows(output)]
     return (elapsed[-1] - elapsed[warmup - 1]) / (len(elapsed) - warmup)
+
+
+def wall_seconds(output: Path) -> float:
+    """The run's round-loop seconds (summary.json: from the first round's start, imports and data excluded)."""
+    return float(json.loads((output / "summary.json").read_text())["wall_time_s"])
 
 
 def identical(one: Path, two: Path) -> bool:
@@ -101,8 +109,8 @@ def _same(a, b) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=12, help="rounds per run (default 12)")
-    parser.add_argument("--warmup", type=int, default=2, help="first rounds left out of the timing (default 2)")
+    parser.add_argument("--rounds", type=int, default=22, help="rounds of the long run (default 22)")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds of the short run, left out (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if not 1 <= args.warmup < args.rounds:
@@ -111,14 +119,26 @@ def main() -> None:
         scratch = Path(tmp)
         recipe = scratch / "digits_cnn_fedavg.yaml"
         recipe.write_text(yaml.safe_dump(WORKLOAD))
+        # overhead.py's workload evaluates once, after the last round: a steady round is the difference of a
+        # long and a short run's round-loop time over their difference in rounds (the final evaluation and
+        # checkpoint, in both, cancel)
+        steady = {}
+        for devices in (1, 2):
+            for rounds in (args.warmup, args.rounds):
+                run(recipe, scratch / f"end{devices}_{rounds}", rounds, devices, eval_every=rounds)
+            long, short = (wall_seconds(scratch / f"end{devices}_{r}") for r in (args.rounds, args.warmup))
+            steady[devices] = (long - short) / (args.rounds - args.warmup)
+        # the same with an evaluation after every round (it runs on every rank: a serial part)
         for devices in (1, 2):
             run(recipe, scratch / f"devices{devices}", args.rounds, devices)
         one, two = (steady_seconds(scratch / f"devices{d}", args.warmup) for d in (1, 2))
         result = {
-            "s_per_round_1": one,
-            "s_per_round_2": two,
-            "speedup": one / two,
-            "identical": identical(scratch / "devices1", scratch / "devices2"),
+            "s_per_round_1": steady[1],
+            "s_per_round_2": steady[2],
+            "speedup": steady[1] / steady[2],
+            "identical": identical(scratch / f"end1_{args.rounds}", scratch / f"end2_{args.rounds}")
+            and identical(scratch / "devices1", scratch / "devices2"),
+            "evaluating_every_round": {"s_per_round_1": one, "s_per_round_2": two, "speedup": one / two},
             "rounds": args.rounds,
             "warmup_rounds": args.warmup,
             "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -127,8 +147,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"digits CNN FedAvg, {args.rounds} rounds, the first {args.warmup} left out, one CPU thread per rank")
-    print(f"  1 process : {one:.3f} s per round")
-    print(f"  2 ranks   : {two:.3f} s per round ({result['speedup']:.2f}x)")
+    print(f"  1 process : {steady[1]:.3f} s per round ({one:.3f} evaluating every round)")
+    print(f"  2 ranks   : {steady[2]:.3f} s per round ({result['speedup']:.2f}x; {two:.3f}, {one / two:.2f}x)")
     print(f"  identical : {result['identical']}")
 
 
