@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import read_summary, run_cli, write_recipe
 
 

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT, write_recipe
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

@@ -1,8 +1,8 @@
 """FD (federated distillation): the teacher leaves out the client's own upload; sizes of what is sent."""
 
 import torch
-
 from conftest import ROOT, client_update, method_env, read_summary, run_cli
+
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.models import ModelSpec
 from fl_lightning.population import Tier

@@ -4,7 +4,6 @@ import csv
 import json
 
 import pytest
-
 from conftest import ROOT, read_summary, run_cli, write_recipe
 
 

@@ -1,7 +1,6 @@
 """Every method's digits recipe learns: accuracy well above chance (0.1) after a shortened run."""
 
 import pytest
-
 from conftest import ROOT, read_summary, run_cli
 
 pytestmark = pytest.mark.slow  # every method's digits run to an accuracy: minutes of CPU

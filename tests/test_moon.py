@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import ROOT, client_update, method_env, read_summary, run_cli
+
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import ModelSpec
 from fl_lightning.population import Tier

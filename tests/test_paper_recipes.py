@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from conftest import ROOT, read_summary, run_cli
 from test_vision_data import write_cifar10
 
@@ -89,7 +88,6 @@ def _bn_layers(width):
 
 def _tiny_mnist(root):
     import numpy as np
-
     from test_vision_data import write_idx
 
     raw = root / "MNIST" / "raw"
@@ -120,13 +118,12 @@ def test_private_baseline_sends_nothing(tmp_path):
 
 def test_codistillation_cifar100_recipe_with_cifar10_as_out_of_domain_server_set(tmp_path):
     import numpy as np
-
     from test_benchmark_data import write_tff
 
     root = tmp_path / "fed_cifar100"
     root.mkdir()
     rng = np.random.default_rng(0)
-    image = lambda n: rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)  # noqa: E731
+    image = lambda n: rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
     write_tff(
         root / "fed_cifar100_train.h5",
         {str(i): (image(6), np.full(6, i, dtype=np.int64)) for i in range(4)},

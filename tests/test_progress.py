@@ -1,6 +1,7 @@
 """What a user sees while a run goes on: plain lines when output is not a terminal, a warning for long runs."""
 
 from conftest import run_cli, write_recipe
+
 from fl_lightning.tracking import progress
 from fl_lightning.tracking.progress import duration, long_run_warning
 

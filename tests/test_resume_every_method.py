@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow  # two runs of every digits recipe (test_fit covers resume in the default suite)

@@ -17,23 +17,23 @@ from .tff import FedCifar100Data, StackOverflowData
 from .vision import Cifar10Data, Cifar100Data, Cinic10Data, MnistData
 
 __all__ = [
+    "Cifar10Data",
+    "Cifar100Data",
+    "Cinic10Data",
     "ClientData",
     "DataArrays",
     "DigitsData",
     "DirichletPartitioner",
-    "FederatedData",
     "FedCifar100Data",
+    "FederatedData",
     "FemnistData",
     "IidPartitioner",
     "ImdbData",
+    "MnistData",
     "NaturalIdPartitioner",
     "Partitioner",
     "PathologicalPartitioner",
     "SampledPartitioner",
     "SpeechCommandsData",
     "StackOverflowData",
-    "Cifar10Data",
-    "Cifar100Data",
-    "Cinic10Data",
-    "MnistData",
 ]

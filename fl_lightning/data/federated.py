@@ -184,7 +184,7 @@ class FederatedData:
         train, val, test = np.split(idx, [len(idx) - n_val - n_test, len(idx) - n_test])
         n_unlabeled = int(round(len(train) * self.unlabeled_fraction))
         unlabeled, train = train[:n_unlabeled], train[n_unlabeled:]
-        as_tensor = lambda a: torch.from_numpy(np.sort(a)).long()  # noqa: E731
+        as_tensor = lambda a: torch.from_numpy(np.sort(a)).long()
         return ClientData(as_tensor(train), as_tensor(unlabeled), as_tensor(val), as_tensor(test))
 
     def to(self, device: torch.device | str) -> None:
