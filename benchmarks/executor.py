@@ -15,7 +15,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fl_lightning.tracking.loggers import RunLogger
+from gpu_flagship import RoundClock
 
 WORKLOADS = {
     # name: recipe and overrides (a FedAvg CNN, a FedAvg MLP, the flagship's method with its per-phase state)
@@ -31,19 +30,6 @@ WORKLOADS = {
     "fedavg_mlp": ("quickstart.yaml", ["--models", "{global: {builder: digits_mlp, args: {hidden: 64}}}"]),
     "ondevice_kd_cnn": ("digits_ondevice_kd.yaml", ["--training.optimizer_state", "shared_per_phase"]),
 }
-
-
-class RoundClock(RunLogger):
-    """Notes when each round's row arrives."""
-
-    def __init__(self):
-        self.stamps: list[float] = []
-
-    def start(self, output_dir, name, config, state):
-        self.stamps = [time.perf_counter()]
-
-    def log_metrics(self, metrics, step):
-        self.stamps.append(time.perf_counter())
 
 
 def seconds_per_round(recipe: str, extra: list[str], executor: str, rounds: int) -> tuple[float, dict | None]:
