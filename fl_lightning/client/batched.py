@@ -86,6 +86,8 @@ class BatchedFit:
         function = getattr(fn, "__func__", fn)
         if fn is not _default_step() and not getattr(function, "vmappable", False):
             return None
+        if getattr(self.loop.fabric.strategy.precision, "scaler", None) is not None:  # 16-mixed scales the loss
+            return None
         slot = self.loop.slots[request.role]
         optimizer = slot.optimizer
         if _update_rule(optimizer) is None or len(optimizer.param_groups) != 1:
