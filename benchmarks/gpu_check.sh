@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The checks a session with a lent GPU runs once (about 6 minutes on an H100 / H200), from the repository root:
+#   the parity tests of the batched executor, precision and start-up on CUDA, then the flagship benchmark
+#   (sequential and batched, 32-true and bf16-mixed, next to the plain-PyTorch anchors).
+# The device image lacks jsonargparse and friends: their wheels travel in .whl/ (carry: [".whl"]).
+#   bash benchmarks/gpu_check.sh            # writes $OUT/ (or ./gpu_check_out/) and prints a summary
+#   TINY=1 bash benchmarks/gpu_check.sh     # a CPU dry run of the same script (tiny flagship)
+set -euo pipefail
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import jsonargparse" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=${PYTHONPATH:-}:$PWD
+fi
+export WANDB_MODE=offline
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
+# parity on the device: accelerator auto picks the GPU, so these compare batched and sequential CUDA runs
+python3 -m pytest -q -p no:cacheprovider tests/test_batched_executor.py tests/test_precision.py tests/test_startup.py \
+  2>&1 | tail -15 | tee "$OUT/tests.txt" || true
+if [ -n "${TINY:-}" ]; then
+  python3 benchmarks/gpu_flagship.py --tiny --rounds 3 --precision 32-true --json > "$OUT/gpu_flagship.json"
+else
+  python3 benchmarks/gpu_flagship.py --rounds 4 --precision 32-true bf16-mixed --executor sequential batched \
+    --json > "$OUT/gpu_flagship.json"
+fi
+python3 - "$OUT/gpu_flagship.json" <<'EOF'
+import json, sys
+result = json.load(open(sys.argv[1]))
+print(result["device"], "torch", result["torch"])
+for run in result["runs"]:
+    print(f"{run['executor']:>10} {run['precision']:>10}: {run['s_per_steady_round']:.2f} s per steady round, first round "
+          f"+{run['first_round_extra_s']:.1f} s, GPU {run['gpu_util_mean_pct']}%, fits {run['fits']}, final {run['final']}")
+for plain in result.get("plain_pytorch", []):
+    print("plain", plain)
+EOF
