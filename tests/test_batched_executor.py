@@ -191,3 +191,25 @@ def test_a_step_drawing_a_second_stream_runs_in_both_executors(tmp_path):
     assert batched["executor"]["batched_fits"] > 0
     for name, value in weights.items():
         torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
+    """A chunk that stops (another client failed) cancels its clients; none may be left waiting."""
+    from fl_lightning.client.batched import FitRequest
+    from fl_lightning.client.executor import _Coroutine
+
+    reached = []
+
+    def job():
+        reached.append("before")
+        coroutine.pause(FitRequest("r", iter(()), None, None, 1, {}, (), {}, (None, None)))
+        reached.append("after")  # never: the pause raises once cancelled
+
+    coroutine = _Coroutine(job)
+    idle = _Coroutine(lambda: reached.append("idle ran"))
+    coroutine.advance()  # runs to its pause
+    assert coroutine.request is not None and not coroutine.done
+    coroutine.cancel()
+    idle.cancel()  # never started: it must not run its job
+    assert coroutine.done and idle.done and reached == ["before"]
+    assert not coroutine._thread.is_alive() and not idle._thread.is_alive()

@@ -108,8 +108,10 @@ class _Coroutine:
         return finished
 
     def cancel(self) -> None:
+        """Stops the client: a paused one raises at its pause; one still running (the run was interrupted
+        while it ran) is let run to its next pause or its end first."""
         self.cancelled = True
-        if not self.done:
+        while not self.done:
             self.advance()
         self._thread.join()
 
