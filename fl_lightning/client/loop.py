@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..data.transforms import to_device
 from ..errors import ConfigError
 from ..models import FeatureClassifier, ModelSpec
 from .seeded_init import SeededInitializer
@@ -226,7 +227,7 @@ class BatchStream:
                 "(min_partition_size) and the labeled / local-split fractions."
             )
         if self._order is None or self._start >= n:  # a new pass: a fresh permutation
-            self._order = self.idx[torch.randperm(n, generator=self.generator).to(self.idx.device)]
+            self._order = self.idx[to_device(torch.randperm(n, generator=self.generator), self.idx.device)]
             self._start = 0
         chosen = self._order[self._start : self._start + self.batch_size]
         self._start += self.batch_size

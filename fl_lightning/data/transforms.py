@@ -35,7 +35,7 @@ class CropFlip:
         """``x`` ``[B, C, H, W]`` (already normalised, so the zero padding is the mean colour) cropped and
         flipped as ``draws`` ``[B, 3]`` say."""
         b, _, h, w = x.shape
-        draws = draws.to(x.device)
+        draws = to_device(draws, x.device)
         p = self.padding
         padded = torch.nn.functional.pad(x, (p, p, p, p))
         rows = draws[:, 0][:, None] + torch.arange(h, device=x.device)  # [B, H]
@@ -46,6 +46,14 @@ class CropFlip:
 
     def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
         return self.apply(x, self.draw(len(x), generator))
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` (drawn on the CPU) on ``device``. To a GPU through pinned memory and without blocking: a copy
+    from ordinary memory makes the host wait for the GPU's queue, once per training step here."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def random_crop_flip(
