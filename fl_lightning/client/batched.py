@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..data.transforms import to_device
+
 if TYPE_CHECKING:
     from .loop import LocalLoop, StepFn
 
@@ -204,7 +206,10 @@ class _GroupTraining:
                     else:
                         batch = tuple(torch.stack(parts) for parts in zip(*(batches[k] for k in members)))
                     losses = self._step(members, batch, step)
-                    totals[members] += losses
+                    if len(members) == self.clients:  # no index tensor: it would be a copy to the GPU per step
+                        totals += losses
+                    else:
+                        totals.index_add_(0, to_device(torch.tensor(members), totals.device), losses)
                     for k in members:
                         steps[k] += 1
             except _NotBatchable:  # nothing of the group has changed: give the clients their first batches back
@@ -233,7 +238,7 @@ class _GroupTraining:
     def _step(self, members: list[int], batch: tuple, step: int) -> Tensor:
         """One optimizer step of the clients ``members`` on their stacked batches ``[m, B, ...]``; their losses."""
         everyone = len(members) == self.clients
-        index = None if everyone else torch.tensor(members, device=self.loop.fabric.device)
+        index = None if everyone else to_device(torch.tensor(members), self.loop.fabric.device)
         take = (lambda t: t) if everyone else (lambda t: t.index_select(0, index))
         stacked = {role: {n: take(t) for n, t in tensors.items()} for role, tensors in self.stacked.items()}
         params = {n: stacked[self.role][n] for n in self.trainable}
