@@ -151,6 +151,15 @@ class ServerContext:
         trained = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
         return (trained, stats["loss"]) if return_loss else trained
 
+    def require_server_only_role(self, method: str, role: str) -> None:
+        """Refuses a server model role that a tier also gives to clients (FedGEMS, FedGKT)."""
+        held = [c.id for c in self.clients if role in c.roles]
+        if held:
+            raise ConfigError(
+                f"{method} server_role {role!r} is the server's own model, but tiers give it to "
+                f"clients {held[:5]}; give the server a model role that no tier lists."
+            )
+
     def require_one_role_per_client(self, method: str) -> None:
         several = [c.id for c in self.clients if len(c.roles) != 1]
         if several:

@@ -126,12 +126,7 @@ class FedGEMS(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client("FedGEMS")
-        held = [c.id for c in server.clients if self.server_role in c.roles]
-        if held:
-            raise ConfigError(
-                f"FedGEMS server_role {self.server_role!r} is the server's own model, but tiers give it to "
-                f"clients {held[:5]}; give the server a model role that no tier lists."
-            )
+        server.require_server_only_role("FedGEMS", self.server_role)
         self.public_x, self.public_y = server.server_labeled("FedGEMS")
         num_public = len(self.public_y)
         if self.public_size is not None and not 1 <= self.public_size <= num_public:

@@ -109,12 +109,7 @@ class FedGKT(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client("FedGKT")
-        held = [c.id for c in server.clients if self.server_role in c.roles]
-        if held:
-            raise ConfigError(
-                f"FedGKT server_role {self.server_role!r} is the server's own model, but tiers give it to "
-                f"clients {held[:5]}; give the server a model role that no tier lists."
-            )
+        server.require_server_only_role("FedGKT", self.server_role)
         self.server_weights = server.initial_weights(self.server_role)
         for role in sorted({c.roles[0] for c in server.clients}):
             probe = self.client_features(role, server.initial_weights(role), server.data.x[:2])
