@@ -128,3 +128,46 @@ def test_models_resolved_without_torchvision_modules_import_no_torchvision():
     assert result.returncode == 0, result.stderr
     assert "fl_lightning.models.resnet" in result.stdout and "fl_lightning.models.cifar_resnet" not in result.stdout
     assert result.stdout.strip().endswith("False"), result.stdout
+
+
+def test_flrun_fit_freezes_its_start_up_and_collects_again(tmp_path):
+    """The program pauses the cyclic collector while it imports, then freezes what start-up made (hundreds of
+    thousands of objects that later collections no longer walk) and collects again during the run."""
+    script = (
+        "import gc, sys\n"
+        "from fl_lightning import cli\n"
+        "from fl_lightning.tracking.loggers import RunLogger\n"
+        "seen = {}\n"
+        "class Watch(RunLogger):\n"
+        "    def start(self, output_dir, name, config, state):\n"
+        "        seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())\n"
+        "    def log_metrics(self, metrics, step):\n"
+        "        pass\n"
+        "import fl_lightning.fit as fit_module\n"
+        "resolve = fit_module.resolve_loggers\n"
+        "fit_module.resolve_loggers = lambda logger: resolve(logger) + [Watch()]\n"
+        "sys.argv = ['flrun', *sys.argv[1:]]\n"
+        "status = cli.main()\n"
+        "print(status, seen['enabled'], seen['frozen'], gc.isenabled())\n"
+    )
+    argv = ["fit", "--config", "recipes/quickstart.yaml", "--rounds", "1", "--runtime.progress", "false"]
+    argv += ["--output_dir", str(tmp_path / "run")]
+    result = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    status, enabled, frozen, enabled_after = result.stdout.split()[-4:]
+    assert (status, enabled, enabled_after) == ("0", "True", "True")
+    assert int(frozen) > 100_000  # torch and torch._dynamo alone make about 500,000
+
+
+def test_main_called_in_process_leaves_the_collector_alone(tmp_path):
+    """Tests and notebooks that call main([...]) keep their own collector: nothing of theirs is frozen."""
+    import gc
+
+    from fl_lightning.cli import main
+
+    frozen = gc.get_freeze_count()
+    argv = ["fit", "--config", "recipes/quickstart.yaml", "--rounds", "1", "--runtime.progress", "false"]
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
