@@ -26,7 +26,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -205,21 +207,88 @@ def leave_ranks() -> None:
 def exchange(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (this rank's own entry is ``obj`` itself).
 
-    Objects are serialized with ``torch.save`` and read back with ``weights_only=False``, which is pickle:
-    acceptable here because the bytes are in-memory traffic between the processes this run started,
-    never a file a user is handed. Tensors arrive on this rank's device, whichever device they left from.
+    One all-gather of the message sizes, then one of the messages (:func:`pack`). Tensors arrive on this
+    rank's device, whichever device they left from; a CPU tensor travels in the default group's gloo also
+    when NCCL is beside it on GPUs.
     """
     import torch.distributed as dist
 
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    gathered: list[Any] = [None] * _current.world
-    dist.all_gather_object(gathered, buffer.getvalue())
+    message = pack(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_current.world)]
+    dist.all_gather(sizes, torch.tensor([message.numel()], dtype=torch.int64))
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: message.numel()] = message
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(_current.world)]
+    dist.all_gather(gathered, padded)
     me = _current.rank
-    return [
-        obj if i == me else torch.load(io.BytesIO(data), map_location=_current.device, weights_only=False)
-        for i, data in enumerate(gathered)
-    ]
+    return [obj if i == me else unpack(gathered[i], _current.device) for i in range(_current.world)]
+
+
+_ALIGN = 16  # every part of a message starts at a multiple of the widest element (complex128)
+
+
+def _aligned(count: int) -> int:
+    return -(-count // _ALIGN) * _ALIGN
+
+
+def pack(obj: Any) -> torch.Tensor:
+    """``obj`` as one byte tensor: the pickled structure's length, the structure, then every tensor's bytes.
+
+    Tensors are not pickled one by one (``torch.save`` writes a zip archive, ``all_gather_object`` pickles
+    that again): the structure refers to each dense tensor by dtype and shape, and its bytes follow in
+    order. Only :func:`unpack` of a rank this run started reads a message: in-memory traffic, never a file.
+    """
+    tensors: list[torch.Tensor] = []
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_quantized:
+                return None  # pickled as usual
+            if type(value) not in (torch.Tensor, torch.nn.Parameter):
+                return None
+            tensors.append(value.detach().to("cpu").contiguous())
+            kind = "parameter" if type(value) is torch.nn.Parameter else "tensor"
+            return (kind, value.dtype, tuple(value.shape), value.requires_grad)
+
+    head = io.BytesIO()
+    _Pickler(head, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    structure = head.getvalue()
+    parts, used = [torch.tensor([len(structure)], dtype=torch.int64).view(torch.uint8)], 8
+    for part in [torch.frombuffer(bytearray(structure), dtype=torch.uint8)] + [
+        t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()
+    ]:
+        padding = _aligned(used) - used
+        if padding:
+            parts.append(torch.zeros(padding, dtype=torch.uint8))
+        parts.append(part)
+        used += padding + part.numel()
+    return torch.cat(parts)
+
+
+def unpack(message: torch.Tensor, device: torch.device) -> Any:
+    """The object :func:`pack` made of ``message`` (which may be longer), its tensors copies on ``device``."""
+    length = int(message[:8].view(torch.int64))
+    start = _aligned(8)
+    structure, offset = message[start : start + length].numpy().tobytes(), start + length
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> torch.Tensor:
+            nonlocal offset
+            kind, dtype, shape, requires_grad = pid
+            count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if count:
+                offset = _aligned(offset)
+                # a copy: a view would keep the whole message alive as long as any of its tensors
+                tensor = message[offset : offset + count].view(dtype).reshape(shape).to(device, copy=True)
+                offset += count
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            if kind == "parameter":
+                return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            return tensor.requires_grad_(requires_grad)
+
+    return _Unpickler(io.BytesIO(structure)).load()
 
 
 # ---------------------------------------------------------------------- flrun fit --runtime.devices N

@@ -211,3 +211,38 @@ def test_all_tasks_of_one_client_stay_on_one_rank_in_order():
     """
     tasks = _tasks([4, 9, 4, 7])
     assert shard(tasks, 0, 2) == [0, 2, 3] and shard(tasks, 1, 2) == [1]
+
+
+# ---------------------------------------------------------------------- the exchange's message format
+def test_a_message_gives_back_every_tensor_and_value_as_sent():
+    """pack / unpack keep dtypes (all widths, bf16, complex, bool), shapes (empty, scalar, a strided view),
+    parameters and requires_grad, whatever else pickle keeps, and tolerate the padding of a longer message."""
+    sent = {
+        "weights": {"w": torch.randn(3, 5)[:, 1], "b": torch.arange(4, dtype=torch.float64)},
+        "mixed": [
+            torch.tensor(True),
+            torch.zeros(0, 3),
+            torch.tensor([7], dtype=torch.int8),
+            torch.randn(2).bfloat16(),
+        ],
+        "complex": torch.tensor([1 + 2j]),
+        "parameter": torch.nn.Parameter(torch.ones(2)),
+        "frozen": torch.nn.Parameter(torch.ones(1), requires_grad=False),
+        "generator": torch.get_rng_state(),
+        "ints": (3, None, "text"),
+    }
+    message = ranks.pack(sent)
+    assert message.dtype == torch.uint8 and message.dim() == 1
+    received = ranks.unpack(torch.cat([message, torch.zeros(37, dtype=torch.uint8)]), torch.device("cpu"))
+    _assert_same(sent, received)
+    assert type(received["parameter"]) is torch.nn.Parameter and received["parameter"].requires_grad
+    assert not received["frozen"].requires_grad and not received["weights"]["w"].requires_grad
+
+
+def test_received_tensors_are_copies_not_views_of_the_message():
+    """A client state kept from one phase must not hold that phase's whole message in memory."""
+    message = ranks.pack({"w": torch.ones(4)})
+    received = ranks.unpack(message, torch.device("cpu"))
+    message.zero_()
+    assert torch.equal(received["w"], torch.ones(4))
+    assert received["w"].untyped_storage().nbytes() == 16
