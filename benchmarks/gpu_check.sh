@@ -5,6 +5,8 @@
 # The device image lacks jsonargparse and friends: their wheels travel in .whl/ (carry: [".whl"]).
 #   bash benchmarks/gpu_check.sh            # writes $OUT/ (or ./gpu_check_out/) and prints a summary
 #   TINY=1 bash benchmarks/gpu_check.sh     # a CPU dry run of the same script (tiny flagship)
+#   PART=compile bash benchmarks/gpu_check.sh   # a second call (about 4 minutes): the plain vmapped step under
+#                                               # torch.compile, default and reduce-overhead (CUDA graphs)
 set -euo pipefail
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
@@ -16,6 +18,13 @@ else
 fi
 export WANDB_MODE=offline
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
+if [ "${PART:-main}" = compile ]; then
+  python3 benchmarks/gpu_flagship.py ${TINY:+--tiny} --skip_runs --compile default reduce-overhead --json \
+    > "$OUT/gpu_compile.json"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['device']); [print(p) for p in r['plain_pytorch']]" \
+    "$OUT/gpu_compile.json"
+  exit 0
+fi
 # parity on the device: accelerator auto picks the GPU, so these compare batched and sequential CUDA runs
 python3 -m pytest -q -p no:cacheprovider tests/test_batched_executor.py tests/test_precision.py tests/test_startup.py \
   2>&1 | tail -15 | tee "$OUT/tests.txt" || true

@@ -141,8 +141,11 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
     }
 
 
-def plain_pytorch(clients: int, steps: int, batch: int, width: float, device: str) -> dict:
-    """Steps/s of plain ResNet20 SGD: clients one after another, and all clients as one vmapped step."""
+def plain_pytorch(
+    clients: int, steps: int, batch: int, width: float, device: str, compile_modes: tuple[str, ...] = ()
+) -> dict:
+    """Steps/s of plain ResNet20 SGD: clients one after another, all clients as one vmapped step, and that step
+    compiled in each of ``compile_modes`` (``default``, ``reduce-overhead``: CUDA graphs, ``max-autotune``)."""
     from torch.func import functional_call, grad, stack_module_state, vmap
 
     from fl_lightning.models import ModelSpec
@@ -199,7 +202,34 @@ def plain_pytorch(clients: int, steps: int, batch: int, width: float, device: st
         vmapped_step(s)
     sync()
     vmapped = clients * steps / (time.perf_counter() - start)
-    return {"width": width, "sequential_steps_per_s": sequential, "vmapped_steps_per_s": vmapped}
+    result = {"width": width, "sequential_steps_per_s": sequential, "vmapped_steps_per_s": vmapped}
+
+    # the same vmapped steps as one function of (weights, momenta, batch) -> (weights, momenta), compiled:
+    # what torch.compile (and with "reduce-overhead", CUDA graphs) would add to the batched executor's step
+    def functional_step(p, m, xb, yb):
+        grads = step_grads(p, buffers, xb, yb)
+        new_m = {k: m[k] * 0.9 + grads[k] for k in p}
+        return {k: p[k] - 0.01 * new_m[k] for k in p}, new_m
+
+    for mode in compile_modes:
+        torch._dynamo.reset()
+        compiled = torch.compile(functional_step, mode=None if mode == "default" else mode)
+        p = {k: v.detach().clone() for k, v in params.items()}
+        m = {k: torch.zeros_like(v) for k, v in p.items()}
+        start = time.perf_counter()
+        for s in range(3):  # compiles (and records the graphs) on the first calls
+            p, m = compiled(p, m, x[:, s], y[:, s])
+        sync()
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for s in range(steps):
+            p, m = compiled(p, m, x[:, s], y[:, s])
+        sync()
+        result[f"compiled_{mode}"] = {
+            "steps_per_s": clients * steps / (time.perf_counter() - start),
+            "compile_s": compile_s,
+        }
+    return result
 
 
 def main() -> int:
@@ -210,6 +240,14 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: small data, clients and steps")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip_plain", action="store_true")
+    parser.add_argument(
+        "--compile",
+        nargs="*",
+        default=[],
+        metavar="MODE",
+        help="also time the plain vmapped step under torch.compile in these modes (default, reduce-overhead)",
+    )
+    parser.add_argument("--skip_runs", action="store_true", help="time the plain-PyTorch anchors only")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__}
@@ -220,10 +258,13 @@ def main() -> int:
             run_flagship(data_dir, p, e, args.rounds, args.tiny, Path(tmp) / f"run-{e}-{p}")
             for e in args.executor
             for p in args.precision
+            if not args.skip_runs
         ]
     if not args.skip_plain:
         clients, steps = (2, 3) if args.tiny else (20, 30)
-        result["plain_pytorch"] = [plain_pytorch(clients, steps, 32, w, device) for w in (1.0, 0.25)]
+        result["plain_pytorch"] = [
+            plain_pytorch(clients, steps, 32, w, device, tuple(args.compile)) for w in (1.0, 0.25)
+        ]
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
