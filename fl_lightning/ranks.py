@@ -63,6 +63,8 @@ class Ranks:
         device: the rank's Fabric device, set by :func:`connect_ranks`.
         scratch: where a rank other than 0 spills client states beyond the memory budget (never the run
             directory, which is rank 0's alone); None for rank 0.
+        mailbox: the shared-memory folder that carries the exchanges when every rank runs on this machine
+            (:class:`Mailbox`); None otherwise.
     """
 
     rank: int = 0
@@ -72,6 +74,7 @@ class Ranks:
     port: int | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     scratch: Path | None = None
+    mailbox: Mailbox | None = None
 
     @property
     def writes(self) -> bool:
@@ -190,6 +193,7 @@ def connect_ranks(ranks: Ranks, device: torch.device) -> Ranks:
         if ranks.rank > 0:
             ranks.scratch = Path(tempfile.mkdtemp(prefix=f"flrun-rank{ranks.rank}-"))
             atexit.register(shutil.rmtree, ranks.scratch, True)
+        ranks.mailbox = Mailbox.open(ranks.rank, ranks.world)
     _current = ranks
     return ranks
 
@@ -200,6 +204,9 @@ def leave_ranks() -> None:
     if _current.world > 1:
         import torch.distributed as dist
 
+        if _current.mailbox is not None:
+            dist.barrier()  # a rank that is done must not remove its last message before the others have read it
+            _current.mailbox.close()
         dist.destroy_process_group()
     _current = Ranks()
 
@@ -207,22 +214,108 @@ def leave_ranks() -> None:
 def exchange(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (this rank's own entry is ``obj`` itself).
 
-    One all-gather of the message sizes, then one of the messages (:func:`pack`). Tensors arrive on this
-    rank's device, whichever device they left from; a CPU tensor travels in the default group's gloo also
-    when NCCL is beside it on GPUs.
+    Each rank's object is one message (:func:`pack`). Its size goes through one all-gather, which is also
+    where the ranks wait for each other; the messages themselves go through the :class:`Mailbox` when every
+    rank runs on this machine (a file in shared memory each: a phase's 0.8 MB took 2.1-3.2 ms through
+    gloo's loopback socket), else, or when a rank could not post its message, through a second
+    all-gather. Tensors arrive on this rank's device, whichever device they left from; a CPU tensor
+    travels in the default group's gloo also when NCCL is beside it on GPUs.
     """
     import torch.distributed as dist
 
-    message = pack(obj)
+    message, mailbox, me = pack(obj), _current.mailbox, _current.rank
+    posted = mailbox is not None and mailbox.post(message)
+    # a negative size: this rank's message is not in the mailbox
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_current.world)]
-    dist.all_gather(sizes, torch.tensor([message.numel()], dtype=torch.int64))
-    longest = max(int(size) for size in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: message.numel()] = message
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(_current.world)]
-    dist.all_gather(gathered, padded)
-    me = _current.rank
+    dist.all_gather(sizes, torch.tensor([message.numel() if posted else -message.numel()], dtype=torch.int64))
+    sizes = [int(size) for size in sizes]
+    if all(size > 0 for size in sizes):
+        gathered = [message if i == me else mailbox.read(i, size) for i, size in enumerate(sizes)]
+    else:
+        longest = max(abs(size) for size in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: message.numel()] = message
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(_current.world)]
+        dist.all_gather(gathered, padded)
+    if mailbox is not None:
+        mailbox.done()
     return [obj if i == me else unpack(gathered[i], _current.device) for i in range(_current.world)]
+
+
+class Mailbox:
+    """Messages between the ranks of one machine as files in shared memory (``/dev/shm`` where there is one).
+
+    Rank 0 makes the folder; every rank writes its message of an exchange to its own file, and after the
+    all-gather of the sizes (which every rank reaches only once it has written) reads the others'. Two slots
+    alternate: a rank writes exchange k + 2 into the slot of exchange k only after passing exchange k + 1's
+    all-gather, which no rank enters before it has read exchange k. The folder goes when the run ends, after
+    a barrier (rank 0 removes it, each rank its own files; at exit too, when a run fails).
+
+    Args:
+        folder: the shared folder.
+        rank: this rank.
+    """
+
+    def __init__(self, folder: Path, rank: int):
+        self.folder, self.rank, self.exchanges = folder, rank, 0
+
+    @classmethod
+    def open(cls, rank: int, world: int) -> Mailbox | None:
+        """The mailbox of a group whose ranks all run on this machine and see one folder; None otherwise."""
+        import torch.distributed as dist
+
+        shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        folder = None
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                folder = str(tempfile.mkdtemp(prefix="flrun-exchange-", dir=shared))
+        here = [(socket.gethostname(), folder)]
+        places: list[Any] = [None] * world
+        dist.all_gather_object(places, here[0])
+        hosts, folder = {host for host, _ in places}, places[0][1]
+        sees = torch.tensor([int(len(hosts) == 1 and folder is not None and Path(folder).is_dir())])
+        dist.all_reduce(sees, op=dist.ReduceOp.MIN)  # one rank that cannot see the folder: nobody uses it
+        if folder is not None and rank == 0:
+            atexit.register(shutil.rmtree, folder, True)
+        if not bool(sees):
+            if folder is not None and rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            return None
+        mailbox = cls(Path(folder), rank)
+        atexit.register(mailbox.close)
+        return mailbox
+
+    def _path(self, rank: int) -> Path:
+        return self.folder / f"rank{rank}-slot{self.exchanges % 2}"
+
+    def post(self, message: torch.Tensor) -> bool:
+        """Writes this rank's message of the current exchange; False when it cannot (e.g. the folder is full)."""
+        try:
+            with open(self._path(self.rank), "wb") as f:
+                f.write(memoryview(message.numpy()))
+        except OSError:
+            return False
+        return True
+
+    def read(self, rank: int, size: int) -> torch.Tensor:
+        """Rank ``rank``'s message of the current exchange (``size`` bytes, as its all-gathered size says)."""
+        data = bytearray(size)
+        with open(self._path(rank), "rb") as f:
+            if f.readinto(data) != size:
+                raise RuntimeError(f"rank {rank}'s message in {self.folder} is shorter than the {size} bytes it sent")
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+    def done(self) -> None:
+        """The current exchange is over on this rank: the next one uses the other slot."""
+        self.exchanges += 1
+
+    def close(self) -> None:
+        """Removes this rank's files (and the folder, for rank 0)."""
+        for slot in (0, 1):
+            with contextlib.suppress(OSError):
+                (self.folder / f"rank{self.rank}-slot{slot}").unlink()
+        if self.rank == 0:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _ALIGN = 16  # every part of a message starts at a multiple of the widest element (complex128)

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -246,3 +247,49 @@ def test_received_tensors_are_copies_not_views_of_the_message():
     message.zero_()
     assert torch.equal(received["w"], torch.ones(4))
     assert received["w"].untyped_storage().nbytes() == 16
+
+
+EXCHANGE = """
+import json, os, sys
+import torch
+from fl_lightning import ranks
+
+me = ranks.connect_ranks(ranks.from_env(), torch.device("cpu"))
+if os.environ.get("FAIL_POST") == str(me.rank):  # this rank's message cannot be written (a full folder)
+    ranks.Mailbox.post = lambda self, message: False
+folder = me.mailbox.folder if me.mailbox else None
+received = []
+for exchange in range(3):  # three exchanges: both slots, and the first one again
+    sent = {"rank": me.rank, "exchange": exchange, "w": torch.full((1000 * (me.rank + 1),), float(exchange))}
+    got = ranks.exchange(sent)
+    received.append([[g["rank"], g["exchange"], g["w"].numel(), float(g["w"].sum())] for g in got])
+ranks.leave_ranks()
+print(json.dumps({"received": received, "mailbox": folder is not None, "left": folder is not None and folder.exists()}))
+"""
+
+
+@pytest.mark.parametrize("fail_post", [None, "1"])
+def test_ranks_of_one_machine_exchange_through_shared_memory_or_else_gloo(fail_post):
+    """Two ranks on this machine exchange three messages of different sizes through the mailbox; a rank that
+    cannot post its message sends it through gloo, and every rank receives the same objects either way."""
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ranks.free_port())}
+    if fail_post:
+        env["FAIL_POST"] = fail_post
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", EXCHANGE],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in processes]
+    assert all(p.returncode == 0 for p in processes), [err[-2000:] for _, err in outputs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    expected = [[[0, k, 1000, 1000.0 * k], [1, k, 2000, 2000.0 * k]] for k in range(3)]
+    for result in results:
+        assert result["received"] == expected
+        assert result["mailbox"] is True and result["left"] is False  # the folder is gone after the run
