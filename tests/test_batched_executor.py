@@ -52,6 +52,11 @@ def _run(tmp_path, recipe, executor, *extra):
         # move target weights by 4.4e-4, which says nothing about batching
         ("digits_ondevice_kd.yaml", ("--strategy.init_args.ramp_rounds", "0")),
         ("digits_fedadam.yaml", ("--training.optimizer_state", "per_client")),  # Adam moments kept per client
+        # a role name with a dot (not a valid module name: the batched step keys roles by position)
+        (
+            "quickstart.yaml",
+            ("--models", '{"a.b": {"builder": "digits_cnn"}}', "--population.tiers", "[{roles: [a.b]}]"),
+        ),
         # paper 001's one state per role, taken at each phase's start (the order-free form batched clients can run)
         (
             "digits_ondevice_kd.yaml",

@@ -17,7 +17,6 @@ never changes what a strategy computes, only how many clients share a kernel lau
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import types
@@ -171,6 +170,10 @@ class _GroupTraining:
             if isinstance(values[0], Tensor) and any(v is not values[0] for v in values)
         ]
         self.cells = [torch.stack(v) if i in self.tensor_cells else v[0] for i, v in enumerate(per_client)]
+        # every role's module under one container: one reparametrization gives each the client's tensors
+        # (keyed by position: a role's name may hold a dot, which a module name may not)
+        self.role_keys = {role: f"role{i}" for i, role in enumerate(loop.slots)}
+        self.roles = torch.nn.ModuleDict({self.role_keys[role]: slot.module for role, slot in loop.slots.items()})
         self.step_index = 0
 
     def run(self) -> None:
@@ -278,16 +281,19 @@ class _GroupTraining:
     def _loss(self, params: dict[str, Tensor], stacked: dict, tensor_cells: list[Tensor], batch: tuple) -> Tensor:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
         loop = self.loop
-        cells = list(self.cells)
-        for i, value in zip(self.tensor_cells, tensor_cells):
-            cells[i] = value
-        step_fn = _rebuild(self.group[0].step_fn, cells)
-        with contextlib.ExitStack() as stack:
-            for role, slot in loop.slots.items():
-                tensors = {**stacked[role], **params} if role == self.role else stacked[role]
-                stack.enter_context(_reparametrize(slot.module, tensors))
-            with loop.fabric.autocast():  # the forward only, as in the sequential loop
-                loss = step_fn(self.slot.module, batch, self.step_index)
+        step_fn = self.group[0].step_fn  # the first client's own function when no closure value differs
+        if self.tensor_cells:
+            cells = list(self.cells)
+            for i, value in zip(self.tensor_cells, tensor_cells):
+                cells[i] = value
+            step_fn = _rebuild(step_fn, cells)
+        tensors = {
+            f"{self.role_keys[role]}.{name}": value
+            for role in loop.slots
+            for name, value in ({**stacked[role], **params} if role == self.role else stacked[role]).items()
+        }
+        with _reparametrize(self.roles, tensors), loop.fabric.autocast():  # autocast: the forward only, as sequential
+            loss = step_fn(self.slot.module, batch, self.step_index)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
         return loss.float(), tuple(record)
 
