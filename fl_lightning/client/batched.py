@@ -246,9 +246,8 @@ class _GroupTraining:
         stacked = {role: {n: take(t) for n, t in tensors.items()} for role, tensors in self.stacked.items()}
         params = {n: stacked[self.role][n] for n in self.trainable}
         cells = [take(self.cells[i]) for i in self.tensor_cells]
-        compute = torch.func.grad_and_value(self._loss, has_aux=True)
         try:
-            grads, (losses, record) = torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
+            grads, (losses, record) = self._gradients(params, stacked, cells, batch)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
@@ -277,6 +276,12 @@ class _GroupTraining:
             if on_record is not None and record:
                 on_record(tuple(t[j].detach() for t in record))
         return losses.detach().float()
+
+    def _gradients(self, params: dict, stacked: dict, cells: list[Tensor], batch: tuple) -> tuple:
+        """Every member's gradients and (loss, record) in one vmapped call (benchmarks/compile_probe.py
+        replaces it with a compiled one)."""
+        compute = torch.func.grad_and_value(self._loss, has_aux=True)
+        return torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
 
     def _loss(self, params: dict[str, Tensor], stacked: dict, tensor_cells: list[Tensor], batch: tuple) -> Tensor:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
