@@ -7,6 +7,7 @@
 #   TINY=1 bash benchmarks/gpu_check.sh     # a CPU dry run of the same script (tiny flagship)
 #   PART=compile bash benchmarks/gpu_check.sh   # a second call (about 4 minutes): the plain vmapped step under
 #                                               # torch.compile, default and reduce-overhead (CUDA graphs)
+#   PART=probe bash benchmarks/gpu_check.sh     # a third call if those paid: the batched executor's step compiled
 set -euo pipefail
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
@@ -23,6 +24,12 @@ if [ "${PART:-main}" = compile ]; then
     > "$OUT/gpu_compile.json"
   python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['device']); [print(p) for p in r['plain_pytorch']]" \
     "$OUT/gpu_compile.json"
+  exit 0
+fi
+if [ "${PART:-main}" = probe ]; then
+  if [ -n "${TINY:-}" ]; then accelerator=cpu; else accelerator=cuda; fi
+  python3 benchmarks/compile_probe.py --accelerator "$accelerator" --mode default reduce-overhead \
+    --rounds 3 --local_steps 16 --per_batch 2000 | tee "$OUT/compile_probe.jsonl"
   exit 0
 fi
 # parity on the device: accelerator auto picks the GPU, so these compare batched and sequential CUDA runs
