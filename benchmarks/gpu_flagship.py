@@ -242,7 +242,7 @@ def main() -> int:
     parser.add_argument("--skip_plain", action="store_true")
     parser.add_argument(
         "--compile",
-        nargs="*",
+        nargs="+",
         default=[],
         metavar="MODE",
         help="also time the plain vmapped step under torch.compile in these modes (default, reduce-overhead)",
@@ -253,7 +253,8 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
-        write_random_cifar10(data_dir, 200 if args.tiny else 10_000)
+        if not args.skip_runs:
+            write_random_cifar10(data_dir, 200 if args.tiny else 10_000)
         result["runs"] = [
             run_flagship(data_dir, p, e, args.rounds, args.tiny, Path(tmp) / f"run-{e}-{p}")
             for e in args.executor

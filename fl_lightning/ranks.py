@@ -242,6 +242,15 @@ def exchange(obj: Any) -> list[Any]:
     return [obj if i == me else unpack(gathered[i], _current.device) for i in range(_current.world)]
 
 
+MAILBOX_ENV = "FLRUN_EXCHANGE_DIR"  # the folder launch() made for its ranks' mailbox
+
+
+def make_mailbox_folder() -> str:
+    """A new private folder for a mailbox, in shared memory (``/dev/shm``) where the machine has it."""
+    shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    return tempfile.mkdtemp(prefix="flrun-exchange-", dir=shared)
+
+
 class Mailbox:
     """Messages between the ranks of one machine as files in shared memory (``/dev/shm`` where there is one).
 
@@ -264,11 +273,13 @@ class Mailbox:
         """The mailbox of a group whose ranks all run on this machine and see one folder; None otherwise."""
         import torch.distributed as dist
 
-        shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         folder = None
         if rank == 0:
-            with contextlib.suppress(OSError):
-                folder = str(tempfile.mkdtemp(prefix="flrun-exchange-", dir=shared))
+            # flrun fit --runtime.devices N made it (and removes it however the ranks end); else a new one
+            folder = os.environ.get(MAILBOX_ENV) or None
+            if folder is None:
+                with contextlib.suppress(OSError):
+                    folder = make_mailbox_folder()
         here = [(socket.gethostname(), folder)]
         places: list[Any] = [None] * world
         dist.all_gather_object(places, here[0])
@@ -285,15 +296,23 @@ class Mailbox:
         atexit.register(mailbox.close)
         return mailbox
 
+    @staticmethod
+    def remove_folder(folder: str | None) -> None:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def _path(self, rank: int) -> Path:
         return self.folder / f"rank{rank}-slot{self.exchanges % 2}"
 
     def post(self, message: torch.Tensor) -> bool:
         """Writes this rank's message of the current exchange; False when it cannot (e.g. the folder is full)."""
+        path = self._path(self.rank)
         try:
-            with open(self._path(self.rank), "wb") as f:
+            with open(path, "wb") as f:
                 f.write(memoryview(message.numpy()))
         except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()  # a partial file would keep a full /dev/shm full
             return False
         return True
 
@@ -330,17 +349,26 @@ def pack(obj: Any) -> torch.Tensor:
 
     Tensors are not pickled one by one (``torch.save`` writes a zip archive, ``all_gather_object`` pickles
     that again): the structure refers to each dense tensor by dtype and shape, and its bytes follow in
-    order. Only :func:`unpack` of a rank this run started reads a message: in-memory traffic, never a file.
+    order. A tensor met twice (tied weights) is sent once and arrives as one tensor again; other kinds
+    (sparse, quantized, subclasses) go through ``torch.save`` inside the structure. Only :func:`unpack` of
+    a rank this run started reads a message: in-memory traffic, never a file.
     """
     tensors: list[torch.Tensor] = []
+    seen: dict[int, int] = {}
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, value: Any) -> Any:
-            if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_quantized:
+            if not isinstance(value, torch.Tensor):
                 return None  # pickled as usual
-            if type(value) not in (torch.Tensor, torch.nn.Parameter):
-                return None
-            tensors.append(value.detach().to("cpu").contiguous())
+            if id(value) in seen:
+                return ("again", seen[id(value)])
+            dense = value.layout == torch.strided and not value.is_quantized
+            if not dense or type(value) not in (torch.Tensor, torch.nn.Parameter):
+                saved = io.BytesIO()
+                torch.save(value, saved)
+                return ("saved", saved.getvalue())
+            seen[id(value)] = len(tensors)
+            tensors.append(value.detach().resolve_conj().resolve_neg().to("cpu").contiguous())
             kind = "parameter" if type(value) is torch.nn.Parameter else "tensor"
             return (kind, value.dtype, tuple(value.shape), value.requires_grad)
 
@@ -364,10 +392,15 @@ def unpack(message: torch.Tensor, device: torch.device) -> Any:
     length = int(message[:8].view(torch.int64))
     start = _aligned(8)
     structure, offset = message[start : start + length].numpy().tobytes(), start + length
+    made: list[torch.Tensor] = []
 
     class _Unpickler(pickle.Unpickler):
         def persistent_load(self, pid: Any) -> torch.Tensor:
             nonlocal offset
+            if pid[0] == "again":
+                return made[pid[1]]
+            if pid[0] == "saved":
+                return torch.load(io.BytesIO(pid[1]), map_location=device, weights_only=False)
             kind, dtype, shape, requires_grad = pid
             count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if count:
@@ -378,8 +411,11 @@ def unpack(message: torch.Tensor, device: torch.device) -> Any:
             else:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             if kind == "parameter":
-                return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-            return tensor.requires_grad_(requires_grad)
+                tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            else:
+                tensor.requires_grad_(requires_grad)
+            made.append(tensor)
+            return tensor
 
     return _Unpickler(io.BytesIO(structure)).load()
 
@@ -401,6 +437,11 @@ def launch(argv: list[str], devices: int) -> int:
     }
     command = [sys.executable, "-m", "fl_lightning", *argv]
     with contextlib.ExitStack() as files:
+        # the ranks' mailbox folder is made here, so that it goes even when a rank is terminated (SIGTERM
+        # skips a rank's own clean-up at exit) or killed
+        with contextlib.suppress(OSError):
+            env[MAILBOX_ENV] = make_mailbox_folder()
+            files.callback(Mailbox.remove_folder, env[MAILBOX_ENV])
         logs = [None] + [files.enter_context(tempfile.TemporaryFile()) for _ in range(devices - 1)]
         processes = [
             subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=logs[r])

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,9 @@ def test_two_cpu_ranks_give_fedavg_the_numbers_of_one_process_with_lost_updates(
     )
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "one")) == 0
     argv = ["fit", "--config", str(recipe), "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2"]
+    folders = _mailbox_folders()
     assert run_cli(*argv) == 0  # this process launches the 2 ranks and waits for them
+    assert _mailbox_folders() - folders == set()  # the ranks' exchange files went with the run
     summary = _assert_identical_runs(tmp_path / "one", tmp_path / "two")
     faults = summary["faults"]  # the exchange carried events from both ranks (each kind happened)
     assert faults["crash"] > 0 and faults["dropped_nonfinite"] > 0 and faults["drop_upload"] > 0
@@ -96,13 +99,21 @@ def test_two_cpu_ranks_give_personalized_methods_the_numbers_of_one_process(tmp_
     _assert_identical_runs(tmp_path / "one", tmp_path / "two")
 
 
+def _mailbox_folders() -> set[str]:
+    shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return {p.name for p in shared.glob("flrun-exchange-*")}
+
+
 def test_a_start_refused_on_every_rank_reports_once_with_exit_2(tmp_path, capfd):
-    """Both ranks refuse the missing recipe; rank 0 says why, the other rank's copy stays back."""
+    """Both ranks refuse the missing recipe; rank 0 says why, the other rank's copy stays back. The mailbox
+    folder that launch made for the ranks is gone, although no rank got as far as using it."""
+    before = _mailbox_folders()
     missing = tmp_path / "missing.yaml"
     assert ranks.launch(["fit", "--config", str(missing), "--output_dir", str(tmp_path / "run")], 2) == 2
     err = capfd.readouterr().err
     assert err.count(str(missing)) == 1 and "rank 1" not in err
     assert not (tmp_path / "run").exists()
+    assert _mailbox_folders() - before == set()
 
 
 # ---------------------------------------------------------------------- what cannot be sharded, refused
@@ -238,6 +249,17 @@ def test_a_message_gives_back_every_tensor_and_value_as_sent():
     _assert_same(sent, received)
     assert type(received["parameter"]) is torch.nn.Parameter and received["parameter"].requires_grad
     assert not received["frozen"].requires_grad and not received["weights"]["w"].requires_grad
+
+
+def test_a_tensor_met_twice_arrives_once_and_other_kinds_arrive_whole():
+    """Tied weights stay one tensor; a conjugate view arrives resolved; sparse tensors go through torch.save."""
+    tied = torch.randn(3)
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)
+    conjugate = torch.tensor([1 + 2j, 3 - 1j]).conj()
+    received = ranks.unpack(ranks.pack({"a": tied, "b": tied, "s": sparse, "c": conjugate}), torch.device("cpu"))
+    assert received["a"] is received["b"] and torch.equal(received["a"], tied)
+    assert received["s"].is_sparse and torch.equal(received["s"].to_dense(), sparse.to_dense())
+    assert torch.equal(received["c"], conjugate.resolve_conj())
 
 
 def test_received_tensors_are_copies_not_views_of_the_message():

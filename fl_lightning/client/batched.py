@@ -486,7 +486,9 @@ def _reparametrize(module: torch.nn.Module, tensors: dict[str, Tensor]):
     # torch.func.functional_call only calls forward; a step function calls other methods (features, head)
     from torch.nn.utils.stateless import _reparametrize_module
 
-    return _reparametrize_module(module, tensors)
+    # stack_weights: restore in reverse order, so that a tensor two roles share (one module in two roles)
+    # gets its original back, as nested contexts would
+    return _reparametrize_module(module, tensors, stack_weights=True)
 
 
 def _default_step():
