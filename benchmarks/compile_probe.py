@@ -77,15 +77,7 @@ def _detail(message: str) -> str:
 
 def _vmapped_gradients(training, step_fn, params, stacked, batch, step):
     def loss(params, stacked, batch):
-        tensors = {
-            f"{training.role_keys[role]}.{name}": value
-            for role in training.loop.slots
-            for name, value in ({**stacked[role], **params} if role == training.role else stacked[role]).items()
-        }
-        with batched._reparametrize(training.roles, tensors), training.loop.fabric.autocast():
-            out = step_fn(training.slot.module, batch, step)
-        out, record = out if isinstance(out, tuple) else (out, ())
-        return out.float(), tuple(record)
+        return training.loss_of(step_fn, params, stacked, batch, step)
 
     compute = torch.func.grad_and_value(loss, has_aux=True)
     return torch.func.vmap(compute, randomness="error")(params, stacked, batch)

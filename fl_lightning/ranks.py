@@ -280,14 +280,11 @@ class Mailbox:
             if folder is None:
                 with contextlib.suppress(OSError):
                     folder = make_mailbox_folder()
-        here = [(socket.gethostname(), folder)]
         places: list[Any] = [None] * world
-        dist.all_gather_object(places, here[0])
+        dist.all_gather_object(places, (socket.gethostname(), folder))
         hosts, folder = {host for host, _ in places}, places[0][1]
         sees = torch.tensor([int(len(hosts) == 1 and folder is not None and Path(folder).is_dir())])
         dist.all_reduce(sees, op=dist.ReduceOp.MIN)  # one rank that cannot see the folder: nobody uses it
-        if folder is not None and rank == 0:
-            atexit.register(shutil.rmtree, folder, True)
         if not bool(sees):
             if folder is not None and rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -295,11 +292,6 @@ class Mailbox:
         mailbox = cls(Path(folder), rank)
         atexit.register(mailbox.close)
         return mailbox
-
-    @staticmethod
-    def remove_folder(folder: str | None) -> None:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
 
     def _path(self, rank: int) -> Path:
         return self.folder / f"rank{rank}-slot{self.exchanges % 2}"
@@ -441,7 +433,7 @@ def launch(argv: list[str], devices: int) -> int:
         # skips a rank's own clean-up at exit) or killed
         with contextlib.suppress(OSError):
             env[MAILBOX_ENV] = make_mailbox_folder()
-            files.callback(Mailbox.remove_folder, env[MAILBOX_ENV])
+            files.callback(shutil.rmtree, env[MAILBOX_ENV], True)
         logs = [None] + [files.enter_context(tempfile.TemporaryFile()) for _ in range(devices - 1)]
         processes = [
             subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=logs[r])

@@ -285,20 +285,24 @@ class _GroupTraining:
 
     def _loss(self, params: dict[str, Tensor], stacked: dict, tensor_cells: list[Tensor], batch: tuple) -> Tensor:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
-        loop = self.loop
         step_fn = self.group[0].step_fn  # the first client's own function when no closure value differs
         if self.tensor_cells:
             cells = list(self.cells)
             for i, value in zip(self.tensor_cells, tensor_cells):
                 cells[i] = value
             step_fn = _rebuild(step_fn, cells)
+        return self.loss_of(step_fn, params, stacked, batch, self.step_index)
+
+    def loss_of(self, step_fn: Callable, params: dict, stacked: dict, batch: tuple, step: int) -> tuple:
+        """``step_fn``'s (loss, record) for one client, every role's module holding that client's tensors."""
+        loop = self.loop
         tensors = {
             f"{self.role_keys[role]}.{name}": value
             for role in loop.slots
             for name, value in ({**stacked[role], **params} if role == self.role else stacked[role]).items()
         }
         with _reparametrize(self.roles, tensors), loop.fabric.autocast():  # autocast: the forward only, as sequential
-            loss = step_fn(self.slot.module, batch, self.step_index)
+            loss = step_fn(self.slot.module, batch, step)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
         return loss.float(), tuple(record)
 
