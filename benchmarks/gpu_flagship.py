@@ -251,21 +251,24 @@ def main() -> int:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__}
+    # The anchors first and each result on stderr as it comes: a run cut short by a device's time limit
+    # still leaves the figures it reached in the log.
+    if not args.skip_plain:
+        clients, steps = (2, 3) if args.tiny else (20, 30)
+        result["plain_pytorch"] = []
+        for width in (1.0, 0.25):
+            result["plain_pytorch"].append(plain_pytorch(clients, steps, 32, width, device, tuple(args.compile)))
+            print("# plain:", json.dumps(result["plain_pytorch"][-1]), file=sys.stderr, flush=True)
+    result["runs"] = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
         if not args.skip_runs:
             write_random_cifar10(data_dir, 200 if args.tiny else 10_000)
-        result["runs"] = [
-            run_flagship(data_dir, p, e, args.rounds, args.tiny, Path(tmp) / f"run-{e}-{p}")
-            for e in args.executor
-            for p in args.precision
-            if not args.skip_runs
-        ]
-    if not args.skip_plain:
-        clients, steps = (2, 3) if args.tiny else (20, 30)
-        result["plain_pytorch"] = [
-            plain_pytorch(clients, steps, 32, w, device, tuple(args.compile)) for w in (1.0, 0.25)
-        ]
+            for executor in args.executor:
+                for precision in args.precision:
+                    run_dir = Path(tmp) / f"run-{executor}-{precision}"
+                    result["runs"].append(run_flagship(data_dir, precision, executor, args.rounds, args.tiny, run_dir))
+                    print("# run:", json.dumps(result["runs"][-1]), file=sys.stderr, flush=True)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

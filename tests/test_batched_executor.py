@@ -16,6 +16,18 @@ from fl_lightning.client_store import load_client_states
 from fl_lightning.errors import ConfigError
 
 ROUNDS = "2"
+
+
+@pytest.fixture(autouse=True)
+def _full_float32_on_cuda():
+    """On a GPU, convolutions default to TF32 (10-bit mantissa): batched (grouped) and sequential convolutions
+    then differ by about 1e-3, which says nothing about batching. Compare in full float32 there."""
+    settings = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = settings
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

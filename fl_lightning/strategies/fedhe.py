@@ -81,9 +81,10 @@ class FedHe(PersonalModels, Strategy):
         role = task.client.roles[0]
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         received = task.downlink["class_logits"]
-        server_logits, available = received.vectors["logits"], received.present
+        device = ctx.data_x.device  # the server's bank lives on the CPU; the step indexes it with labels on the device
+        server_logits, available = received.vectors["logits"].to(device), received.present.to(device)
         use_logits = task.round > self.warmup_rounds and bool(available.any())
-        collector = ClassStatsCollector(self.num_classes, {"logits": self.num_classes}, server_logits.device)
+        collector = ClassStatsCollector(self.num_classes, {"logits": self.num_classes}, device)
 
         @vmappable  # pure: the logits it observes go out as its record, so clients can train batched
         def step(module, batch, i):

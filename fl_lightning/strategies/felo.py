@@ -126,11 +126,14 @@ class Felo(Strategy):
             load_exchanged(ctx.load(role).model, task.downlink["weights"].state)
         else:
             ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
+        # the server's class knowledge lives on the CPU; the step indexes it with labels on the client's device
+        device = ctx.data_x.device
         (server_f, have_f), (server_z, have_z) = received_targets(task.downlink)
+        server_f, have_f, server_z, have_z = (t.to(device) for t in (server_f, have_f, server_z, have_z))
         any_features, any_logits = bool(have_f.any()), bool(have_z.any())
         use = task.round > self.warmup_rounds and (any_logits or any_features)
         dims = {"features": self.feature_dim, "logits": self.num_classes}
-        collector = ClassStatsCollector(self.num_classes, dims, server_z.device)
+        collector = ClassStatsCollector(self.num_classes, dims, device)
 
         @vmappable  # pure: the outputs it observes go out as its record, so clients can train batched
         def step(module, batch, i):
