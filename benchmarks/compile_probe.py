@@ -46,12 +46,12 @@ class CompiledGradients:
         self.counts = {"compiled_steps": 0, "eager_steps": 0}
         self.eager = batched._GroupTraining._gradients
 
-    def __call__(self, training, params, stacked, cells, batch):
+    def __call__(self, training, params, stacked, cells, batch, unbatched=False):
         step_fn = training.group[0].step_fn
         key = f"{training.role}/{getattr(step_fn, '__name__', 'step')}"
-        if training.tensor_cells or key in self.failed:
+        if training.tensor_cells or key in self.failed or unbatched:  # a lone client's step runs without vmap
             self.counts["eager_steps"] += 1
-            return self.eager(training, params, stacked, cells, batch)
+            return self.eager(training, params, stacked, cells, batch, unbatched)
         values = batched._closure_values(step_fn)
         if any(type(v) is float for v in values):
             device = training.loop.fabric.device
@@ -90,7 +90,7 @@ def run(mode: str, args, data_dir: Path, out: Path) -> dict:
     probe = None
     if mode != "eager":
         probe = CompiledGradients(mode)
-        batched._GroupTraining._gradients = lambda self, *a: probe(self, *a)
+        batched._GroupTraining._gradients = lambda self, *a, **k: probe(self, *a, **k)
     tiers = f"[{{name: strong, roles: [aux, target], count: {args.clients // 2}}}, {{name: weak, roles: [aux]}}]"
     argv = ["--config", str(ROOT / "recipes" / "ondevice_kd_cifar10.yaml"), "--rounds", str(args.rounds)]
     argv += ["--eval_every", str(args.rounds), "--checkpoint_every", str(args.rounds), "--runtime.progress", "false"]

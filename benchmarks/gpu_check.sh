@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The checks a session with a lent GPU runs once (about 6 minutes on an H100 / H200), from the repository root:
-#   the parity tests of the batched executor, precision and start-up on CUDA, then the flagship benchmark
-#   (sequential and batched, 32-true and bf16-mixed, next to the plain-PyTorch anchors).
+# The checks a session with a lent GPU runs once (about 8 minutes on an H100 / H200), from the repository root:
+#   the flagship benchmark (batched and sequential, 32-true, next to the plain-PyTorch anchors), a profile of
+#   one batched round, then the tests on CUDA (batched-executor parity, precision, start-up, every digits
+#   recipe). Run it with PYTHONUNBUFFERED=1 so that a run cut short still shows what it reached.
 # The device image lacks jsonargparse and friends: their wheels travel in .whl/ (carry: [".whl"]).
 #   bash benchmarks/gpu_check.sh            # writes $OUT/ (or ./gpu_check_out/) and prints a summary
 #   TINY=1 bash benchmarks/gpu_check.sh     # a CPU dry run of the same script (tiny flagship)
@@ -35,8 +36,12 @@ fi
 if [ -n "${TINY:-}" ]; then
   python3 benchmarks/gpu_flagship.py --tiny --rounds 3 --precision 32-true --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
 else
-  python3 benchmarks/gpu_flagship.py --rounds 4 --precision 32-true bf16-mixed --executor batched sequential \
+  # bf16-mixed does not batch (docs/performance.md) and was slower sequentially: PRECISIONS="32-true bf16-mixed"
+  python3 benchmarks/gpu_flagship.py --rounds 4 --precision ${PRECISIONS:-32-true} --executor batched sequential \
     --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
+  # where a batched round goes (python3 -m pstats, or pstats.Stats(...).sort_stats("tottime") here)
+  python3 -m cProfile -o "$OUT/batched_round.prof" benchmarks/gpu_flagship.py --rounds 1 --precision 32-true \
+    --executor batched --skip_plain --json > /dev/null 2>&1 || true
 fi
 python3 - "$OUT/gpu_flagship.json" <<'EOF'
 import json, sys

@@ -243,3 +243,36 @@ def test_a_module_in_two_roles_gets_its_own_weights_back_after_a_batched_step():
     with _reparametrize(roles, tensors):
         assert torch.equal(shared.weight, torch.ones(2, 2))  # the later role's tensor, as nested contexts give
     assert shared.weight is original
+
+
+def test_the_flat_store_gives_views_and_moves_only_the_chosen_clients():
+    """Stacked tensors of several dtypes live in one flat buffer per dtype: views equal the tensors put in, a
+    write through a view reaches the buffer, and a gather / scatter of clients 0 and 2 leaves client 1 alone."""
+    from fl_lightning.client.batched import _FlatStore
+
+    tensors = {
+        ("w",): torch.arange(24.0).view(3, 2, 4),
+        ("b",): torch.tensor([1.0, 2.0, 3.0]),  # one number per client: a [3] tensor
+        ("count",): torch.tensor([5, 6, 7]),  # int64 (batch norm's num_batches_tracked): a buffer of its own
+    }
+    store = _FlatStore(tensors)
+    assert len(store.flats) == 2
+    views = store.views()
+    for key, t in tensors.items():
+        assert torch.equal(views[key], t) and views[key].dtype == t.dtype
+    views[("w",)][1, 0, 0] = -1.0  # in place through a view
+    assert store.views()[("w",)][1, 0, 0] == -1.0
+    narrow = store.views(1, 2)  # clients 1 and 2 as views
+    narrow[("b",)].add_(10.0)
+    assert store.views()[("b",)].tolist() == [1.0, 12.0, 13.0]
+    index = torch.tensor([0, 2])
+    gathered = store.gather(index)
+    chosen = store.views(flats=gathered)
+    assert torch.equal(chosen[("w",)], tensors[("w",)][[0, 2]])
+    chosen[("w",)].zero_()
+    chosen[("count",)].add_(1)
+    store.scatter(index, gathered)
+    after = store.views()
+    assert after[("w",)][0].abs().sum() == 0 and after[("w",)][2].abs().sum() == 0
+    assert after[("w",)][1, 0, 0] == -1.0 and after[("w",)][1, 1, 3] == 15.0  # client 1 untouched
+    assert after[("count",)].tolist() == [6, 6, 8]

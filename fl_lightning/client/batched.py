@@ -170,6 +170,14 @@ class _GroupTraining:
             if isinstance(values[0], Tensor) and any(v is not values[0] for v in values)
         ]
         self.cells = [torch.stack(v) if i in self.tensor_cells else v[0] for i, v in enumerate(per_client)]
+        # every stacked tensor (all roles' weights and buffers, the moments, the loss totals) lives in a few flat
+        # [clients, N] buffers, one per dtype: a step of some of the clients reads and writes them with one
+        # indexing call per buffer instead of one per tensor (hundreds for a ResNet; on a GPU each was a launch)
+        tensors = {("slot", role, name): t for role, named in self.stacked.items() for name, t in named.items()}
+        tensors |= {("state", name, key): t for name, keys in self.state.items() for key, t in keys.items()}
+        tensors[_TOTAL] = torch.zeros(self.clients, device=device)
+        self.store = _FlatStore(tensors)
+        self.stacked, self.state = self._unpack(self.store.views())
         # every role's module under one container: one reparametrization gives each the client's tensors
         # (keyed by position: a role's name may hold a dot, which a module name may not)
         self.role_keys = {role: f"role{i}" for i, role in enumerate(loop.slots)}
@@ -182,7 +190,6 @@ class _GroupTraining:
             for module, training in zip(loop.slots[role].module.modules(), modes):
                 module.training = training
         self.slot.module.train()  # as the sequential loop does for the trained role
-        totals = torch.zeros(self.clients, device=loop.fabric.device)
         steps = [0] * self.clients
         streams = [iter(r.batches) for r in group]
         gathered = _gatherable(streams)  # every client's indices and draws, gathered and augmented at once
@@ -208,11 +215,7 @@ class _GroupTraining:
                         batch = _gather(streams[members[0]], [batches[k] for k in members])
                     else:
                         batch = tuple(torch.stack(parts) for parts in zip(*(batches[k] for k in members)))
-                    losses = self._step(members, batch, step)
-                    if len(members) == self.clients:  # no index tensor: it would be a copy to the GPU per step
-                        totals += losses
-                    else:
-                        totals.index_add_(0, to_device(torch.tensor(members), totals.device), losses)
+                    self._step(members, batch, step)
                     for k in members:
                         steps[k] += 1
             except _NotBatchable:  # nothing of the group has changed: give the clients their first batches back
@@ -224,6 +227,7 @@ class _GroupTraining:
                     request.rng_state = rng_before[k]
                 raise
             step += 1
+        totals = self.store.views()[_TOTAL]
         means = (totals / torch.tensor([max(s, 1) for s in steps], device=totals.device)).tolist()
         for k, request in enumerate(group):
             request.result = {"loss": means[k], "steps": float(steps[k])}
@@ -238,16 +242,25 @@ class _GroupTraining:
         request.rng_state = (torch.default_generator.get_state(), request.rng_state[1])
         return batch
 
-    def _step(self, members: list[int], batch: tuple, step: int) -> Tensor:
-        """One optimizer step of the clients ``members`` on their stacked batches ``[m, B, ...]``; their losses."""
-        everyone = len(members) == self.clients
-        index = None if everyone else to_device(torch.tensor(members), self.loop.fabric.device)
-        take = (lambda t: t) if everyone else (lambda t: t.index_select(0, index))
-        stacked = {role: {n: take(t) for n, t in tensors.items()} for role, tensors in self.stacked.items()}
+    def _step(self, members: list[int], batch: tuple, step: int) -> None:
+        """One optimizer step of the clients ``members`` (ascending) on their stacked batches ``[m, B, ...]``.
+
+        The members' tensors are views of the store when they are consecutive clients (all of them, or one),
+        so the update writes in place; otherwise one gather per flat buffer, and one scatter back after.
+        """
+        first, m = members[0], len(members)
+        index = None
+        if members[-1] - first + 1 == m:  # consecutive: views, nothing copied
+            views = self.store.views() if m == self.clients else self.store.views(first, m)
+        else:
+            index = to_device(torch.tensor(members), self.loop.fabric.device)
+            gathered = self.store.gather(index)
+            views = self.store.views(flats=gathered)
+        stacked, state = self._unpack(views)
         params = {n: stacked[self.role][n] for n in self.trainable}
-        cells = [take(self.cells[i]) for i in self.tensor_cells]
+        cells = [self.cells[i][first : first + m] if index is None else self.cells[i][index] for i in self.tensor_cells]
         try:
-            grads, (losses, record) = self._gradients(params, stacked, cells, batch)
+            grads, (losses, record) = self._gradients(params, stacked, cells, batch, unbatched=m == 1 and step > 0)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
@@ -255,33 +268,38 @@ class _GroupTraining:
         clip = self.loop.training.grad_clip_norm
         if clip is not None:
             grads = _clip_per_client(grads, clip)
-        state = (
-            self.state
-            if everyone
-            else {n: {k: t.index_select(0, index) for k, t in s.items()} for n, s in self.state.items()}
-        )
-        self.rule(params, grads, state, self.options)
-        if everyone:
-            self.stacked[self.role].update(params)
-        else:  # write the members' new weights, buffers and moments back into the whole group's
-            stacked[self.role].update(params)
-            for role, tensors in stacked.items():
-                for name, value in tensors.items():
-                    self.stacked[role][name].index_copy_(0, index, value)
-            for name, values in state.items():
-                for key, value in values.items():
-                    self.state[name][key].index_copy_(0, index, value)
+        with torch.no_grad():
+            self.rule(params, grads, state, self.options)  # in place: the views write into the store
+            views[_TOTAL].add_(losses.detach().float())
+        if index is not None:
+            self.store.scatter(index, gathered)
         for j, k in enumerate(members):  # each client's record to its own callback, in client order
             on_record = self.group[k].on_record
             if on_record is not None and record:
                 on_record(tuple(t[j].detach() for t in record))
-        return losses.detach().float()
 
-    def _gradients(self, params: dict, stacked: dict, cells: list[Tensor], batch: tuple) -> tuple:
+    def _unpack(self, views: dict) -> tuple[dict, dict]:
+        """The store's views as ``stacked`` (role -> name -> tensor) and ``state`` (name -> key -> tensor)."""
+        stacked: dict[str, dict[str, Tensor]] = {role: {} for role in self.stacked}
+        state: dict[str, dict[str, Tensor]] = {name: {} for name in self.state}
+        for key, view in views.items():
+            if key[0] == "slot":
+                stacked[key[1]][key[2]] = view
+            elif key[0] == "state":
+                state[key[1]][key[2]] = view
+        return stacked, state
+
+    def _gradients(self, params: dict, stacked: dict, cells: list, batch: tuple, unbatched: bool = False) -> tuple:
         """Every member's gradients and (loss, record) in one vmapped call (benchmarks/compile_probe.py
-        replaces it with a compiled one)."""
+        replaces it with a compiled one). ``unbatched``: one member, computed without vmap (a client alone in
+        its step, e.g. the only one with a short batch, skips vmap's batching rules) and given its client
+        dimension back; never in a group's first step, whose vmapped call checks that the step is pure."""
         compute = torch.func.grad_and_value(self._loss, has_aux=True)
-        return torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
+        if not unbatched:
+            return torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
+        only = torch.utils._pytree.tree_map_only
+        inputs = only(Tensor, lambda t: t[0], (params, stacked, cells, batch))  # views: buffers update in place
+        return only(Tensor, lambda t: t.unsqueeze(0), compute(*inputs))
 
     def _loss(self, params: dict[str, Tensor], stacked: dict, tensor_cells: list[Tensor], batch: tuple) -> Tensor:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
@@ -305,6 +323,51 @@ class _GroupTraining:
             loss = step_fn(self.slot.module, batch, step)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
         return loss.float(), tuple(record)
+
+
+_TOTAL = ("total",)  # the store's entry for each client's summed loss
+
+
+class _FlatStore:
+    """Tensors ``[clients, ...]`` kept in one flat ``[clients, N]`` buffer per dtype and device; every tensor
+    is a view of its buffer. A step of some clients gathers each buffer once (``index_select``) and scatters
+    it back once (``index_copy_``), whatever the number of tensors."""
+
+    def __init__(self, tensors: dict[Any, Tensor]):
+        by_kind: dict[tuple, list] = {}
+        for key, t in tensors.items():
+            by_kind.setdefault((t.dtype, t.device), []).append(key)
+        self.flats: dict[tuple, Tensor] = {}
+        self.layout: list[tuple[tuple, list, list[int], list[tuple[int, ...]]]] = []
+        for kind, keys in by_kind.items():
+            parts = [tensors[k].reshape(len(tensors[k]), -1) for k in keys]
+            self.flats[kind] = torch.cat(parts, dim=1)
+            self.layout.append((kind, keys, [p.shape[1] for p in parts], [tuple(tensors[k].shape[1:]) for k in keys]))
+        self._full = self._views(self.flats)
+
+    def views(self, first: int = 0, count: int | None = None, flats: dict | None = None) -> dict[Any, Tensor]:
+        """Views ``[m, ...]`` of each tensor: of all clients, of ``count`` clients from ``first``, or of ``flats``
+        (a :meth:`gather`)."""
+        if flats is not None:
+            return self._views(flats)
+        if count is None:
+            return self._full
+        return self._views({kind: flat.narrow(0, first, count) for kind, flat in self.flats.items()})
+
+    def gather(self, index: Tensor) -> dict[tuple, Tensor]:
+        return {kind: flat.index_select(0, index) for kind, flat in self.flats.items()}
+
+    def scatter(self, index: Tensor, gathered: dict[tuple, Tensor]) -> None:
+        for kind, flat in self.flats.items():
+            flat.index_copy_(0, index, gathered[kind])
+
+    def _views(self, flats: dict[tuple, Tensor]) -> dict[Any, Tensor]:
+        views = {}
+        for kind, keys, sizes, shapes in self.layout:
+            flat = flats[kind]
+            for key, part, shape in zip(keys, flat.split(sizes, dim=1), shapes):
+                views[key] = part.view(len(flat), *shape)
+        return views
 
 
 def _gatherable(streams: list) -> bool:
@@ -353,7 +416,7 @@ def _fresh_state(rule: Callable, options: dict, param: Tensor, clients: int) -> 
 
 
 def _sgd(params: dict, grads: dict, state: dict, options: dict) -> None:
-    """``torch.optim.SGD``'s update (weight decay, momentum, Nesterov) on stacked tensors."""
+    """``torch.optim.SGD``'s update (weight decay, momentum, Nesterov) on stacked tensors, in place."""
     lr, decay, momentum = options["lr"], options["weight_decay"], options["momentum"]
     for name, param in params.items():
         grad = grads[name] if not options.get("maximize") else -grads[name]
@@ -362,11 +425,11 @@ def _sgd(params: dict, grads: dict, state: dict, options: dict) -> None:
         if momentum:
             buffer = state[name]["momentum_buffer"].mul_(momentum).add_(grad)
             grad = grad.add(buffer, alpha=momentum) if options["nesterov"] else buffer
-        params[name] = param.add(grad, alpha=-lr)
+        param.add_(grad, alpha=-lr)
 
 
 def _adam(params: dict, grads: dict, state: dict, options: dict) -> None:
-    """``torch.optim.Adam`` / ``AdamW``'s update on stacked tensors, with each client's own step count."""
+    """``torch.optim.Adam`` / ``AdamW``'s update on stacked tensors, in place, with each client's own step count."""
     lr, decay, eps = options["lr"], options["weight_decay"], options["eps"]
     beta1, beta2 = options["betas"]
     corrections: dict[int, tuple[Tensor, Tensor]] = {}
@@ -375,7 +438,7 @@ def _adam(params: dict, grads: dict, state: dict, options: dict) -> None:
         moments = state[name]
         moments["step"] += 1
         if decay and options["decoupled_weight_decay"]:
-            param = param * (1 - lr * decay)
+            param.mul_(1 - lr * decay)
         elif decay:
             grad = grad.add(param, alpha=decay)
         moments["exp_avg"].lerp_(grad, 1 - beta1)
@@ -391,7 +454,7 @@ def _adam(params: dict, grads: dict, state: dict, options: dict) -> None:
             torch.maximum(moments["max_exp_avg_sq"], second, out=moments["max_exp_avg_sq"])
             second = moments["max_exp_avg_sq"]
         denominator = (second.sqrt() / correction).add_(eps)
-        params[name] = param - step_size * moments["exp_avg"] / denominator
+        param.sub_(step_size * moments["exp_avg"] / denominator)
 
 
 def _clip_per_client(grads: dict[str, Tensor], max_norm: float) -> dict[str, Tensor]:
