@@ -17,10 +17,11 @@ never changes what a strategy computes, only how many clients share a kernel lau
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -176,7 +177,8 @@ class _GroupTraining:
         tensors = {("slot", role, name): t for role, named in self.stacked.items() for name, t in named.items()}
         tensors |= {("state", name, key): t for name, keys in self.state.items() for key, t in keys.items()}
         tensors[_TOTAL] = torch.zeros(self.clients, device=device)
-        self.store = _FlatStore(tensors)
+        buffers = {("slot", role, n) for role, slot in loop.slots.items() for n, _ in slot.module.named_buffers()}
+        self.store = _FlatStore(tensors, contiguous=buffers)
         self.stacked, self.state = self._unpack(self.store.views())
         # every role's module under one container: one reparametrization gives each the client's tensors
         # (keyed by position: a role's name may hold a dot, which a module name may not)
@@ -185,6 +187,11 @@ class _GroupTraining:
         self.step_index = 0
 
     def run(self) -> None:
+        mixed = str(getattr(self.loop.fabric.strategy.precision, "precision", "")).endswith("-mixed")
+        with _batch_norm_in_float32(self.roles) if mixed else contextlib.nullcontext():
+            self._run()
+
+    def _run(self) -> None:
         loop, group = self.loop, self.group
         for role, modes in zip(loop.slots, group[0].modes):
             for module, training in zip(loop.slots[role].module.modules(), modes):
@@ -329,44 +336,91 @@ _TOTAL = ("total",)  # the store's entry for each client's summed loss
 
 
 class _FlatStore:
-    """Tensors ``[clients, ...]`` kept in one flat ``[clients, N]`` buffer per dtype and device; every tensor
-    is a view of its buffer. A step of some clients gathers each buffer once (``index_select``) and scatters
-    it back once (``index_copy_``), whatever the number of tensors."""
+    """Tensors ``[clients, ...]`` kept in a few flat buffers, one per layout, dtype and device; every tensor is
+    a view of its buffer. A step of some clients gathers each buffer once (``index_select``) and scatters it
+    back once (``index_copy_``), whatever the number of tensors.
 
-    def __init__(self, tensors: dict[Any, Tensor]):
+    Two layouts. ``rows``: one ``[clients, N]`` buffer whose row is a client's tensors side by side; a
+    tensor's view is strided, which suits what only the optimizer rule changes (eagerly, in place).
+    ``blocks``: each tensor's ``[clients, ...]`` kept whole, one after another in a 1-D buffer, so its views
+    are contiguous. Buffers the forward updates in place (batch norm's running statistics) must be
+    contiguous: vmap's batch-norm rule writes a strided running mean into a copy and drops the update. A
+    gather of blocks reads element positions computed from the clients' indices (cached per client count).
+    """
+
+    def __init__(self, tensors: dict[Any, Tensor], contiguous: Collection = ()):
+        self.clients = len(next(iter(tensors.values())))
         by_kind: dict[tuple, list] = {}
         for key, t in tensors.items():
-            by_kind.setdefault((t.dtype, t.device), []).append(key)
+            by_kind.setdefault(("blocks" if key in contiguous else "rows", t.dtype, t.device), []).append(key)
         self.flats: dict[tuple, Tensor] = {}
-        self.layout: list[tuple[tuple, list, list[int], list[tuple[int, ...]]]] = []
+        self.layout: dict[tuple, tuple[list, list[int], list[tuple[int, ...]]]] = {}
         for kind, keys in by_kind.items():
-            parts = [tensors[k].reshape(len(tensors[k]), -1) for k in keys]
-            self.flats[kind] = torch.cat(parts, dim=1)
-            self.layout.append((kind, keys, [p.shape[1] for p in parts], [tuple(tensors[k].shape[1:]) for k in keys]))
-        self._full = self._views(self.flats)
+            shapes = [tuple(tensors[k].shape[1:]) for k in keys]
+            if kind[0] == "rows":
+                self.flats[kind] = torch.cat([tensors[k].reshape(self.clients, -1) for k in keys], dim=1)
+            else:
+                self.flats[kind] = torch.cat([tensors[k].reshape(-1) for k in keys])
+            self.layout[kind] = (keys, [math.prod(shape) for shape in shapes], shapes)
+        self._positions: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
+        self._full = self._views(self.flats, self.clients, 0, self.clients)
 
     def views(self, first: int = 0, count: int | None = None, flats: dict | None = None) -> dict[Any, Tensor]:
         """Views ``[m, ...]`` of each tensor: of all clients, of ``count`` clients from ``first``, or of ``flats``
-        (a :meth:`gather`)."""
+        (what :meth:`gather` returned)."""
         if flats is not None:
-            return self._views(flats)
+            m = self._clients_in(flats)
+            return self._views(flats, m, 0, m)
         if count is None:
             return self._full
-        return self._views({kind: flat.narrow(0, first, count) for kind, flat in self.flats.items()})
+        return self._views(self.flats, count, first, self.clients)
 
     def gather(self, index: Tensor) -> dict[tuple, Tensor]:
-        return {kind: flat.index_select(0, index) for kind, flat in self.flats.items()}
+        return {kind: flat.index_select(0, self._where(kind, index)) for kind, flat in self.flats.items()}
 
     def scatter(self, index: Tensor, gathered: dict[tuple, Tensor]) -> None:
         for kind, flat in self.flats.items():
-            flat.index_copy_(0, index, gathered[kind])
+            flat.index_copy_(0, self._where(kind, index), gathered[kind])
 
-    def _views(self, flats: dict[tuple, Tensor]) -> dict[Any, Tensor]:
+    def _clients_in(self, flats: dict[tuple, Tensor]) -> int:
+        for kind, flat in flats.items():
+            if kind[0] == "rows":
+                return len(flat)
+            if sum(self.layout[kind][1]):
+                return flat.numel() // sum(self.layout[kind][1])
+        return 0  # only empty tensors: no view has elements
+
+    def _where(self, kind: tuple, index: Tensor) -> Tensor:
+        """What to index ``kind``'s buffer with for the clients ``index``: rows, or element positions."""
+        if kind[0] == "rows":
+            return index
+        m = len(index)
+        if (kind, m) not in self._positions:  # position of sub element q = base + client(member) * stride
+            member, base, stride, offset = [], [], [], 0
+            for n in self.layout[kind][1]:
+                member.append(torch.arange(m).repeat_interleave(n))
+                base.append(offset * self.clients + torch.arange(n).repeat(m))
+                stride.append(torch.full((m * n,), n))
+                offset += n
+            self._positions[kind, m] = tuple(torch.cat(part).to(index.device) for part in (member, base, stride))
+        member, base, stride = self._positions[kind, m]
+        return base + index[member] * stride
+
+    def _views(self, flats: dict[tuple, Tensor], m: int, first: int, whole: int) -> dict[Any, Tensor]:
+        """Views of ``m`` clients from ``first`` in buffers that hold ``whole`` clients."""
         views = {}
-        for kind, keys, sizes, shapes in self.layout:
+        for kind, (keys, sizes, shapes) in self.layout.items():
             flat = flats[kind]
-            for key, part, shape in zip(keys, flat.split(sizes, dim=1), shapes):
-                views[key] = part.view(len(flat), *shape)
+            if kind[0] == "rows":
+                rows = flat if m == whole else flat.narrow(0, first, m)
+                for key, part, shape in zip(keys, rows.split(sizes, dim=1), shapes):
+                    views[key] = part.view(m, *shape)
+            else:
+                offset = 0
+                for key, n, shape in zip(keys, sizes, shapes):
+                    begin = offset * whole + first * n
+                    views[key] = flat[begin : begin + m * n].view(m, *shape)
+                    offset += n
         return views
 
 
@@ -556,6 +610,37 @@ def _reparametrize(module: torch.nn.Module, tensors: dict[str, Tensor]):
     # stack_weights: restore in reverse order, so that a tensor two roles share (one module in two roles)
     # gets its original back, as nested contexts would
     return _reparametrize_module(module, tensors, stack_weights=True)
+
+
+@contextlib.contextmanager
+def _batch_norm_in_float32(module: torch.nn.Module):
+    """Batch norm of a bf16 / fp16 input in float32, its result in the input's dtype, while the block runs.
+
+    Under autocast a convolution hands batch norm a bf16 input; the plain kernel takes it with float32
+    running statistics, but vmap's batch-norm rule fails ("expected scalar type BFloat16 but found Float").
+    Normalising the float32 copy and casting back gives what the plain kernel gives to bf16 rounding.
+    """
+    low = (torch.bfloat16, torch.float16)
+
+    def to_float32(norm, args):
+        if args and isinstance(args[0], Tensor) and args[0].dtype in low:
+            norm.__dict__["_batched_input_dtype"] = args[0].dtype
+            return (args[0].float(), *args[1:])
+        return None
+
+    def back_to_input_dtype(norm, args, output):
+        dtype = norm.__dict__.pop("_batched_input_dtype", None)
+        return output.to(dtype) if dtype is not None else None
+
+    handles = []
+    for norm in module.modules():
+        if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):
+            handles += [norm.register_forward_pre_hook(to_float32), norm.register_forward_hook(back_to_input_dtype)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _default_step():
