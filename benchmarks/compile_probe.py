@@ -46,12 +46,12 @@ class CompiledGradients:
         self.counts = {"compiled_steps": 0, "eager_steps": 0}
         self.eager = batched._GroupTraining._gradients
 
-    def __call__(self, training, params, stacked, cells, batch, unbatched=False):
+    def __call__(self, training, params, frozen, buffers, cells, batch, unbatched=False):
         step_fn = training.group[0].step_fn
         key = f"{training.role}/{getattr(step_fn, '__name__', 'step')}"
         if training.tensor_cells or key in self.failed or unbatched:  # a lone client's step runs without vmap
             self.counts["eager_steps"] += 1
-            return self.eager(training, params, stacked, cells, batch, unbatched)
+            return self.eager(training, params, frozen, buffers, cells, batch, unbatched)
         values = batched._closure_values(step_fn)
         if any(type(v) is float for v in values):
             device = training.loop.fabric.device
@@ -61,11 +61,11 @@ class CompiledGradients:
 
         try:
             with config.patch(recompile_limit=64, accumulated_recompile_limit=256):
-                result = self.function(training, step_fn, params, stacked, batch, training.step_index)
+                result = self.function(training, step_fn, params, frozen, buffers, batch, training.step_index)
         except exc.Unsupported as err:
             self.failed[key] = str(err).splitlines()[0] + " " + _detail(str(err))
             self.counts["eager_steps"] += 1
-            return self.eager(training, params, stacked, cells, batch)
+            return self.eager(training, params, frozen, buffers, cells, batch)
         self.counts["compiled_steps"] += 1
         return result
 
@@ -75,12 +75,14 @@ def _detail(message: str) -> str:
     return message[message.find(marker) : message.find(marker) + 120] if marker in message else ""
 
 
-def _vmapped_gradients(training, step_fn, params, stacked, batch, step):
-    def loss(params, stacked, batch):
-        return training.loss_of(step_fn, params, stacked, batch, step)
+def _vmapped_gradients(training, step_fn, params, frozen, buffers, batch, step):
+    def loss(params, frozen, buffers, batch):
+        store = training.store
+        tensors = {**store.split("params", params), **store.split("frozen", frozen), **buffers}
+        return training.loss_of(step_fn, tensors, batch, step)
 
     compute = torch.func.grad_and_value(loss, has_aux=True)
-    return torch.func.vmap(compute, randomness="error")(params, stacked, batch)
+    return torch.func.vmap(compute, randomness="error")(params, frozen, buffers, batch)
 
 
 def run(mode: str, args, data_dir: Path, out: Path) -> dict:

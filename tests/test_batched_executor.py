@@ -64,7 +64,10 @@ def _run(tmp_path, recipe, executor, *extra):
         # the recipe's ramp, round 2 is so ill-conditioned that even 1 vs 2 CPU threads in the sequential loop
         # move target weights by 4.4e-4, which says nothing about batching
         ("digits_ondevice_kd.yaml", ("--strategy.init_args.ramp_rounds", "0")),
-        ("digits_fedadam.yaml", ("--training.optimizer_state", "per_client")),  # Adam moments kept per client
+        (
+            "digits_fedadam.yaml",
+            ("--training.optimizer_state", "per_client"),
+        ),  # the server's Adam; client SGD state kept
         # a role name with a dot (not a valid module name: the batched step keys roles by position)
         (
             "quickstart.yaml",
@@ -78,6 +81,25 @@ def _run(tmp_path, recipe, executor, *extra):
         # batch norm: running statistics are updated in place inside the vmapped forward (vmap's rule dropped
         # the update of a strided running mean: relative error ~1 before the statistics were kept contiguous)
         ("quickstart.yaml", ("--models", BATCH_NORM_CNN)),
+        # the optimizer rules' other branches, on whole parameter rows: clipping per client, Nesterov with
+        # weight decay, Adam (with batch norm) and AdamW with each client's own moments and step count. Few
+        # steps: Adam divides by the root of tiny second moments, which blows float noise up to the learning
+        # rate where a gradient is ~0 (AdamW's moments of a bias before batch norm are pure noise)
+        (
+            "quickstart.yaml",
+            ("--training.grad_clip_norm", "0.5", "--training.optimizer.init_args.nesterov", "true")
+            + ("--training.optimizer.init_args.weight_decay", "0.001"),
+        ),
+        (
+            "quickstart.yaml",
+            ("--training.optimizer", "{class_path: torch.optim.Adam, init_args: {lr: 0.01, weight_decay: 0.01}}")
+            + ("--training.optimizer_state", "per_client", "--models", BATCH_NORM_CNN, "--training.local_steps", "3"),
+        ),
+        (
+            "quickstart.yaml",
+            ("--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.01, weight_decay: 0.01}}")
+            + ("--training.optimizer_state", "per_client", "--training.local_steps", "2"),
+        ),
     ],
 )
 def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, extra):
@@ -251,7 +273,7 @@ def test_a_module_in_two_roles_gets_its_own_weights_back_after_a_batched_step():
 
 @pytest.mark.parametrize("contiguous", [(), [("w",), ("count",)], [("w",), ("b",), ("count",)]])
 def test_the_flat_store_gives_views_and_moves_only_the_chosen_clients(contiguous):
-    """Stacked tensors of several dtypes live in one flat buffer per layout and dtype: views equal the tensors
+    """Stacked tensors of several dtypes live in one flat buffer per label and dtype: views equal the tensors
     put in (contiguous where asked: vmap's batch norm needs it), a write through a view reaches the buffer,
     and a gather / scatter of clients 0 and 2 leaves client 1 alone."""
     from fl_lightning.client.batched import _FlatStore
@@ -261,30 +283,56 @@ def test_the_flat_store_gives_views_and_moves_only_the_chosen_clients(contiguous
         ("b",): torch.tensor([1.0, 2.0, 3.0]),  # one number per client: a [3] tensor
         ("count",): torch.tensor([5, 6, 7]),  # int64 (batch norm's num_batches_tracked): a buffer of its own
     }
-    store = _FlatStore(tensors, contiguous=contiguous)
+    store = _FlatStore(tensors, lambda key: "blocks" if key in contiguous else "rows")
     assert len(store.flats) == 2 + (0 < len(contiguous) < 3)  # float32 rows and / or blocks, int64
     views = store.views()
+    index = torch.tensor([0, 2])
     for key, t in tensors.items():
         assert torch.equal(views[key], t) and views[key].dtype == t.dtype
         assert views[key].is_contiguous() or key not in contiguous
-        assert store.views(1, 2)[key].is_contiguous() or key not in contiguous
-        assert store.views(flats=store.gather(torch.tensor([0, 2])))[key].is_contiguous() or key not in contiguous
+        assert store.views(store.select(1, 2))[key].is_contiguous() or key not in contiguous
+        assert store.views(store.gather(index))[key].is_contiguous() or key not in contiguous
     views[("w",)][1, 0, 0] = -1.0  # in place through a view
     assert store.views()[("w",)][1, 0, 0] == -1.0
-    narrow = store.views(1, 2)  # clients 1 and 2 as views
-    narrow[("b",)].add_(10.0)
+    store.views(store.select(1, 2))[("b",)].add_(10.0)  # clients 1 and 2 as views
     assert store.views()[("b",)].tolist() == [1.0, 12.0, 13.0]
-    index = torch.tensor([0, 2])
     gathered = store.gather(index)
-    chosen = store.views(flats=gathered)
+    chosen = store.views(gathered)
     assert torch.equal(chosen[("w",)], tensors[("w",)][[0, 2]])
     chosen[("w",)].zero_()
     chosen[("count",)].add_(1)
-    store.scatter(index, gathered)
+    store.scatter(gathered)
     after = store.views()
     assert after[("w",)][0].abs().sum() == 0 and after[("w",)][2].abs().sum() == 0
     assert after[("w",)][1, 0, 0] == -1.0 and after[("w",)][1, 1, 3] == 15.0  # client 1 untouched
     assert after[("count",)].tolist() == [6, 6, 8]
+
+
+def test_parameter_and_moment_rows_line_up_so_a_rule_runs_on_whole_rows():
+    """The trained parameters and a moment in rows of one layout: an update of the whole rows is the update of
+    every tensor, and split gives each tensor's view of a row (as inside vmap) or of the rows."""
+    from fl_lightning.client.batched import _FlatStore
+
+    tensors = {
+        ("p", "a"): torch.randn(4, 3, 2),
+        ("p", "b"): torch.randn(4, 5),
+        ("m", "a"): torch.ones(4, 3, 2),
+        ("m", "b"): torch.full((4, 5), 2.0),
+    }
+    store = _FlatStore(tensors, lambda key: "params" if key[0] == "p" else "moment")
+    selection = store.gather(torch.tensor([1, 3]))
+    params, moments = store.rows(selection, "params"), store.rows(selection, "moment")
+    (kind,) = params
+    assert params[kind].shape == (2, 11) and moments[kind].shape == (2, 11)
+    params[kind].sub_(moments[kind], alpha=0.5)  # one whole-row update
+    store.scatter(selection)
+    after = store.views()
+    for name, step in (("a", 0.5), ("b", 1.0)):
+        expected = tensors[("p", name)].clone()
+        expected[[1, 3]] -= step
+        assert torch.allclose(after[("p", name)], expected)
+    one_row = store.split("params", {kind: store.rows(store.select(0, 4), "params")[kind][2]})
+    assert one_row[("p", "a")].shape == (3, 2) and torch.equal(one_row[("p", "b")], after[("p", "b")][2])
 
 
 def test_bf16_mixed_trains_batched_as_close_to_float32_as_sequentially(tmp_path):

@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import math
 import types
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +134,14 @@ class _NotBatchable(Exception):
 
 
 class _GroupTraining:
-    """One group's fits: stacked state, per-step batches, vmapped gradients, stacked optimizer update."""
+    """One group's fits: stacked state, per-step batches, vmapped gradients, stacked optimizer update.
+
+    Every stacked tensor lives in a :class:`_FlatStore`: the trained parameters in ``[clients, P]`` rows
+    (one buffer per dtype), each optimizer moment in rows of the same layout, the other roles' parameters
+    in rows of their own, module buffers in contiguous blocks. Gradients are taken with respect to the
+    parameter rows themselves, so the optimizer rule is a few whole-buffer operations, and vmap sees a few
+    buffers instead of hundreds of tensors (its input and output handling was a fifth of a step on a GPU).
+    """
 
     def __init__(self, loop: LocalLoop, group: list[FitRequest]):
         self.loop, self.group = loop, group
@@ -142,10 +149,6 @@ class _GroupTraining:
         self.role = first.role
         self.slot = loop.slots[first.role]
         self.clients = len(group)
-        self.stacked = {
-            role: {name: torch.stack([r.slots[role][name] for r in group]) for name in first.slots[role]}
-            for role in first.slots
-        }
         module = self.slot.module
         self.trainable = [n for n, p in module.named_parameters() if p.requires_grad]
         self.rule = _update_rule(self.slot.optimizer)
@@ -156,13 +159,43 @@ class _GroupTraining:
             group_options.get("decoupled_weight_decay")
         )
         device = loop.fabric.device
-        self.state = {
-            name: {key: torch.stack([r.optimizer_state[name][key] for r in group]).to(device) for key in keys}
-            for name, keys in first.optimizer_state.items()
+        tensors: dict[tuple, Tensor] = {}
+        for role, named in first.slots.items():
+            for name in named:
+                tensors["slot", role, name] = torch.stack([r.slots[role][name] for r in group])
+        trained = {("slot", self.role, n) for n in self.trainable}
+        buffers = {("slot", role, n) for role, slot in loop.slots.items() for n, _ in slot.module.named_buffers()}
+        if first.optimizer_state and set(first.optimizer_state) != set(self.trainable):
+            raise _NotBatchable("the optimizer state does not cover every trained parameter")
+        self.kind_of = {
+            n: (tensors["slot", self.role, n].dtype, tensors["slot", self.role, n].device) for n in self.trainable
         }
-        if not self.state:  # fresh moments, made for the whole group at once (torch makes them at the first step)
-            params = dict(module.named_parameters())
-            self.state = {n: _fresh_state(self.rule, self.options, params[n], self.clients) for n in self.trainable}
+        for name in self.trainable:  # moments in the parameters' order, so each moment's rows match theirs
+            if first.optimizer_state:
+                values = {
+                    k: torch.stack([r.optimizer_state[name][k] for r in group]).to(device)
+                    for k in first.optimizer_state[name]
+                }
+            else:  # fresh moments, made for the whole group at once (torch makes them at the first step)
+                values = _fresh_state(self.rule, self.options, tensors["slot", self.role, name][0], self.clients)
+            for key, value in values.items():
+                if key == "step":  # one count per client: every parameter of a client has taken the same steps
+                    tensors.setdefault(("step", self.kind_of[name]), value.to(torch.float32))
+                else:
+                    tensors["moment", key, name] = value
+        self.moment_keys = sorted({key[1] for key in tensors if key[0] == "moment"})
+        tensors[_TOTAL] = torch.zeros(self.clients, device=device)
+
+        def label(key: tuple) -> str:
+            if key in buffers:
+                return "blocks"  # updated in place inside the vmapped forward: must be contiguous
+            if key in trained:
+                return "params"
+            if key[0] == "moment":
+                return f"moment:{key[1]}"
+            return "frozen" if key[0] == "slot" else "counters"
+
+        self.store = _FlatStore(tensors, label)
         # closure values: one object for every client stays as it is; per-client tensors are stacked and mapped
         per_client = list(zip(*(_closure_values(r.step_fn) for r in group)))
         self.tensor_cells = [  # the group key made sure that other values are equal numbers or one object
@@ -171,15 +204,6 @@ class _GroupTraining:
             if isinstance(values[0], Tensor) and any(v is not values[0] for v in values)
         ]
         self.cells = [torch.stack(v) if i in self.tensor_cells else v[0] for i, v in enumerate(per_client)]
-        # every stacked tensor (all roles' weights and buffers, the moments, the loss totals) lives in a few flat
-        # [clients, N] buffers, one per dtype: a step of some of the clients reads and writes them with one
-        # indexing call per buffer instead of one per tensor (hundreds for a ResNet; on a GPU each was a launch)
-        tensors = {("slot", role, name): t for role, named in self.stacked.items() for name, t in named.items()}
-        tensors |= {("state", name, key): t for name, keys in self.state.items() for key, t in keys.items()}
-        tensors[_TOTAL] = torch.zeros(self.clients, device=device)
-        buffers = {("slot", role, n) for role, slot in loop.slots.items() for n, _ in slot.module.named_buffers()}
-        self.store = _FlatStore(tensors, contiguous=buffers)
-        self.stacked, self.state = self._unpack(self.store.views())
         # every role's module under one container: one reparametrization gives each the client's tensors
         # (keyed by position: a role's name may hold a dot, which a module name may not)
         self.role_keys = {role: f"role{i}" for i, role in enumerate(loop.slots)}
@@ -234,12 +258,19 @@ class _GroupTraining:
                     request.rng_state = rng_before[k]
                 raise
             step += 1
-        totals = self.store.views()[_TOTAL]
+        views = self.store.views()
+        totals = views[_TOTAL]
         means = (totals / torch.tensor([max(s, 1) for s in steps], device=totals.device)).tolist()
         for k, request in enumerate(group):
             request.result = {"loss": means[k], "steps": float(steps[k])}
-            request.slots = {role: {n: t[k] for n, t in tensors.items()} for role, tensors in self.stacked.items()}
-            request.optimizer_state = {n: {key: t[k] for key, t in s.items()} for n, s in self.state.items()}
+            request.slots = {
+                role: {n: views["slot", role, n][k] for n in named} for role, named in request.slots.items()
+            }
+            state = {n: {key: views["moment", key, n][k] for key in self.moment_keys} for n in self.trainable}
+            for name, values in state.items():
+                if ("step", self.kind_of[name]) in views:
+                    values["step"] = views["step", self.kind_of[name]][k]
+            request.optimizer_state = state
 
     def _next_batch(self, k: int, stream: Iterator[tuple]) -> tuple | None:
         """The client's next batch, drawn under its own global random state (as its sequential fit would)."""
@@ -252,22 +283,24 @@ class _GroupTraining:
     def _step(self, members: list[int], batch: tuple, step: int) -> None:
         """One optimizer step of the clients ``members`` (ascending) on their stacked batches ``[m, B, ...]``.
 
-        The members' tensors are views of the store when they are consecutive clients (all of them, or one),
-        so the update writes in place; otherwise one gather per flat buffer, and one scatter back after.
+        Consecutive clients (all of them, or one) are views of the store, so the update writes in place;
+        scattered ones are gathered (one indexing call per buffer) and scattered back after.
         """
         first, m = members[0], len(members)
-        index = None
         if members[-1] - first + 1 == m:  # consecutive: views, nothing copied
-            views = self.store.views() if m == self.clients else self.store.views(first, m)
+            selection = self.store.select(first, m)
         else:
-            index = to_device(torch.tensor(members), self.loop.fabric.device)
-            gathered = self.store.gather(index)
-            views = self.store.views(flats=gathered)
-        stacked, state = self._unpack(views)
-        params = {n: stacked[self.role][n] for n in self.trainable}
+            selection = self.store.gather(to_device(torch.tensor(members), self.loop.fabric.device))
+        params = self.store.rows(selection, "params")
+        frozen = self.store.rows(selection, "frozen")
+        views = self.store.views(selection)
+        buffers = {key: view for key, view in views.items() if key[0] == "slot" and key in self.store.blocks}
+        index = selection.index
         cells = [self.cells[i][first : first + m] if index is None else self.cells[i][index] for i in self.tensor_cells]
         try:
-            grads, (losses, record) = self._gradients(params, stacked, cells, batch, unbatched=m == 1 and step > 0)
+            grads, (losses, record) = self._gradients(
+                params, frozen, buffers, cells, batch, unbatched=m == 1 and step > 0
+            )
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
@@ -275,40 +308,42 @@ class _GroupTraining:
         clip = self.loop.training.grad_clip_norm
         if clip is not None:
             grads = _clip_per_client(grads, clip)
+        state = {kind: {key: moments[kind] for key, moments in self._moments(selection).items()} for kind in params}
+        for kind, values in state.items():
+            if ("step", kind) in views:
+                values["step"] = views["step", kind]
         with torch.no_grad():
-            self.rule(params, grads, state, self.options)  # in place: the views write into the store
+            self.rule(params, grads, state, self.options)  # in place: the rows are the store's
             views[_TOTAL].add_(losses.detach().float())
-        if index is not None:
-            self.store.scatter(index, gathered)
+        self.store.scatter(selection)
         for j, k in enumerate(members):  # each client's record to its own callback, in client order
             on_record = self.group[k].on_record
             if on_record is not None and record:
                 on_record(tuple(t[j].detach() for t in record))
 
-    def _unpack(self, views: dict) -> tuple[dict, dict]:
-        """The store's views as ``stacked`` (role -> name -> tensor) and ``state`` (name -> key -> tensor)."""
-        stacked: dict[str, dict[str, Tensor]] = {role: {} for role in self.stacked}
-        state: dict[str, dict[str, Tensor]] = {name: {} for name in self.state}
-        for key, view in views.items():
-            if key[0] == "slot":
-                stacked[key[1]][key[2]] = view
-            elif key[0] == "state":
-                state[key[1]][key[2]] = view
-        return stacked, state
+    def _moments(self, selection: _Selection) -> dict[str, dict[tuple, Tensor]]:
+        return {key: self.store.rows(selection, f"moment:{key}") for key in self.moment_keys}
 
-    def _gradients(self, params: dict, stacked: dict, cells: list, batch: tuple, unbatched: bool = False) -> tuple:
-        """Every member's gradients and (loss, record) in one vmapped call (benchmarks/compile_probe.py
-        replaces it with a compiled one). ``unbatched``: one member, computed without vmap (a client alone in
-        its step, e.g. the only one with a short batch, skips vmap's batching rules) and given its client
-        dimension back; never in a group's first step, whose vmapped call checks that the step is pure."""
-        compute = torch.func.grad_and_value(self._loss, has_aux=True)
+    def _gradients(
+        self, params: dict, frozen: dict, buffers: dict, cells: list, batch: tuple, unbatched=False
+    ) -> tuple:
+        """Every member's gradients (of the parameter rows) and (loss, record) in one vmapped call
+        (benchmarks/compile_probe.py replaces it with a compiled one). ``unbatched``: one member, computed
+        by plain autograd on its own views (a client alone in its step, e.g. the only one with a short batch,
+        needs neither vmap nor torch.func's wrapping) and given its client dimension back; never in a group's
+        first step, whose vmapped call checks that the step is pure."""
         if not unbatched:
-            return torch.func.vmap(compute, randomness="error")(params, stacked, cells, batch)
-        only = torch.utils._pytree.tree_map_only
-        inputs = only(Tensor, lambda t: t[0], (params, stacked, cells, batch))  # views: buffers update in place
-        return only(Tensor, lambda t: t.unsqueeze(0), compute(*inputs))
+            compute = torch.func.grad_and_value(self._loss, has_aux=True)
+            return torch.func.vmap(compute, randomness="error")(params, frozen, buffers, cells, batch)
+        leaves = {kind: flat[0].detach().requires_grad_() for kind, flat in params.items()}  # aliases: no copy
+        alone = torch.utils._pytree.tree_map_only(Tensor, lambda t: t[0], (frozen, buffers, cells, batch))
+        with torch.enable_grad():
+            loss, record = self._loss(leaves, *alone)
+            grads = torch.autograd.grad(loss, list(leaves.values()))
+        grads = {kind: g.unsqueeze(0) for kind, g in zip(leaves, grads)}
+        return grads, (loss.detach().unsqueeze(0), tuple(t.detach().unsqueeze(0) for t in record))
 
-    def _loss(self, params: dict[str, Tensor], stacked: dict, tensor_cells: list[Tensor], batch: tuple) -> Tensor:
+    def _loss(self, params: dict, frozen: dict, buffers: dict, tensor_cells: list[Tensor], batch: tuple) -> tuple:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
         step_fn = self.group[0].step_fn  # the first client's own function when no closure value differs
         if self.tensor_cells:
@@ -316,17 +351,14 @@ class _GroupTraining:
             for i, value in zip(self.tensor_cells, tensor_cells):
                 cells[i] = value
             step_fn = _rebuild(step_fn, cells)
-        return self.loss_of(step_fn, params, stacked, batch, self.step_index)
+        tensors = {**self.store.split("params", params), **self.store.split("frozen", frozen), **buffers}
+        return self.loss_of(step_fn, tensors, batch, self.step_index)
 
-    def loss_of(self, step_fn: Callable, params: dict, stacked: dict, batch: tuple, step: int) -> tuple:
-        """``step_fn``'s (loss, record) for one client, every role's module holding that client's tensors."""
-        loop = self.loop
-        tensors = {
-            f"{self.role_keys[role]}.{name}": value
-            for role in loop.slots
-            for name, value in ({**stacked[role], **params} if role == self.role else stacked[role]).items()
-        }
-        with _reparametrize(self.roles, tensors), loop.fabric.autocast():  # autocast: the forward only, as sequential
+    def loss_of(self, step_fn: Callable, tensors: dict[tuple, Tensor], batch: tuple, step: int) -> tuple:
+        """``step_fn``'s (loss, record) for one client, every role's module holding that client's tensors
+        (``tensors``: ``("slot", role, name)`` -> tensor)."""
+        named = {f"{self.role_keys[key[1]]}.{key[2]}": value for key, value in tensors.items()}
+        with _reparametrize(self.roles, named), self.loop.fabric.autocast():  # autocast: the forward only
             loss = step_fn(self.slot.module, batch, step)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
         return loss.float(), tuple(record)
@@ -335,64 +367,89 @@ class _GroupTraining:
 _TOTAL = ("total",)  # the store's entry for each client's summed loss
 
 
+@dataclass
+class _Selection:
+    """Some consecutive clients of a store (views of its buffers) or a gathered copy of scattered ones."""
+
+    flats: dict[tuple, Tensor]
+    count: int
+    first: int
+    whole: int  # clients the buffers in ``flats`` hold
+    index: Tensor | None = None  # the gathered clients, to scatter back
+
+
 class _FlatStore:
-    """Tensors ``[clients, ...]`` kept in a few flat buffers, one per layout, dtype and device; every tensor is
+    """Tensors ``[clients, ...]`` kept in a few flat buffers, one per label, dtype and device; every tensor is
     a view of its buffer. A step of some clients gathers each buffer once (``index_select``) and scatters it
     back once (``index_copy_``), whatever the number of tensors.
 
-    Two layouts. ``rows``: one ``[clients, N]`` buffer whose row is a client's tensors side by side; a
-    tensor's view is strided, which suits what only the optimizer rule changes (eagerly, in place).
+    Two layouts. Rows (any label but ``blocks``): one ``[clients, N]`` buffer whose row is a client's tensors
+    side by side, in the order given; a tensor's view is strided. Buffers with equal labels' layouts (the
+    parameters and each moment) line up element for element, so an optimizer rule runs on whole rows.
     ``blocks``: each tensor's ``[clients, ...]`` kept whole, one after another in a 1-D buffer, so its views
     are contiguous. Buffers the forward updates in place (batch norm's running statistics) must be
     contiguous: vmap's batch-norm rule writes a strided running mean into a copy and drops the update. A
     gather of blocks reads element positions computed from the clients' indices (cached per client count).
     """
 
-    def __init__(self, tensors: dict[Any, Tensor], contiguous: Collection = ()):
+    def __init__(self, tensors: dict[Any, Tensor], label: Callable[[Any], str] = lambda key: "rows"):
         self.clients = len(next(iter(tensors.values())))
         by_kind: dict[tuple, list] = {}
         for key, t in tensors.items():
-            by_kind.setdefault(("blocks" if key in contiguous else "rows", t.dtype, t.device), []).append(key)
+            by_kind.setdefault((label(key), t.dtype, t.device), []).append(key)
         self.flats: dict[tuple, Tensor] = {}
         self.layout: dict[tuple, tuple[list, list[int], list[tuple[int, ...]]]] = {}
         for kind, keys in by_kind.items():
             shapes = [tuple(tensors[k].shape[1:]) for k in keys]
-            if kind[0] == "rows":
-                self.flats[kind] = torch.cat([tensors[k].reshape(self.clients, -1) for k in keys], dim=1)
-            else:
+            if kind[0] == "blocks":
                 self.flats[kind] = torch.cat([tensors[k].reshape(-1) for k in keys])
+            else:
+                self.flats[kind] = torch.cat([tensors[k].reshape(self.clients, -1) for k in keys], dim=1)
             self.layout[kind] = (keys, [math.prod(shape) for shape in shapes], shapes)
+        self.blocks = {key for kind, (keys, _, _) in self.layout.items() if kind[0] == "blocks" for key in keys}
         self._positions: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
-        self._full = self._views(self.flats, self.clients, 0, self.clients)
+        self._all = _Selection(self.flats, self.clients, 0, self.clients)
+        self._full = self._views(self._all)
 
-    def views(self, first: int = 0, count: int | None = None, flats: dict | None = None) -> dict[Any, Tensor]:
-        """Views ``[m, ...]`` of each tensor: of all clients, of ``count`` clients from ``first``, or of ``flats``
-        (what :meth:`gather` returned)."""
-        if flats is not None:
-            m = self._clients_in(flats)
-            return self._views(flats, m, 0, m)
-        if count is None:
-            return self._full
-        return self._views(self.flats, count, first, self.clients)
+    def select(self, first: int, count: int) -> _Selection:
+        return self._all if count == self.clients else _Selection(self.flats, count, first, self.clients)
 
-    def gather(self, index: Tensor) -> dict[tuple, Tensor]:
-        return {kind: flat.index_select(0, self._where(kind, index)) for kind, flat in self.flats.items()}
+    def gather(self, index: Tensor) -> _Selection:
+        flats = {kind: flat.index_select(0, self._where(kind, index)) for kind, flat in self.flats.items()}
+        return _Selection(flats, len(index), 0, len(index), index)
 
-    def scatter(self, index: Tensor, gathered: dict[tuple, Tensor]) -> None:
-        for kind, flat in self.flats.items():
-            flat.index_copy_(0, self._where(kind, index), gathered[kind])
+    def scatter(self, selection: _Selection) -> None:
+        """Writes a gathered selection back (a selection of views needs nothing)."""
+        if selection.index is not None:
+            for kind, flat in self.flats.items():
+                flat.index_copy_(0, self._where(kind, selection.index), selection.flats[kind])
 
-    def _clients_in(self, flats: dict[tuple, Tensor]) -> int:
-        for kind, flat in flats.items():
-            if kind[0] == "rows":
-                return len(flat)
-            if sum(self.layout[kind][1]):
-                return flat.numel() // sum(self.layout[kind][1])
-        return 0  # only empty tensors: no view has elements
+    def views(self, selection: _Selection | None = None) -> dict[Any, Tensor]:
+        """Views ``[m, ...]`` of every tensor in ``selection`` (all clients when None)."""
+        return self._full if selection is None or selection is self._all else self._views(selection)
+
+    def rows(self, selection: _Selection, label: str) -> dict[tuple, Tensor]:
+        """The ``[m, N]`` buffers of ``label`` in ``selection``, by (dtype, device)."""
+        out = {}
+        for kind, flat in selection.flats.items():
+            if kind[0] == label:
+                whole = selection.whole == selection.count
+                out[kind[1:]] = flat if whole else flat.narrow(0, selection.first, selection.count)
+        return out
+
+    def split(self, label: str, rows: dict[tuple, Tensor]) -> dict[Any, Tensor]:
+        """Each tensor's view of ``label``'s buffers ``[..., N]`` (a client's row inside vmap): ``[..., *shape]``."""
+        out = {}
+        for kind, flat in rows.items():
+            keys, sizes, shapes = self.layout[(label, *kind)]
+            lead = flat.shape[:-1]
+            for key, part, shape in zip(keys, flat.split(sizes, dim=-1), shapes):
+                out[key] = part.view(*lead, *shape)
+        return out
 
     def _where(self, kind: tuple, index: Tensor) -> Tensor:
         """What to index ``kind``'s buffer with for the clients ``index``: rows, or element positions."""
-        if kind[0] == "rows":
+        if kind[0] != "blocks":
             return index
         m = len(index)
         if (kind, m) not in self._positions:  # position of sub element q = base + client(member) * stride
@@ -406,12 +463,12 @@ class _FlatStore:
         member, base, stride = self._positions[kind, m]
         return base + index[member] * stride
 
-    def _views(self, flats: dict[tuple, Tensor], m: int, first: int, whole: int) -> dict[Any, Tensor]:
-        """Views of ``m`` clients from ``first`` in buffers that hold ``whole`` clients."""
+    def _views(self, selection: _Selection) -> dict[Any, Tensor]:
+        m, first, whole = selection.count, selection.first, selection.whole
         views = {}
         for kind, (keys, sizes, shapes) in self.layout.items():
-            flat = flats[kind]
-            if kind[0] == "rows":
+            flat = selection.flats[kind]
+            if kind[0] != "blocks":
                 rows = flat if m == whole else flat.narrow(0, first, m)
                 for key, part, shape in zip(keys, rows.split(sizes, dim=1), shapes):
                     views[key] = part.view(m, *shape)
