@@ -196,6 +196,10 @@ class _GroupTraining:
             return "frozen" if key[0] == "slot" else "counters"
 
         self.store = _FlatStore(tensors, label)
+        for key in self.moment_keys:  # a rule adds moment rows to parameter rows element for element
+            for kind, (_, sizes, _) in self.store.layout.items():
+                if kind[0] == "params" and self.store.layout.get((f"moment:{key}", *kind[1:]), (0, None))[1] != sizes:
+                    raise _NotBatchable(f"the optimizer's {key} does not match the parameters' dtypes and shapes")
         # closure values: one object for every client stays as it is; per-client tensors are stacked and mapped
         per_client = list(zip(*(_closure_values(r.step_fn) for r in group)))
         self.tensor_cells = [  # the group key made sure that other values are equal numbers or one object
