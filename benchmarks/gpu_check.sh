@@ -34,11 +34,12 @@ if [ "${PART:-main}" = probe ]; then
   exit 0
 fi
 if [ -n "${TINY:-}" ]; then
-  python3 benchmarks/gpu_flagship.py --tiny --rounds 3 --precision 32-true --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
+  python3 benchmarks/gpu_flagship.py --tiny --rounds 3 --precision 32-true --split benchmarks/results/batched_calls_flagship.json \
+    --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
 else
   # bf16-mixed does not batch (docs/performance.md) and was slower sequentially: PRECISIONS="32-true bf16-mixed"
   python3 benchmarks/gpu_flagship.py --rounds 4 --precision ${PRECISIONS:-32-true} --executor batched sequential \
-    --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
+    --split benchmarks/results/batched_calls_flagship.json --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
   # where a batched round goes (python3 -m pstats, or pstats.Stats(...).sort_stats("tottime") here)
   python3 -m cProfile -o "$OUT/batched_round.prof" benchmarks/gpu_flagship.py --rounds 1 --precision 32-true \
     --executor batched --skip_plain --json > /dev/null 2>&1 || true
@@ -52,6 +53,8 @@ for run in result["runs"]:
           f"+{run['first_round_extra_s']:.1f} s, GPU {run['gpu_util_mean_pct']}%, fits {run['fits']}, final {run['final']}")
 for plain in result.get("plain_pytorch", []):
     print("plain", plain)
+if "plain_split" in result:
+    print("plain PyTorch in the batched executor's split:", round(result["plain_split"]["s_per_round"], 2), "s per round")
 EOF
 # the parity tests last: the figures above matter more if the device's time runs out
 # parity on the device: accelerator auto picks the GPU, so these compare batched and sequential CUDA runs

@@ -232,6 +232,60 @@ def plain_pytorch(
     return result
 
 
+def plain_split(split: dict[str, float], sequential_rates: dict[float, float], device: str, calls: int = 5) -> dict:
+    """Seconds a round of plain-PyTorch steps would take split as the batched executor must split the flagship.
+
+    ``split``: group steps per round by ``role/clients`` (``benchmarks/batched_calls.py``). A one-client step
+    costs one plain step (``sequential_rates``: steps/s by width); an m-client step costs one vmapped SGD step
+    of m ResNet20s on batches of 32, timed here. The target's KD steps also run the teacher's forward, which
+    this leaves out: a lower bound for the batched executor on this partition, where the lockstep anchor
+    (all clients in every call) is out of reach."""
+    widths = {"aux": 0.25, "target": 1.0}
+    seconds, per_call = 0.0, {}
+    for key, count in split.items():
+        role, m = key.split("/")[0], int(key.split("/")[1])
+        width = widths[role]
+        per_call[key] = 1 / sequential_rates[width] if m == 1 else _vmapped_call_seconds(width, m, device, calls)
+        seconds += count * per_call[key]
+    return {"s_per_round": seconds, "calls_per_round": sum(split.values()), "s_per_call": per_call}
+
+
+def _vmapped_call_seconds(width: float, m: int, device: str, calls: int) -> float:
+    """Seconds of one vmapped SGD step (momentum 0.9) of m ResNet20s on batches of 32."""
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    from fl_lightning.models import ModelSpec
+
+    models = [ModelSpec("resnet20", {"width": width}).build(num_classes=10, in_channels=3).to(device)] * m
+    for model in models:
+        torch.func.replace_all_batch_norm_modules_(model)
+    params, buffers = stack_module_state(models)
+    x, y = torch.randn(m, 32, 3, 32, 32, device=device), torch.randint(0, 10, (m, 32), device=device)
+
+    def loss_fn(p, b, xb, yb):
+        return torch.nn.functional.cross_entropy(functional_call(models[0], (p, b), (xb,)), yb)
+
+    step_grads, momentum = vmap(grad(loss_fn)), {k: torch.zeros_like(v) for k, v in params.items()}
+
+    def step():
+        grads = step_grads(params, buffers, x, y)
+        with torch.no_grad():
+            for k in params:
+                momentum[k].mul_(0.9).add_(grads[k])
+                params[k].sub_(0.01 * momentum[k])
+
+    for _ in range(2):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
@@ -248,6 +302,11 @@ def main() -> int:
         help="also time the plain vmapped step under torch.compile in these modes (default, reduce-overhead)",
     )
     parser.add_argument("--skip_runs", action="store_true", help="time the plain-PyTorch anchors only")
+    parser.add_argument(
+        "--split",
+        type=Path,
+        help="benchmarks/batched_calls.py's JSON: also time plain PyTorch split into the same group steps",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__}
@@ -259,6 +318,14 @@ def main() -> int:
         for width in (1.0, 0.25):
             result["plain_pytorch"].append(plain_pytorch(clients, steps, 32, width, device, tuple(args.compile)))
             print("# plain:", json.dumps(result["plain_pytorch"][-1]), file=sys.stderr, flush=True)
+        if args.split is not None:
+            recorded = json.loads(args.split.read_text())
+            split = {k: n / recorded["rounds"] for k, n in recorded["calls_by_role_and_clients"].items()}
+            if args.tiny:  # a smoke run: the two smallest group sizes of each role
+                split = {k: n for k, n in split.items() if int(k.split("/")[1]) <= 2}
+            rates = {p["width"]: p["sequential_steps_per_s"] for p in result["plain_pytorch"]}
+            result["plain_split"] = plain_split(split, rates, device, calls=1 if args.tiny else 5)
+            print("# plain split:", json.dumps(result["plain_split"]), file=sys.stderr, flush=True)
     result["runs"] = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
