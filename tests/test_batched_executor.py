@@ -46,6 +46,11 @@ def _tensors(obj, prefix=""):
         yield from _tensors(obj.state_dict(), prefix)
 
 
+def _named(name):
+    """assert_close's message with the tensor's name first (its own message says by how much they differ)."""
+    return lambda message: f"{name}: {message}"
+
+
 def _run(tmp_path, recipe, executor, *extra):
     out = tmp_path / executor
     argv = ["--config", str(ROOT / "recipes" / recipe), "--rounds", ROUNDS, "--eval_every", "1", "--seed", "3"]
@@ -109,7 +114,7 @@ def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, ext
     assert "executor" not in sequential
     assert weights.keys() == batched_weights.keys() and weights
     for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
     for metric, value in sequential["final"].items():
         assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
 
@@ -123,7 +128,7 @@ def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
     personal = [n for n in weights if n.startswith("client/") and "weights" in n]
     assert len({n.split("/")[1] for n in personal}) >= 10  # every trained client has its own state
     for name in personal:
-        torch.testing.assert_close(batched_weights[name], weights[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(batched_weights[name], weights[name], rtol=1e-4, atol=1e-5, msg=_named(name))
 
 
 @pytest.mark.parametrize(
@@ -142,7 +147,7 @@ def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, ext
     batched, batched_weights = _run(tmp_path, recipe, "batched", *extra)
     assert batched["executor"]["batched_fits"] > 0
     for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
     for metric, value in sequential["final"].items():
         assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
 
@@ -233,7 +238,7 @@ def test_a_step_drawing_a_second_stream_runs_in_both_executors(tmp_path):
     assert batched["executor"]["sequential_fits"] == 2 * 4  # 2 rounds x the 4 strong clients' joint fits
     assert batched["executor"]["batched_fits"] > 0
     for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
 
 
 def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
