@@ -117,3 +117,30 @@ def test_cvae_loss_by_hand_and_generation_shape():
     assert cvae.generate(torch.arange(4)).shape == (4, 6)
     recon, mu, log_var = cvae(torch.randn(5, 6), torch.tensor([0, 1, 2, 3, 0]))
     assert recon.shape == (5, 6) and mu.shape == log_var.shape == (5, 3)
+
+
+def test_restored_server_state_returns_to_the_devices_setup_put_it_on():
+    """Checkpoints load on the CPU; a run resumed on a GPU must get its global weights back on the GPU (the
+    'meta' device stands in for it here) and keep on the CPU what setup keeps there."""
+    from fl_lightning.strategies.base import _restore
+
+    built = {
+        "global": {"w": torch.zeros(2, device="meta"), "b": torch.zeros(1)},
+        "order": [torch.zeros(1, device="meta")],
+    }
+    saved = {"global": {"w": torch.ones(2), "b": torch.ones(1), "new": torch.ones(3)}, "order": [torch.ones(1)]}
+    restored = _restore(built, saved)
+    assert restored["global"]["w"].device.type == "meta" and restored["global"]["b"].device.type == "cpu"
+    assert restored["global"]["new"].device.type == "cpu"  # nothing built there: as saved
+    assert restored["order"][0].device.type == "meta"
+    assert _restore(None, saved) is saved  # no state built (a plain value): as saved
+
+
+def test_server_adam_moments_follow_the_gradients_device_after_a_restore():
+    from fl_lightning.knowledge.server_optim import ServerAdam
+
+    adam = ServerAdam()
+    adam.load_state_dict({"m": {"w": torch.zeros(2)}, "v": {"w": torch.zeros(2)}})  # as a checkpoint loads
+    out = adam.step({"w": torch.zeros(2, device="meta")}, {"w": torch.ones(2, device="meta")}, lr=0.1)
+    assert adam.m["w"].device.type == "meta" and adam.v["w"].device.type == "meta"
+    assert out["w"].device.type == "meta"

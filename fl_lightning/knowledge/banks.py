@@ -38,8 +38,9 @@ class ClassBank:
 
     def add_statistics(self, stats: ClassStatistics, name: str) -> None:
         """Adds the ``name`` vectors of one client's upload, padded or compact."""
-        rows, present = stats.vectors[name], stats.present
-        labels = stats.labels[present].long()
+        device = self.sums.device  # the bank stays where it was made; uploads come from the clients' device
+        rows, present = stats.vectors[name].to(device), stats.present.to(device)
+        labels = stats.labels.to(device)[present].long()
         vectors = torch.zeros(self.sums.shape, dtype=rows.dtype, device=rows.device)
         vectors[labels] = rows[present]
         mask = torch.zeros(len(self.counts), dtype=torch.bool, device=rows.device)

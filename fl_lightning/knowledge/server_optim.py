@@ -40,6 +40,8 @@ class ServerAdam:
         for k, g in grad.items():
             if k not in self.m:
                 self.m[k], self.v[k] = torch.zeros_like(g), torch.zeros_like(g)
+            elif self.m[k].device != g.device:  # restored from a checkpoint (on the CPU) into a run on a GPU
+                self.m[k], self.v[k] = self.m[k].to(g.device), self.v[k].to(g.device)
             self.m[k].mul_(self.beta1).add_(g, alpha=1 - self.beta1)
             self.v[k].mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
             out[k] = params[k] - lr * self.m[k] / (self.v[k].sqrt() + self.eps)

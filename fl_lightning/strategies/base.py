@@ -265,4 +265,17 @@ def _restore(current: Any, saved: Any) -> Any:
     )
     if holds_objects and isinstance(saved, dict):
         return {k: _restore(current.get(k), v) for k, v in saved.items()}
+    return _on_devices_of(current, saved)
+
+
+def _on_devices_of(current: Any, saved: Any) -> Any:
+    """``saved`` with each tensor on the device of the tensor in the same place of ``current`` (what ``setup``
+    built). Checkpoints load on the CPU; a run resumed on a GPU must find its global weights there, as a fresh
+    run has them, while state that ``setup`` keeps on the CPU (FD's sums) stays there."""
+    if isinstance(saved, torch.Tensor):
+        return saved.to(current.device) if isinstance(current, torch.Tensor) else saved
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return {k: _on_devices_of(current.get(k), v) for k, v in saved.items()}
+    if type(saved) in (list, tuple) and type(current) in (list, tuple) and len(saved) == len(current):
+        return type(saved)(_on_devices_of(c, v) for c, v in zip(current, saved))
     return saved

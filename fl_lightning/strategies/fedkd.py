@@ -164,7 +164,8 @@ class FedKD(Strategy):
         if self.mentee_role in task.downlink:
             return task.downlink[self.mentee_role].state
         delta = task.downlink["mentee_update"].reconstruct()
-        return {k: v + delta[k] if k in delta else v for k, v in ctx.state["mentee_base"].items()}
+        # the update is restored on the CPU when a run resumes; the client's last mentee is on its device
+        return {k: v + delta[k].to(v.device) if k in delta else v for k, v in ctx.state["mentee_base"].items()}
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         mentor, mentee = self.mentor_role(task.client), self.mentee_role
@@ -193,7 +194,7 @@ class FedKD(Strategy):
         ctx.state["weights"] = ctx.weights(mentor)
         ctx.state["hidden_map"] = {k: v.detach().clone() for k, v in mapping.state_dict().items()}
         trained = ctx.weights(mentee)
-        delta = {k: trained[k] - base[k] for k in base if trained[k].is_floating_point()}
+        delta = {k: trained[k] - base[k].to(trained[k].device) for k in base if trained[k].is_floating_point()}
         uplink = {"mentee_update": compress("mentee_update", delta, self.energy(task.round))}
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
