@@ -159,11 +159,15 @@ class _GroupTraining:
             group_options.get("decoupled_weight_decay")
         )
         device = loop.fabric.device
+        trained = {("slot", self.role, n) for n in self.trainable}
+        # a tensor that two roles share (one module in two roles) is stored once, under the trained role's name
+        # when it is one of them: reparametrizing that name changes the module both roles hold
+        self.alias = _shared_tensors(loop, trained)
         tensors: dict[tuple, Tensor] = {}
         for role, named in first.slots.items():
             for name in named:
-                tensors["slot", role, name] = torch.stack([r.slots[role][name] for r in group])
-        trained = {("slot", self.role, n) for n in self.trainable}
+                if ("slot", role, name) not in self.alias:
+                    tensors["slot", role, name] = torch.stack([r.slots[role][name] for r in group])
         buffers = {("slot", role, n) for role, slot in loop.slots.items() for n, _ in slot.module.named_buffers()}
         if first.optimizer_state and set(first.optimizer_state) != set(self.trainable):
             raise _NotBatchable("the optimizer state does not cover every trained parameter")
@@ -179,10 +183,14 @@ class _GroupTraining:
             else:  # fresh moments, made for the whole group at once (torch makes them at the first step)
                 values = _fresh_state(self.rule, self.options, tensors["slot", self.role, name][0], self.clients)
             for key, value in values.items():
-                if key == "step":  # one count per client: every parameter of a client has taken the same steps
-                    tensors.setdefault(("step", self.kind_of[name]), value.to(torch.float32))
-                else:
+                if key != "step":
                     tensors["moment", key, name] = value
+                    continue
+                # one count per client and dtype; torch counts per parameter, which differ only when a parameter
+                # once had no gradient (torch skips it): then the sequential loop keeps the counts apart
+                count = tensors.setdefault(("step", self.kind_of[name]), value.to(torch.float32))
+                if not torch.equal(count, value.to(torch.float32)):
+                    raise _NotBatchable("the optimizer's step counts differ between parameters")
         self.moment_keys = sorted({key[1] for key in tensors if key[0] == "moment"})
         tensors[_TOTAL] = torch.zeros(self.clients, device=device)
 
@@ -213,6 +221,8 @@ class _GroupTraining:
         self.role_keys = {role: f"role{i}" for i, role in enumerate(loop.slots)}
         self.roles = torch.nn.ModuleDict({self.role_keys[role]: slot.module for role, slot in loop.slots.items()})
         self.step_index = 0
+        self.checked_use = False
+        self.pending_records: list[tuple[Callable, tuple]] | None = []  # step 0's, delivered once it has passed
 
     def run(self) -> None:
         mixed = str(getattr(self.loop.fabric.strategy.precision, "precision", "")).endswith("-mixed")
@@ -220,13 +230,16 @@ class _GroupTraining:
             self._run()
 
     def _run(self) -> None:
+        from .loop import BatchStream
+
         loop, group = self.loop, self.group
         for role, modes in zip(loop.slots, group[0].modes):
             for module, training in zip(loop.slots[role].module.modules(), modes):
                 module.training = training
         self.slot.module.train()  # as the sequential loop does for the trained role
         steps = [0] * self.clients
-        streams = [iter(r.batches) for r in group]
+        # a BatchStream itself (not its generator): its next_parts lets every client's batch be gathered at once
+        streams = [r.batches if isinstance(r.batches, BatchStream) else iter(r.batches) for r in group]
         gathered = _gatherable(streams)  # every client's indices and draws, gathered and augmented at once
         rng_before = [r.rng_state for r in group]
         active = list(range(self.clients))
@@ -261,6 +274,10 @@ class _GroupTraining:
                     request.batches = itertools.chain([first] if first is not None else [], streams[k])
                     request.rng_state = rng_before[k]
                 raise
+            if self.pending_records is not None:  # every group of the first step ran batched
+                for on_record, observed in self.pending_records:
+                    on_record(observed)
+                self.pending_records = None
             step += 1
         views = self.store.views()
         totals = views[_TOTAL]
@@ -268,12 +285,13 @@ class _GroupTraining:
         for k, request in enumerate(group):
             request.result = {"loss": means[k], "steps": float(steps[k])}
             request.slots = {
-                role: {n: views["slot", role, n][k] for n in named} for role, named in request.slots.items()
+                role: {n: views[self.alias.get(("slot", role, n), ("slot", role, n))][k] for n in named}
+                for role, named in request.slots.items()
             }
             state = {n: {key: views["moment", key, n][k] for key in self.moment_keys} for n in self.trainable}
             for name, values in state.items():
-                if ("step", self.kind_of[name]) in views:
-                    values["step"] = views["step", self.kind_of[name]][k]
+                if ("step", self.kind_of[name]) in views:  # each parameter its own count, as torch keeps them
+                    values["step"] = views["step", self.kind_of[name]][k].clone()
             request.optimizer_state = state
 
     def _next_batch(self, k: int, stream: Iterator[tuple]) -> tuple | None:
@@ -302,6 +320,8 @@ class _GroupTraining:
         index = selection.index
         cells = [self.cells[i][first : first + m] if index is None else self.cells[i][index] for i in self.tensor_cells]
         try:
+            if not self.checked_use:
+                self._check_every_parameter_is_used(params, frozen, buffers, cells, batch)
             grads, (losses, record) = self._gradients(
                 params, frozen, buffers, cells, batch, unbatched=m == 1 and step > 0
             )
@@ -323,7 +343,26 @@ class _GroupTraining:
         for j, k in enumerate(members):  # each client's record to its own callback, in client order
             on_record = self.group[k].on_record
             if on_record is not None and record:
-                on_record(tuple(t[j].detach() for t in record))
+                observed = tuple(t[j].detach() for t in record)
+                if self.pending_records is None:
+                    on_record(observed)
+                else:  # a later group of step 0 may still fail, and the sequential loop would record it again
+                    self.pending_records.append((on_record, observed))
+
+    def _check_every_parameter_is_used(self, params: dict, frozen: dict, buffers: dict, cells: list, batch: tuple):
+        """Refuses a step that leaves a trained tensor without a gradient: torch's optimizer skips such a tensor
+        (no decay, no momentum), while a whole-row update would move it. One client, copies of its tensors."""
+        self.checked_use = True
+        one = torch.utils._pytree.tree_map_only(Tensor, lambda t: t[0].detach().clone(), (params, frozen, buffers))
+        leaves = {key: value.requires_grad_() for key, value in self.store.split("params", one[0]).items()}
+        cells_of_one, batch_of_one = torch.utils._pytree.tree_map_only(Tensor, lambda t: t[0], (cells, batch))
+        tensors = {**self.store.split("frozen", one[1]), **one[2], **leaves}
+        with torch.enable_grad():
+            loss, _ = self.loss_of(self._step_fn(cells_of_one), tensors, batch_of_one, self.step_index)
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        unused = [key[2] for key, g in zip(leaves, grads) if g is None]
+        if unused:
+            raise _NotBatchable(f"the step leaves {', '.join(unused)} without a gradient")
 
     def _moments(self, selection: _Selection) -> dict[str, dict[tuple, Tensor]]:
         return {key: self.store.rows(selection, f"moment:{key}") for key in self.moment_keys}
@@ -343,20 +382,26 @@ class _GroupTraining:
         alone = torch.utils._pytree.tree_map_only(Tensor, lambda t: t[0], (frozen, buffers, cells, batch))
         with torch.enable_grad():
             loss, record = self._loss(leaves, *alone)
-            grads = torch.autograd.grad(loss, list(leaves.values()))
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        # rows of a dtype the loss does not reach (every tensor was checked to be used: none, in practice)
+        grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves.values(), grads)]
         grads = {kind: g.unsqueeze(0) for kind, g in zip(leaves, grads)}
         return grads, (loss.detach().unsqueeze(0), tuple(t.detach().unsqueeze(0) for t in record))
 
     def _loss(self, params: dict, frozen: dict, buffers: dict, tensor_cells: list[Tensor], batch: tuple) -> tuple:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
-        step_fn = self.group[0].step_fn  # the first client's own function when no closure value differs
+        tensors = {**self.store.split("frozen", frozen), **buffers, **self.store.split("params", params)}
+        return self.loss_of(self._step_fn(tensor_cells), tensors, batch, self.step_index)
+
+    def _step_fn(self, tensor_cells: list[Tensor]) -> Callable:
+        """The first client's own step function, with one client's closure tensors where they differ."""
+        step_fn = self.group[0].step_fn
         if self.tensor_cells:
             cells = list(self.cells)
             for i, value in zip(self.tensor_cells, tensor_cells):
                 cells[i] = value
             step_fn = _rebuild(step_fn, cells)
-        tensors = {**self.store.split("params", params), **self.store.split("frozen", frozen), **buffers}
-        return self.loss_of(step_fn, tensors, batch, self.step_index)
+        return step_fn
 
     def loss_of(self, step_fn: Callable, tensors: dict[tuple, Tensor], batch: tuple, step: int) -> tuple:
         """``step_fn``'s (loss, record) for one client, every role's module holding that client's tensors
@@ -485,6 +530,20 @@ class _FlatStore:
         return views
 
 
+def _shared_tensors(loop: LocalLoop, trained: set) -> dict[tuple, tuple]:
+    """``("slot", role, name)`` -> the key a group stores that tensor under, for tensors several roles hold."""
+    holders: dict[int, list[tuple]] = {}
+    for role, slot in loop.slots.items():
+        for name, t in [*slot.module.named_parameters(), *slot.module.named_buffers()]:
+            holders.setdefault(id(t), []).append(("slot", role, name))
+    alias = {}
+    for keys in holders.values():
+        if len(keys) > 1:
+            kept = next((key for key in keys if key in trained), keys[0])
+            alias |= {key: kept for key in keys if key != kept}
+    return alias
+
+
 def _gatherable(streams: list) -> bool:
     """Whether every client's batches come from one pool with one augmentation that can be drawn per client."""
     from .loop import BatchStream
@@ -547,7 +606,7 @@ def _adam(params: dict, grads: dict, state: dict, options: dict) -> None:
     """``torch.optim.Adam`` / ``AdamW``'s update on stacked tensors, in place, with each client's own step count."""
     lr, decay, eps = options["lr"], options["weight_decay"], options["eps"]
     beta1, beta2 = options["betas"]
-    corrections: dict[int, tuple[Tensor, Tensor]] = {}
+    corrections: dict[tuple, tuple[Tensor, Tensor]] = {}
     for name, param in params.items():
         grad = grads[name] if not options.get("maximize") else -grads[name]
         moments = state[name]
@@ -558,12 +617,13 @@ def _adam(params: dict, grads: dict, state: dict, options: dict) -> None:
             grad = grad.add(param, alpha=decay)
         moments["exp_avg"].lerp_(grad, 1 - beta1)
         moments["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        if param.dim() not in corrections:  # every parameter of a client has taken the same number of steps
+        cached = (param.dim(), param.dtype, param.device)  # every parameter of a client has taken the same steps
+        if cached not in corrections:
             steps = moments["step"].double()
             shape = (-1,) + (1,) * (param.dim() - 1)
             step_size = (lr / (1 - beta1**steps)).to(param.dtype).view(shape)
-            corrections[param.dim()] = (step_size, torch.sqrt(1 - beta2**steps).to(param.dtype).view(shape))
-        step_size, correction = corrections[param.dim()]
+            corrections[cached] = (step_size, torch.sqrt(1 - beta2**steps).to(param.dtype).view(shape))
+        step_size, correction = corrections[cached]
         second = moments["exp_avg_sq"]
         if options.get("amsgrad"):
             torch.maximum(moments["max_exp_avg_sq"], second, out=moments["max_exp_avg_sq"])

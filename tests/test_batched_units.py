@@ -1,0 +1,184 @@
+"""The batched executor's group training against the sequential loop, on hand-built loops and requests.
+
+Cases a recipe does not reach: a module two roles share, optimizer step counts that differ between
+parameters, a parameter the step does not use, records of a first step that fails in its second shape
+group, Adam on rows of two dtypes, per-parameter step counts after a fit, and batches gathered at once.
+"""
+
+import copy
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from fl_lightning.client import batched as B
+from fl_lightning.client.loop import LocalLoop, ModelSlot, batch_stream
+from fl_lightning.client.training import LocalTraining
+
+
+@B.vmappable
+def _cross_entropy(module, batch, i):
+    x, y = batch
+    return F.cross_entropy(module(x), y)
+
+
+def _loop(modules: dict, optimizer) -> LocalLoop:
+    loop = LocalLoop(L.Fabric(accelerator="cpu", devices=1), LocalTraining(), rounds=1)
+    for role, module in modules.items():
+        opt = optimizer(module.parameters())
+        loop.slots[role] = ModelSlot(module, opt, [g["lr"] for g in opt.param_groups])
+    return loop
+
+
+def _request(loop, role, batches, step=_cross_entropy, weights=None, state=None, on_record=None) -> B.FitRequest:
+    if weights:  # this client's own starting weights, put into the shared instances before the snapshot
+        with torch.no_grad():
+            for r, named in weights.items():
+                live = dict([*loop.slots[r].module.named_parameters(), *loop.slots[r].module.named_buffers()])
+                for n, v in named.items():
+                    live[n].copy_(v)
+    return B.FitRequest(
+        role=role,
+        batches=batches,
+        step_fn=step,
+        on_record=on_record,
+        rnd=0,
+        slots=B.snapshot_slots(loop),
+        modes=B.training_modes(loop),
+        optimizer_state=copy.deepcopy(state) if state is not None else B.snapshot_optimizer(loop.slots[role]),
+        rng_state=B.random_state(),
+    )
+
+
+def _copy(request: B.FitRequest) -> B.FitRequest:
+    twin = copy.copy(request)
+    twin.slots, twin.optimizer_state = copy.deepcopy(request.slots), copy.deepcopy(request.optimizer_state)
+    twin.batches = list(request.batches)
+    return twin
+
+
+def _both(loop, requests):
+    """(the sequential fits, the executor's fits, its counts) of copies of ``requests``."""
+    sequential, executed = [_copy(r) for r in requests], [_copy(r) for r in requests]
+    fit = B.BatchedFit(loop)
+    for request in sequential:
+        fit._sequential(request)
+    fit.counts = {"batched_fits": 0, "sequential_fits": 0}
+    fit.run(executed)
+    return sequential, executed, fit.counts
+
+
+def _assert_same(sequential, executed, atol=1e-6):
+    for s, b in zip(sequential, executed):
+        for role in s.slots:
+            for name, value in s.slots[role].items():
+                torch.testing.assert_close(b.slots[role][name], value, rtol=0, atol=atol, msg=f"{role}.{name}")
+
+
+def _batches(n, size=4):
+    return [(torch.randn(size, 3), torch.randint(0, 2, (size,))) for _ in range(n)]
+
+
+def test_a_module_two_roles_share_trains_as_in_the_sequential_loop():
+    for trained in ("a", "b"):  # the trained role first or second: its tensors must reach the shared module
+        torch.manual_seed(0)
+        shared = torch.nn.Linear(3, 5)
+        modules = {r: torch.nn.Sequential(shared, torch.nn.ReLU(), torch.nn.Linear(5, 2)) for r in ("a", "b")}
+        loop = _loop(modules, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        requests = [
+            _request(loop, trained, _batches(2), weights={"a": {"0.weight": torch.randn(5, 3)}}) for _ in range(3)
+        ]
+        sequential, executed, counts = _both(loop, requests)
+        assert counts["batched_fits"] == 3
+        _assert_same(sequential, executed)
+
+
+def test_uneven_step_counts_and_an_unused_parameter_run_sequentially():
+    """torch skips a parameter without a gradient (no step, no decay): whole-row updates cannot, so refuse."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    loop = _loop({"r": model}, lambda p: torch.optim.Adam(p, lr=0.01))
+    state = {
+        n: {
+            "step": torch.tensor(2.0 if j < 2 else 5.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+        for j, (n, p) in enumerate(model.named_parameters())
+    }
+    sequential, executed, counts = _both(loop, [_request(loop, "r", _batches(2), state=state) for _ in range(2)])
+    assert counts == {"batched_fits": 0, "sequential_fits": 2}
+    _assert_same(sequential, executed, atol=0)
+    assert executed[0].optimizer_state["2.bias"]["step"] == 7 and executed[0].optimizer_state["0.bias"]["step"] == 4
+
+    class WithSpare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.spare = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.body(x)  # spare has no gradient
+
+    loop = _loop({"r": WithSpare()}, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1))
+    sequential, executed, counts = _both(loop, [_request(loop, "r", _batches(n)) for n in (1, 3)])
+    assert counts == {"batched_fits": 0, "sequential_fits": 2}
+    _assert_same(sequential, executed, atol=0)
+
+
+def test_a_first_step_failing_in_its_second_shape_group_records_nothing_twice():
+    @B.vmappable
+    def step(module, batch, i):
+        x, y = batch
+        logits = module(x)
+        if x.shape[0] == 3:
+            float(logits.detach().sum())  # a host read: fails under vmap, for this shape group only
+        return F.cross_entropy(logits, y), (logits,)
+
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
+    records = {k: [] for k in range(3)}
+    requests = [
+        _request(loop, "r", _batches(2, size), step, on_record=lambda r, k=k: records[k].append(r))
+        for k, size in enumerate([4, 3, 4])
+    ]
+    fit = B.BatchedFit(loop)
+    fit.run(requests)
+    assert fit.counts == {"batched_fits": 0, "sequential_fits": 3}
+    assert [len(records[k]) for k in range(3)] == [2, 2, 2]  # one record per step, none repeated
+
+
+def test_adam_on_rows_of_two_dtypes_takes_each_dtypes_own_bias_correction():
+    options = {"lr": 0.01, "weight_decay": 0.0, "eps": 1e-8, "betas": (0.9, 0.999), "decoupled_weight_decay": False}
+    kinds = [(torch.bfloat16, "cpu"), (torch.float32, "cpu")]
+    params = {k: torch.ones(2, 6, dtype=k[0]) for k in kinds}
+    grads = {k: torch.full((2, 6), 0.5, dtype=k[0]) for k in kinds}
+    state = {
+        k: {"step": torch.zeros(2), "exp_avg": torch.zeros_like(params[k]), "exp_avg_sq": torch.zeros_like(params[k])}
+        for k in kinds
+    }
+    B._adam(params, grads, state, options)
+    reference = torch.nn.Parameter(torch.ones(6))
+    optimizer = torch.optim.Adam([reference], lr=0.01)
+    reference.grad = torch.full((6,), 0.5)
+    optimizer.step()
+    assert torch.equal(params[kinds[1]][0], reference.detach())
+
+
+def test_each_parameter_gets_its_own_step_count_and_batches_are_gathered_at_once(monkeypatch):
+    gathered = []
+    real_gather = B._gather
+    monkeypatch.setattr(B, "_gather", lambda stream, parts: gathered.append(len(parts)) or real_gather(stream, parts))
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.Adam(p, lr=0.01))
+    x, y = torch.randn(40, 3), torch.randint(0, 2, (40,))
+    requests = []
+    for k in range(2):
+        request = _request(loop, "r", [])
+        request.batches = batch_stream(x, y, torch.arange(k * 20, k * 20 + 20), 4, 3, torch.Generator().manual_seed(k))
+        requests.append(request)
+    fit = B.BatchedFit(loop)
+    fit.run(requests)
+    assert fit.counts["batched_fits"] == 2 and gathered == [2, 2, 2]  # every step: both clients in one gather
+    steps = [values["step"] for values in requests[0].optimizer_state.values()]
+    assert [float(s) for s in steps] == [3.0, 3.0]
+    assert steps[0].untyped_storage().data_ptr() != steps[1].untyped_storage().data_ptr()
