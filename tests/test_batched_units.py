@@ -93,6 +93,23 @@ def test_a_module_two_roles_share_trains_as_in_the_sequential_loop():
         _assert_same(sequential, executed)
 
 
+def test_tied_weights_in_the_trained_role_train_as_in_the_sequential_loop():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+            self.b.weight = self.a.weight  # one Parameter under two names
+
+        def forward(self, x):
+            return self.head(self.b(torch.relu(self.a(x))))
+
+    torch.manual_seed(0)
+    loop = _loop({"r": Tied()}, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    sequential, executed, counts = _both(loop, [_request(loop, "r", _batches(2)) for _ in range(2)])
+    assert counts["batched_fits"] == 2
+    _assert_same(sequential, executed)
+
+
 def test_uneven_step_counts_and_an_unused_parameter_run_sequentially():
     """torch skips a parameter without a gradient (no step, no decay): whole-row updates cannot, so refuse."""
     torch.manual_seed(0)

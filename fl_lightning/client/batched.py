@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 
 def vmappable(step_fn: Callable) -> Callable:
     """Marks a step function as pure: its loss depends only on its module, batch and closure values,
-    it changes nothing outside (no collectors, no Python lists) and draws no random numbers."""
+    it changes nothing outside (no collectors, no Python lists), draws no random numbers, and reaches the
+    same trained tensors at every step and batch size (the batched executor checks the first step only: a
+    tensor torch's optimizer would skip for want of a gradient in a later step would be moved by momentum
+    or weight decay there)."""
     step_fn.vmappable = True
     return step_fn
 
@@ -728,9 +731,9 @@ def _reparametrize(module: torch.nn.Module, tensors: dict[str, Tensor]):
     # torch.func.functional_call only calls forward; a step function calls other methods (features, head)
     from torch.nn.utils.stateless import _reparametrize_module
 
-    # stack_weights: restore in reverse order, so that a tensor two roles share (one module in two roles)
-    # gets its original back, as nested contexts would
-    return _reparametrize_module(module, tensors, stack_weights=True)
+    # tie_weights: a tensor held under several names (tied weights, one module in two roles) is given once and
+    # swapped under every name; stack_weights: the originals come back in reverse order, as nested contexts would
+    return _reparametrize_module(module, tensors, tie_weights=True, stack_weights=True)
 
 
 @contextlib.contextmanager
