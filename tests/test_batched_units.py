@@ -140,6 +140,11 @@ def test_uneven_step_counts_and_an_unused_parameter_run_sequentially():
     sequential, executed, counts = _both(loop, [_request(loop, "r", _batches(n)) for n in (1, 3)])
     assert counts == {"batched_fits": 0, "sequential_fits": 2}
     _assert_same(sequential, executed, atol=0)
+    # plain SGD: a zero gradient moves nothing, as torch's skipping would, so the group may run batched
+    loop = _loop({"r": WithSpare()}, lambda p: torch.optim.SGD(p, lr=0.1))
+    sequential, executed, counts = _both(loop, [_request(loop, "r", _batches(n)) for n in (1, 3)])
+    assert counts == {"batched_fits": 2, "sequential_fits": 0}
+    _assert_same(sequential, executed)
 
 
 def test_a_first_step_failing_in_its_second_shape_group_records_nothing_twice():

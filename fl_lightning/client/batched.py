@@ -224,7 +224,8 @@ class _GroupTraining:
         self.role_keys = {role: f"role{i}" for i, role in enumerate(loop.slots)}
         self.roles = torch.nn.ModuleDict({self.role_keys[role]: slot.module for role, slot in loop.slots.items()})
         self.step_index = 0
-        self.checked_use = False
+        # plain SGD moves a tensor by its gradient alone: a zero gradient leaves it as torch's skipping would
+        self.checked_use = self.rule is _sgd and not self.options["momentum"] and not self.options["weight_decay"]
         self.pending_records: list[tuple[Callable, tuple]] | None = []  # step 0's, delivered once it has passed
 
     def run(self) -> None:
