@@ -223,6 +223,7 @@ class _GroupTraining:
         # (keyed by position: a role's name may hold a dot, which a module name may not)
         self.role_keys = {role: f"role{i}" for i, role in enumerate(loop.slots)}
         self.roles = torch.nn.ModuleDict({self.role_keys[role]: slot.module for role, slot in loop.slots.items()})
+        self.tied = _tied_names(self.roles)  # found once: torch's tie_weights would search every step
         self.step_index = 0
         # plain SGD moves a tensor by its gradient alone: a zero gradient leaves it as torch's skipping would
         self.checked_use = self.rule is _sgd and not self.options["momentum"] and not self.options["weight_decay"]
@@ -319,8 +320,8 @@ class _GroupTraining:
             selection = self.store.gather(to_device(torch.tensor(members), self.loop.fabric.device))
         params = self.store.rows(selection, "params")
         frozen = self.store.rows(selection, "frozen")
-        views = self.store.views(selection)
-        buffers = {key: view for key, view in views.items() if key[0] == "slot" and key in self.store.blocks}
+        views = self.store.views(selection, ("blocks", "counters"))
+        buffers = {key: view for key, view in views.items() if key in self.store.blocks}
         index = selection.index
         cells = [self.cells[i][first : first + m] if index is None else self.cells[i][index] for i in self.tensor_cells]
         try:
@@ -411,6 +412,10 @@ class _GroupTraining:
         """``step_fn``'s (loss, record) for one client, every role's module holding that client's tensors
         (``tensors``: ``("slot", role, name)`` -> tensor)."""
         named = {f"{self.role_keys[key[1]]}.{key[2]}": value for key, value in tensors.items()}
+        for names in self.tied:  # a tensor held under several names (tied weights, a module two roles share)
+            given = next((named[n] for n in names if n in named), None)
+            if given is not None:
+                named.update(dict.fromkeys(names, given))
         with _reparametrize(self.roles, named), self.loop.fabric.autocast():  # autocast: the forward only
             loss = step_fn(self.slot.module, batch, step)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
@@ -477,9 +482,10 @@ class _FlatStore:
             for kind, flat in self.flats.items():
                 flat.index_copy_(0, self._where(kind, selection.index), selection.flats[kind])
 
-    def views(self, selection: _Selection | None = None) -> dict[Any, Tensor]:
-        """Views ``[m, ...]`` of every tensor in ``selection`` (all clients when None)."""
-        return self._full if selection is None or selection is self._all else self._views(selection)
+    def views(self, selection: _Selection | None = None, labels: tuple[str, ...] | None = None) -> dict[Any, Tensor]:
+        """Views ``[m, ...]`` of every tensor in ``selection`` (all clients when None), or of ``labels``' tensors
+        only (a step needs the buffers and counters as views; the rows it takes whole)."""
+        return self._full if selection is None or selection is self._all else self._views(selection, labels)
 
     def rows(self, selection: _Selection, label: str) -> dict[tuple, Tensor]:
         """The ``[m, N]`` buffers of ``label`` in ``selection``, by (dtype, device)."""
@@ -516,10 +522,12 @@ class _FlatStore:
         member, base, stride = self._positions[kind, m]
         return base + index[member] * stride
 
-    def _views(self, selection: _Selection) -> dict[Any, Tensor]:
+    def _views(self, selection: _Selection, labels: tuple[str, ...] | None = None) -> dict[Any, Tensor]:
         m, first, whole = selection.count, selection.first, selection.whole
         views = {}
         for kind, (keys, sizes, shapes) in self.layout.items():
+            if labels is not None and kind[0] not in labels:
+                continue
             flat = selection.flats[kind]
             if kind[0] != "blocks":
                 rows = flat if m == whole else flat.narrow(0, first, m)
@@ -532,6 +540,14 @@ class _FlatStore:
                     views[key] = flat[begin : begin + m * n].view(m, *shape)
                     offset += n
         return views
+
+
+def _tied_names(module: torch.nn.Module) -> list[list[str]]:
+    """Groups of names under which ``module`` holds one tensor (tied weights, a submodule in two places)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _shared_tensors(loop: LocalLoop, trained: set) -> dict[tuple, tuple]:
@@ -732,9 +748,9 @@ def _reparametrize(module: torch.nn.Module, tensors: dict[str, Tensor]):
     # torch.func.functional_call only calls forward; a step function calls other methods (features, head)
     from torch.nn.utils.stateless import _reparametrize_module
 
-    # tie_weights: a tensor held under several names (tied weights, one module in two roles) is given once and
-    # swapped under every name; stack_weights: the originals come back in reverse order, as nested contexts would
-    return _reparametrize_module(module, tensors, tie_weights=True, stack_weights=True)
+    # stack_weights: the originals come back in reverse order, as nested contexts would, so a tensor held under
+    # several names (given under each by loss_of) gets its original Parameter back
+    return _reparametrize_module(module, tensors, stack_weights=True)
 
 
 @contextlib.contextmanager
