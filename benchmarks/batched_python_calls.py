@@ -1,10 +1,16 @@
-"""Python function calls per group step of the batched executor on the flagship's models (a proxy for the
-per-step host overhead that bounds a GPU step of small models; it counts the same on any machine).
+"""Python function calls per local step of the batched executor on the flagship's models, next to the
+sequential loop's (a proxy for the per-step host overhead that bounds a GPU step of small models; it
+counts the same on any machine).
 
 Runs ``gpu_flagship.py --tiny`` (ResNet20 and its 25 %-width auxiliary, random-pixel CIFAR-10, 10 clients)
-batched for 3 rounds of ``--local_steps`` steps on the CPU and counts, with cProfile, the Python calls made
-inside the batched training of the groups (a group's set-up and first-step checks included, so few local
-steps overstate the cost of a step).
+for 3 rounds of ``--local_steps`` steps on the CPU, once batched and once sequentially, and counts with
+cProfile the Python calls made:
+
+- ``per_step``: inside the batched training of the groups, per group step (set-up and first-step checks
+  included, so few local steps overstate the cost of a step);
+- ``per_shared_step`` / ``per_lone_step``: inside a group step after the first, of several clients (one
+  vmapped call) / of one client (plain autograd on its rows), the step alone;
+- ``per_sequential_step``: inside the sequential loop's ``run_steps``, per step (the same fits).
 
     python benchmarks/batched_python_calls.py --json
 """
@@ -25,9 +31,13 @@ sys.path.insert(0, str(ROOT))
 from gpu_flagship import run_flagship, write_random_cifar10
 
 
+def _calls(profile: cProfile.Profile, steps: int) -> int | None:
+    return pstats.Stats(profile).total_calls // steps if steps else None
+
+
 def count(rounds: int, local_steps: int) -> dict:
     from fl_lightning import cli
-    from fl_lightning.client import batched
+    from fl_lightning.client import batched, loop
 
     real_fit = cli.fit_from_argv
 
@@ -35,31 +45,66 @@ def count(rounds: int, local_steps: int) -> dict:
         at = argv.index("--training.local_steps")
         return real_fit([*argv[: at + 1], str(local_steps), *argv[at + 2 :]], **kwargs)
 
-    profile, steps = cProfile.Profile(), [0]
+    profiles = {kind: cProfile.Profile() for kind in ("group", "shared", "lone", "sequential")}
+    steps = dict.fromkeys(profiles, 0)
     real_run, real_step = batched._GroupTraining.run, batched._GroupTraining._step
+    real_run_steps = loop.LocalLoop.run_steps
 
     def run(self):
-        profile.enable()
+        profiles["group"].enable()
         try:
             return real_run(self)
         finally:
-            profile.disable()
+            profiles["group"].disable()
 
-    def step(self, *args, **kwargs):
-        steps[0] += 1
-        return real_step(self, *args, **kwargs)
+    def step(self, members, batch, index):
+        steps["group"] += 1
+        kind = None if index == 0 else "lone" if len(members) == 1 else "shared"
+        if kind is None:
+            return real_step(self, members, batch, index)
+        steps[kind] += 1
+        profiles["group"].disable()  # one profiler at a time
+        profiles[kind].enable()
+        try:
+            return real_step(self, members, batch, index)
+        finally:
+            profiles[kind].disable()
+            profiles["group"].enable()
+
+    def run_steps(self, module, optimizer, batches, step_fn=None, clip=None, on_record=None):
+        batches = list(batches)  # drawn before the count: the batched side's step receives its batch drawn too
+        steps["sequential"] += len(batches)
+        profiles["sequential"].enable()
+        try:
+            return real_run_steps(self, module, optimizer, batches, step_fn, clip, on_record)
+        finally:
+            profiles["sequential"].disable()
 
     batched._GroupTraining.run, batched._GroupTraining._step = run, step
+    loop.LocalLoop.run_steps = run_steps
     cli.fit_from_argv = fit_with_more_steps
     try:
         with tempfile.TemporaryDirectory() as tmp:
             write_random_cifar10(Path(tmp) / "data", 200)
             result = run_flagship(Path(tmp) / "data", "32-true", "batched", rounds, True, Path(tmp) / "out")
+            run_flagship(Path(tmp) / "data", "32-true", "sequential", rounds, True, Path(tmp) / "out_sequential")
     finally:
         batched._GroupTraining.run, batched._GroupTraining._step = real_run, real_step
+        loop.LocalLoop.run_steps = real_run_steps
         cli.fit_from_argv = real_fit
-    calls = pstats.Stats(profile).total_calls
-    return {"fits": result["fits"], "group_steps": steps[0], "python_calls": calls, "per_step": calls // steps[0]}
+    group_calls = sum(pstats.Stats(profiles[kind]).total_calls for kind in ("group", "shared", "lone"))
+    return {
+        "fits": result["fits"],
+        "group_steps": steps["group"],
+        "python_calls": group_calls,
+        "per_step": group_calls // steps["group"],
+        "shared_steps": steps["shared"],
+        "per_shared_step": _calls(profiles["shared"], steps["shared"]),
+        "lone_steps": steps["lone"],
+        "per_lone_step": _calls(profiles["lone"], steps["lone"]),
+        "sequential_steps": steps["sequential"],
+        "per_sequential_step": _calls(profiles["sequential"], steps["sequential"]),
+    }
 
 
 def main() -> int:

@@ -266,13 +266,21 @@ def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
 def test_a_tensor_two_roles_share_is_reparametrized_once_and_given_back():
     """Two roles that share a submodule (and a module with tied weights): one name reaches every place the
     tensor is held, and after the step the module holds its original Parameter again."""
-    from fl_lightning.client.batched import _reparametrize
+    from fl_lightning.client.batched import _Reparametrization
 
     shared = torch.nn.Linear(2, 2)
     roles = torch.nn.ModuleDict({"role0": torch.nn.Sequential(shared), "role1": torch.nn.Sequential(shared)})
     original = shared.weight
-    with _reparametrize(roles, {"role1.0.weight": torch.ones(2, 2)}):
+    reparametrize = _Reparametrization(roles)
+    with reparametrize({"role1.0.weight": torch.ones(2, 2)}):
         assert torch.equal(roles["role0"][0].weight, torch.ones(2, 2))  # the other role sees it too
+    assert shared.weight is original
+    # given under both names (as loss_of gives a shared tensor), the original still comes back
+    with reparametrize({"role0.0.weight": torch.ones(2, 2), "role1.0.weight": torch.ones(2, 2)}):
+        assert torch.equal(shared.weight, torch.ones(2, 2))
+    assert shared.weight is original
+    with pytest.raises(KeyError), reparametrize({"role0.0.weight": torch.zeros(2, 2)}):  # an error inside
+        raise KeyError("in the step")
     assert shared.weight is original
 
 
