@@ -30,6 +30,10 @@ def _full_float32_on_cuda():
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_NORM_CNN = '{"global": {"builder": "digits_cnn", "args": {"batch_norm": true}}}'
+BATCH_NORM_KD = (
+    '{"aux": {"builder": "digits_cnn", "args": {"width": 0.25, "batch_norm": true}}, '
+    '"target": {"builder": "digits_cnn", "args": {"batch_norm": true}}}'
+)
 
 
 def _tensors(obj, prefix=""):
@@ -86,6 +90,13 @@ def _run(tmp_path, recipe, executor, *extra):
         # batch norm: running statistics are updated in place inside the vmapped forward (vmap's rule dropped
         # the update of a strided running mean: relative error ~1 before the statistics were kept contiguous)
         ("quickstart.yaml", ("--models", BATCH_NORM_CNN)),
+        # batch norm in both roles: the teacher's (evaluation mode) statistics and every num_batches_tracked sit in
+        # strided rows, the trained role's running statistics in blocks
+        (
+            "digits_ondevice_kd.yaml",
+            ("--strategy.init_args.ramp_rounds", "0", "--training.optimizer_state", "shared_per_phase")
+            + ("--models", BATCH_NORM_KD),
+        ),
         # the optimizer rules' other branches, on whole parameter rows: clipping per client, Nesterov with
         # weight decay, Adam (with batch norm) and AdamW with each client's own moments and step count. Few
         # steps: Adam divides by the root of tiny second moments, which blows float noise up to the learning

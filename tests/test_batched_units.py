@@ -204,3 +204,68 @@ def test_each_parameter_gets_its_own_step_count_and_batches_are_gathered_at_once
     steps = [values["step"] for values in requests[0].optimizer_state.values()]
     assert [float(s) for s in steps] == [3.0, 3.0]
     assert steps[0].untyped_storage().data_ptr() != steps[1].untyped_storage().data_ptr()
+
+
+def _norm_roles():
+    torch.manual_seed(0)
+    modules = {
+        r: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)) for r in "ts"
+    }
+    loop = _loop(modules, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    modules["t"].eval()  # a teacher: its batch norm reads each client's own running statistics
+    return loop, modules["t"]
+
+
+def _requests_with_own_teachers(loop, step):
+    return [
+        _request(
+            loop,
+            "s",
+            _batches(3),
+            step,
+            weights={"t": {"1.running_mean": torch.randn(4), "1.running_var": torch.rand(4) + 0.5}},
+        )
+        for _ in range(3)
+    ]
+
+
+def test_a_teachers_batch_norm_statistics_sit_in_rows_and_train_as_in_the_sequential_loop():
+    """The statistics of a batch norm in evaluation mode and every num_batches_tracked are stored in rows
+    (fewer vmap inputs); the trained role's running statistics, updated by batch norm's rule, in blocks."""
+    loop, teacher = _norm_roles()
+
+    @B.vmappable
+    def kd(module, batch, i):
+        x, y = batch
+        return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())
+
+    requests = _requests_with_own_teachers(loop, kd)
+    in_rows, eval_norms = B._norm_buffers_for_rows(loop, "s", requests[0].modes)
+    assert in_rows == {
+        ("slot", "t", "1.running_mean"),
+        ("slot", "t", "1.running_var"),
+        ("slot", "t", "1.num_batches_tracked"),
+        ("slot", "s", "1.num_batches_tracked"),
+    }
+    assert eval_norms == [teacher[1]]
+    sequential, executed, counts = _both(loop, requests)
+    assert counts["batched_fits"] == 3
+    _assert_same(sequential, executed)
+    for s in executed:
+        assert s.slots["s"]["1.num_batches_tracked"] == 6  # two forwards a step, three steps
+        assert not torch.equal(s.slots["s"]["1.running_mean"], torch.zeros(4))  # the student's updates arrived
+
+
+def test_a_step_that_puts_a_teachers_batch_norm_into_training_mode_runs_sequentially():
+    loop, teacher = _norm_roles()
+
+    @B.vmappable  # wrongly: it changes a module's mode
+    def kd(module, batch, i):
+        x, y = batch
+        teacher.train()
+        return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())
+
+    sequential, executed, counts = _both(loop, _requests_with_own_teachers(loop, kd))
+    assert counts == {"batched_fits": 0, "sequential_fits": 3}
+    _assert_same(sequential, executed, atol=0)
+    assert not torch.equal(executed[0].slots["t"]["1.running_mean"], sequential[1].slots["t"]["1.running_mean"])

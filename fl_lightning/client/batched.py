@@ -197,9 +197,11 @@ class _GroupTraining:
         self.moment_keys = sorted({key[1] for key in tensors if key[0] == "moment"})
         tensors[_TOTAL] = torch.zeros(self.clients, device=device)
 
+        in_rows, self.eval_norms = _norm_buffers_for_rows(loop, self.role, first.modes)
+
         def label(key: tuple) -> str:
-            if key in buffers:
-                return "blocks"  # updated in place inside the vmapped forward: must be contiguous
+            if key in buffers and key not in in_rows:
+                return "blocks"  # updated in place by vmap's batch-norm rule inside the forward: must be contiguous
             if key in trained:
                 return "params"
             if key[0] == "moment":
@@ -335,6 +337,9 @@ class _GroupTraining:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
             raise
+        if step == 0 and any(norm.training for norm in self.eval_norms):
+            # a step that puts a batch norm into training mode updates statistics that sit in strided rows
+            raise _NotBatchable("the step switches a batch norm of another role into training mode")
         clip = self.loop.training.grad_clip_norm
         if clip is not None:
             grads = _clip_per_client(grads, clip)
@@ -507,7 +512,7 @@ class _FlatStore:
             keys, sizes, shapes = self.layout[(label, *kind)]
             lead = flat.shape[:-1]
             for key, part, shape in zip(keys, flat.split(sizes, dim=-1), shapes):
-                out[key] = part.view(*lead, *shape)
+                out[key] = part.view((*lead, *shape))  # a tuple: a 0-d tensor inside vmap has neither
         return out
 
     def _where(self, kind: tuple, index: Tensor) -> Tensor:
@@ -552,6 +557,30 @@ def _tied_names(module: torch.nn.Module) -> list[list[str]]:
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), []).append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def _norm_buffers_for_rows(loop: LocalLoop, trained_role: str, modes: tuple) -> tuple[set[tuple], list]:
+    """Batch-norm buffers that may sit in strided rows, and the batch norms whose mode a step must not change.
+
+    Only batch norm's own rule writes a buffer into a copy when the buffer is strided; every buffer passed to
+    vmap on its own costs a step ~30 Python calls of torch.func's input handling (the teacher's and the other
+    roles' statistics are half of a ResNet pair's ~136 inputs). So rows hold the running statistics of a batch
+    norm in evaluation mode (it only reads them: a teacher, a role the step does not train) and every batch
+    norm's ``num_batches_tracked``, which its forward increments with an ordinary in-place add.
+    """
+    keys, eval_norms = set(), []
+    for role, role_modes in zip(loop.slots, modes):
+        module = loop.slots[role].module
+        for (prefix, submodule), training in zip(module.named_modules(), role_modes):
+            if not isinstance(submodule, torch.nn.modules.batchnorm._BatchNorm):
+                continue
+            training = training or role == trained_role  # the trained role runs in training mode throughout
+            at = f"{prefix}." if prefix else ""
+            names = ["num_batches_tracked"] if training else ["running_mean", "running_var", "num_batches_tracked"]
+            keys |= {("slot", role, at + name) for name in names if submodule._buffers.get(name) is not None}
+            if not training:
+                eval_norms.append(submodule)
+    return keys, eval_norms
 
 
 def _shared_tensors(loop: LocalLoop, trained: set) -> dict[tuple, tuple]:
