@@ -269,3 +269,13 @@ def test_a_step_that_puts_a_teachers_batch_norm_into_training_mode_runs_sequenti
     assert counts == {"batched_fits": 0, "sequential_fits": 3}
     _assert_same(sequential, executed, atol=0)
     assert not torch.equal(executed[0].slots["t"]["1.running_mean"], sequential[1].slots["t"]["1.running_mean"])
+
+
+def test_a_batch_norm_the_trained_role_shares_with_an_evaluated_role_counts_as_training():
+    torch.manual_seed(0)
+    shared = torch.nn.BatchNorm1d(4)
+    modules = {r: torch.nn.Sequential(torch.nn.Linear(3, 4), shared, torch.nn.Linear(4, 2)) for r in "ts"}
+    loop = _loop(modules, lambda p: torch.optim.SGD(p, lr=0.1))
+    modes = ((True, True, False, True), (True, True, True, True))  # "t" holds the shared norm in evaluation mode
+    in_rows, eval_norms = B._norm_buffers_for_rows(loop, "s", modes)
+    assert eval_norms == [] and ("slot", "t", "1.running_mean") not in in_rows

@@ -569,12 +569,14 @@ def _norm_buffers_for_rows(loop: LocalLoop, trained_role: str, modes: tuple) -> 
     norm's ``num_batches_tracked``, which its forward increments with an ordinary in-place add.
     """
     keys, eval_norms = set(), []
+    # the trained role runs in training mode throughout, a module it shares with another role too
+    trained = {id(m) for m in loop.slots[trained_role].module.modules()}
     for role, role_modes in zip(loop.slots, modes):
         module = loop.slots[role].module
         for (prefix, submodule), training in zip(module.named_modules(), role_modes):
             if not isinstance(submodule, torch.nn.modules.batchnorm._BatchNorm):
                 continue
-            training = training or role == trained_role  # the trained role runs in training mode throughout
+            training = training or id(submodule) in trained
             at = f"{prefix}." if prefix else ""
             names = ["num_batches_tracked"] if training else ["running_mean", "running_var", "num_batches_tracked"]
             keys |= {("slot", role, at + name) for name in names if submodule._buffers.get(name) is not None}
