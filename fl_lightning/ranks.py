@@ -218,8 +218,8 @@ def exchange(obj: Any) -> list[Any]:
     where the ranks wait for each other; the messages themselves go through the :class:`Mailbox` when every
     rank runs on this machine (a file in shared memory each: a phase's 0.8 MB took 2.1-3.2 ms through
     gloo's loopback socket), else, or when a rank could not post its message, through a second
-    all-gather. Tensors arrive on this rank's device, whichever device they left from; a CPU tensor
-    travels in the default group's gloo also when NCCL is beside it on GPUs.
+    all-gather. Tensors sent from an accelerator arrive on this rank's device, those sent from CPU on CPU
+    (:func:`unpack`); a CPU tensor travels in the default group's gloo also when NCCL is beside it on GPUs.
     """
     import torch.distributed as dist
 
@@ -358,11 +358,11 @@ def pack(obj: Any) -> torch.Tensor:
             if not dense or type(value) not in (torch.Tensor, torch.nn.Parameter):
                 saved = io.BytesIO()
                 torch.save(value, saved)
-                return ("saved", saved.getvalue())
+                return ("saved", saved.getvalue(), value.is_cpu)
             seen[id(value)] = len(tensors)
             tensors.append(value.detach().resolve_conj().resolve_neg().to("cpu").contiguous())
             kind = "parameter" if type(value) is torch.nn.Parameter else "tensor"
-            return (kind, value.dtype, tuple(value.shape), value.requires_grad)
+            return (kind, value.dtype, tuple(value.shape), value.requires_grad, value.is_cpu)
 
     head = io.BytesIO()
     _Pickler(head, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
@@ -380,7 +380,11 @@ def pack(obj: Any) -> torch.Tensor:
 
 
 def unpack(message: torch.Tensor, device: torch.device) -> Any:
-    """The object :func:`pack` made of ``message`` (which may be longer), its tensors copies on ``device``."""
+    """The object :func:`pack` made of ``message`` (which may be longer), its tensors copies.
+
+    A tensor sent from CPU arrives on CPU, where one process keeps it too (Adam's step count, generator
+    states); a tensor sent from an accelerator arrives on ``device``, this rank's own.
+    """
     length = int(message[:8].view(torch.int64))
     start = _aligned(8)
     structure, offset = message[start : start + length].numpy().tobytes(), start + length
@@ -392,16 +396,17 @@ def unpack(message: torch.Tensor, device: torch.device) -> Any:
             if pid[0] == "again":
                 return made[pid[1]]
             if pid[0] == "saved":
-                return torch.load(io.BytesIO(pid[1]), map_location=device, weights_only=False)
-            kind, dtype, shape, requires_grad = pid
+                return torch.load(io.BytesIO(pid[1]), map_location="cpu" if pid[2] else device, weights_only=False)
+            kind, dtype, shape, requires_grad, on_cpu = pid
+            place = torch.device("cpu") if on_cpu else device
             count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if count:
                 offset = _aligned(offset)
                 # a copy: a view would keep the whole message alive as long as any of its tensors
-                tensor = message[offset : offset + count].view(dtype).reshape(shape).to(device, copy=True)
+                tensor = message[offset : offset + count].view(dtype).reshape(shape).to(place, copy=True)
                 offset += count
             else:
-                tensor = torch.empty(shape, dtype=dtype, device=device)
+                tensor = torch.empty(shape, dtype=dtype, device=place)
             if kind == "parameter":
                 tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
             else:

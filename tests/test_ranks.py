@@ -262,6 +262,28 @@ def test_a_tensor_met_twice_arrives_once_and_other_kinds_arrive_whole():
     assert torch.equal(received["c"], conjugate.resolve_conj())
 
 
+def test_a_tensor_sent_from_cpu_stays_on_cpu_and_others_go_to_this_ranks_device(monkeypatch):
+    """One process on a GPU keeps some tensors on CPU (Adam's step count, generator states): another rank
+    receives them on CPU too, or the batched executor's torch.stack of step counts mixes devices and
+    Generator.set_state refuses the state. The meta device stands in for this rank's GPU."""
+    sent = {
+        "step": torch.tensor(3.0),
+        "generator": torch.get_rng_state(),
+        "sparse": torch.sparse_coo_tensor([[1]], [2.0], (3,), check_invariants=True),
+    }
+    received = ranks.unpack(ranks.pack(sent), torch.device("meta"))
+    assert {key: value.device.type for key, value in received.items()} == dict.fromkeys(sent, "cpu")
+    _assert_same(sent["step"], received["step"])
+    torch.Generator().set_state(received["generator"])  # a state on another device would raise TypeError
+    torch.stack([torch.tensor(1.0), received["step"]])  # as the batched executor stacks the clients' counts
+    # a tensor on the sending rank's GPU (is_cpu False; its bytes are read as usual) lands on this rank's device
+    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
+    message = ranks.pack({"w": torch.ones(2)})
+    monkeypatch.undo()
+    received = ranks.unpack(message, torch.device("meta"))
+    assert received["w"].device.type == "meta" and received["w"].shape == (2,)
+
+
 def test_received_tensors_are_copies_not_views_of_the_message():
     """A client state kept from one phase must not hold that phase's whole message in memory."""
     message = ranks.pack({"w": torch.ones(4)})
