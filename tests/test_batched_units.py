@@ -2,12 +2,15 @@
 
 Cases a recipe does not reach: a module two roles share, optimizer step counts that differ between
 parameters, a parameter the step does not use, records of a first step that fails in its second shape
-group, Adam on rows of two dtypes, per-parameter step counts after a fit, and batches gathered at once.
+group, Adam on rows of two dtypes, per-parameter step counts after a fit, batches gathered at once, batch
+norms whose statistics sit in rows (and the steps and subclasses that must keep them out), and batches
+that are not all tensors.
 """
 
 import copy
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -279,3 +282,61 @@ def test_a_batch_norm_the_trained_role_shares_with_an_evaluated_role_counts_as_t
     modes = ((True, True, False, True), (True, True, True, True))  # "t" holds the shared norm in evaluation mode
     in_rows, eval_norms = B._norm_buffers_for_rows(loop, "s", modes)
     assert eval_norms == [] and ("slot", "t", "1.running_mean") not in in_rows
+
+
+def test_batches_holding_other_than_tensors_run_sequentially():
+    """A step may take batches a strategy built itself (``ctx.fit(batches=...)``): ones holding a non-tensor cannot
+    be stacked, so the group runs through the sequential loop with the same numbers."""
+
+    @B.vmappable
+    def step(module, batch, i):
+        x, y, scale = batch
+        return scale * F.cross_entropy(module(x), y)
+
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
+    requests = [_request(loop, "r", [(*b, 0.5) for b in _batches(2)], step) for _ in range(2)]
+    sequential, executed, counts = _both(loop, requests)
+    assert counts == {"batched_fits": 0, "sequential_fits": 2}
+    _assert_same(sequential, executed, atol=0)
+
+
+def test_a_step_that_switches_a_batch_norm_to_training_mode_later_stops_with_a_clear_error():
+    loop, teacher = _norm_roles()
+
+    @B.vmappable  # wrongly: from its second step on it changes a module's mode
+    def kd(module, batch, i):
+        x, y = batch
+        teacher.train(i > 0)
+        return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())
+
+    with pytest.raises(RuntimeError, match="switches a batch norm of another role into training mode after its first"):
+        B.BatchedFit(loop).run(_requests_with_own_teachers(loop, kd))
+
+
+class _AdaptingNorm(torch.nn.BatchNorm1d):
+    """Normalises with the batch's statistics and updates the running ones in either mode."""
+
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, 0.1, self.eps)
+
+
+def test_a_batch_norm_that_updates_its_statistics_in_evaluation_mode_matches_the_sequential_loop():
+    torch.manual_seed(0)
+    modules = {
+        "t": torch.nn.Sequential(torch.nn.Linear(3, 4), _AdaptingNorm(4), torch.nn.Linear(4, 2)),
+        "s": torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)),
+    }
+    loop = _loop(modules, lambda p: torch.optim.SGD(p, lr=0.1))
+    teacher = modules["t"].eval()
+
+    @B.vmappable
+    def kd(module, batch, i):
+        x, y = batch
+        return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())
+
+    requests = [_request(loop, "s", _batches(3), kd, weights={"t": {"1.running_mean": torch.randn(4)}}) for _ in "abc"]
+    start = requests[0].slots["t"]["1.running_mean"].clone()
+    sequential, executed, _ = _both(loop, requests)
+    assert not torch.equal(sequential[0].slots["t"]["1.running_mean"], start)  # the sequential loop moves them
+    _assert_same(sequential, executed, atol=1e-5)  # with its statistics in strided rows the batched fit kept `start`

@@ -261,10 +261,17 @@ class _GroupTraining:
                 else:
                     batches[k] = batch
             by_shape: dict[tuple, list[int]] = {}
-            for k, batch in batches.items():
-                shape = len(batch[0]) if gathered else tuple(tuple(t.shape) for t in batch)
-                by_shape.setdefault(shape, []).append(k)
             try:
+                for k, batch in batches.items():
+                    if not gathered and not all(isinstance(t, Tensor) for t in batch):  # e.g. from ctx.fit(batches=)
+                        if step == 0:
+                            raise _NotBatchable("a batch holds something other than tensors")
+                        raise TypeError(
+                            f"a batch of step {step} holds {[type(t).__name__ for t in batch]} where the first held "
+                            "tensors only; give ctx.fit batches of tensors, or run with --runtime.executor sequential."
+                        )
+                    shape = len(batch[0]) if gathered else tuple(tuple(t.shape) for t in batch)
+                    by_shape.setdefault(shape, []).append(k)
                 for members in by_shape.values():
                     self.step_index = step
                     if gathered:
@@ -337,9 +344,15 @@ class _GroupTraining:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
             raise
-        if step == 0 and any(norm.training for norm in self.eval_norms):
-            # a step that puts a batch norm into training mode updates statistics that sit in strided rows
-            raise _NotBatchable("the step switches a batch norm of another role into training mode")
+        if any(norm.training for norm in self.eval_norms):
+            # a batch norm put into training mode updates statistics that sit in strided rows, where vmap's rule drops it
+            message = "the step switches a batch norm of another role into training mode"
+            if step == 0:
+                raise _NotBatchable(message)
+            raise RuntimeError(  # too late to fall back: this step's update of those statistics is lost
+                f"{message} after its first step; a @vmappable step must not change modules' modes "
+                "(set them before ctx.fit), or run with --runtime.executor sequential."
+            )
         clip = self.loop.training.grad_clip_norm
         if clip is not None:
             grads = _clip_per_client(grads, clip)
@@ -559,6 +572,9 @@ def _tied_names(module: torch.nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
+_NORM_FORWARDS = (torch.nn.modules.batchnorm._BatchNorm.forward, torch.nn.SyncBatchNorm.forward)
+
+
 def _norm_buffers_for_rows(loop: LocalLoop, trained_role: str, modes: tuple) -> tuple[set[tuple], list]:
     """Batch-norm buffers that may sit in strided rows, and the batch norms whose mode a step must not change.
 
@@ -574,7 +590,8 @@ def _norm_buffers_for_rows(loop: LocalLoop, trained_role: str, modes: tuple) -> 
     for role, role_modes in zip(loop.slots, modes):
         module = loop.slots[role].module
         for (prefix, submodule), training in zip(module.named_modules(), role_modes):
-            if not isinstance(submodule, torch.nn.modules.batchnorm._BatchNorm):
+            # torch's own forward only: a subclass may update its statistics in evaluation mode (test-time adaptation)
+            if type(submodule).forward not in _NORM_FORWARDS:
                 continue
             training = training or id(submodule) in trained
             at = f"{prefix}." if prefix else ""
