@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.serialization import default_restore_location
 
 from .checkpoint import PREVIOUS, check_plain, load_checkpoint
 from .errors import ConfigError
@@ -62,8 +63,8 @@ class ClientStateStore:
         directory: where the client files go (``<run>/checkpoints/clients``); created on the first write.
         memory_budget_mb: megabytes of tensors kept in memory; ``None`` keeps every state in memory
             (files are still written at each checkpoint, for the clients that changed).
-        device: the Fabric device: on CPU every state read back is on CPU; elsewhere each tensor returns to
-            the device it was saved from.
+        device: the Fabric device: on CPU every state read back is on CPU; elsewhere a tensor saved from CPU
+            returns to CPU and one saved from an accelerator returns to ``device`` (another rank's GPU included).
     """
 
     def __init__(self, directory: Path, memory_budget_mb: float | None = None, device: Any = "cpu"):
@@ -73,12 +74,18 @@ class ClientStateStore:
             )
         self.directory = Path(directory)
         self.budget = None if memory_budget_mb is None else int(memory_budget_mb * 2**20)
-        # tensors come back where they were saved (exactly as they were in memory), on CPU for a CPU run
-        self.map_location = "cpu" if torch.device(device).type == "cpu" else None
+        # on CPU for a CPU run; else a tensor saved from CPU (an Adam step count) comes back on CPU and one saved
+        # from an accelerator on this process's device: under several ranks rank 0 writes every client's file from
+        # its cuda:0, and rank 1 reading one (a resume, a spilled state) must get it on its own cuda:1
+        self.device = torch.device(device)
+        self.map_location = "cpu" if self.device.type == "cpu" else self._to_this_device
         self._writer = int.from_bytes(os.urandom(8), "little") >> 1  # fits int64; never seeds anything
         self._written = 0
         self.bytes_written = 0  # client-file bytes written by this process (benchmarks/population.py)
         self._reset()
+
+    def _to_this_device(self, storage, location: str):
+        return storage if location == "cpu" else default_restore_location(storage, str(self.device))
 
     def _reset(self) -> None:
         self._memory: OrderedDict[int, dict] = OrderedDict()  # least recently trained first

@@ -99,6 +99,22 @@ def test_beyond_the_budget_states_wait_in_files_and_come_back_exactly(tmp_path):
     assert _files(directory) == _named(ckpt)
 
 
+def test_a_state_read_on_an_accelerator_puts_accelerator_tensors_on_this_ranks_device(tmp_path, monkeypatch):
+    """Under several ranks on GPUs rank 0 writes every client's file from its cuda:0; rank 1 reading one must
+    get the tensors on its cuda:1, and a tensor saved from CPU (an Adam step count) back on CPU. The mapping is
+    checked on the storages torch.load hands it (no GPU here); a CPU file still round-trips through it."""
+    from fl_lightning import client_store
+
+    moved = []
+    monkeypatch.setattr(client_store, "default_restore_location", lambda s, where: moved.append(where) or s)
+    store = ClientStateStore(tmp_path / "clients", memory_budget_mb=0, device="cuda:1")
+    storage = torch.ones(2).untyped_storage()
+    assert store.map_location(storage, "cpu") is storage and moved == []
+    assert store.map_location(storage, "cuda:0") is storage and moved == ["cuda:1"]
+    _train(store, 7, 2.5)  # budget 0: written to a file at once, read back through the mapping
+    assert torch.equal(store.get(7)["weights"]["w"], torch.full((1000,), 2.5)) and moved == ["cuda:1"]
+
+
 def test_a_damaged_or_missing_client_file_is_refused_in_one_sentence(tmp_path):
     ckpt = tmp_path / "checkpoints/last.ckpt"
     store = ClientStateStore(tmp_path / "checkpoints/clients", memory_budget_mb=0)
