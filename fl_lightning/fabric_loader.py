@@ -69,3 +69,15 @@ def lightning_version() -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "unknown"
+
+
+def single_process_environment() -> Any:
+    """A cluster environment that makes Fabric see one process, whatever launched it.
+
+    Ranks are this framework's own (:mod:`fl_lightning.ranks`); Fabric only picks a device and a precision. Left
+    to detect its environment, Fabric reads Slurm's variables and refuses a batch script's ``--ntasks`` ("use
+    ``--ntasks-per-node``"), which is a valid way to get ``srun flrun fit`` ranks.
+    """
+    root = fabric_class().__module__.split(".")[0]
+    package = "lightning.fabric" if root == "lightning" else root
+    return importlib.import_module(f"{package}.plugins.environments").LightningEnvironment()

@@ -104,10 +104,15 @@ class Runtime:
         devices: int | list[int] = 1
         if local_rank and self.accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available():
             devices = [local_rank % torch.cuda.device_count()]  # modulo: a Slurm task may see one GPU only
-        from .fabric_loader import fabric_class
+        from .fabric_loader import fabric_class, single_process_environment
 
         try:
-            return fabric_class()(accelerator=self.accelerator, devices=devices, precision=self.precision)
+            return fabric_class()(
+                accelerator=self.accelerator,
+                devices=devices,
+                precision=self.precision,
+                plugins=[single_process_environment()],  # ranks are ours: Fabric must not read Slurm's settings
+            )
         except (ValueError, RuntimeError, TypeError) as err:
             raise ConfigError(
                 f"runtime accelerator={self.accelerator!r} / precision={self.precision!r} is not usable here "
@@ -136,10 +141,10 @@ def fit(
     data: FederatedData,
     models: dict[str, ModelSpec],
     strategy: Strategy,
-    population: Population = Population(),
+    population: Population = Population(),  # noqa: B008 (the CLI reads defaults here; never mutated)
     sampler: ClientSampler | None = None,
     schedule: AsynchronousSchedule | None = None,
-    training: LocalTraining = LocalTraining(),
+    training: LocalTraining = LocalTraining(),  # noqa: B008 (as above)
     rounds: int = 50,
     eval_every: int = 1,
     evaluation: PersonalEvaluation | None = None,
@@ -147,7 +152,7 @@ def fit(
     output_dir: str | None = None,
     resume: str | None = None,
     logger: str | RunLogger | list[str | RunLogger] = "csv",
-    runtime: Runtime = Runtime(),
+    runtime: Runtime = Runtime(),  # noqa: B008 (as above)
     checkpoint_every: int = 1,
     stop_after: int | None = None,
     monitor: str | None = None,
@@ -349,7 +354,12 @@ def _versions() -> dict[str, Any]:
     }
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent
+            ["git", "rev-parse", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
         )
         if commit.returncode == 0:
             versions["git_commit"] = commit.stdout.strip()

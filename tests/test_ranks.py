@@ -150,6 +150,19 @@ def test_fit_in_process_with_several_devices_says_how_to_launch(tmp_path, monkey
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_inside_a_slurm_batch_script_with_ntasks_is_one_process(tmp_path, monkeypatch):
+    """``sbatch --ntasks=4`` then ``flrun fit`` (no srun): Fabric, left to read Slurm's variables, refused the
+    run ("use --ntasks-per-node"); the framework's ranks are its own, so Fabric sees one process."""
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_NAME", "experiment")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run")) == 0
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
 def test_devices_must_match_the_world_of_an_outside_launcher(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
