@@ -130,7 +130,7 @@ class FederationOrchestrator:
             def crashes(rnd: int, task: ClientTask) -> bool:  # a crashing client never trains
                 return faults is not None and faults.draw(seed, rnd, task.client.id) == "crash"
 
-            self.sharded = ShardedPhases(self.ranks, self.state, loop, crashes)
+            self.sharded = ShardedPhases(self.ranks, self.state, loop, crashes, strategy.state_dict)
         strategy.setup(ServerContext(clients, list(loop.slots), data, rounds, seed, loop))
         self.monitor = monitor or strategy.monitor
 

@@ -16,11 +16,15 @@ identical on all ranks. What else one process would hold after the phase is exch
   as it hands the updates on, so server-side randomness (FedDF's distillation dropout, VELO's batches)
   draws the same numbers as in one process (with the sequential executor; the batched one records the
   generator after each chunk of clients, and each rank's chunks differ);
-- an error: a client that diverges (or fails) on one rank stops every rank with the same message.
+- an error: a client that diverges (or fails) on one rank stops every rank with the same message;
+- a fingerprint of the server state each rank held before the phase: every rank repeats the server's work,
+  so a nondeterministic kernel (or another GPU model) on one rank would make its state drift and its clients
+  train from another model; a difference stops the run with a message saying so (:func:`fingerprint`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +44,18 @@ if TYPE_CHECKING:
 RunShare = Callable[[int, list[ClientTask], dict[str, list[float]]], Iterator[ClientUpdate]]
 
 
+def check_same_server(records: list[dict[str, Any]], rnd: int) -> None:
+    """Stops every rank (each sees the same records) when a rank's server state differs from rank 0's."""
+    drifted = [rank for rank, record in enumerate(records) if record["server"] != records[0]["server"]]
+    if drifted:
+        raise RuntimeError(
+            f"round {rnd}: the server state of rank(s) {drifted} differs from rank 0's. Every rank repeats the "
+            "server's work, so a nondeterministic kernel or another GPU model made it drift, and the ranks' "
+            "clients would train from different models. Use identical GPUs with runtime.deterministic true, or "
+            "resume from the last checkpoint with --runtime.devices 1."
+        )
+
+
 def shard(tasks: list[ClientTask], rank: int, world: int) -> list[int]:
     """The task positions ``rank`` trains: round-robin, but all tasks of one client on the same rank, in order
     (a client's second task starts from the state its first one left)."""
@@ -47,6 +63,48 @@ def shard(tasks: list[ClientTask], rank: int, world: int) -> list[int]:
     for position, task in enumerate(tasks):
         owner.setdefault(task.client.id, len(owner) % world)
     return [p for p, task in enumerate(tasks) if owner[task.client.id] == rank]
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(value: Any) -> str:
+    """A digest of a (nested) server state that changes with any bit of it and is the same on every device.
+
+    Each tensor's bits are summed as integers where it lives (exact, so independent of summation order and
+    device; one reduction per tensor and a single transfer for all), and the sums go into a SHA-256 with the
+    structure, shapes, dtypes and plain values. Compensating changes of two elements are not seen: a drift
+    between ranks changes many at once.
+    """
+    parts: list[str] = []
+    sums: list[torch.Tensor] = []
+
+    def walk(item: Any, path: str) -> None:
+        if isinstance(item, torch.Tensor):
+            parts.append(f"{path}:{item.dtype}:{tuple(item.shape)}")
+            if item.layout == torch.strided and not item.is_quantized and item.device.type != "meta" and item.numel():
+                flat = item.detach().reshape(-1)
+                if flat.is_complex():
+                    flat = torch.view_as_real(flat).reshape(-1)
+                sums.append(flat.view(_BITS[flat.element_size()]).sum(dtype=torch.int64))
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                walk(inner, f"{path}/{key}")
+        elif isinstance(item, (list, tuple)):
+            for i, inner in enumerate(item):
+                walk(inner, f"{path}/{i}")
+        else:
+            parts.append(f"{path}={item!r}")
+
+    walk(value, "")
+    values: list[int] = [0] * len(sums)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, total in enumerate(sums):
+        by_device.setdefault(total.device, []).append(i)
+    for at in by_device.values():  # one transfer per device, not one per tensor
+        for i, total in zip(at, torch.stack([sums[i] for i in at]).tolist()):
+            values[i] = total
+    return hashlib.sha256("\n".join([*parts, repr(values)]).encode()).hexdigest()
 
 
 def _generators(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,6 +128,7 @@ class ShardedPhases:
         loop: the local loop (its optimizers, for ``optimizer_state: shared_per_phase``).
         crashed: whether a task's client crashes before training (an injected fault): it leaves the
             global generator as it was, so it never is the "last client that trained".
+        server_state: the strategy's server state (``strategy.state_dict``), compared between ranks each phase.
     """
 
     def __init__(
@@ -78,8 +137,10 @@ class ShardedPhases:
         state: RunState,
         loop: LocalLoop,
         crashed: Callable[[int, ClientTask], bool],
+        server_state: Callable[[], Any] = dict,
     ):
         self.ranks, self.state, self.loop, self.crashed = ranks, state, loop, crashed
+        self.server_state = server_state
         self._error: Exception | None = None
 
     def updates(
@@ -102,9 +163,12 @@ class ShardedPhases:
             progress: the progress bar (advanced for the clients of the other ranks too).
         """
         mine = shard(tasks, self.ranks.rank, self.ranks.world)
+        server = fingerprint(self.server_state())  # before the phase: the state its tasks were configured from
         record = self._run(rnd, tasks, mine, run_share, events)
+        record["server"] = server
         records = ranks_module.exchange(record)
         self._raise_first_error(records)
+        check_same_server(records, rnd)
         merged = self._merge(rnd, tasks, records, metrics, events)
         for _ in range(len(tasks) - len(mine)):
             progress.client_done()

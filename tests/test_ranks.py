@@ -17,7 +17,7 @@ from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.client_store import load_client_states
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit import Runtime
-from fl_lightning.sharding import shard
+from fl_lightning.sharding import check_same_server, fingerprint, shard
 from fl_lightning.types import ClientSpec, ClientTask
 
 
@@ -350,3 +350,62 @@ def test_ranks_of_one_machine_exchange_through_shared_memory_or_else_gloo(fail_p
     for result in results:
         assert result["received"] == expected
         assert result["mailbox"] is True and result["left"] is False  # the folder is gone after the run
+
+
+# ---------------------------------------------------------------------- server states compared between ranks
+def test_a_server_fingerprint_sees_any_bit_and_nothing_else():
+    state = {
+        "global": {"w": torch.linspace(-1, 1, 7), "steps": torch.tensor([3, 4])},
+        "flags": torch.tensor([True, False]),
+        "z": torch.tensor([1 + 2j]),
+        "half": torch.ones(3, dtype=torch.bfloat16),
+        "round": 5,
+        "empty": torch.zeros(0),
+    }
+    same = fingerprint(state)
+    assert fingerprint({**state, "global": {k: v.clone() for k, v in state["global"].items()}}) == same
+    grid = torch.arange(6.0).view(2, 3)
+    assert fingerprint({**state, "grid": grid}) == fingerprint({**state, "grid": grid.t().contiguous().t()})
+    one_ulp = state["global"]["w"].clone()
+    one_ulp[3] = torch.nextafter(one_ulp[3], torch.tensor(2.0))
+    changed = [
+        {**state, "global": {**state["global"], "w": one_ulp}},
+        {**state, "round": 6},
+        {**state, "flags": torch.tensor([True, True])},
+        {**state, "z": torch.tensor([1 + 3j])},
+        {**state, "half": torch.ones(3, dtype=torch.float16)},  # same bits, another dtype
+        {**state, "empty": torch.zeros(0, 1)},  # another shape
+    ]
+    assert len({same, *(fingerprint(c) for c in changed)}) == len(changed) + 1
+
+
+def test_ranks_whose_server_states_drifted_stop_with_a_message_saying_so():
+    check_same_server([{"server": "a"}, {"server": "a"}], rnd=3)  # equal: nothing happens
+    with pytest.raises(RuntimeError, match=r"round 3: the server state of rank\(s\) \[1\] differs from rank 0's"):
+        check_same_server([{"server": "a"}, {"server": "b"}, {"server": "a"}], rnd=3)
+
+
+def test_each_phase_sends_the_server_states_fingerprint_and_compares_them(tmp_path, monkeypatch):
+    """What a rank sends carries the fingerprint of the state the phase started from, and the phase stops
+    when another rank's differs (the exchange stubbed: the other rank's record is this one's, drifted)."""
+    from fl_lightning import sharding
+    from fl_lightning.client.loop import LocalLoop
+    from fl_lightning.client.training import LocalTraining
+    from fl_lightning.run_state import RunState
+
+    server = {"global": {"w": torch.ones(3)}}
+    sent = []
+
+    def exchange(record):
+        sent.append(record)
+        return [record, {**record, "server": fingerprint({"global": {"w": torch.full((3,), 2.0)}})}]
+
+    monkeypatch.setattr(sharding.ranks_module, "exchange", exchange)
+    place = ranks.Ranks(0, 2, 0, "127.0.0.1", 29500)
+    place.device = torch.device("cpu")
+    phases = sharding.ShardedPhases(
+        place, RunState(tmp_path / "clients"), LocalLoop(None, LocalTraining(), 1), lambda r, t: False, lambda: server
+    )
+    with pytest.raises(RuntimeError, match=r"round 2: the server state of rank\(s\) \[1\] differs"):
+        list(phases.updates(2, [], lambda rnd, tasks, metrics: iter(()), {}, {}, None))
+    assert sent[0]["server"] == fingerprint(server)
