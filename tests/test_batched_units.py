@@ -340,3 +340,79 @@ def test_a_batch_norm_that_updates_its_statistics_in_evaluation_mode_matches_the
     sequential, executed, _ = _both(loop, requests)
     assert not torch.equal(sequential[0].slots["t"]["1.running_mean"], start)  # the sequential loop moves them
     _assert_same(sequential, executed, atol=1e-5)  # with its statistics in strided rows the batched fit kept `start`
+
+
+def _out_of_memory_beyond(monkeypatch, where: str, most: int):
+    """Makes the group's set-up (``init``) or its vmapped gradients (``step``) run out of memory beyond ``most``
+    clients, as a GPU would; returns the sizes of the groups that were tried."""
+    tried = []
+    if where == "init":
+        real = B._GroupTraining.__init__
+
+        def init(self, loop, group):
+            tried.append(len(group))
+            if len(group) > most:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            real(self, loop, group)
+
+        monkeypatch.setattr(B._GroupTraining, "__init__", init)
+    else:
+        real = B._GroupTraining._gradients
+
+        def gradients(self, params, *args, **kwargs):
+            clients = len(next(iter(params.values())))
+            tried.append(clients)
+            if clients > most:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(self, params, *args, **kwargs)
+
+        monkeypatch.setattr(B._GroupTraining, "_gradients", gradients)
+    return tried
+
+
+@pytest.mark.parametrize("where", ["init", "step"])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_a_group_the_device_cannot_hold_is_halved_until_it_fits_with_the_same_numbers(monkeypatch, where, gathered):
+    """Out of memory while stacking the group or in its first step: nothing has changed, so the group runs
+    again in halves (each client's first batch given back), and the role remembers the size that fitted."""
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    x, y = torch.randn(60, 3), torch.randint(0, 2, (60,))
+
+    def requests():
+        made = []
+        for k in range(5):
+            request = _request(loop, "r", [])
+            generator = torch.Generator().manual_seed(k)
+            stream = batch_stream(x, y, torch.arange(k * 12, k * 12 + 12), 4, 3, generator)
+            request.batches = stream if gathered else list(stream)
+            made.append(request)
+        return made
+
+    sequential, executed, again = [_copy(r) for r in requests()], requests(), requests()  # all from the same start
+    fit = B.BatchedFit(loop)
+    for request in sequential:
+        fit._sequential(request)
+    tried = _out_of_memory_beyond(monkeypatch, where, most=2)
+    fit = B.BatchedFit(loop)
+    fit.run(executed)
+    assert fit.counts == {"batched_fits": 4, "sequential_fits": 1}  # [5] -> [3] -> [2, 1], then [2]
+    assert fit.memory_limit == {"r": 2}
+    _assert_same(sequential, executed)
+    tried.clear()
+    fit.run(again)  # the next phase starts from the size that fitted
+    assert max(tried) == 2
+
+
+def test_running_out_of_memory_after_the_first_step_stops_with_what_to_change(monkeypatch):
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
+    real = B._GroupTraining._gradients
+
+    def gradients(self, *args, **kwargs):
+        if self.step_index == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(B._GroupTraining, "_gradients", gradients)
+    with pytest.raises(RuntimeError, match="ran out of memory in step 1 of 2 clients batched.*runtime.batch_clients"):
+        B.BatchedFit(loop).run([_request(loop, "r", _batches(2)) for _ in range(2)])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import types
 from collections.abc import Callable, Iterator
@@ -32,6 +33,8 @@ from ..data.transforms import to_device
 
 if TYPE_CHECKING:
     from .loop import LocalLoop, StepFn
+
+log = logging.getLogger(__name__)
 
 
 def vmappable(step_fn: Callable) -> Callable:
@@ -70,6 +73,7 @@ class BatchedFit:
     def __init__(self, loop: LocalLoop):
         self.loop = loop
         self.unbatchable: set[Any] = set()  # (role, step code) pairs whose first batched step failed
+        self.memory_limit: dict[str, int] = {}  # per role, the most clients batched since a larger group ran out
         self.counts = {"batched_fits": 0, "sequential_fits": 0}  # reported in summary.json
 
     def run(self, requests: list[FitRequest]) -> None:
@@ -77,12 +81,44 @@ class BatchedFit:
         for request in requests:
             groups.setdefault(self._group_key(request), []).append(request)
         for key, group in groups.items():
-            if key is not None and len(group) > 1 and self._try_batched(group):
-                self.counts["batched_fits"] += len(group)
+            if key is None:
+                self._all_sequential(group)
                 continue
-            for request in group:
-                self._sequential(request)
-            self.counts["sequential_fits"] += len(group)
+            limit = self.memory_limit.get(group[0].role, len(group))
+            for start in range(0, len(group), limit):
+                self._run_part(group[start : start + limit])
+
+    def _run_part(self, part: list[FitRequest]) -> None:
+        """Batched if it can be; halved while the device's memory cannot hold it (remembered for the role)."""
+        first = part[0]
+        if (
+            len(part) == 1
+            or (first.role, getattr(first.step_fn, "__func__", first.step_fn).__code__) in self.unbatchable
+        ):
+            self._all_sequential(part)
+            return
+        try:
+            batched = self._try_batched(part)
+        except _OutOfMemory:
+            batched = None  # outside the handler: the failed attempt's tensors are freed with its frames
+        if batched is None:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = -(-len(part) // 2)
+            role = part[0].role
+            self.memory_limit[role] = min(self.memory_limit.get(role, half), half)
+            log.warning("%s: %d clients at once exceed the device's memory; batching at most %d", role, len(part), half)
+            self._run_part(part[:half])
+            self._run_part(part[half:])
+        elif batched:
+            self.counts["batched_fits"] += len(part)
+        else:
+            self._all_sequential(part)
+
+    def _all_sequential(self, group: list[FitRequest]) -> None:
+        for request in group:
+            self._sequential(request)
+        self.counts["sequential_fits"] += len(group)
 
     # ------------------------------------------------------------------ grouping
     def _group_key(self, request: FitRequest) -> Any:
@@ -122,9 +158,17 @@ class BatchedFit:
 
     # ------------------------------------------------------------------ batched
     def _try_batched(self, group: list[FitRequest]) -> bool:
+        """Trains the group batched (True), or leaves it untouched for the sequential loop (False); raises
+        :class:`_OutOfMemory`, the group untouched too, when its stacked state or first step does not fit."""
         first = group[0]
         try:
-            _GroupTraining(self.loop, group).run()
+            try:
+                training = _GroupTraining(self.loop, group)
+            except torch.OutOfMemoryError as err:  # stacking the group's state: nothing consumed yet
+                raise _OutOfMemory(str(err)) from err
+            training.run()  # converts running out of memory in its first step itself (later, it cannot)
+        except _OutOfMemory:
+            raise
         except _NotBatchable:
             code = getattr(first.step_fn, "__func__", first.step_fn).__code__
             self.unbatchable.add((first.role, code))
@@ -134,6 +178,10 @@ class BatchedFit:
 
 class _NotBatchable(Exception):
     """The first vmapped step failed (e.g. data-dependent control flow, random numbers): run sequentially."""
+
+
+class _OutOfMemory(_NotBatchable):
+    """The group's stacked state or its first step ran out of device memory: run it in smaller groups."""
 
 
 class _GroupTraining:
@@ -281,13 +329,18 @@ class _GroupTraining:
                     self._step(members, batch, step)
                     for k in members:
                         steps[k] += 1
-            except _NotBatchable:  # nothing of the group has changed: give the clients their first batches back
+            except (_NotBatchable, torch.OutOfMemoryError) as err:
+                if step > 0:  # _NotBatchable comes from a first step only; memory can run out later (gathering)
+                    raise
+                # nothing of the group has changed: give the clients their first batches back
                 for k, request in enumerate(group):
                     first = batches.get(k)
                     if first is not None and gathered:
                         first = tuple(t[0] for t in _gather(streams[k], [first]))
                     request.batches = itertools.chain([first] if first is not None else [], streams[k])
                     request.rng_state = rng_before[k]
+                if isinstance(err, torch.OutOfMemoryError):
+                    raise _OutOfMemory(str(err)) from err
                 raise
             if self.pending_records is not None:  # every group of the first step ran batched
                 for on_record, observed in self.pending_records:
@@ -340,6 +393,13 @@ class _GroupTraining:
             grads, (losses, record) = self._gradients(
                 params, frozen, buffers, cells, batch, unbatched=m == 1 and step > 0
             )
+        except torch.OutOfMemoryError as err:
+            if step == 0:
+                raise _OutOfMemory(str(err)) from err
+            raise RuntimeError(  # the group's state has moved on: it cannot be split now
+                f"the device ran out of memory in step {step} of {len(self.group)} clients batched (their first "
+                "step fitted); lower runtime.batch_clients or use --runtime.executor sequential."
+            ) from err
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
