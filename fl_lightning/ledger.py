@@ -20,16 +20,17 @@ class CommunicationLedger:
 
     def record(self, rnd: int, direction: str, payloads: dict[str, Payload]) -> int:
         """Adds the payloads one client sent (``uplink``) or received (``downlink``); returns their bytes."""
+        return self.record_sizes(rnd, direction, {name: payload.nbytes for name, payload in payloads.items()})
+
+    def record_sizes(self, rnd: int, direction: str, sizes: dict[str, int]) -> int:
+        """:meth:`record` from the payloads' sizes (another rank's update, before it is unpacked)."""
         if direction not in ("uplink", "downlink"):
             raise ValueError(f"direction must be uplink or downlink, got {direction!r}")
         row = self.per_round.setdefault(rnd, {"uplink": 0, "downlink": 0})
-        total = 0
-        for name, payload in payloads.items():
-            size = payload.nbytes
+        for name, size in sizes.items():
             self.by_payload[direction][name] += size
-            total += size
-        row[direction] += total
-        return total
+        row[direction] += sum(sizes.values())
+        return sum(sizes.values())
 
     @property
     def uplink_bytes(self) -> int:

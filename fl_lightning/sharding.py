@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,25 @@ if TYPE_CHECKING:
     from .tracking import RoundProgress
 
 RunShare = Callable[[int, list[ClientTask], dict[str, list[float]]], Iterator[ClientUpdate]]
+
+
+@dataclass
+class _Sent:
+    """An update as another rank receives it: its own message, unpacked only when it is handed to ``aggregate``
+    (unpacked with the phase's record, every update of the phase would sit on the device at once), with what
+    the phase's bookkeeping needs before that: its payloads' sizes and its metrics."""
+
+    message: torch.Tensor
+    sizes: dict[str, int]
+    metrics: dict[str, float]
+
+    @classmethod
+    def of(cls, update: ClientUpdate) -> _Sent:
+        return cls(ranks_module.pack(update), _sizes(update), update.metrics)
+
+
+def _sizes(update: ClientUpdate | _Sent) -> dict[str, int]:
+    return update.sizes if isinstance(update, _Sent) else {name: p.nbytes for name, p in update.uplink.items()}
 
 
 def check_same_server(records: list[dict[str, Any]], rnd: int) -> None:
@@ -175,7 +195,8 @@ class ShardedPhases:
         device, delivered = self.ranks.device, -1
         for position, update, generators in merged:
             _restore(generators, device)  # as if this update's client had just trained here
-            yield update
+            # another rank's update reaches this device only now: one at a time, as one process streams them
+            yield update if isinstance(update, ClientUpdate) else ranks_module.unpack(update.message, device)
             delivered = position
         last = max(records, key=lambda r: r["last_trained"])
         if last["last_trained"] > delivered:  # clients after the last update trained (their updates were lost)
@@ -216,11 +237,12 @@ class ShardedPhases:
             self._error = err  # re-raised here with its traceback; the others get its message
         finally:
             self.state.ledger = ledger
+        self._own_updates = updates
         trained = [p for p in mine if not self.crashed(rnd, tasks[p])]
         client_states = self.state.client_states
         return {
             "positions": positions,
-            "updates": updates,
+            "updates": [_Sent.of(update) for update in updates],
             "generators": generators,
             "last_trained": trained[-1] if trained else -1,
             "end_generators": _generators(device),
@@ -274,6 +296,7 @@ class ShardedPhases:
         client_states = self.state.client_states
         for rank, record in enumerate(records):
             if rank == self.ranks.rank:
+                record["updates"] = self._own_updates  # the objects themselves, not their messages
                 continue
             for client_id, client_state in record["states"].items():
                 client_states.close(client_id, client_state or {})  # no state: the client has none
@@ -293,7 +316,7 @@ class ShardedPhases:
         for position, task in enumerate(tasks):
             self.state.ledger.record(rnd, "downlink", task.downlink)
             if position in delivered:
-                self.state.ledger.record(rnd, "uplink", delivered[position].uplink)
+                self.state.ledger.record_sizes(rnd, "uplink", _sizes(delivered[position]))
         for _, update, _ in merged:
             for key, value in update.metrics.items():
                 metrics.setdefault(key, []).append(value)

@@ -352,6 +352,11 @@ def test_ranks_of_one_machine_exchange_through_shared_memory_or_else_gloo(fail_p
         assert result["mailbox"] is True and result["left"] is False  # the folder is gone after the run
 
 
+class _Progress:
+    def client_done(self):
+        pass
+
+
 # ---------------------------------------------------------------------- server states compared between ranks
 def test_a_server_fingerprint_sees_any_bit_and_nothing_else():
     state = {
@@ -409,3 +414,61 @@ def test_each_phase_sends_the_server_states_fingerprint_and_compares_them(tmp_pa
     with pytest.raises(RuntimeError, match=r"round 2: the server state of rank\(s\) \[1\] differs"):
         list(phases.updates(2, [], lambda rnd, tasks, metrics: iter(()), {}, {}, None))
     assert sent[0]["server"] == fingerprint(server)
+
+
+def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_takes_them(tmp_path, monkeypatch):
+    """After the exchange another rank's updates stay messages in host memory, with their sizes and metrics for
+    the ledger and the client metrics; each is unpacked (onto this rank's device) only when it is handed on."""
+    from fl_lightning import sharding
+    from fl_lightning.client.loop import LocalLoop
+    from fl_lightning.client.training import LocalTraining
+    from fl_lightning.run_state import RunState
+    from fl_lightning.types import ClientUpdate, ModelWeights
+
+    tasks = [ClientTask(ClientSpec(c, "all", ("global",)), 1) for c in (0, 1, 2)]
+    mine = shard(tasks, 0, 2)  # rank 0: clients 0 and 2; rank 1: client 1
+
+    def update(client):
+        return ClientUpdate(tasks[client].client, 10 + client, {"w": ModelWeights("global", {"x": torch.ones(4)})})
+
+    def run_share(rnd, my_tasks, metrics):
+        for task in my_tasks:
+            yield ClientUpdate(
+                task.client,
+                10 + task.client.id,
+                {"w": ModelWeights("global", {"x": torch.ones(4)})},
+                {"loss": float(task.client.id)},
+            )
+
+    unpacked = []
+    real_unpack = sharding.ranks_module.unpack
+    monkeypatch.setattr(sharding.ranks_module, "unpack", lambda m, d: unpacked.append(d) or real_unpack(m, d))
+
+    def exchange(record):
+        other = {
+            **record,
+            "positions": [1],
+            "updates": [sharding._Sent.of(update(1))],
+            "states": {},
+            "generators": record["generators"][:1],
+            "events": {},
+            "optimizers": {},
+            "error": None,
+        }
+        other["updates"][0].metrics = {"loss": 1.0}
+        return [record, other]
+
+    monkeypatch.setattr(sharding.ranks_module, "exchange", exchange)
+    place = ranks.Ranks(0, 2, 0, "127.0.0.1", 29500)
+    place.device = torch.device("cpu")
+    state = RunState(tmp_path / "clients")
+    phases = sharding.ShardedPhases(place, state, LocalLoop(None, LocalTraining(), 1), lambda r, t: False, dict)
+    metrics = {}
+    handed = phases.updates(1, tasks, run_share, metrics, {}, _Progress())
+    first = next(handed)
+    assert first.client.id == 0 and unpacked == []  # rank 1's update is still its message
+    assert metrics == {"loss": [0.0, 1.0, 2.0]} and state.ledger.uplink_bytes == 3 * 16
+    second = next(handed)
+    assert second.client.id == 1 and second.num_samples == 11 and unpacked == [torch.device("cpu")]
+    assert torch.equal(second.uplink["w"].state["x"], torch.ones(4))
+    assert [u.client.id for u in handed] == [2] and len(unpacked) == 1 and mine == [0, 2]
