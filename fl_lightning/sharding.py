@@ -93,8 +93,8 @@ def fingerprint(value: Any) -> str:
 
     Each tensor's bits are summed as integers where it lives (exact, so independent of summation order and
     device; one reduction per tensor and a single transfer for all), and the sums go into a SHA-256 with the
-    structure, shapes, dtypes and plain values. Compensating changes of two elements are not seen: a drift
-    between ranks changes many at once.
+    structure (dict keys sorted), shapes, dtypes and plain values. Compensating changes of two elements are
+    not seen: a drift between ranks changes many at once.
     """
     parts: list[str] = []
     sums: list[torch.Tensor] = []
@@ -107,9 +107,11 @@ def fingerprint(value: Any) -> str:
                 if flat.is_complex():
                     flat = torch.view_as_real(flat).reshape(-1)
                 sums.append(flat.view(_BITS[flat.element_size()]).sum(dtype=torch.int64))
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                walk(inner, f"{path}/{key}")
+        elif isinstance(item, dict):  # keys sorted: a dict filled from a set of names differs in order per process
+            for key, inner in sorted(item.items(), key=lambda kv: repr(kv[0])):
+                walk(inner, f"{path}/{key!r}")
+        elif isinstance(item, (set, frozenset)):
+            parts.append(f"{path}={sorted(map(repr, item))}")
         elif isinstance(item, (list, tuple)):
             for i, inner in enumerate(item):
                 walk(inner, f"{path}/{i}")

@@ -416,3 +416,70 @@ def test_running_out_of_memory_after_the_first_step_stops_with_what_to_change(mo
     monkeypatch.setattr(B._GroupTraining, "_gradients", gradients)
     with pytest.raises(RuntimeError, match="ran out of memory in step 1 of 2 clients batched.*runtime.batch_clients"):
         B.BatchedFit(loop).run([_request(loop, "r", _batches(2)) for _ in range(2)])
+
+
+def _noisy_stream(steps: int = 3):
+    """Batches drawn from torch's global generator (a ctx.fit(batches=...) stream may do so)."""
+    for _ in range(steps):
+        yield torch.randn(4, 3), torch.randint(0, 2, (4,))
+
+
+def _requests(loop) -> list[B.FitRequest]:
+    made = []
+    for k in range(2):
+        torch.manual_seed(k)  # each client its own generator state
+        request = _request(loop, "r", None)
+        request.batches = _noisy_stream()
+        made.append(request)
+    return made
+
+
+def test_a_group_that_falls_back_after_running_out_of_memory_draws_the_sequential_batches(monkeypatch):
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
+    sequential, batched, halved = _requests(loop), _requests(loop), _requests(loop)  # all from the same start
+    fit = B.BatchedFit(loop)
+    for request in sequential:
+        fit._sequential(request)
+    B.BatchedFit(loop).run(batched)
+    _assert_same(sequential, batched, atol=1e-5)  # batched, each client's batches under its own generator: equal
+    real = B._GroupTraining._gradients
+
+    def gradients(self, params, *args, **kwargs):
+        if len(next(iter(params.values()))) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, params, *args, **kwargs)
+
+    monkeypatch.setattr(B._GroupTraining, "_gradients", gradients)
+    fit = B.BatchedFit(loop)
+    fit.run(halved)
+    assert fit.counts == {"batched_fits": 0, "sequential_fits": 2}  # [2] ran out -> [1], [1]
+    for s, h in zip(sequential, halved):
+        assert torch.equal(h.rng_state[0], s.rng_state[0])  # was: one draw behind
+    _assert_same(sequential, halved, atol=1e-5)  # was: the second and third batches differed
+
+
+def test_running_out_of_memory_while_gathering_a_later_batch_names_what_to_change(monkeypatch):
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = torch.randn(24, 3), torch.randint(0, 2, (24,))
+    requests = []
+    for k in range(2):
+        request = _request(loop, "r", None)
+        request.batches = batch_stream(x, y, torch.arange(k * 12, k * 12 + 12), 4, 3, torch.Generator().manual_seed(k))
+        requests.append(request)
+    real, calls = B._gather, []
+
+    def gather(stream, parts):
+        calls.append(len(parts))
+        if len(calls) == 2:  # step 1's gather of both clients
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(stream, parts)
+
+    monkeypatch.setattr(B, "_gather", gather)
+    try:
+        B.BatchedFit(loop).run(requests)
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    assert "runtime.batch_clients" in message, message  # was: torch's bare "CUDA out of memory (simulated)"

@@ -297,19 +297,18 @@ class _GroupTraining:
         # a BatchStream itself (not its generator): its next_parts lets every client's batch be gathered at once
         streams = [r.batches if isinstance(r.batches, BatchStream) else iter(r.batches) for r in group]
         gathered = _gatherable(streams)  # every client's indices and draws, gathered and augmented at once
-        rng_before = [r.rng_state for r in group]
         active = list(range(self.clients))
         step = 0
         while active:
-            batches = {}
-            for k in list(active):
-                batch = streams[k].next_parts() if gathered else self._next_batch(k, streams[k])
-                if batch is None:
-                    active.remove(k)
-                else:
-                    batches[k] = batch
+            batches: dict[int, tuple] = {}
             by_shape: dict[tuple, list[int]] = {}
             try:
+                for k in list(active):
+                    batch = streams[k].next_parts() if gathered else self._next_batch(k, streams[k])
+                    if batch is None:
+                        active.remove(k)
+                    else:
+                        batches[k] = batch
                 for k, batch in batches.items():
                     if not gathered and not all(isinstance(t, Tensor) for t in batch):  # e.g. from ctx.fit(batches=)
                         if step == 0:
@@ -330,15 +329,20 @@ class _GroupTraining:
                     for k in members:
                         steps[k] += 1
             except (_NotBatchable, torch.OutOfMemoryError) as err:
-                if step > 0:  # _NotBatchable comes from a first step only; memory can run out later (gathering)
+                if step > 0 and isinstance(err, torch.OutOfMemoryError):  # the group's state has moved on: no split
+                    raise RuntimeError(
+                        f"the device ran out of memory in step {step} of {self.clients} clients batched (their "
+                        "first step fitted); lower runtime.batch_clients or use --runtime.executor sequential."
+                    ) from err
+                if step > 0:  # _NotBatchable comes from a first step only
                     raise
                 # nothing of the group has changed: give the clients their first batches back
                 for k, request in enumerate(group):
                     first = batches.get(k)
                     if first is not None and gathered:
                         first = tuple(t[0] for t in _gather(streams[k], [first]))
+                    # its random state stays after the draw: the given-back batch is not drawn again
                     request.batches = itertools.chain([first] if first is not None else [], streams[k])
-                    request.rng_state = rng_before[k]
                 if isinstance(err, torch.OutOfMemoryError):
                     raise _OutOfMemory(str(err)) from err
                 raise
@@ -393,13 +397,8 @@ class _GroupTraining:
             grads, (losses, record) = self._gradients(
                 params, frozen, buffers, cells, batch, unbatched=m == 1 and step > 0
             )
-        except torch.OutOfMemoryError as err:
-            if step == 0:
-                raise _OutOfMemory(str(err)) from err
-            raise RuntimeError(  # the group's state has moved on: it cannot be split now
-                f"the device ran out of memory in step {step} of {len(self.group)} clients batched (their first "
-                "step fitted); lower runtime.batch_clients or use --runtime.executor sequential."
-            ) from err
+        except torch.OutOfMemoryError:
+            raise  # not a step that cannot run batched: _run splits the group (first step) or stops
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             if step == 0:
                 raise _NotBatchable(str(err)) from err
