@@ -399,6 +399,8 @@ def test_a_group_the_device_cannot_hold_is_halved_until_it_fits_with_the_same_nu
     assert fit.counts == {"batched_fits": 4, "sequential_fits": 1}  # [5] -> [3] -> [2, 1], then [2]
     assert fit.memory_limit == {"r": 2}
     _assert_same(sequential, executed)
+    if gathered:  # each client got its stream back, first batch unconsumed: the halves still gathered at once
+        assert all(type(r.batches).__name__ == "BatchStream" for r in executed)
     tried.clear()
     fit.run(again)  # the next phase starts from the size that fitted
     assert max(tried) == 2
@@ -483,3 +485,20 @@ def test_running_out_of_memory_while_gathering_a_later_batch_names_what_to_chang
     else:
         message = "no error"
     assert "runtime.batch_clients" in message, message  # was: torch's bare "CUDA out of memory (simulated)"
+
+
+def test_a_batch_given_back_to_a_stream_comes_first_again_and_then_the_rest_as_before():
+    x, y = torch.arange(40.0).view(20, 2), torch.arange(20)
+
+    def stream():
+        return batch_stream(x, y, torch.arange(20), 6, 5, torch.Generator().manual_seed(0))
+
+    expected = [b[1].tolist() for b in stream()]
+    given = stream()
+    first = given.next_parts()
+    given.give_back(first)
+    assert [b[1].tolist() for b in given] == expected  # iterated
+    given = stream()
+    assert next(given)[1].tolist() == expected[0]
+    given.give_back(given.next_parts())  # the second batch, given back while next()'s generator is running
+    assert [next(given)[1].tolist() for _ in range(4)] == expected[1:]

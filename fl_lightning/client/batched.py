@@ -339,10 +339,13 @@ class _GroupTraining:
                 # nothing of the group has changed: give the clients their first batches back
                 for k, request in enumerate(group):
                     first = batches.get(k)
-                    if first is not None and gathered:
-                        first = tuple(t[0] for t in _gather(streams[k], [first]))
                     # its random state stays after the draw: the given-back batch is not drawn again
-                    request.batches = itertools.chain([first] if first is not None else [], streams[k])
+                    if gathered:  # the stream itself, so that a retried group still gathers at once
+                        if first is not None:
+                            streams[k].give_back(first)
+                        request.batches = streams[k]
+                    else:
+                        request.batches = itertools.chain([first] if first is not None else [], streams[k])
                 if isinstance(err, torch.OutOfMemoryError):
                     raise _OutOfMemory(str(err)) from err
                 raise

@@ -209,10 +209,19 @@ class BatchStream:
         self.batch_size, self.num_steps, self.generator, self.augment = batch_size, num_steps, generator, augment
         self.produced, self._order, self._start = 0, None, 0
         self._iterator: Iterator[tuple] | None = None
+        self._given_back: tuple[Tensor, Tensor | None] | None = None
+
+    def give_back(self, parts: tuple[Tensor, Tensor | None]) -> None:
+        """Makes the batch of ``parts`` (from :meth:`next_parts`) the next one again: a batched group that
+        falls back hands its clients their streams with the first batch unconsumed."""
+        self._given_back = parts
 
     def next_parts(self) -> tuple[Tensor, Tensor | None] | None:
         """The next batch's pool indices and its augmentation draws (None without a ``CropFlip``), or None
         after the last step."""
+        if self._given_back is not None:
+            parts, self._given_back = self._given_back, None
+            return parts
         if self.produced == self.num_steps:
             return None
         chosen = self._next_indices()
@@ -236,6 +245,8 @@ class BatchStream:
 
     def __next__(self) -> tuple:
         """The next batch (``next(stream)``, as a step that draws a second stream does)."""
+        if self._given_back is not None and self._iterator is not None:  # a running generator would skip it
+            self._iterator = None
         if self._iterator is None:
             self._iterator = iter(self)
         return next(self._iterator)
@@ -244,6 +255,10 @@ class BatchStream:
         """The batches from where the stream stands (a generator: the sequential loop's hot path)."""
         x, y, augment, generator = self.x, self.y, self.augment, self.generator
         draw = getattr(augment, "draw", None)
+        if self._given_back is not None:
+            (chosen, draws), self._given_back = self._given_back, None
+            xb = x[chosen] if draws is None else augment.apply(x[chosen], draws)
+            yield (xb,) if y is None else (xb, y[chosen])
         while self.produced < self.num_steps:
             chosen = self._next_indices()
             xb = x[chosen]
