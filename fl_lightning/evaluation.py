@@ -88,6 +88,7 @@ class Evaluator:
         self.round, self.final = 0, True
         self.per_client: dict[int, float] = {}  # personal accuracy of each client at the last evaluation
         self._stacked: dict[str, StackedEvaluation | None] = {}  # per role; None: evaluated one at a time
+        self._most_stacked: dict[str, int] = {}  # per role, the most clients stacked since more ran out of memory
 
     def begin(self, rnd: int, final: bool) -> None:
         """The evaluation of round ``rnd`` starts (``final``: the run's last round, which covers every client)."""
@@ -211,9 +212,23 @@ class Evaluator:
             model, size = self.loop.slots[role].module.model, self.loop.training.eval_batch_size
             self._stacked[role] = StackedEvaluation(model, size, self.loop.fabric.autocast)
         stacked = self._stacked[role]
+        most = self._most_stacked.get(role, len(chunk))
+        if stacked is not None and len(chunk) > most:
+            return {
+                k: v
+                for start in range(0, len(chunk), most)
+                for k, v in self._evaluate_together(role, chunk[start : start + most]).items()
+            }
         if stacked is not None:
             try:
                 scores = stacked.scores([weights for _, weights in chunk], x, y)
+            except torch.OutOfMemoryError:  # too many clients' models at once for the device: halves, still stacked
+                if len(chunk) == 1:
+                    return {position: _acc_loss(self._run(role, weights, x, y)) for position, weights in chunk}
+                half = -(-len(chunk) // 2)
+                self._most_stacked[role] = half  # later evaluations start from what fitted
+                log.warning("%s: %d clients evaluated at once exceed the device's memory; halving", role, len(chunk))
+                return {**self._evaluate_together(role, chunk[:half]), **self._evaluate_together(role, chunk[half:])}
             except Exception as err:  # noqa: BLE001 - vmap cannot run every model (LSTMs: no batching rule)
                 log.warning("%s's clients are evaluated one at a time: batched evaluation failed (%s)", role, err)
                 self._stacked[role] = None

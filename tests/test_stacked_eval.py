@@ -92,6 +92,34 @@ def test_stacked_clients_score_as_one_at_a_time(fedhe, caplog):
     ]  # said once, for the role vmap cannot run
 
 
+def test_clients_too_many_for_the_devices_memory_are_evaluated_in_halves_still_stacked(fedhe, monkeypatch, caplog):
+    """Out of memory with a chunk of clients: its halves are evaluated stacked (the role is not given up to one
+    client at a time), with the numbers of one at a time, and later chunks start from the size that fitted."""
+    server, strategy, states = fedhe
+    _, one, _ = _evaluate(server, strategy, 1, states)
+    real, sizes = StackedEvaluation.scores, {}
+
+    def scores(self, weights, x, y):
+        sizes.setdefault(id(self), []).append(len(weights))  # per role (one stacked evaluation each)
+        if len(weights) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, weights, x, y)
+
+    monkeypatch.setattr(StackedEvaluation, "scores", scores)
+    with caplog.at_level(logging.WARNING, logger="fl_lightning.evaluation"):
+        _, evaluator, _ = _evaluate(server, strategy, 5, states)  # the mlp tier: a chunk of 5
+    mlp, cnn = (sizes[id(evaluator._stacked[role])] for role in ("mlp", "cnn"))
+    assert mlp == [5, 3, 2, 1, 2] and cnn == [4, 2, 2]  # 5 ran out: 3 (ran out: 2 and 1) and 2
+    assert evaluator._most_stacked["mlp"] == evaluator._most_stacked["cnn"] == 2
+    mlp.clear(), cnn.clear()
+    evaluator.personalized(strategy.personal_weights)  # the next evaluation starts from the size that fitted
+    assert mlp == [2, 2, 1] and cnn == [2, 2]
+    tier = {c.id: c.tier for c in server.clients}
+    for cid, acc in one.per_client.items():
+        assert evaluator.per_client[cid] == (pytest.approx(acc, abs=1 / 359) if tier[cid] == "cnn" else acc)
+    assert any("exceed the device's memory" in r.getMessage() for r in caplog.records)
+
+
 def test_stacked_losses_match_test_step_on_the_cpu_mlp():
     torch.manual_seed(0)
     models = [MODELS["mlp"].build(num_classes=10) for _ in range(4)]
