@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 import torch.nn.functional as F
 
 from ..client.batched import vmappable
@@ -112,7 +113,10 @@ class OnDeviceKD(Strategy):
         @vmappable  # pure: clients of the target phase can train batched (client/batched.py)
         def kd_step(module, batch, i):
             x = batch[0]
-            with_teacher = teacher(x).detach()
+            with (
+                torch.no_grad()
+            ):  # a target only: no graph through the teacher (its training-mode statistics still move)
+                with_teacher = teacher(x)
             return weight * kd_kl_loss(module(x), with_teacher, self.temperature)
 
         metrics = {}
