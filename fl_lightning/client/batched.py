@@ -90,11 +90,7 @@ class BatchedFit:
 
     def _run_part(self, part: list[FitRequest]) -> None:
         """Batched if it can be; halved while the device's memory cannot hold it (remembered for the role)."""
-        first = part[0]
-        if (
-            len(part) == 1
-            or (first.role, getattr(first.step_fn, "__func__", first.step_fn).__code__) in self.unbatchable
-        ):
+        if len(part) == 1 or _step_key(part[0]) in self.unbatchable:
             self._all_sequential(part)
             return
         try:
@@ -135,7 +131,7 @@ class BatchedFit:
             return None
         if optimizer.param_groups[0].get("dampening"):  # SGD's first momentum step would differ (clone vs add)
             return None
-        if (request.role, function.__code__) in self.unbatchable:
+        if _step_key(request) in self.unbatchable:
             return None
         constants = tuple(
             ("tensor", tuple(v.shape), v.dtype) if isinstance(v, Tensor) else ("value", _identity(v))
@@ -170,10 +166,14 @@ class BatchedFit:
         except _OutOfMemory:
             raise
         except _NotBatchable:
-            code = getattr(first.step_fn, "__func__", first.step_fn).__code__
-            self.unbatchable.add((first.role, code))
+            self.unbatchable.add(_step_key(first))
             return False
         return True
+
+
+def _step_key(request: FitRequest) -> tuple:
+    """(role, step function's code): what a failed first step marks as not batchable for the rest of the run."""
+    return request.role, getattr(request.step_fn, "__func__", request.step_fn).__code__
 
 
 class _NotBatchable(Exception):
