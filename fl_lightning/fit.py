@@ -56,6 +56,11 @@ class Runtime:
             rank>``) or, on CPU, its own ``num_threads`` cores; ``flrun fit`` starts them on this machine.
             Under torchrun or srun leave it at 1: their process count decides (docs/performance.md).
             The numbers are those of one process.
+        cuda_graphs: replay each local training step from a CUDA graph, captured per step function, batch
+            shape and learning rate (``client/graphs.py``): the sequential loop without its per-step host
+            cost. Needs a CUDA device, precision ``32-true`` and the sequential executor (``auto`` picks it);
+            steps that cannot be replayed faithfully run eagerly, counted in ``summary.json``. Experimental:
+            its speed is not yet measured on a GPU (docs/performance.md).
     """
 
     accelerator: str = "auto"
@@ -68,6 +73,7 @@ class Runtime:
     progress: bool = True
     client_state_memory_mb: float | None = 1024.0
     devices: int = 1
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.devices < 1:
@@ -81,6 +87,16 @@ class Runtime:
             )
         if self.batch_clients < 1:
             raise ConfigError(f"runtime.batch_clients must be at least 1, got {self.batch_clients}; e.g. 64.")
+        if self.cuda_graphs and str(self.precision) not in ("32-true", "32"):
+            raise ConfigError(
+                f"runtime.cuda_graphs replays 32-bit steps only, but runtime.precision is {self.precision!r}; "
+                "set runtime.precision 32-true or runtime.cuda_graphs false."
+            )
+        if self.cuda_graphs and self.executor == "batched":
+            raise ConfigError(
+                "runtime.cuda_graphs replays the sequential loop's steps, but runtime.executor is batched; set "
+                "runtime.executor sequential (or auto) or runtime.cuda_graphs false."
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(
                 f"runtime.num_threads must be at least 1, got {self.num_threads}; use 1 for small models "
@@ -133,7 +149,7 @@ def resolve_executor(runtime: Runtime, device: torch.device, training: LocalTrai
             )
         return "sequential"
     if runtime.executor == "auto":
-        return "batched" if device.type == "cuda" else "sequential"
+        return "batched" if device.type == "cuda" and not runtime.cuda_graphs else "sequential"
     return runtime.executor
 
 
@@ -236,6 +252,10 @@ def fit(
         num_classes=data.num_classes,
         in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
     )
+    if runtime.cuda_graphs:
+        from .client.graphs import StepGraphs, backend_for
+
+        loop.graphs = StepGraphs(backend_for(fabric.device))
     loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
     run_info = {
         "name": name,

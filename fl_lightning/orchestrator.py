@@ -186,6 +186,8 @@ class FederationOrchestrator:
         summary.update(extra)
         if self.batched is not None:  # how many local fits really ran batched (the rest could not)
             summary["executor"] = {"mode": "batched", **self.batched.fits.counts}
+        if self.loop.graphs is not None:  # how many steps were replayed from CUDA graphs, and why others were not
+            summary["cuda_graphs"] = self.loop.graphs.summary()
         if self.faults is not None or self.divergence == "drop":
             summary["faults"] = {k: state.events.get(k, 0) for k in self.event_keys}
         if self.ranks.writes:

@@ -26,6 +26,7 @@ from .training import LocalTraining
 if TYPE_CHECKING:  # annotations only: Fabric is imported when a run starts (fabric_loader), never by the parser
     import lightning as L
 
+    from .graphs import StepGraphs
     from .module import ClientModule
 
 StepFn = Callable[["ClientModule", tuple, int], Tensor]
@@ -55,6 +56,7 @@ class LocalLoop:
         self.slots: dict[str, ModelSlot] = {}
         self.phase_start: dict[str, dict] = {}  # optimizer states every client of a phase starts from
         self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
+        self.graphs: StepGraphs | None = None  # runtime.cuda_graphs: client fits replay their steps (graphs.py)
 
     def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
         """Builds one module per role (weights seeded per role) and its optimizer, once per run."""
@@ -123,6 +125,9 @@ class LocalLoop:
         factor = self.training.lr_schedule(rnd, self.rounds)
         for group, base in zip(slot.optimizer.param_groups, slot.base_lrs):
             group["lr"] = base * factor
+        if self.graphs is not None:
+            clip = self.training.grad_clip_norm
+            return self.graphs.run_steps(slot.module, slot.optimizer, batches, step_fn or _training_step, clip, on_record)
         return self.run_steps(slot.module, slot.optimizer, batches, step_fn, self.training.grad_clip_norm, on_record)
 
     def run_steps(

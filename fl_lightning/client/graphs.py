@@ -1,0 +1,423 @@
+"""Local training steps replayed as CUDA graphs (``runtime.cuda_graphs``): the sequential loop without its host cost.
+
+On a GPU a small model's step is bound by the host: a ResNet20 step of 32 images is a few hundred kernel
+launches made by about 2,400 Python calls, and the card idles between them (16-25 % utilisation on an
+H200, docs/performance.md). A CUDA graph records the kernels of one whole step (forward, backward,
+gradient clipping, optimizer update) once and replays them with one launch, so each client still trains
+on its own batches, one after another, with none of the batched executor's need for equal batch shapes.
+
+A replay reads and writes the memory the capture used and repeats every Python value the step read then,
+so a step is replayed only where that cannot change what it computes:
+
+- The step is pure: the default cross-entropy step, or one marked
+  :func:`~fl_lightning.client.batched.vmappable` (it reads tensors through its module, batch and closure
+  only, changes nothing outside, and does not branch on the step index or on tensor values).
+- Its key is equal: the module's tensors' addresses and every submodule's training mode, the closure's
+  Python values, tensors' addresses and modules (a teacher) and the attributes of the objects in it (the
+  strategy's temperature), the optimizer's hyper-parameters, learning rate included, the clipping norm
+  and the batch's shapes. A new value (the next round's learning rate or KD weight) captures a new graph.
+- Its first run for a key, a real step run before the capture, made no random draw, no host read of a
+  tensor (``.item()``, ``nonzero``) and used no tensor on another device (checked op by op).
+- The optimizer is SGD. (torch's Adam replays only with ``capturable=True``, whose arithmetic differs.)
+
+A batch is copied into the graph's own input tensors before a replay, and momentum buffers stay in the
+tensors the graphs were captured with: a client's restored optimizer state is copied into them. Graphs
+share one memory pool: they are replayed one at a time, and a replay's loss and record are read before
+the next. On a CPU, :class:`CheckedReruns` stands in for CUDA graphs: it reruns a step and fails when the
+rerun's operations, Python values or tensor addresses differ from the capture's, which is what a real
+graph would silently get wrong (``tests/test_cuda_graphs.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+_RANDOM_WORDS = ("rand", "bernoulli", "normal", "uniform", "dropout", "multinomial", "exponential", "poisson")
+# ops whose result the host must read (a sync), which a capture cannot contain
+_HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+_CONTAINER_LIMIT = 256  # larger closure containers are keyed by identity and length only
+
+
+def backend_for(device: torch.device) -> CudaGraphs:
+    """The graph backend of ``device``: CUDA graphs, the only device they exist for."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"runtime.cuda_graphs needs a CUDA device, but this run trains on {device.type}; set "
+            "runtime.cuda_graphs false (or runtime.accelerator cuda on a machine with an NVIDIA GPU)."
+        )
+    return CudaGraphs(device)
+
+
+class StepGraphs:
+    """Runs a role's local fits, replaying each step from a CUDA graph where its key allows it."""
+
+    def __init__(self, backend: CudaGraphs | CheckedReruns, capacity: int = 256):
+        self.backend, self.capacity = backend, capacity
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently replayed first
+        self.refused: dict[tuple, str] = {}  # step keys whose first run showed they cannot be replayed
+        self.momenta: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # per optimizer: params, static buffers
+        self.counts = {"graphed_steps": 0, "eager_steps": 0, "captures": 0, "evicted": 0}
+        self.eager_reasons: dict[str, int] = {}  # why steps ran eagerly, in steps (summary.json)
+        self._fit_ids: dict[tuple, int] = {}
+
+    def run_steps(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Iterable[tuple],
+        step_fn: Callable,
+        clip: float | None,
+        on_record: Callable[[tuple], None] | None,
+    ) -> dict[str, float]:
+        """One client's fit; the same result as ``LocalLoop.run_steps``'s plain 32-bit path."""
+        module.train()
+        fit_key, why = fit_key_of(module, optimizer, step_fn, clip)
+        if fit_key is not None:  # a small number per key: the long key is hashed once a fit, not at every step
+            fit_key = self._fit_ids.setdefault(fit_key, len(self._fit_ids))
+        total, steps = torch.zeros((), device=self.backend.device), 0
+        for i, batch in enumerate(batches):
+            reason = why
+            if fit_key is not None:
+                key = (fit_key, tuple((t.shape, t.dtype) for t in batch))
+                graph = self.graphs.get(key)
+                if graph is not None and self._momenta_in_place(optimizer):
+                    self.graphs.move_to_end(key)
+                    for static, tensor in zip(graph.inputs, batch):
+                        static.copy_(tensor)
+                    loss, record = graph.handle.replay()
+                    record = None if record is None else tuple(t.clone() for t in record)  # the next replay reuses it
+                    self.counts["graphed_steps"] += 1
+                    self._finish_step(loss, record, on_record, total)
+                    steps += 1
+                    continue
+                if graph is not None:
+                    reason = "the optimizer has no momentum buffers yet (a fit's first step makes them)"
+                elif key in self.refused:
+                    reason = self.refused[key]
+                else:
+                    loss, record = self._first_run(key, module, optimizer, batch, i, step_fn, clip)
+                    self._finish_step(loss, record, on_record, total)
+                    steps += 1
+                    continue
+            optimizer.zero_grad(set_to_none=True)
+            loss, record = _step(module, optimizer, batch, i, step_fn, clip)
+            self._count_eager(reason)
+            self._finish_step(loss, record, on_record, total)
+            steps += 1
+        return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.counts, "graphs": len(self.graphs), "eager_reasons": dict(self.eager_reasons)}
+
+    @staticmethod
+    def _finish_step(loss: Tensor, record, on_record, total: Tensor) -> None:
+        if record is not None and on_record is not None:
+            on_record(record)
+        total += loss.float()
+
+    def _count_eager(self, reason: str | None) -> None:
+        self.counts["eager_steps"] += 1
+        reason = reason or "not replayable"
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+
+    def _first_run(self, key, module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
+        """Runs the step for real (the capture's warm-up), checked op by op, then captures its graph."""
+        inputs = tuple(t.clone() for t in batch)  # the graph's input tensors, filled before each replay
+        optimizer.zero_grad(set_to_none=True)
+        trace = StepTrace(self.backend.device)
+        with self.backend.warm_up(), trace:
+            loss, record = _step(module, optimizer, inputs, i, step_fn, clip)
+        record = None if record is None else tuple(t.clone() for t in record)
+        if trace.problem is not None:
+            return self._refuse(key, trace.problem, loss, record)
+        if not self._momenta_in_place(optimizer):
+            return self._refuse(key, "the optimizer keeps no momentum buffer for some parameter", loss, record)
+
+        def body() -> tuple[Tensor, tuple | None]:
+            optimizer.zero_grad(set_to_none=True)  # gradients are the step's own, not added to the last step's
+            return _step(module, optimizer, inputs, i, step_fn, clip)
+
+        try:
+            handle = self.backend.capture(body)
+        except Exception as err:  # noqa: BLE001 (whatever the capture met, the step stays eager)
+            optimizer.zero_grad(set_to_none=True)
+            return self._refuse(
+                key, f"capture failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}", loss, record
+            )
+        self.graphs[key] = _Graph(handle, inputs)
+        self.counts["captures"] += 1
+        if len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+            self.counts["evicted"] += 1
+        self._count_eager("a key's first step (run, then captured)")
+        return loss, record
+
+    def _refuse(self, key, reason: str, loss: Tensor, record) -> tuple[Tensor, tuple | None]:
+        if reason not in self.refused.values():
+            log.warning("runtime.cuda_graphs: a step runs eagerly: %s", reason)
+        self.refused[key] = reason
+        self._count_eager(reason)
+        return loss, record
+
+    def _momenta_in_place(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Puts the optimizer's momentum buffers into the tensors graphs were captured with (the first
+        capture's); False when a parameter has none yet (a fresh state: its first step makes them)."""
+        if not any(group.get("momentum") for group in optimizer.param_groups):
+            return True
+        state = optimizer.state
+        kept = self.momenta.get(id(optimizer))
+        if kept is not None and state.get(kept[0][0], {}).get("momentum_buffer") is kept[1][0]:
+            return True
+        params = [p for group in optimizer.param_groups for p in group["params"] if p in state]
+        current = [state[p].get("momentum_buffer") for p in params]
+        if not params or any(buffer is None for buffer in current):
+            return False
+        if kept is None:
+            self.momenta[id(optimizer)] = (params, current)
+            return True
+        if len(params) != len(kept[0]) or any(p is not q for p, q in zip(params, kept[0])):
+            return False  # other parameters have momenta than when the graphs were captured: stay eager
+        with torch.no_grad():
+            torch._foreach_copy_(kept[1], current)
+        for p, buffer in zip(params, kept[1]):
+            state[p]["momentum_buffer"] = buffer
+        return True
+
+
+@dataclass
+class _Graph:
+    handle: Any  # CudaGraphs._Replay or CheckedReruns._Rerun
+    inputs: tuple[Tensor, ...]
+
+
+def _step(module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
+    """One optimizer step, as ``LocalLoop.run_steps``'s plain path makes it (gradients already cleared)."""
+    loss = step_fn(module, batch, i)
+    record = None
+    if isinstance(loss, tuple):
+        loss, record = loss
+        record = tuple(t.detach() for t in record)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    optimizer.step()
+    return loss.detach(), record
+
+
+# ---------------------------------------------------------------------------------------------- keys
+def fit_key_of(
+    module: nn.Module, optimizer: torch.optim.Optimizer, step_fn: Callable, clip
+) -> tuple[tuple | None, str | None]:
+    """What a fit's steps must share with a graph's capture to replay it, or (None, why they cannot)."""
+    from .loop import _training_step
+
+    function = getattr(step_fn, "__func__", step_fn)
+    if step_fn is not _training_step and not getattr(function, "vmappable", False):
+        return None, "the step is not marked pure (@vmappable)"
+    if type(optimizer) is not torch.optim.SGD:
+        return None, f"the optimizer is {type(optimizer).__name__} (graphs replay SGD steps)"
+    hyper = tuple(
+        tuple((k, _frozen(v, 0)) for k, v in group.items() if k != "params") for group in optimizer.param_groups
+    )
+    closure = _frozen(step_fn, 2)
+    return (id(module), id(optimizer), _module_key(module), hyper, clip, closure), None
+
+
+def _module_key(module: nn.Module) -> tuple:
+    tensors = tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+    return id(module), tensors, tuple(m.training for m in module.modules())
+
+
+def _frozen(value: Any, depth: int) -> Any:
+    """A hashable stand-in for what a step could read from ``value`` (tensors by address)."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, Tensor):
+        return "tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device
+    if isinstance(value, nn.Module):
+        return "module", _module_key(value)
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, (tuple, list, set, frozenset, dict)):
+        items = list(value.items()) if isinstance(value, dict) else list(value)
+        if len(items) > _CONTAINER_LIMIT:
+            return "container", id(value), len(items)
+        if isinstance(value, (set, frozenset)):
+            return "set", frozenset(_frozen(v, depth) for v in items)
+        return type(value).__name__, tuple(_frozen(v, depth) for v in items)
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        function = getattr(value, "__func__", value)
+        cells = tuple(_frozen(c.cell_contents, depth) for c in function.__closure__ or ())
+        defaults = _frozen(function.__defaults__ or (), depth)
+        owner = _frozen(value.__self__, depth) if isinstance(value, types.MethodType) else None
+        return "function", function.__code__, cells, defaults, owner
+    if depth > 0 and hasattr(value, "__dict__"):  # an object in the closure (the strategy): its attributes
+        return "object", id(value), tuple((k, _frozen(v, depth - 1)) for k, v in vars(value).items())
+    return "id", id(value)
+
+
+# ---------------------------------------------------------------------------------------------- tracing
+class StepTrace(TorchDispatchMode):
+    """Watches a step's operations: what a graph could not replay (``problem``), and the sequence of
+    operations with their Python arguments and the addresses of the tensors from outside the step
+    (``ops``), which a replay must repeat exactly. ``undo`` keeps a copy of every outside tensor when the
+    step first uses it, so that :meth:`restore` can take the step back."""
+
+    def __init__(self, device: torch.device, ops: bool = False, undo: bool = False):
+        super().__init__()
+        self.device, self.keep_ops, self.undo = device, ops or undo, undo
+        self.problem: str | None = None
+        self.ops: list[tuple] = []
+        self._made: set[int] = set()  # storages the step allocated
+        self._outside: set[int] = set()  # storages the step found (weights, buffers, inputs, momenta)
+        self._saved: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if self.problem is None:
+            self.problem = self._problem(name, args, kwargs)
+        if not self.keep_ops:  # a warm-up: only the problems
+            return func(*args, **kwargs)
+        self.ops.append((str(func), self._arguments(args), self._arguments(kwargs)))
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and _storage(t) not in self._outside:
+                self._made.add(_storage(t))
+        return out
+
+    def _problem(self, name: str, args, kwargs) -> str | None:
+        if any(word in name for word in _RANDOM_WORDS):
+            return f"the step draws random numbers ({name}), which a replay would not redraw as the eager step does"
+        if name in _HOST_READS:
+            return f"the step reads a tensor's value on the host ({name}: .item(), bool(), nonzero, ...)"
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, Tensor) and t.device != self.device:
+                return f"the step uses a tensor on {t.device} ({name}) while it trains on {self.device}"
+        return None
+
+    def _arguments(self, values) -> tuple:
+        out = []
+        for v in tree_leaves(values):
+            if isinstance(v, Tensor):
+                storage = _storage(v)
+                if storage in self._made:
+                    out.append("made")
+                else:
+                    self._outside.add(storage)
+                    out.append(("outside", v.data_ptr(), tuple(v.shape)))
+                    if self.undo and id(v) not in self._saved:  # before any change: an op's schema does not
+                        self._saved[id(v)] = (v, v.detach().clone())  # always say what it writes (batch norm)
+            elif isinstance(v, _SCALARS):
+                out.append(v)
+            else:
+                out.append(str(v))
+        return tuple(out)
+
+    def restore(self) -> None:
+        """Puts back every outside tensor as the step found it (latest copies first, so the earliest wins
+        where views overlap)."""
+        with torch.no_grad():
+            for tensor, saved in reversed(self._saved.values()):
+                tensor.copy_(saved)
+
+
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
+        return id(t)
+
+
+# ---------------------------------------------------------------------------------------------- backends
+class CudaGraphs:
+    """Captures with ``torch.cuda.graph`` on a side stream, every graph in one shared memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def warm_up(self) -> Iterator[None]:
+        """The step before a capture runs on the capture's side stream (as torch's documentation asks)."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+    def capture(self, body: Callable[[], tuple]) -> _Replay:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            outputs = body()
+        return _Replay(graph, outputs)
+
+
+class _Replay:
+    def __init__(self, graph, outputs: tuple):
+        self.graph, self.outputs = graph, outputs
+
+    def replay(self) -> tuple:
+        self.graph.replay()
+        return self.outputs
+
+
+class CheckedReruns:
+    """Stands in for CUDA graphs on a CPU (tests): a capture runs the step once under :class:`StepTrace` and
+    takes it back (a real capture runs nothing), a replay reruns it and raises :class:`ReplayMismatch` when its
+    operations, Python arguments or outside tensors' addresses differ from the capture's: the cases where a
+    CUDA graph would silently replay the capture's values instead."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.replays = 0
+
+    def warm_up(self):
+        return contextlib.nullcontext()
+
+    def capture(self, body: Callable[[], tuple]) -> _Rerun:
+        trace = StepTrace(self.device, undo=True)
+        with trace:
+            body()
+        trace.restore()
+        return _Rerun(self, body, trace.ops)
+
+
+class ReplayMismatch(AssertionError):
+    """A rerun differed from its capture: a CUDA graph would have replayed stale values or addresses."""
+
+
+class _Rerun:
+    def __init__(self, owner: CheckedReruns, body: Callable[[], tuple], ops: list[tuple]):
+        self.owner, self.body, self.ops = owner, body, ops
+
+    def replay(self) -> tuple:
+        trace = StepTrace(self.owner.device, ops=True)
+        with trace:
+            outputs = self.body()
+        self.owner.replays += 1
+        if trace.ops != self.ops:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(trace.ops, self.ops)) if a != b), min(len(trace.ops), len(self.ops))
+            )
+            seen = trace.ops[first] if first < len(trace.ops) else None
+            captured = self.ops[first] if first < len(self.ops) else None
+            raise ReplayMismatch(f"operation {first} differs from the capture: {seen} vs captured {captured}")
+        return outputs

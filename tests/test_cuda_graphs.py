@@ -1,0 +1,277 @@
+"""``runtime.cuda_graphs`` on a CPU: the replay logic, with :class:`CheckedReruns` standing in for CUDA graphs.
+
+A CUDA graph replays the kernels, tensor addresses and Python values of its capture. The stand-in reruns
+the step instead and raises when the rerun's operations, Python arguments or outside tensors' addresses
+differ from the capture's, which is exactly where a real graph would have computed something else than
+the eager step. So a run that passes here with the eager run's numbers replays faithfully on a GPU, up to
+what only a GPU shows (whether torch can capture the step's kernels; tests/test_cuda.py runs it there).
+"""
+
+import json
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fl_lightning.cli import fit_from_argv
+from fl_lightning.client import graphs
+from fl_lightning.client.batched import vmappable
+from fl_lightning.client.graphs import CheckedReruns, ReplayMismatch, StepGraphs
+from fl_lightning.errors import ConfigError
+from fl_lightning.fit_args import UserError
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(graphs, "backend_for", lambda device: CheckedReruns(device))
+
+
+def _run(tmp_path, name, recipe, *extra, graphs_on=False):
+    argv = ["--config", f"recipes/{recipe}", "--rounds", "3", "--output_dir", str(tmp_path / name)]
+    argv += ["--runtime.progress", "false", *extra]
+    if graphs_on:
+        argv += ["--runtime.cuda_graphs", "true"]
+    fit_from_argv(argv)
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    weights = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=True)
+    return summary, weights
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra"),
+    [
+        ("quickstart.yaml", []),  # optimizer state reset each fit: a fit's first step makes the momenta
+        ("quickstart.yaml", ["--training.optimizer_state", "per_client"]),  # a client's momenta copied in
+        ("digits_ondevice_kd.yaml", []),  # a teacher, a KD weight ramped each round, the strategy in the closure
+    ],
+)
+def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra):
+    eager, eager_ckpt = _run(tmp_path, "eager", recipe, *extra)
+    replayed, replayed_ckpt = _run(tmp_path, "graphs", recipe, *extra, graphs_on=True)
+    assert replayed["final"] == eager["final"]
+    assert _tensors(replayed_ckpt["strategy"]).keys() == _tensors(eager_ckpt["strategy"]).keys()
+    assert all(
+        torch.equal(a, _tensors(eager_ckpt["strategy"])[k]) for k, a in _tensors(replayed_ckpt["strategy"]).items()
+    )
+    counts = replayed["cuda_graphs"]
+    total = counts["graphed_steps"] + counts["eager_steps"]
+    assert counts["captures"] > 0 and counts["graphed_steps"] > total / 2, counts
+    assert "cuda_graphs" not in eager
+
+
+def test_steps_that_cannot_be_replayed_run_eagerly_with_the_reason(tmp_path, stand_in):
+    summary, _ = _run(tmp_path, "proto", "digits_fedproto.yaml", graphs_on=True)  # its step collects prototypes
+    reasons = summary["cuda_graphs"]["eager_reasons"]
+    assert summary["cuda_graphs"]["graphed_steps"] == 0 and list(reasons) == [
+        "the step is not marked pure (@vmappable)"
+    ]
+    summary, _ = _run(tmp_path, "fedhe", "digits_fedhe.yaml", graphs_on=True)  # Adam
+    assert list(summary["cuda_graphs"]["eager_reasons"]) == ["the optimizer is Adam (graphs replay SGD steps)"]
+
+
+def _tensors(tree, prefix="") -> dict:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{prefix}/{key}").items()}
+    return {}
+
+
+# ------------------------------------------------------------------------------------------------ units
+class _Net(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.norm, self.head = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.head(self.dropout(F.relu(self.norm(self.body(x)))))
+
+
+def _batches(shapes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in shapes]
+
+
+def _fit(step, shapes, graphs_on: bool, runner: StepGraphs | None = None, net=None, optimizer=None):
+    net = net or _Net()
+    optimizer = optimizer or torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    if graphs_on:
+        runner = runner or StepGraphs(CheckedReruns("cpu"))
+        result = runner.run_steps(net, optimizer, _batches(shapes), step, 1.0, None)
+    else:
+        result = _eager_fit(net, optimizer, _batches(shapes), step)
+    return net, optimizer, result
+
+
+def _eager_fit(net, optimizer, batches, step):
+    net.train()
+    total = 0.0
+    for i, batch in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        loss = step(net, batch, i)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        total += loss.item()
+    return {"loss": total / len(batches)}
+
+
+def _state(net, optimizer):
+    momenta = [optimizer.state[p]["momentum_buffer"] for p in net.parameters()]
+    return [t.clone() for t in [*net.state_dict().values(), *momenta]]
+
+
+def _cross_entropy(scale):
+    @vmappable
+    def step(module, batch, i):
+        x, y = batch
+        return scale * F.cross_entropy(module(x), y)
+
+    return step
+
+
+def test_a_fit_replays_per_batch_shape_and_equals_the_eager_fit():
+    shapes = [5, 5, 5, 3, 5, 5, 3]
+    step = _cross_entropy(1.0)
+    eager_net, eager_opt, eager = _fit(step, shapes, graphs_on=False)
+    runner = StepGraphs(CheckedReruns("cpu"))
+    net, opt, replayed = _fit(step, shapes, graphs_on=True, runner=runner)
+    assert all(torch.equal(a, b) for a, b in zip(_state(net, opt), _state(eager_net, eager_opt)))
+    assert replayed["loss"] == pytest.approx(eager["loss"], rel=1e-6)
+    # the first step of each shape runs for real, then is captured; the fit's very first also makes the momenta
+    assert runner.counts == {"graphed_steps": 5, "eager_steps": 2, "captures": 2, "evicted": 0}
+    assert runner.backend.replays == 5
+
+
+def test_a_new_closure_value_captures_a_new_graph():
+    net, runner = _Net(), StepGraphs(CheckedReruns("cpu"))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    eager_net = _Net()
+    eager_opt = torch.optim.SGD(eager_net.parameters(), lr=0.1, momentum=0.9)
+    for scale in (1.0, 0.5, 0.5):  # a KD weight ramped between rounds, then held
+        _fit(_cross_entropy(scale), [4, 4, 4], True, runner, net, optimizer)
+        _fit(_cross_entropy(scale), [4, 4, 4], False, None, eager_net, eager_opt)
+    assert runner.counts["captures"] == 2 and runner.counts["graphed_steps"] == 7
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), eager_net.state_dict().values()))
+
+
+def test_a_learning_rate_change_captures_a_new_graph():
+    net, runner = _Net(), StepGraphs(CheckedReruns("cpu"))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _fit(_cross_entropy(1.0), [4, 4], True, runner, net, optimizer)
+    optimizer.param_groups[0]["lr"] = 0.01
+    _fit(_cross_entropy(1.0), [4, 4], True, runner, net, optimizer)
+    assert runner.counts["captures"] == 2
+
+
+class _Knob:
+    def __init__(self):
+        self.inner = types.SimpleNamespace(scale=1.0)
+
+
+def test_the_stand_in_fails_where_a_graph_would_replay_a_stale_value():
+    """A value read three objects deep is outside the key: a real graph would keep the captured 1.0."""
+    holder = types.SimpleNamespace(knob=_Knob())
+
+    @vmappable
+    def step(module, batch, i):
+        x, y = batch
+        return holder.knob.inner.scale * F.cross_entropy(module(x), y)
+
+    net, runner = _Net(), StepGraphs(CheckedReruns("cpu"))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _fit(step, [4, 4], True, runner, net, optimizer)
+    holder.knob.inner.scale = 2.0
+    with pytest.raises(ReplayMismatch, match="differs from the capture"):
+        _fit(step, [4, 4], True, runner, net, optimizer)
+
+
+def test_strategy_attributes_in_the_closure_are_part_of_the_key():
+    strategy = types.SimpleNamespace(temperature=3.0)
+
+    @vmappable
+    def step(module, batch, i):
+        x, y = batch
+        return F.cross_entropy(module(x) / strategy.temperature, y)
+
+    net, runner = _Net(), StepGraphs(CheckedReruns("cpu"))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _fit(step, [4, 4], True, runner, net, optimizer)
+    strategy.temperature = 1.0
+    _fit(step, [4, 4], True, runner, net, optimizer)  # no mismatch: a new key, a new capture
+    assert runner.counts["captures"] == 2
+
+
+@pytest.mark.parametrize(
+    ("step", "net", "reason"),
+    [
+        (_cross_entropy(1.0), _Net(dropout=0.5), "draws random numbers"),
+        (vmappable(lambda m, b, i: F.cross_entropy(m(b[0]), b[1]) * float(b[1].max() + 1)), _Net(), "reads a tensor"),
+    ],
+)
+def test_random_draws_and_host_reads_keep_a_step_eager(step, net, reason):
+    runner = StepGraphs(CheckedReruns("cpu"))
+    _fit(step, [4, 4, 4], True, runner, net)
+    assert runner.counts["graphed_steps"] == 0 and runner.counts["captures"] == 0
+    assert [r for r in runner.eager_reasons if reason in r], runner.eager_reasons
+
+
+def test_an_unmarked_step_and_adam_stay_eager():
+    runner = StepGraphs(CheckedReruns("cpu"))
+    net = _Net()
+    _fit(lambda m, b, i: F.cross_entropy(m(b[0]), b[1]), [4, 4], True, runner, net)
+    adam = torch.optim.Adam(net.parameters())
+    _fit(_cross_entropy(1.0), [4, 4], True, runner, net, adam)
+    assert runner.counts["graphed_steps"] == 0
+    assert runner.eager_reasons == {
+        "the step is not marked pure (@vmappable)": 2,
+        "the optimizer is Adam (graphs replay SGD steps)": 2,
+    }
+
+
+def test_the_least_recently_replayed_graph_is_evicted_beyond_capacity():
+    runner = StepGraphs(CheckedReruns("cpu"), capacity=2)
+    net, optimizer, _ = _fit(_cross_entropy(1.0), [2, 3, 4, 2], True, runner)
+    eager_net, eager_opt, _ = _fit(_cross_entropy(1.0), [2, 3, 4, 2], False)
+    # shapes 2, 3, 4 captured (2 evicted at 4), then 2 again: captured anew (3 evicted)
+    assert runner.counts["evicted"] == 2 and len(runner.graphs) == 2 and runner.counts["captures"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(_state(net, optimizer), _state(eager_net, eager_opt)))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--runtime.accelerator", "cpu"], "needs a CUDA device"),
+        (["--runtime.precision", "bf16-mixed"], "32-bit steps only"),
+        (["--runtime.executor", "batched"], "runtime.executor sequential"),
+    ],
+)
+def test_impossible_settings_are_refused_before_the_run(tmp_path, options, message):
+    argv = ["--config", "recipes/quickstart.yaml", "--output_dir", str(tmp_path / "run"), "--runtime.cuda_graphs"]
+    with pytest.raises((ConfigError, UserError), match=message):  # UserError: the recipe's own check
+        fit_from_argv([*argv, "true", *options])
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_the_flagship_replays_its_resnet_steps_as_run_eagerly(tmp_path, stand_in):
+    """Paper 001 on CIFAR-10 shrunk (random pixels in the real pickle files): ResNet20s with batch norm, the
+    auxiliary model as a training-mode teacher, augmentation, momentum carried from client to client."""
+    from test_vision_data import write_cifar10
+
+    write_cifar10(tmp_path / "data", per_batch=40, test=20)
+    tiers = "[{name: strong, roles: [aux, target], count: 2}, {name: weak, roles: [aux]}]"
+    shrink = ["--population.num_clients", "6", "--population.tiers", tiers, "--sampler.init_args.num_per_round", "3"]
+    shrink += ["--training.local_steps", "4", "--data.init_args.data_dir", str(tmp_path / "data")]
+    shrink += ["--data.init_args.download", "false", "--runtime.accelerator", "cpu"]
+    eager, eager_ckpt = _run(tmp_path, "eager", "ondevice_kd_cifar10.yaml", *shrink)
+    replayed, replayed_ckpt = _run(tmp_path, "graphs", "ondevice_kd_cifar10.yaml", *shrink, graphs_on=True)
+    assert replayed["final"] == eager["final"]
+    eager_tensors, replayed_tensors = _tensors(eager_ckpt["strategy"]), _tensors(replayed_ckpt["strategy"])
+    assert replayed_tensors.keys() == eager_tensors.keys()
+    assert all(torch.equal(t, eager_tensors[k]) for k, t in replayed_tensors.items())
+    counts = replayed["cuda_graphs"]
+    assert counts["graphed_steps"] > counts["eager_steps"] > 0, counts
