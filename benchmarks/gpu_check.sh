@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks a session with a lent GPU runs once (about 8 minutes on an H100 / H200), from the repository root:
-#   the flagship benchmark (batched and sequential, 32-true, next to the plain-PyTorch anchors), a profile of
-#   one batched round, then the tests on CUDA (batched-executor parity, precision, start-up, every digits
-#   recipe). Run it with PYTHONUNBUFFERED=1 so that a run cut short still shows what it reached.
+#   the flagship benchmark (sequential with CUDA graphs, sequential, batched; 32-true; next to the plain-PyTorch
+#   anchors, the CUDA-graphed one included), a profile of one batched round, then the tests on CUDA
+#   (batched-executor parity, precision, start-up, every digits recipe, CUDA graphs against eager).
+#   Run it with PYTHONUNBUFFERED=1 so that a run cut short still shows what it reached.
 # The device image lacks jsonargparse and friends: their wheels travel in .whl/ (carry: [".whl"]).
 #   bash benchmarks/gpu_check.sh            # writes $OUT/ (or ./gpu_check_out/) and prints a summary
 #   TINY=1 bash benchmarks/gpu_check.sh     # a CPU dry run of the same script (tiny flagship)
@@ -35,11 +36,12 @@ if [ "${PART:-main}" = probe ]; then
   exit 0
 fi
 if [ -n "${TINY:-}" ]; then
-  python3 benchmarks/gpu_flagship.py --tiny --rounds 3 --precision 32-true --split benchmarks/results/batched_calls_flagship.json \
-    --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
+  python3 benchmarks/gpu_flagship.py --tiny --rounds 3 --precision 32-true --executor graphs sequential batched \
+    --split benchmarks/results/batched_calls_flagship.json --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
 else
   # bf16-mixed does not batch (docs/performance.md) and was slower sequentially: PRECISIONS="32-true bf16-mixed"
-  python3 benchmarks/gpu_flagship.py --rounds 4 --precision ${PRECISIONS:-32-true} --executor batched sequential \
+  # graphs first: runtime.cuda_graphs is the one mode never run on a GPU yet
+  python3 benchmarks/gpu_flagship.py --rounds 4 --precision ${PRECISIONS:-32-true} --executor graphs sequential batched \
     --split benchmarks/results/batched_calls_flagship.json --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
   # where a batched round goes (python3 -m pstats, or pstats.Stats(...).sort_stats("tottime") here)
   python3 -m cProfile -o "$OUT/batched_round.prof" benchmarks/gpu_flagship.py --rounds 1 --precision 32-true \

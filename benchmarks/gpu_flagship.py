@@ -1,13 +1,13 @@
 """The flagship (paper 001 on CIFAR-10, ResNet20) on one GPU: seconds per round next to plain PyTorch.
 
 Writes random-pixel CIFAR-10 in the real pickle format (no download needed), runs a few rounds of
-``recipes/ondevice_kd_cifar10.yaml`` per execution mode (``--executor sequential batched``) and
-precision, and reports per run: seconds per steady round
+``recipes/ondevice_kd_cifar10.yaml`` per execution mode (``--executor sequential batched graphs``;
+``graphs``: sequential with ``runtime.cuda_graphs``) and precision, and reports per run: seconds per steady round
 (rounds 2 .. N-1; round N also evaluates), the first round's extra seconds, peak GPU memory, mean GPU
 utilisation (NVML, sampled every 0.2 s) and the final test losses (a bf16 run whose loss explodes
 shows here). In the same process it times plain-PyTorch ResNet20 SGD steps of 32 images for 20
-clients x 30 steps, one client after another and as one ``torch.func.vmap`` call over stacked weights:
-the anchor for what a round could cost.
+clients x 30 steps, one client after another, the same replayed from a CUDA graph of the whole step
+(on a GPU), and as one ``torch.func.vmap`` call over stacked weights: the anchors for what a round could cost.
 
     PYTHONPATH=. python benchmarks/gpu_flagship.py --rounds 4 --precision 32-true bf16-mixed --json
 
@@ -104,7 +104,15 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
     argv = ["--config", str(ROOT / "recipes" / "ondevice_kd_cifar10.yaml"), "--rounds", str(rounds)]
     argv += ["--eval_every", str(rounds), "--checkpoint_every", str(rounds), "--runtime.progress", "false"]
     argv += ["--runtime.precision", precision, "--output_dir", str(out), "--data.init_args.data_dir", str(data_dir)]
-    argv += ["--data.init_args.download", "false", "--runtime.executor", executor]
+    argv += ["--data.init_args.download", "false"]
+    if executor == "graphs":  # the sequential loop, each step replayed from a CUDA graph (client/graphs.py)
+        argv += ["--runtime.executor", "sequential", "--runtime.cuda_graphs", "true"]
+        if tiny:  # no CUDA on a CPU dry run: the stand-in that checks each replay against its capture
+            from fl_lightning.client import graphs
+
+            graphs.backend_for = lambda device: graphs.CheckedReruns(device)
+    else:
+        argv += ["--runtime.executor", executor]
     if executor == "batched":  # paper 001's shared momentum is carried client to client; its per-phase form batches
         argv += ["--training.optimizer_state", "shared_per_phase"]
     if tiny:
@@ -130,7 +138,7 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
     return {
         "precision": precision,
         "executor": executor,
-        "fits": summary.get("executor"),
+        "fits": summary.get("executor") or summary.get("cuda_graphs"),
         "rounds": rounds,
         "round_s": per_round,
         "s_per_steady_round": statistics.median(steady),
@@ -173,6 +181,7 @@ def plain_pytorch(
             optimizer.step()
     sync()
     sequential = clients * steps / (time.perf_counter() - start)
+    graphed = _graphed_sequential(model, optimizer, x, y, sync) if device == "cuda" else None
 
     models = [ModelSpec("resnet20", {"width": width}).build(num_classes=10, in_channels=3).to(device)]
     models = models * clients
@@ -203,6 +212,7 @@ def plain_pytorch(
     sync()
     vmapped = clients * steps / (time.perf_counter() - start)
     result = {"width": width, "sequential_steps_per_s": sequential, "vmapped_steps_per_s": vmapped}
+    result["graphed_sequential_steps_per_s"] = graphed
 
     # the same vmapped steps as one function of (weights, momenta, batch) -> (weights, momenta), compiled:
     # what torch.compile (and with "reduce-overhead", CUDA graphs) would add to the batched executor's step
@@ -230,6 +240,35 @@ def plain_pytorch(
             "compile_s": compile_s,
         }
     return result
+
+
+def _graphed_sequential(model, optimizer, x: torch.Tensor, y: torch.Tensor, sync) -> float:
+    """Steps/s of the same sequential steps, each replayed from one CUDA graph of a whole step (forward,
+    backward, SGD), as torch's documentation captures a whole network: the ceiling of runtime.cuda_graphs."""
+    clients, steps = x.shape[:2]
+    static_x, static_y = x[0, 0].clone(), y[0, 0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream before the capture, as torch asks
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(static_x), static_y).backward()
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        torch.nn.functional.cross_entropy(model(static_x), static_y).backward()
+        optimizer.step()
+    sync()
+    start = time.perf_counter()
+    for c in range(clients):
+        for s in range(steps):
+            static_x.copy_(x[c, s])
+            static_y.copy_(y[c, s])
+            graph.replay()
+    sync()
+    return clients * steps / (time.perf_counter() - start)
 
 
 def plain_split(split: dict[str, float], sequential_rates: dict[float, float], device: str, calls: int = 5) -> dict:
@@ -290,7 +329,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
-    parser.add_argument("--executor", nargs="+", default=["sequential", "batched"])
+    parser.add_argument(
+        "--executor",
+        nargs="+",
+        default=["sequential", "batched"],
+        choices=["sequential", "batched", "graphs"],
+        help="graphs: sequential with runtime.cuda_graphs (on --tiny, the CPU stand-in that checks each replay)",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: small data, clients and steps")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip_plain", action="store_true")

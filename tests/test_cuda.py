@@ -47,3 +47,19 @@ def test_a_run_resumed_on_cuda_equals_the_uninterrupted_one(tmp_path, method):
     fit_from_argv([*_argv(recipe, tmp_path / "cut", 3), "--resume", "auto"])
     full, resumed = (json.loads((tmp_path / run / "summary.json").read_text())["final"] for run in ("full", "cut"))
     assert full and resumed == full
+
+
+@pytest.mark.parametrize("recipe", ["quickstart.yaml", "digits_ondevice_kd.yaml"])
+def test_cuda_graphs_replay_the_steps_of_the_eager_run(tmp_path, recipe):
+    """runtime.cuda_graphs on a real GPU: the captures succeed, most steps replay, and the run ends where the
+    eager sequential run does (the replayed kernels are the eager step's; tolerance for cuDNN's choices)."""
+    argv = [*_argv(recipe, tmp_path / "eager", 3), "--runtime.executor", "sequential"]
+    eager = fit_from_argv(argv)
+    argv = [*_argv(recipe, tmp_path / "graphs", 3), "--runtime.executor", "sequential", "--runtime.cuda_graphs", "true"]
+    replayed = fit_from_argv(argv)
+    counts = replayed["cuda_graphs"]
+    assert counts["captures"] > 0 and not [r for r in counts["eager_reasons"] if "capture failed" in r], counts
+    assert counts["graphed_steps"] > counts["eager_steps"], counts
+    assert replayed["final"].keys() == eager["final"].keys()
+    for key, value in eager["final"].items():
+        assert replayed["final"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

@@ -109,6 +109,7 @@ class OnDeviceKD(Strategy):
         teacher.train(self.teacher_mode == "train")
         target = self.receive(ctx, task, self.target_role)
         weight = ramp_up(task.round - 1, self.kd_weight, self.ramp_rounds)
+        temperature = self.temperature  # a local, not `self`: a CUDA graph's key then holds only what the step reads
 
         @vmappable  # pure: clients of the target phase can train batched (client/batched.py)
         def kd_step(module, batch, i):
@@ -117,7 +118,7 @@ class OnDeviceKD(Strategy):
                 torch.no_grad()
             ):  # a target only: no graph through the teacher (its training-mode statistics still move)
                 with_teacher = teacher(x)
-            return weight * kd_kl_loss(module(x), with_teacher, self.temperature)
+            return weight * kd_kl_loss(module(x), with_teacher, temperature)
 
         metrics = {}
         if self.kd_mode == "sequential":
