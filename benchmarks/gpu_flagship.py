@@ -17,6 +17,7 @@ On a CPU, ``--tiny`` shrinks everything (data, clients, steps) to check that the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pickle
 import statistics
@@ -107,10 +108,6 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
     argv += ["--data.init_args.download", "false"]
     if executor == "graphs":  # the sequential loop, each step replayed from a CUDA graph (client/graphs.py)
         argv += ["--runtime.executor", "sequential", "--runtime.cuda_graphs", "true"]
-        if tiny:  # no CUDA on a CPU dry run: the stand-in that checks each replay against its capture
-            from fl_lightning.client import graphs
-
-            graphs.backend_for = lambda device: graphs.CheckedReruns(device)
     else:
         argv += ["--runtime.executor", executor]
     if executor == "batched":  # paper 001's shared momentum is carried client to client; its per-phase form batches
@@ -131,7 +128,7 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
     clock = RoundClock()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with Utilisation() as util:
+    with Utilisation() as util, _cpu_stand_in(executor == "graphs" and tiny):
         summary = fit_from_argv(argv, extra_loggers=[clock])
     per_round = np.diff(clock.stamps).tolist()
     steady = per_round[1:-1] or per_round[-1:]
@@ -147,6 +144,21 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
         "gpu_util_mean_pct": util.mean,
         "final": {k: v for k, v in summary["final"].items() if "loss" in k or "acc" in k},
     }
+
+
+@contextlib.contextmanager
+def _cpu_stand_in(wanted: bool):
+    """On a CPU dry run, CUDA graphs' stand-in that checks each replay against its capture (unless a caller,
+    such as batched_python_calls.py, has put its own backend in place)."""
+    from fl_lightning.client import graphs
+
+    original = graphs.backend_for
+    if wanted and original.__module__ == graphs.__name__:
+        graphs.backend_for = graphs.CheckedReruns
+    try:
+        yield
+    finally:
+        graphs.backend_for = original
 
 
 def plain_pytorch(

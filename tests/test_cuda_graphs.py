@@ -39,25 +39,30 @@ def _run(tmp_path, name, recipe, *extra, graphs_on=False):
     return summary, weights
 
 
+SGD = ["--training.optimizer", "{class_path: torch.optim.SGD, init_args: {lr: 0.05, momentum: 0.9}}"]
+
+
 @pytest.mark.parametrize(
-    ("recipe", "extra"),
+    ("recipe", "extra", "replayed_share"),
     [
-        ("quickstart.yaml", []),  # optimizer state reset each fit: a fit's first step makes the momenta
-        ("quickstart.yaml", ["--training.optimizer_state", "per_client"]),  # a client's momenta copied in
-        ("digits_ondevice_kd.yaml", []),  # a teacher, a KD weight ramped each round, the strategy in the closure
+        ("quickstart.yaml", [], 0.5),  # optimizer state reset each fit: a fit's first step makes the momenta
+        ("quickstart.yaml", ["--training.optimizer_state", "per_client"], 0.5),  # a client's momenta copied in
+        ("digits_ondevice_kd.yaml", [], 0.5),  # a teacher, a KD weight ramped each round, a local temperature
+        # a record of training-mode logits handed out each step; the server's logits are new tensors every
+        # fit, so every fit captures anew (its recipe's Adam stays eager: SGD here)
+        ("digits_fedhe.yaml", SGD, 0.25),
     ],
 )
-def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra):
+def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra, replayed_share):
     eager, eager_ckpt = _run(tmp_path, "eager", recipe, *extra)
     replayed, replayed_ckpt = _run(tmp_path, "graphs", recipe, *extra, graphs_on=True)
     assert replayed["final"] == eager["final"]
-    assert _tensors(replayed_ckpt["strategy"]).keys() == _tensors(eager_ckpt["strategy"]).keys()
-    assert all(
-        torch.equal(a, _tensors(eager_ckpt["strategy"])[k]) for k, a in _tensors(replayed_ckpt["strategy"]).items()
-    )
+    eager_tensors, replayed_tensors = _tensors(eager_ckpt), _tensors(replayed_ckpt)
+    assert replayed_tensors.keys() == eager_tensors.keys()
+    assert all(torch.equal(t, eager_tensors[k]) for k, t in replayed_tensors.items())
     counts = replayed["cuda_graphs"]
     total = counts["graphed_steps"] + counts["eager_steps"]
-    assert counts["captures"] > 0 and counts["graphed_steps"] > total / 2, counts
+    assert counts["captures"] > 0 and counts["graphed_steps"] > replayed_share * total, counts
     assert "cuda_graphs" not in eager
 
 
@@ -72,6 +77,9 @@ def test_steps_that_cannot_be_replayed_run_eagerly_with_the_reason(tmp_path, sta
 
 
 def _tensors(tree, prefix="") -> dict:
+    """A checkpoint's tensors by path, less the ids of the processes that wrote client states (new each run)."""
+    if prefix.endswith("/writers"):
+        return {}
     if isinstance(tree, torch.Tensor):
         return {prefix: tree}
     if isinstance(tree, dict):
@@ -270,7 +278,7 @@ def test_the_flagship_replays_its_resnet_steps_as_run_eagerly(tmp_path, stand_in
     eager, eager_ckpt = _run(tmp_path, "eager", "ondevice_kd_cifar10.yaml", *shrink)
     replayed, replayed_ckpt = _run(tmp_path, "graphs", "ondevice_kd_cifar10.yaml", *shrink, graphs_on=True)
     assert replayed["final"] == eager["final"]
-    eager_tensors, replayed_tensors = _tensors(eager_ckpt["strategy"]), _tensors(replayed_ckpt["strategy"])
+    eager_tensors, replayed_tensors = _tensors(eager_ckpt), _tensors(replayed_ckpt)
     assert replayed_tensors.keys() == eager_tensors.keys()
     assert all(torch.equal(t, eager_tensors[k]) for k, t in replayed_tensors.items())
     counts = replayed["cuda_graphs"]
