@@ -13,8 +13,8 @@ cProfile the Python calls made:
 - ``per_sequential_step``: inside the sequential loop's ``run_steps``, per step (the same fits);
 - ``per_replayed_step``: a third run, sequential with ``runtime.cuda_graphs``, counted inside its fits without
   the steps that ran eagerly (a key's first step, a fit's first step without momenta): what the host does
-  around one replay, with each fit's key (a walk over the module and its teacher, about 6,000 calls a fit
-  for the ResNet20 pair) spread over its ``--local_steps`` steps. A counting stand-in replaces CUDA's
+  around one replay, with each fit's key (a walk over the module and its teacher) and its ``module.train()``
+  spread over its ``--local_steps`` steps. A counting stand-in replaces CUDA's
   ``graph.replay()`` (one call, as on a GPU).
 
     python benchmarks/batched_python_calls.py --json
