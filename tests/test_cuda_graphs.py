@@ -283,3 +283,15 @@ def test_the_flagship_replays_its_resnet_steps_as_run_eagerly(tmp_path, stand_in
     assert all(torch.equal(t, eager_tensors[k]) for k, t in replayed_tensors.items())
     counts = replayed["cuda_graphs"]
     assert counts["graphed_steps"] > counts["eager_steps"] > 0, counts
+
+
+def test_a_batch_holding_other_things_than_tensors_runs_eagerly():
+    @vmappable
+    def step(module, batch, i):
+        x, y, scale = batch
+        return scale * F.cross_entropy(module(x), y)
+
+    runner, net = StepGraphs(CheckedReruns("cpu")), _Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    runner.run_steps(net, optimizer, [(*b, 2.0) for b in _batches([4, 4])], step, None, None)
+    assert runner.eager_reasons == {"a batch holds something other than tensors": 2}

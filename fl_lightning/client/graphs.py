@@ -92,44 +92,44 @@ class StepGraphs:
             fit_key = self._fit_ids.setdefault(fit_key, len(self._fit_ids))
         total, steps = torch.zeros((), device=self.backend.device), 0
         for i, batch in enumerate(batches):
-            reason = why
-            if fit_key is not None:
-                key = (fit_key, tuple((t.shape, t.dtype) for t in batch))
-                graph = self.graphs.get(key)
-                if graph is not None and self._momenta_in_place(optimizer):
-                    self.graphs.move_to_end(key)
-                    for static, tensor in zip(graph.inputs, batch):
-                        static.copy_(tensor)
-                    loss, record = graph.handle.replay()
-                    record = None if record is None else tuple(t.clone() for t in record)  # the next replay reuses it
-                    self.counts["graphed_steps"] += 1
-                    self._finish_step(loss, record, on_record, total)
-                    steps += 1
-                    continue
-                if graph is not None:
-                    reason = "the optimizer has no momentum buffers yet (a fit's first step makes them)"
-                elif key in self.refused:
-                    reason = self.refused[key]
-                else:
-                    loss, record = self._first_run(key, module, optimizer, batch, i, step_fn, clip)
-                    self._finish_step(loss, record, on_record, total)
-                    steps += 1
-                    continue
-            optimizer.zero_grad(set_to_none=True)
-            loss, record = _step(module, optimizer, batch, i, step_fn, clip)
-            self._count_eager(reason)
-            self._finish_step(loss, record, on_record, total)
+            loss, record = self._one_step(fit_key, why, module, optimizer, batch, i, step_fn, clip)
+            if record is not None and on_record is not None:
+                on_record(record)
+            total += loss.float()
             steps += 1
         return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
 
+    def _one_step(self, fit_key, why, module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
+        """A step replayed, or run for real and captured (a key's first), or run eagerly (counted with why)."""
+        reason = why
+        if fit_key is not None:
+            try:
+                key = (fit_key, tuple((t.shape, t.dtype) for t in batch))
+            except AttributeError:  # a batch of other things than tensors: nothing to copy into a graph
+                key, reason = None, "a batch holds something other than tensors"
+            if key is not None:
+                graph = self.graphs.get(key)
+                if graph is None and key not in self.refused:
+                    return self._first_run(key, module, optimizer, batch, i, step_fn, clip)
+                if graph is not None and self._momenta_in_place(optimizer):
+                    return self._replay(key, graph, batch)
+                reason = self.refused.get(
+                    key, "the optimizer has no momentum buffers yet (a fit's first step makes them)"
+                )
+        optimizer.zero_grad(set_to_none=True)
+        self._count_eager(reason)
+        return _step(module, optimizer, batch, i, step_fn, clip)
+
+    def _replay(self, key: tuple, graph: _Graph, batch: tuple) -> tuple[Tensor, tuple | None]:
+        self.graphs.move_to_end(key)
+        for static, tensor in zip(graph.inputs, batch):
+            static.copy_(tensor)
+        loss, record = graph.handle.replay()
+        self.counts["graphed_steps"] += 1
+        return loss, None if record is None else tuple(t.clone() for t in record)  # the next replay reuses it
+
     def summary(self) -> dict[str, Any]:
         return {**self.counts, "graphs": len(self.graphs), "eager_reasons": dict(self.eager_reasons)}
-
-    @staticmethod
-    def _finish_step(loss: Tensor, record, on_record, total: Tensor) -> None:
-        if record is not None and on_record is not None:
-            on_record(record)
-        total += loss.float()
 
     def _count_eager(self, reason: str | None) -> None:
         self.counts["eager_steps"] += 1
