@@ -63,3 +63,49 @@ def test_cuda_graphs_replay_the_steps_of_the_eager_run(tmp_path, recipe):
     assert replayed["final"].keys() == eager["final"].keys()
     for key, value in eager["final"].items():
         assert replayed["final"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_cuda_graph_steps_replay_and_a_masked_step_is_refused_on_a_gpu():
+    """StepGraphs with real CUDA graphs on a small batch-norm net: a pure step is captured and replayed and
+    ends where eager steps do; a step with a boolean mask (a host sync) is refused and runs eagerly."""
+    import torch.nn.functional as F
+
+    from fl_lightning.client.batched import vmappable
+    from fl_lightning.client.graphs import CudaGraphs, StepGraphs
+
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(6)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+
+    def net_and_sgd():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+        )
+        net = net.to(device)
+        return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+    @vmappable
+    def pure(module, batch, i):
+        return F.cross_entropy(module(batch[0]), batch[1])
+
+    @vmappable
+    def masked(module, batch, i):
+        x, y = batch
+        return F.cross_entropy(module(x)[y > 0], y[y > 0])
+
+    for step, replays in ((pure, True), (masked, False)):
+        eager_net, eager_sgd = net_and_sgd()
+        for i, batch in enumerate(batches):
+            eager_sgd.zero_grad(set_to_none=True)
+            step(eager_net, batch, i).backward()
+            eager_sgd.step()
+        net, sgd = net_and_sgd()
+        runner = StepGraphs(CudaGraphs(device))
+        runner.run_steps(net, sgd, batches, step, None, None)
+        assert (runner.counts["graphed_steps"] == 4) is replays, runner.summary()
+        for a, b in zip(net.state_dict().values(), eager_net.state_dict().values()):
+            assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+        if not replays:
+            assert [r for r in runner.eager_reasons if "boolean mask" in r], runner.eager_reasons

@@ -15,15 +15,18 @@ so a step is replayed only where that cannot change what it computes:
 - Its key is equal: the module's tensors' addresses and every submodule's training mode, the closure's
   Python values, tensors' addresses and modules (a teacher) and the attributes of the objects in it (the
   strategy's temperature), the optimizer's hyper-parameters, learning rate included, the clipping norm
-  and the batch's shapes. A new value (the next round's learning rate or KD weight) captures a new graph.
-- Its first run for a key, a real step run before the capture, made no random draw, no host read of a
-  tensor (``.item()``, ``nonzero``) and used no tensor on another device (checked op by op).
+  and the batch's shapes. A new value (the next round's learning rate) captures a new graph; a value that
+  changes every round but should not is a device tensor refilled in place (on-device KD's KD weight).
+- The key came before (its first step runs eagerly: a batch shape met once is not worth a capture), and
+  its second step, run for real before the capture, made no random draw, no host read of a tensor
+  (``.item()``, ``nonzero``, a boolean mask) and used no tensor on another device (checked op by op).
 - The optimizer is SGD. (torch's Adam replays only with ``capturable=True``, whose arithmetic differs.)
 
 A batch is copied into the graph's own input tensors before a replay, and momentum buffers stay in the
 tensors the graphs were captured with: a client's restored optimizer state is copied into them. Graphs
 share one memory pool: they are replayed one at a time, and a replay's loss and record are read before
-the next. On a CPU, :class:`CheckedReruns` stands in for CUDA graphs: it reruns a step and fails when the
+the next; beyond ``capacity`` they are all dropped at once (one freed graph clears the capture stream's
+cuBLAS workspace, which the others use: pytorch/pytorch#193402). On a CPU, :class:`CheckedReruns` stands in for CUDA graphs: it reruns a step and fails when the
 rerun's operations, Python values or tensor addresses differ from the capture's, which is what a real
 graph would silently get wrong (``tests/test_cuda_graphs.py``).
 """
@@ -33,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +52,19 @@ log = logging.getLogger(__name__)
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _RANDOM_WORDS = ("rand", "bernoulli", "normal", "uniform", "dropout", "multinomial", "exponential", "poisson")
 # ops whose result the host must read (a sync), which a capture cannot contain
-_HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+_HOST_READS = {
+    "_local_scalar_dense",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "repeat_interleave",
+    "bincount",
+}
+_INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}  # indices a boolean mask: a nonzero inside
 _CONTAINER_LIMIT = 256  # larger closure containers are keyed by identity and length only
 
 
@@ -69,10 +83,11 @@ class StepGraphs:
 
     def __init__(self, backend: CudaGraphs | CheckedReruns, capacity: int = 256):
         self.backend, self.capacity = backend, capacity
-        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently replayed first
+        self.graphs: dict[tuple, _Graph] = {}
         self.refused: dict[tuple, str] = {}  # step keys whose first run showed they cannot be replayed
+        self.seen: set[tuple] = set()  # step keys met once: captured when they come again
         self.momenta: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # per optimizer: params, static buffers
-        self.counts = {"graphed_steps": 0, "eager_steps": 0, "captures": 0, "evicted": 0}
+        self.counts = {"graphed_steps": 0, "eager_steps": 0, "captures": 0, "dropped": 0}
         self.eager_reasons: dict[str, int] = {}  # why steps ran eagerly, in steps (summary.json)
         self._fit_ids: dict[tuple, int] = {}
 
@@ -89,6 +104,8 @@ class StepGraphs:
         module.train()
         fit_key, why = fit_key_of(module, optimizer, step_fn, clip)
         if fit_key is not None:  # a small number per key: the long key is hashed once a fit, not at every step
+            if fit_key not in self._fit_ids and len(self._fit_ids) >= 16 * self.capacity:
+                self._drop_all()  # keys that change every fit (FedHe's server logits) would otherwise pile up
             fit_key = self._fit_ids.setdefault(fit_key, len(self._fit_ids))
         total, steps = torch.zeros((), device=self.backend.device), 0
         for i, batch in enumerate(batches):
@@ -110,18 +127,22 @@ class StepGraphs:
             if key is not None:
                 graph = self.graphs.get(key)
                 if graph is None and key not in self.refused:
-                    return self._first_run(key, module, optimizer, batch, i, step_fn, clip)
+                    if key in self.seen:  # a key that recurs: worth a capture (a one-off shape is not)
+                        return self._first_run(key, module, optimizer, batch, i, step_fn, clip)
+                    self.seen.add(key)
+                    self._count_eager("a key's first step (captured if the key recurs)")
+                    optimizer.zero_grad(set_to_none=True)
+                    return _step(module, optimizer, batch, i, step_fn, clip)
                 if graph is not None and self._momenta_in_place(optimizer):
                     return self._replay(key, graph, batch)
                 reason = self.refused.get(
-                    key, "the optimizer has no momentum buffers yet (a fit's first step makes them)"
+                    key, "the optimizer's momentum buffers are missing (a fit's first step makes them) or new"
                 )
         optimizer.zero_grad(set_to_none=True)
         self._count_eager(reason)
         return _step(module, optimizer, batch, i, step_fn, clip)
 
     def _replay(self, key: tuple, graph: _Graph, batch: tuple) -> tuple[Tensor, tuple | None]:
-        self.graphs.move_to_end(key)
         for static, tensor in zip(graph.inputs, batch):
             static.copy_(tensor)
         loss, record = graph.handle.replay()
@@ -160,13 +181,22 @@ class StepGraphs:
             return self._refuse(
                 key, f"capture failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}", loss, record
             )
+        optimizer.zero_grad(set_to_none=True)  # no gradient attribute left pointing into the graphs' shared memory
+        if len(self.graphs) >= self.capacity:
+            self._drop_all()
         self.graphs[key] = _Graph(handle, inputs)
         self.counts["captures"] += 1
-        if len(self.graphs) > self.capacity:
-            self.graphs.popitem(last=False)
-            self.counts["evicted"] += 1
-        self._count_eager("a key's first step (run, then captured)")
+        self._count_eager("a key's second step (run, then captured)")
         return loss, record
+
+    def _drop_all(self) -> None:
+        """Forgets every graph and key at once. Not one graph at a time: freeing one graph clears the cuBLAS
+        workspace of the capture stream, which the others still use (pytorch/pytorch#193402)."""
+        self.counts["dropped"] += len(self.graphs)
+        self.graphs.clear()
+        self.refused.clear()
+        self.seen.clear()
+        self._fit_ids.clear()  # graph keys hold these numbers: they go together
 
     def _refuse(self, key, reason: str, loss: Tensor, record) -> tuple[Tensor, tuple | None]:
         if reason not in self.refused.values():
@@ -235,7 +265,7 @@ def fit_key_of(
     hyper = tuple(
         tuple((k, _frozen(v, 0)) for k, v in group.items() if k != "params") for group in optimizer.param_groups
     )
-    closure = _frozen(step_fn, 2)
+    closure = _frozen(step_fn, 3)  # the step, its closure values, their attributes, and theirs
     return (id(module), id(optimizer), _module_key(module), hyper, clip, closure), None
 
 
@@ -253,8 +283,11 @@ def _module_key(module: nn.Module) -> tuple:
     return id(module), tensors, tuple(m.training for m in modules)
 
 
-def _frozen(value: Any, depth: int) -> Any:
-    """A hashable stand-in for what a step could read from ``value`` (tensors by address)."""
+def _frozen(value: Any, depth: int, active: set[int] | None = None) -> Any:
+    """A hashable stand-in for what a step could read from ``value``: numbers and strings by value, tensors by
+    address, modules by their tensors and modes; containers item by item; a function's closure and an object's
+    attributes while ``depth`` lasts (each level uses one), else the object's identity. Python modules and
+    classes are taken as constants; a container or object met again inside itself is keyed by identity."""
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, Tensor):
@@ -263,22 +296,33 @@ def _frozen(value: Any, depth: int) -> Any:
         return "module", _module_key(value)
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
-    if isinstance(value, (tuple, list, set, frozenset, dict)):
-        items = list(value.items()) if isinstance(value, dict) else list(value)
-        if len(items) > _CONTAINER_LIMIT:
-            return "container", id(value), len(items)
-        if isinstance(value, (set, frozenset)):
-            return "set", frozenset(_frozen(v, depth) for v in items)
-        return type(value).__name__, tuple(_frozen(v, depth) for v in items)
-    if isinstance(value, (types.FunctionType, types.MethodType)):
-        function = getattr(value, "__func__", value)
-        cells = tuple(_frozen(c.cell_contents, depth) for c in function.__closure__ or ())
-        defaults = _frozen(function.__defaults__ or (), depth)
-        owner = _frozen(value.__self__, depth) if isinstance(value, types.MethodType) else None
-        return "function", function.__code__, cells, defaults, owner
-    if depth > 0 and hasattr(value, "__dict__"):  # an object in the closure (the strategy): its attributes
-        return "object", id(value), tuple((k, _frozen(v, depth - 1)) for k, v in vars(value).items())
-    return "id", id(value)
+    if isinstance(value, (types.ModuleType, type)):
+        return "constant", id(value)
+    active = set() if active is None else active
+    if id(value) in active:  # a cycle (a list holding itself, a function whose closure holds itself)
+        return "cycle", id(value)
+    active.add(id(value))
+    try:
+        if isinstance(value, (tuple, list, set, frozenset, dict)):
+            items = list(value.items()) if isinstance(value, dict) else list(value)
+            if len(items) > _CONTAINER_LIMIT:
+                return "container", id(value), len(items)
+            if isinstance(value, (set, frozenset)):
+                return "set", frozenset(_frozen(v, depth, active) for v in items)
+            return type(value).__name__, tuple(_frozen(v, depth, active) for v in items)
+        if depth <= 0:
+            return "id", id(value)
+        if isinstance(value, (types.FunctionType, types.MethodType)):
+            function = getattr(value, "__func__", value)
+            cells = tuple(_frozen(c.cell_contents, depth - 1, active) for c in function.__closure__ or ())
+            defaults = _frozen(function.__defaults__ or (), depth - 1, active)
+            owner = _frozen(value.__self__, depth - 1, active) if isinstance(value, types.MethodType) else None
+            return "function", function.__code__, cells, defaults, owner
+        if hasattr(value, "__dict__"):  # an object in the closure (the strategy): its attributes
+            return "object", id(value), tuple((k, _frozen(v, depth - 1, active)) for k, v in vars(value).items())
+        return "id", id(value)
+    finally:
+        active.discard(id(value))
 
 
 # ---------------------------------------------------------------------------------------------- tracing
@@ -314,9 +358,14 @@ class StepTrace(TorchDispatchMode):
     def _problem(self, name: str, args, kwargs) -> str | None:
         if any(word in name for word in _RANDOM_WORDS):
             return f"the step draws random numbers ({name}), which a replay would not redraw as the eager step does"
-        if name in _HOST_READS:
-            return f"the step reads a tensor's value on the host ({name}: .item(), bool(), nonzero, ...)"
-        for t in tree_leaves((args, kwargs)):
+        leaves = tree_leaves((args, kwargs))
+        if name in _HOST_READS or (
+            name in _INDEXING
+            and len(args) > 1
+            and any(isinstance(t, Tensor) and t.dtype in (torch.bool, torch.uint8) for t in tree_leaves(args[1]))
+        ):
+            return f"the step reads a tensor's value on the host ({name}: .item(), bool(), a boolean mask, ...)"
+        for t in leaves:
             if isinstance(t, Tensor) and t.device != self.device:
                 return f"the step uses a tensor on {t.device} ({name}) while it trains on {self.device}"
         return None
@@ -368,14 +417,20 @@ class CudaGraphs:
         """The step before a capture runs on the capture's side stream (as torch's documentation asks)."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            yield
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            current.wait_stream(self.stream)
 
     def capture(self, body: Callable[[], tuple]) -> _Replay:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            outputs = body()
+        current = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                outputs = body()
+        finally:  # a capture that fails in capture_end leaves the capture stream current (torch.cuda.graph's exit)
+            torch.cuda.set_stream(current)
         return _Replay(graph, outputs)
 
 

@@ -65,6 +65,7 @@ class OnDeviceKD(Strategy):
         self.temperature, self.kd_weight, self.ramp_rounds = temperature, kd_weight, ramp_rounds
         self.kd_mode, self.teacher_mode = kd_mode, teacher_mode
         self.all_strong_every_round, self.weighted = all_strong_every_round, weighted
+        self._round_kd_weight: torch.Tensor | None = None
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
@@ -108,7 +109,7 @@ class OnDeviceKD(Strategy):
         teacher = self.receive(ctx, task, self.aux_role)
         teacher.train(self.teacher_mode == "train")
         target = self.receive(ctx, task, self.target_role)
-        weight = ramp_up(task.round - 1, self.kd_weight, self.ramp_rounds)
+        weight = self._kd_weight_on(ctx.data_x.device, ramp_up(task.round - 1, self.kd_weight, self.ramp_rounds))
         temperature = self.temperature  # a local, not `self`: a CUDA graph's key then holds only what the step reads
 
         @vmappable  # pure: clients of the target phase can train batched (client/batched.py)
@@ -135,6 +136,14 @@ class OnDeviceKD(Strategy):
             metrics[f"{self.target_role}/loss"] = ctx.fit(self.target_role, step_fn=joint_step)["loss"]
         uplink = {self.target_role: self.outgoing(self.target_role, target.model.state_dict(), copy=True)}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
+
+    def _kd_weight_on(self, device: torch.device, value: float) -> torch.Tensor:
+        """The round's KD weight in one device tensor, refilled each round rather than a new float: a CUDA graph
+        of the KD step (runtime.cuda_graphs) reads the tensor where it lies, so the 300-round ramp does not
+        capture new graphs every round. A float32 scalar times the loss, as the float was (bit-identical)."""
+        if self._round_kd_weight is None or self._round_kd_weight.device != device:
+            self._round_kd_weight = torch.zeros((), device=device)
+        return self._round_kd_weight.fill_(value)
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "auxiliary") -> dict[str, float]:
         role = self.aux_role if phase == "auxiliary" else self.target_role
