@@ -63,6 +63,8 @@ def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recip
     counts = replayed["cuda_graphs"]
     total = counts["graphed_steps"] + counts["eager_steps"]
     assert counts["captures"] > 0 and counts["graphed_steps"] > replayed_share * total, counts
+    # a fit that starts from a fresh optimizer state replays its first step too (zeroed momenta)
+    assert not [reason for reason in counts["eager_reasons"] if "momentum" in reason], counts
     assert "cuda_graphs" not in eager
 
 
@@ -154,6 +156,12 @@ def test_a_fit_replays_per_batch_shape_and_equals_the_eager_fit():
     # each shape: its first step runs eagerly, its second runs for real and is captured, the rest replay
     assert runner.counts == {"graphed_steps": 3, "eager_steps": 4, "captures": 2, "dropped": 0}
     assert runner.backend.replays == 3
+    opt.state.clear()  # a fresh state: the next fit replays from its first step, on zeroed momenta
+    eager_opt.state.clear()
+    _fit(step, [5, 5], True, runner, net, opt)
+    _fit(step, [5, 5], False, None, eager_net, eager_opt)
+    assert runner.counts["graphed_steps"] == 5
+    assert all(torch.equal(a, b) for a, b in zip(_state(net, opt), _state(eager_net, eager_opt)))
 
 
 def test_a_new_closure_value_captures_a_new_graph():

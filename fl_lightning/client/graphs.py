@@ -23,7 +23,8 @@ so a step is replayed only where that cannot change what it computes:
 - The optimizer is SGD. (torch's Adam replays only with ``capturable=True``, whose arithmetic differs.)
 
 A batch is copied into the graph's own input tensors before a replay, and momentum buffers stay in the
-tensors the graphs were captured with: a client's restored optimizer state is copied into them. Graphs
+tensors the graphs were captured with: a client's restored optimizer state is copied into them, a fresh
+one zeroes them (SGD's first step then adds the gradient to zero: the copy it would make). Graphs
 share one memory pool: they are replayed one at a time, and a replay's loss and record are read before
 the next; beyond ``capacity`` they are all dropped at once (one freed graph clears the capture stream's
 cuBLAS workspace, which the others use: pytorch/pytorch#193402). On a CPU, :class:`CheckedReruns` stands in for CUDA graphs: it reruns a step and fails when the
@@ -207,7 +208,8 @@ class StepGraphs:
 
     def _momenta_in_place(self, optimizer: torch.optim.Optimizer) -> bool:
         """Puts the optimizer's momentum buffers into the tensors graphs were captured with (the first
-        capture's); False when a parameter has none yet (a fresh state: its first step makes them)."""
+        capture's); False where that cannot be done (no capture yet made them, or other parameters have
+        momenta than then)."""
         if not any(group.get("momentum") for group in optimizer.param_groups):
             return True
         state = optimizer.state
@@ -215,6 +217,14 @@ class StepGraphs:
         if kept is not None and state.get(kept[0][0], {}).get("momentum_buffer") is kept[1][0]:
             return True
         params = [p for group in optimizer.param_groups for p in group["params"] if p in state]
+        if not params and kept is not None and not any(g.get("dampening") for g in optimizer.param_groups):
+            # a fresh state (optimizer_state reset, a client's first fit): zero momenta. The first step then
+            # makes buffer = 0 * momentum + gradient = gradient, what SGD's first step copies (up to the sign
+            # of a zero), so it replays too instead of running eagerly once per fit
+            torch._foreach_zero_(kept[1])
+            for p, buffer in zip(kept[0], kept[1]):
+                state[p]["momentum_buffer"] = buffer
+            return True
         current = [state[p].get("momentum_buffer") for p in params]
         if not params or any(buffer is None for buffer in current):
             return False
