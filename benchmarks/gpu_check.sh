@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks a session with a lent GPU runs once (about 8 minutes on an H100 / H200), from the repository root:
 #   the flagship benchmark (sequential with CUDA graphs, sequential, batched; 32-true; next to the plain-PyTorch
-#   anchors, the CUDA-graphed one included), a profile of one batched round, then the tests on CUDA
-#   (batched-executor parity, precision, start-up, every digits recipe, CUDA graphs against eager).
+#   anchors, the CUDA-graphed one included), the tests on CUDA (CUDA graphs against eager, every digits recipe,
+#   batched-executor parity, precision, start-up), then profiles of a graphed and a batched run of 2 rounds.
 #   Run it with PYTHONUNBUFFERED=1 so that a run cut short still shows what it reached.
 # The device image lacks jsonargparse and friends: their wheels travel in .whl/ (carry: [".whl"]).
 #   bash benchmarks/gpu_check.sh            # writes $OUT/ (or ./gpu_check_out/) and prints a summary
@@ -43,9 +43,6 @@ else
   # graphs first: runtime.cuda_graphs is the one mode never run on a GPU yet
   python3 benchmarks/gpu_flagship.py --rounds 4 --precision ${PRECISIONS:-32-true} --executor graphs sequential batched \
     --split benchmarks/results/batched_calls_flagship.json --json > "$OUT/gpu_flagship.json" 2> >(tee "$OUT/gpu_flagship.log" >&2)
-  # where a batched round goes (python3 -m pstats, or pstats.Stats(...).sort_stats("tottime") here)
-  python3 -m cProfile -o "$OUT/batched_round.prof" benchmarks/gpu_flagship.py --rounds 1 --precision 32-true \
-    --executor batched --skip_plain --json > /dev/null 2>&1 || true
 fi
 python3 - "$OUT/gpu_flagship.json" <<'EOF'
 import json, sys
@@ -59,10 +56,18 @@ for plain in result.get("plain_pytorch", []):
 if "plain_split" in result:
     print("plain PyTorch in the batched executor's split:", round(result["plain_split"]["s_per_round"], 2), "s per round")
 EOF
-# the parity tests last: the figures above matter more if the device's time runs out
-# parity on the device: accelerator auto picks the GPU, so these compare batched and sequential CUDA runs
-python3 -m pytest -q -p no:cacheprovider tests/test_batched_executor.py tests/test_precision.py tests/test_startup.py tests/test_cuda.py \
-  2>&1 | tail -15 | tee "$OUT/tests.txt" || true
+# the tests after the figures, which matter more if the device's time runs out; test_cuda.py first (CUDA graphs
+# against eager, every digits recipe, resumes), then parity (accelerator auto picks the GPU: batched against
+# sequential CUDA runs)
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_batched_executor.py tests/test_precision.py \
+  tests/test_startup.py 2>&1 | tail -15 | tee "$OUT/tests.txt" || true
+if [ -z "${TINY:-}" ]; then
+  # where a round goes, graphed and batched (python3 -m pstats, or pstats.Stats(...).sort_stats("tottime"))
+  for executor in graphs batched; do
+    timeout 120 python3 -m cProfile -o "$OUT/${executor}_round.prof" benchmarks/gpu_flagship.py --rounds 2 \
+      --precision 32-true --executor $executor --skip_plain --json > /dev/null 2>&1 || true
+  done
+fi
 # what the device call has left goes to the compile anchors (one call: a second one may find no warm machine)
 if [ -n "${BUDGET_S:-}" ] && [ $((BUDGET_S - SECONDS)) -ge 240 ]; then
   PART=compile timeout $((BUDGET_S - SECONDS)) bash "$0" 2>&1 | tee "$OUT/compile.log" || true
