@@ -87,7 +87,7 @@ def count(rounds: int, local_steps: int) -> dict:
             profiles["sequential"].disable()
 
     real_graphed_fit, real_eager_step = graphs.StepGraphs.run_steps, graphs._step
-    real_first_run, real_backend = graphs.StepGraphs._first_run, graphs.backend_for
+    real_run_and_capture, real_backend = graphs.StepGraphs._run_and_capture, graphs.backend_for
 
     def graphed_fit(self, module, optimizer, batches, step_fn, clip, on_record):
         batches = list(batches)
@@ -111,7 +111,10 @@ def count(rounds: int, local_steps: int) -> dict:
     loop.LocalLoop.run_steps = run_steps
     cli.fit_from_argv = fit_with_more_steps
     graphs.StepGraphs.run_steps, graphs._step = graphed_fit, uncounted(real_eager_step)
-    graphs.StepGraphs._first_run, graphs.backend_for = uncounted(real_first_run), lambda device: _CountingGraphs(device)
+    graphs.StepGraphs._run_and_capture, graphs.backend_for = (
+        uncounted(real_run_and_capture),
+        lambda device: _CountingGraphs(device),
+    )
     try:
         with tempfile.TemporaryDirectory() as tmp:
             write_random_cifar10(Path(tmp) / "data", 200)
@@ -123,7 +126,7 @@ def count(rounds: int, local_steps: int) -> dict:
         loop.LocalLoop.run_steps = real_run_steps
         cli.fit_from_argv = real_fit
         graphs.StepGraphs.run_steps, graphs._step = real_graphed_fit, real_eager_step
-        graphs.StepGraphs._first_run, graphs.backend_for = real_first_run, real_backend
+        graphs.StepGraphs._run_and_capture, graphs.backend_for = real_run_and_capture, real_backend
     group_calls = sum(pstats.Stats(profiles[kind]).total_calls for kind in ("group", "shared", "lone"))
     return {
         "fits": result["fits"],

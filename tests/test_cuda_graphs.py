@@ -325,3 +325,19 @@ def test_a_closure_holding_python_modules_and_cycles_is_keyed_without_recursing_
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, foreach=True)
     runner.run_steps(net, optimizer, _batches([4, 4, 4]), step, None, None)
     assert runner.counts["graphed_steps"] == 1 and runner.counts["captures"] == 1
+
+
+def test_a_fit_started_after_a_drop_never_takes_a_kept_graph_of_another_fit():
+    """Fit numbers are never reused. The first fit's third capture drops its first two and keeps the third; the
+    next fit (another learning rate) must not match that graph by number (the stand-in raises if it does)."""
+    runner, net = StepGraphs(CheckedReruns("cpu"), capacity=2), _Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    eager_net = _Net()
+    eager_opt = torch.optim.SGD(eager_net.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    for lr, shapes in ((0.1, [4, 4, 3, 3, 5, 5]), (0.05, [5, 5, 5])):
+        for opt in (optimizer, eager_opt):
+            opt.param_groups[0]["lr"] = lr
+        _fit(_cross_entropy(1.0), shapes, True, runner, net, optimizer)
+        _fit(_cross_entropy(1.0), shapes, False, None, eager_net, eager_opt)
+    assert runner.counts["dropped"] == 2 and runner.counts["captures"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), eager_net.state_dict().values()))

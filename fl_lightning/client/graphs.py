@@ -35,6 +35,7 @@ graph would silently get wrong (``tests/test_cuda_graphs.py``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -91,6 +92,7 @@ class StepGraphs:
         self.counts = {"graphed_steps": 0, "eager_steps": 0, "captures": 0, "dropped": 0}
         self.eager_reasons: dict[str, int] = {}  # why steps ran eagerly, in steps (summary.json)
         self._fit_ids: dict[tuple, int] = {}
+        self._fit_numbers = itertools.count()
 
     def run_steps(
         self,
@@ -107,7 +109,10 @@ class StepGraphs:
         if fit_key is not None:  # a small number per key: the long key is hashed once a fit, not at every step
             if fit_key not in self._fit_ids and len(self._fit_ids) >= 16 * self.capacity:
                 self._drop_all()  # keys that change every fit (FedHe's server logits) would otherwise pile up
-            fit_key = self._fit_ids.setdefault(fit_key, len(self._fit_ids))
+            fit_id = self._fit_ids.get(fit_key)
+            if fit_id is None:  # never a number used before: a graph kept from before a drop must not match
+                fit_id = self._fit_ids[fit_key] = next(self._fit_numbers)
+            fit_key = fit_id
         total, steps = torch.zeros((), device=self.backend.device), 0
         for i, batch in enumerate(batches):
             loss, record = self._one_step(fit_key, why, module, optimizer, batch, i, step_fn, clip)
@@ -118,7 +123,7 @@ class StepGraphs:
         return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
 
     def _one_step(self, fit_key, why, module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
-        """A step replayed, or run for real and captured (a key's first), or run eagerly (counted with why)."""
+        """A step replayed, or run for real and captured (a key's second), or run eagerly (counted with why)."""
         reason = why
         if fit_key is not None:
             try:
@@ -129,7 +134,7 @@ class StepGraphs:
                 graph = self.graphs.get(key)
                 if graph is None and key not in self.refused:
                     if key in self.seen:  # a key that recurs: worth a capture (a one-off shape is not)
-                        return self._first_run(key, module, optimizer, batch, i, step_fn, clip)
+                        return self._run_and_capture(key, module, optimizer, batch, i, step_fn, clip)
                     self.seen.add(key)
                     self._count_eager("a key's first step (captured if the key recurs)")
                     optimizer.zero_grad(set_to_none=True)
@@ -158,7 +163,7 @@ class StepGraphs:
         reason = reason or "not replayable"
         self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
 
-    def _first_run(self, key, module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
+    def _run_and_capture(self, key, module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
         """Runs the step for real (the capture's warm-up), checked op by op, then captures its graph."""
         inputs = tuple(t.clone() for t in batch)  # the graph's input tensors, filled before each replay
         optimizer.zero_grad(set_to_none=True)
