@@ -341,3 +341,15 @@ def test_a_fit_started_after_a_drop_never_takes_a_kept_graph_of_another_fit():
         _fit(_cross_entropy(1.0), shapes, False, None, eager_net, eager_opt)
     assert runner.counts["dropped"] == 2 and runner.counts["captures"] == 4
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), eager_net.state_dict().values()))
+
+
+def test_a_parameter_frozen_between_fits_is_part_of_the_key():
+    """A graph captured while the head trained would keep updating it after the strategy freezes it."""
+    net, runner = _Net(), StepGraphs(CheckedReruns("cpu"))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    _fit(_cross_entropy(1.0), [4, 4, 4], True, runner, net, optimizer)
+    net.head.requires_grad_(False)
+    frozen = net.head.weight.detach().clone()
+    _fit(_cross_entropy(1.0), [4, 4, 4], True, runner, net, optimizer)
+    assert runner.counts["captures"] == 2
+    assert torch.equal(net.head.weight, frozen)

@@ -285,7 +285,7 @@ def fit_key_of(
 
 
 def _module_key(module: nn.Module) -> tuple:
-    """Every submodule's tensors' addresses and training mode (walked directly: ``named_modules`` and its
+    """Every submodule's tensors' addresses, which parameters train, and training modes (walked directly: ``named_modules`` and its
     generators made this a few thousand Python calls per fit of a ResNet20 and its teacher)."""
     modules, stack = [], [module]
     while stack:
@@ -295,7 +295,8 @@ def _module_key(module: nn.Module) -> tuple:
     tensors = tuple(
         t.data_ptr() for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
     )
-    return id(module), tensors, tuple(m.training for m in modules)
+    trained = tuple(t.requires_grad for m in modules for t in m._parameters.values() if t is not None)  # frozen?
+    return id(module), tensors, trained, tuple(m.training for m in modules)
 
 
 def _frozen(value: Any, depth: int, active: set[int] | None = None) -> Any:
