@@ -151,10 +151,11 @@ def _cpu_stand_in(wanted: bool):
     """On a CPU dry run, CUDA graphs' stand-in that checks each replay against its capture (unless a caller,
     such as batched_python_calls.py, has put its own backend in place)."""
     from fl_lightning.client import graphs
+    from fl_lightning.client.graph_trace import CheckedReruns
 
     original = graphs.backend_for
     if wanted and original.__module__ == graphs.__name__:
-        graphs.backend_for = graphs.CheckedReruns
+        graphs.backend_for = CheckedReruns
     try:
         yield
     finally:

@@ -18,7 +18,8 @@ from torch import nn
 from fl_lightning.cli import fit_from_argv
 from fl_lightning.client import graphs
 from fl_lightning.client.batched import vmappable
-from fl_lightning.client.graphs import CheckedReruns, ReplayMismatch, StepGraphs
+from fl_lightning.client.graph_trace import CheckedReruns, ReplayMismatch
+from fl_lightning.client.graphs import StepGraphs
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit_args import UserError
 
@@ -353,3 +354,36 @@ def test_a_parameter_frozen_between_fits_is_part_of_the_key():
     _fit(_cross_entropy(1.0), [4, 4, 4], True, runner, net, optimizer)
     assert runner.counts["captures"] == 2
     assert torch.equal(net.head.weight, frozen)
+
+
+class _Slotted:
+    __slots__ = ("scale",)
+
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def test_slotted_objects_partials_and_numpy_numbers_in_a_closure_are_keyed_by_value():
+    import functools
+
+    import numpy as np
+
+    holder, weights = _Slotted(1.0), [np.float32(1.0)]
+    scaled = [functools.partial(torch.mul, other=1.0)]
+
+    @vmappable
+    def step(module, batch, i):
+        x, y = batch
+        loss = holder.scale * float(weights[0]) * F.cross_entropy(module(x), y)
+        return scaled[0](loss)
+
+    net, runner = _Net(), StepGraphs(CheckedReruns("cpu"))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    _fit(step, [4, 4, 4], True, runner, net, optimizer)
+    holder.scale = 0.5  # each change in place is a new key (the stand-in would raise on a stale replay)
+    _fit(step, [4, 4, 4], True, runner, net, optimizer)
+    weights[0] = np.float32(0.25)
+    _fit(step, [4, 4, 4], True, runner, net, optimizer)
+    scaled[0] = functools.partial(torch.mul, other=2.0)
+    _fit(step, [4, 4, 4], True, runner, net, optimizer)
+    assert runner.counts["captures"] == 4 and runner.counts["graphed_steps"] == 4

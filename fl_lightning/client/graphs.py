@@ -35,6 +35,7 @@ graph would silently get wrong (``tests/test_cuda_graphs.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import types
@@ -42,31 +43,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..errors import ConfigError
+from .graph_trace import SCALARS, CheckedReruns, StepTrace
 
 log = logging.getLogger(__name__)
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
-_RANDOM_WORDS = ("rand", "bernoulli", "normal", "uniform", "dropout", "multinomial", "exponential", "poisson")
-# ops whose result the host must read (a sync), which a capture cannot contain
-_HOST_READS = {
-    "_local_scalar_dense",
-    "is_nonzero",
-    "equal",
-    "nonzero",
-    "masked_select",
-    "_unique2",
-    "unique_dim",
-    "unique_consecutive",
-    "repeat_interleave",
-    "bincount",
-}
-_INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}  # indices a boolean mask: a nonzero inside
 _CONTAINER_LIMIT = 256  # larger closure containers are keyed by identity and length only
 
 
@@ -156,7 +141,11 @@ class StepGraphs:
         return loss, None if record is None else tuple(t.clone() for t in record)  # the next replay reuses it
 
     def summary(self) -> dict[str, Any]:
-        return {**self.counts, "graphs": len(self.graphs), "eager_reasons": dict(self.eager_reasons)}
+        """The counts of this process since it started (a resumed run's since the resume)."""
+        summary = {**self.counts, "graphs": len(self.graphs), "eager_reasons": dict(self.eager_reasons)}
+        if not self.counts["graphed_steps"] + self.counts["eager_steps"]:
+            summary["note"] = "no local fit went through the training loop: this method trains its own way"
+        return summary
 
     def _count_eager(self, reason: str | None) -> None:
         self.counts["eager_steps"] += 1
@@ -180,16 +169,17 @@ class StepGraphs:
             optimizer.zero_grad(set_to_none=True)  # gradients are the step's own, not added to the last step's
             return _step(module, optimizer, inputs, i, step_fn, clip)
 
+        if len(self.graphs) >= self.capacity:  # before the capture: a graph freed after it would break it
+            self._drop_all()
         try:
             handle = self.backend.capture(body)
         except Exception as err:  # noqa: BLE001 (whatever the capture met, the step stays eager)
             optimizer.zero_grad(set_to_none=True)
+            self._drop_all()  # the failed graph's teardown may have cleared the workspace the others use
             return self._refuse(
                 key, f"capture failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}", loss, record
             )
         optimizer.zero_grad(set_to_none=True)  # no gradient attribute left pointing into the graphs' shared memory
-        if len(self.graphs) >= self.capacity:
-            self._drop_all()
         self.graphs[key] = _Graph(handle, inputs)
         self.counts["captures"] += 1
         self._count_eager("a key's second step (run, then captured)")
@@ -247,7 +237,7 @@ class StepGraphs:
 
 @dataclass
 class _Graph:
-    handle: Any  # CudaGraphs._Replay or CheckedReruns._Rerun
+    handle: Any  # _Replay, or graph_trace's rerun
     inputs: tuple[Tensor, ...]
 
 
@@ -304,8 +294,10 @@ def _frozen(value: Any, depth: int, active: set[int] | None = None) -> Any:
     address, modules by their tensors and modes; containers item by item; a function's closure and an object's
     attributes while ``depth`` lasts (each level uses one), else the object's identity. Python modules and
     classes are taken as constants; a container or object met again inside itself is keyed by identity."""
-    if isinstance(value, _SCALARS):
+    if isinstance(value, SCALARS):
         return value
+    if isinstance(value, np.generic):  # a numpy number
+        return value.item()
     if isinstance(value, Tensor):
         return "tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device
     if isinstance(value, nn.Module):
@@ -334,89 +326,25 @@ def _frozen(value: Any, depth: int, active: set[int] | None = None) -> Any:
             defaults = _frozen(function.__defaults__ or (), depth - 1, active)
             owner = _frozen(value.__self__, depth - 1, active) if isinstance(value, types.MethodType) else None
             return "function", function.__code__, cells, defaults, owner
-        if hasattr(value, "__dict__"):  # an object in the closure (the strategy): its attributes
-            return "object", id(value), tuple((k, _frozen(v, depth - 1, active)) for k, v in vars(value).items())
+        if isinstance(value, functools.partial):
+            return "partial", _frozen((value.func, value.args, value.keywords), depth - 1, active)
+        attributes = _attributes(value)
+        if attributes is not None:  # an object in the closure (the strategy): its attributes
+            return "object", id(value), tuple((k, _frozen(v, depth - 1, active)) for k, v in attributes)
         return "id", id(value)
     finally:
         active.discard(id(value))
 
 
-# ---------------------------------------------------------------------------------------------- tracing
-class StepTrace(TorchDispatchMode):
-    """Watches a step's operations: what a graph could not replay (``problem``), and the sequence of
-    operations with their Python arguments and the addresses of the tensors from outside the step
-    (``ops``), which a replay must repeat exactly. ``undo`` keeps a copy of every outside tensor when the
-    step first uses it, so that :meth:`restore` can take the step back."""
-
-    def __init__(self, device: torch.device, ops: bool = False, undo: bool = False):
-        super().__init__()
-        self.device, self.keep_ops, self.undo = device, ops or undo, undo
-        self.problem: str | None = None
-        self.ops: list[tuple] = []
-        self._made: set[int] = set()  # storages the step allocated
-        self._outside: set[int] = set()  # storages the step found (weights, buffers, inputs, momenta)
-        self._saved: dict[int, tuple[Tensor, Tensor]] = {}
-
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if self.problem is None:
-            self.problem = self._problem(name, args, kwargs)
-        if not self.keep_ops:  # a warm-up: only the problems
-            return func(*args, **kwargs)
-        self.ops.append((str(func), self._arguments(args), self._arguments(kwargs)))
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and _storage(t) not in self._outside:
-                self._made.add(_storage(t))
-        return out
-
-    def _problem(self, name: str, args, kwargs) -> str | None:
-        if any(word in name for word in _RANDOM_WORDS):
-            return f"the step draws random numbers ({name}), which a replay would not redraw as the eager step does"
-        leaves = tree_leaves((args, kwargs))
-        if name in _HOST_READS or (
-            name in _INDEXING
-            and len(args) > 1
-            and any(isinstance(t, Tensor) and t.dtype in (torch.bool, torch.uint8) for t in tree_leaves(args[1]))
-        ):
-            return f"the step reads a tensor's value on the host ({name}: .item(), bool(), a boolean mask, ...)"
-        for t in leaves:
-            if isinstance(t, Tensor) and t.device != self.device:
-                return f"the step uses a tensor on {t.device} ({name}) while it trains on {self.device}"
-        return None
-
-    def _arguments(self, values) -> tuple:
-        out = []
-        for v in tree_leaves(values):
-            if isinstance(v, Tensor):
-                storage = _storage(v)
-                if storage in self._made:
-                    out.append("made")
-                else:
-                    self._outside.add(storage)
-                    out.append(("outside", v.data_ptr(), tuple(v.shape)))
-                    if self.undo and id(v) not in self._saved:  # before any change: an op's schema does not
-                        self._saved[id(v)] = (v, v.detach().clone())  # always say what it writes (batch norm)
-            elif isinstance(v, _SCALARS):
-                out.append(v)
-            else:
-                out.append(str(v))
-        return tuple(out)
-
-    def restore(self) -> None:
-        """Puts back every outside tensor as the step found it (latest copies first, so the earliest wins
-        where views overlap)."""
-        with torch.no_grad():
-            for tensor, saved in reversed(self._saved.values()):
-                tensor.copy_(saved)
-
-
-def _storage(t: Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
-        return id(t)
+def _attributes(value: Any) -> list[tuple[str, Any]] | None:
+    """An object's attributes, from its ``__dict__`` and its classes' ``__slots__``; None when it has neither."""
+    found = list(vars(value).items()) if hasattr(value, "__dict__") else []
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                found.append((name, getattr(value, name)))
+    return found if found or hasattr(value, "__dict__") else None
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -445,6 +373,9 @@ class CudaGraphs:
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 outputs = body()
+        except BaseException:
+            del graph  # torn down now, before any other capture (its teardown clears the stream's cuBLAS workspace)
+            raise
         finally:  # a capture that fails in capture_end leaves the capture stream current (torch.cuda.graph's exit)
             torch.cuda.set_stream(current)
         return _Replay(graph, outputs)
@@ -457,47 +388,3 @@ class _Replay:
     def replay(self) -> tuple:
         self.graph.replay()
         return self.outputs
-
-
-class CheckedReruns:
-    """Stands in for CUDA graphs on a CPU (tests): a capture runs the step once under :class:`StepTrace` and
-    takes it back (a real capture runs nothing), a replay reruns it and raises :class:`ReplayMismatch` when its
-    operations, Python arguments or outside tensors' addresses differ from the capture's: the cases where a
-    CUDA graph would silently replay the capture's values instead."""
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.replays = 0
-
-    def warm_up(self):
-        return contextlib.nullcontext()
-
-    def capture(self, body: Callable[[], tuple]) -> _Rerun:
-        trace = StepTrace(self.device, undo=True)
-        with trace:
-            body()
-        trace.restore()
-        return _Rerun(self, body, trace.ops)
-
-
-class ReplayMismatch(AssertionError):
-    """A rerun differed from its capture: a CUDA graph would have replayed stale values or addresses."""
-
-
-class _Rerun:
-    def __init__(self, owner: CheckedReruns, body: Callable[[], tuple], ops: list[tuple]):
-        self.owner, self.body, self.ops = owner, body, ops
-
-    def replay(self) -> tuple:
-        trace = StepTrace(self.owner.device, ops=True)
-        with trace:
-            outputs = self.body()
-        self.owner.replays += 1
-        if trace.ops != self.ops:
-            first = next(
-                (i for i, (a, b) in enumerate(zip(trace.ops, self.ops)) if a != b), min(len(trace.ops), len(self.ops))
-            )
-            seen = trace.ops[first] if first < len(trace.ops) else None
-            captured = self.ops[first] if first < len(self.ops) else None
-            raise ReplayMismatch(f"operation {first} differs from the capture: {seen} vs captured {captured}")
-        return outputs

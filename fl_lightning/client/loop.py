@@ -127,7 +127,9 @@ class LocalLoop:
             group["lr"] = base * factor
         if self.graphs is not None:
             clip = self.training.grad_clip_norm
-            return self.graphs.run_steps(slot.module, slot.optimizer, batches, step_fn or _training_step, clip, on_record)
+            return self.graphs.run_steps(
+                slot.module, slot.optimizer, batches, step_fn or _training_step, clip, on_record
+            )
         return self.run_steps(slot.module, slot.optimizer, batches, step_fn, self.training.grad_clip_norm, on_record)
 
     def run_steps(
