@@ -61,11 +61,12 @@ for result in results:
     if "plain_split" in result:
         print("plain PyTorch in the batched executor's split:", round(result["plain_split"]["s_per_round"], 2), "s per round")
 EOF
-# the tests after the figures, which matter more if the device's time runs out; test_cuda.py first (CUDA graphs
-# against eager, every digits recipe, resumes), then parity (accelerator auto picks the GPU: batched against
-# sequential CUDA runs)
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_batched_executor.py tests/test_precision.py \
-  tests/test_startup.py 2>&1 | tail -15 | tee "$OUT/tests.txt" || true
+# the tests after the figures, which matter more if the device's time runs out: CUDA graphs against eager (in a
+# process of their own, as above), then every digits recipe and resumes on CUDA, and parity (accelerator auto
+# picks the GPU: batched against sequential CUDA runs)
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k cuda_graph 2>&1 | tail -15 | tee "$OUT/tests_graphs.txt" || true
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not cuda_graph" tests/test_batched_executor.py \
+  tests/test_precision.py tests/test_startup.py 2>&1 | tail -15 | tee "$OUT/tests.txt" || true
 if [ -z "${TINY:-}" ]; then
   # where a round goes, graphed and batched (python3 -m pstats, or pstats.Stats(...).sort_stats("tottime"))
   for executor in graphs batched; do
