@@ -121,14 +121,13 @@ class StepGraphs:
                     if key in self.seen:  # a key that recurs: worth a capture (a one-off shape is not)
                         return self._run_and_capture(key, module, optimizer, batch, i, step_fn, clip)
                     self.seen.add(key)
-                    self._count_eager("a key's first step (captured if the key recurs)")
-                    optimizer.zero_grad(set_to_none=True)
-                    return _step(module, optimizer, batch, i, step_fn, clip)
-                if graph is not None and self._momenta_in_place(optimizer):
+                    reason = "a key's first step (captured if the key recurs)"
+                elif graph is not None and self._momenta_in_place(optimizer):
                     return self._replay(key, graph, batch)
-                reason = self.refused.get(
-                    key, "the optimizer's momentum buffers are missing (a fit's first step makes them) or new"
-                )
+                else:
+                    reason = self.refused.get(
+                        key, "the optimizer's momentum buffers are missing (a fit's first step makes them) or new"
+                    )
         optimizer.zero_grad(set_to_none=True)
         self._count_eager(reason)
         return _step(module, optimizer, batch, i, step_fn, clip)
@@ -205,11 +204,11 @@ class StepGraphs:
         """Puts the optimizer's momentum buffers into the tensors graphs were captured with (the first
         capture's); False where that cannot be done (no capture yet made them, or other parameters have
         momenta than then)."""
-        if not any(group.get("momentum") for group in optimizer.param_groups):
-            return True
         state = optimizer.state
         kept = self.momenta.get(id(optimizer))
         if kept is not None and state.get(kept[0][0], {}).get("momentum_buffer") is kept[1][0]:
+            return True  # the replays' case: checked first
+        if not any(group.get("momentum") for group in optimizer.param_groups):
             return True
         params = [p for group in optimizer.param_groups for p in group["params"] if p in state]
         if not params and kept is not None and not any(g.get("dampening") for g in optimizer.param_groups):
