@@ -59,7 +59,9 @@ class Runtime:
         cuda_graphs: replay each local training step from a CUDA graph, captured per step function, batch
             shape and learning rate (``client/graphs.py``): the sequential loop without its per-step host
             cost. Needs a CUDA device, precision ``32-true`` and the sequential executor (``auto`` picks it);
-            steps that cannot be replayed faithfully run eagerly, counted in ``summary.json``. Experimental:
+            steps that cannot be replayed faithfully run eagerly, counted in ``summary.json``. SGD runs give
+            the eager run's numbers bit for bit; Adam and AdamW run in their ``capturable`` mode (the numbers of
+            ``capturable: true`` without graphs, float rounding away from the default Adam's). Experimental:
             its speed is not yet measured on a GPU (docs/performance.md).
     """
 
@@ -253,9 +255,11 @@ def fit(
         in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
     )
     if runtime.cuda_graphs:
-        from .client.graphs import StepGraphs, backend_for
+        from .client.graphs import StepGraphs, backend_for, prepare_optimizer
 
         loop.graphs = StepGraphs(backend_for(fabric.device))
+        for slot in loop.slots.values():
+            prepare_optimizer(slot.optimizer)  # Adam: capturable, for eager steps and replays alike
     loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
     run_info = {
         "name": name,

@@ -49,20 +49,46 @@ def test_a_run_resumed_on_cuda_equals_the_uninterrupted_one(tmp_path, method):
     assert full and resumed == full
 
 
-@pytest.mark.parametrize("recipe", ["quickstart.yaml", "digits_ondevice_kd.yaml"])
-def test_cuda_graphs_replay_the_steps_of_the_eager_run(tmp_path, recipe):
+ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.003}}"]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra"),
+    [
+        ("quickstart.yaml", []),
+        ("digits_ondevice_kd.yaml", []),
+        # Adam, one state per client; graphs run it in capturable mode, so the eager twin does too
+        ("digits_fedhe.yaml", ["--training.optimizer.init_args.capturable", "true"]),
+    ],
+)
+def test_cuda_graphs_replay_the_steps_of_the_eager_run(tmp_path, recipe, extra):
     """runtime.cuda_graphs on a real GPU: the captures succeed, most steps replay, and the run ends where the
     eager sequential run does (the replayed kernels are the eager step's; tolerance for cuDNN's choices)."""
-    argv = [*_argv(recipe, tmp_path / "eager", 3), "--runtime.executor", "sequential"]
+    argv = [*_argv(recipe, tmp_path / "eager", 3), "--runtime.executor", "sequential", *extra]
     eager = fit_from_argv(argv)
-    argv = [*_argv(recipe, tmp_path / "graphs", 3), "--runtime.executor", "sequential", "--runtime.cuda_graphs", "true"]
-    replayed = fit_from_argv(argv)
+    extra = [a for a in extra if a not in ("--training.optimizer.init_args.capturable", "true")]
+    argv = [*_argv(recipe, tmp_path / "graphs", 3), "--runtime.executor", "sequential", *extra]
+    replayed = fit_from_argv([*argv, "--runtime.cuda_graphs", "true"])
     counts = replayed["cuda_graphs"]
     assert counts["captures"] > 0 and not [r for r in counts["eager_reasons"] if "capture failed" in r], counts
     assert counts["graphed_steps"] > counts["eager_steps"], counts
     assert replayed["final"].keys() == eager["final"].keys()
     for key, value in eager["final"].items():
         assert replayed["final"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_cuda_graphs_run_adam_at_learning_rate_0_with_its_default_step(tmp_path):
+    """The quickstart's cosine schedule ends at lr 0, where capturable Adam writes NaN: the graphed run
+    replays rounds 1-2 in capturable mode, runs round 3 with the default step and stays finite, near the
+    default Adam's run (float32 bias corrections)."""
+    argv = [*_argv("quickstart.yaml", tmp_path / "graphs", 3), "--runtime.executor", "sequential", *ADAMW]
+    replayed = fit_from_argv([*argv, "--runtime.cuda_graphs", "true"])
+    eager = fit_from_argv(
+        [*_argv("quickstart.yaml", tmp_path / "eager", 3), "--runtime.executor", "sequential", *ADAMW]
+    )
+    counts = replayed["cuda_graphs"]
+    assert counts["graphed_steps"] > 0 and any(r.startswith("the learning rate is 0") for r in counts["eager_reasons"])
+    assert replayed["final"]["global/test_loss"] == pytest.approx(eager["final"]["global/test_loss"], rel=1e-2)
 
 
 def test_cuda_graph_steps_replay_and_a_masked_step_is_refused_on_a_gpu():

@@ -7,6 +7,8 @@ the eager step. So a run that passes here with the eager run's numbers replays f
 what only a GPU shows (whether torch can capture the step's kernels; tests/test_cuda.py runs it there).
 """
 
+import copy
+import functools
 import json
 import types
 
@@ -18,15 +20,18 @@ from torch import nn
 from fl_lightning.cli import fit_from_argv
 from fl_lightning.client import graphs
 from fl_lightning.client.batched import vmappable
-from fl_lightning.client.graph_trace import CheckedReruns, ReplayMismatch
+from fl_lightning.client.graph_trace import CheckedReruns, ReplayMismatch, capturable_adam_on_cpu
 from fl_lightning.client.graphs import StepGraphs
 from fl_lightning.errors import ConfigError
 from fl_lightning.fit_args import UserError
+from fl_lightning.robustness import Diverged
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
     monkeypatch.setattr(graphs, "backend_for", lambda device: CheckedReruns(device))
+    with capturable_adam_on_cpu():  # Adam replays in capturable mode, which torch runs on CPU only so patched
+        yield
 
 
 def _run(tmp_path, name, recipe, *extra, graphs_on=False):
@@ -41,6 +46,9 @@ def _run(tmp_path, name, recipe, *extra, graphs_on=False):
 
 
 SGD = ["--training.optimizer", "{class_path: torch.optim.SGD, init_args: {lr: 0.05, momentum: 0.9}}"]
+# the eager twin of a graphed Adam run: graphs switch Adam to capturable mode, which rounds differently
+CAPTURABLE = ["--training.optimizer.init_args.capturable", "true"]
+ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.003}}"]
 
 
 @pytest.mark.parametrize(
@@ -50,12 +58,17 @@ SGD = ["--training.optimizer", "{class_path: torch.optim.SGD, init_args: {lr: 0.
         ("quickstart.yaml", ["--training.optimizer_state", "per_client"], 0.5),  # a client's momenta copied in
         ("digits_ondevice_kd.yaml", [], 0.5),  # a teacher, a KD weight ramped each round, a local temperature
         # a record of training-mode logits handed out each step; the server's logits are new tensors every
-        # fit, so every fit captures anew and few steps replay (its recipe's Adam stays eager: SGD here)
+        # fit, so every fit captures anew and few steps replay
         ("digits_fedhe.yaml", SGD, 0.0),
+        # its recipe's Adam, one state per client: step counts and moments copied in, zeroed at a first fit
+        ("digits_fedhe.yaml", [], 0.0),
+        # a constant learning rate: at a cosine schedule's last round, 0, capturable Adam writes NaN (see below)
+        ("quickstart.yaml", [*ADAMW, "--training.lr_schedule", "fl_lightning.schedules.ConstantLR"], 0.5),
     ],
 )
 def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra, replayed_share):
-    eager, eager_ckpt = _run(tmp_path, "eager", recipe, *extra)
+    adam = "Adam" in " ".join(extra) or (not extra and "fedhe" in recipe)
+    eager, eager_ckpt = _run(tmp_path, "eager", recipe, *extra, *(CAPTURABLE if adam else []))
     replayed, replayed_ckpt = _run(tmp_path, "graphs", recipe, *extra, graphs_on=True)
     assert replayed["final"] == eager["final"]
     eager_tensors, replayed_tensors = _tensors(eager_ckpt), _tensors(replayed_ckpt)
@@ -64,8 +77,8 @@ def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recip
     counts = replayed["cuda_graphs"]
     total = counts["graphed_steps"] + counts["eager_steps"]
     assert counts["captures"] > 0 and counts["graphed_steps"] > replayed_share * total, counts
-    # a fit that starts from a fresh optimizer state replays its first step too (zeroed momenta)
-    assert not [reason for reason in counts["eager_reasons"] if "momentum" in reason], counts
+    # a fit that starts from a fresh optimizer state replays its first step too (zeroed momenta or moments)
+    assert not [reason for reason in counts["eager_reasons"] if "optimizer's state" in reason], counts
     assert "cuda_graphs" not in eager
 
 
@@ -75,8 +88,11 @@ def test_steps_that_cannot_be_replayed_run_eagerly_with_the_reason(tmp_path, sta
     assert summary["cuda_graphs"]["graphed_steps"] == 0 and list(reasons) == [
         "the step is not marked pure (@vmappable)"
     ]
-    summary, _ = _run(tmp_path, "fedhe", "digits_fedhe.yaml", graphs_on=True)  # Adam
-    assert list(summary["cuda_graphs"]["eager_reasons"]) == ["the optimizer is Adam (graphs replay SGD steps)"]
+    rmsprop = "{class_path: torch.optim.RMSprop, init_args: {lr: 0.001}}"
+    summary, _ = _run(tmp_path, "rmsprop", "quickstart.yaml", "--training.optimizer", rmsprop, graphs_on=True)
+    assert list(summary["cuda_graphs"]["eager_reasons"]) == [
+        "the optimizer is RMSprop (graphs replay SGD, Adam and AdamW steps)"
+    ]
 
 
 def _tensors(tree, prefix="") -> dict:
@@ -238,17 +254,86 @@ def test_random_draws_and_host_reads_keep_a_step_eager(step, net, reason):
     assert [r for r in runner.eager_reasons if reason in r], runner.eager_reasons
 
 
-def test_an_unmarked_step_and_adam_stay_eager():
+def test_an_unmarked_step_and_an_adam_outside_capturable_mode_stay_eager():
     runner = StepGraphs(CheckedReruns("cpu"))
     net = _Net()
     _fit(lambda m, b, i: F.cross_entropy(m(b[0]), b[1]), [4, 4], True, runner, net)
-    adam = torch.optim.Adam(net.parameters())
+    adam = torch.optim.Adam(net.parameters())  # not prepared: its bias corrections are host numbers
     _fit(_cross_entropy(1.0), [4, 4], True, runner, net, adam)
     assert runner.counts["graphed_steps"] == 0
     assert runner.eager_reasons == {
         "the step is not marked pure (@vmappable)": 2,
-        "the optimizer is Adam (graphs replay SGD steps)": 2,
+        "the Adam optimizer is not in capturable mode (an optimizer of the method's own)": 2,
     }
+
+
+def test_the_stand_in_fails_a_replay_of_adam_s_default_step():
+    """Why Adam replays only in capturable mode: its default step makes host values from its step count
+    (bias corrections handed to the kernels as numbers; on a CPU also a new tensor for the increment),
+    which a graph would repeat from its capture."""
+    net = _Net()
+    adam = torch.optim.Adam(net.parameters(), lr=0.01, foreach=True)
+    body = functools.partial(graphs._step, net, adam, _batches([4])[0], 0, _cross_entropy(1.0), None)
+    body()  # the state exists, as at any capture (a key's second step)
+    handle = CheckedReruns("cpu").capture(lambda: (adam.zero_grad(), body())[1])
+    with pytest.raises(ReplayMismatch, match="differs from the capture"):
+        for _ in range(2):  # at the latest one step later: other bias corrections, which a graph would not have
+            handle.replay()
+
+
+def test_a_fit_at_learning_rate_0_runs_adam_s_default_step_and_keeps_the_weights(tmp_path, stand_in):
+    """A cosine schedule's last round has a learning rate of 0, where capturable Adam computes 0 / 0 for
+    a parameter whose second moment is 0 (the eager run with ``capturable: true`` diverges there); with
+    graphs such a fit runs Adam's default step, which leaves the weights as they are."""
+    summary, weights = _run(tmp_path, "graphs", "quickstart.yaml", *ADAMW, graphs_on=True)  # CosineLR, 3 rounds
+    counts = summary["cuda_graphs"]
+    zero_lr = [n for reason, n in counts["eager_reasons"].items() if reason.startswith("the learning rate is 0")]
+    assert zero_lr and counts["graphed_steps"] > 0, counts
+    assert all(torch.isfinite(t).all() for t in _tensors(weights).values() if t.is_floating_point())
+    with pytest.raises(Diverged, match="round 3 diverged"):  # what the replays would otherwise have given
+        _run(tmp_path, "capturable", "quickstart.yaml", *ADAMW, *CAPTURABLE)
+    _, default_weights = _run(tmp_path, "default", "quickstart.yaml", *ADAMW)
+    # round 3 (lr 0) moves no parameter in either run: equal to the default Adam's to float rounding
+    # (rounds 1-2 ran in capturable mode)
+    final = {k: v for k, v in _tensors(default_weights).items() if v.is_floating_point()}
+    for k, v in _tensors(weights).items():
+        if k in final:
+            torch.testing.assert_close(v, final[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_adam_in_capturable_mode_replays_as_it_runs_eagerly(kind):
+    """Moments and step counts stay in the captured tensors: a client's state is copied in, a fresh one
+    zeroed (Adam's own start), and every fit equals the eager capturable optimizer's bit for bit."""
+
+    def adam(net):
+        optimizer = getattr(torch.optim, kind)(net.parameters(), lr=0.01, weight_decay=1e-3, foreach=True)
+        graphs.prepare_optimizer(optimizer)
+        return optimizer
+
+    def state(net, optimizer):
+        moments = [optimizer.state[p][k] for p in net.parameters() for k in ("step", "exp_avg", "exp_avg_sq")]
+        return [t.clone() for t in [*net.state_dict().values(), *moments]]
+
+    with capturable_adam_on_cpu():
+        step, runner = _cross_entropy(1.0), StepGraphs(CheckedReruns("cpu"))
+        net, eager_net = _Net(), _Net()
+        optimizer, eager_opt = adam(net), adam(eager_net)
+        saved = {}
+        for fit, (client, shapes) in enumerate([("a", [5, 5, 5, 3]), ("b", [5, 5]), ("a", [5, 5, 3]), ("c", [5])]):
+            for o in (optimizer, eager_opt):  # optimizer_state per_client: each client's own state, or a fresh one
+                o.state.clear()
+                if (client, id(o)) in saved:
+                    o.load_state_dict(saved[client, id(o)])
+            _fit(step, shapes, True, runner, net, optimizer)
+            _fit(step, shapes, False, None, eager_net, eager_opt)
+            for o in (optimizer, eager_opt):
+                saved[client, id(o)] = copy.deepcopy(o.state_dict())
+            assert all(torch.equal(a, b) for a, b in zip(state(net, optimizer), state(eager_net, eager_opt))), fit
+        assert saved["a", id(optimizer)]["state"][0]["step"].item() == 7  # client a's 4 + 3 steps
+        # fit 1: 5 eager, 5 captured, 5 and 3 seen; fit 2 (fresh state) replays both; fit 3 (a's state copied in)
+        # replays 5, 5 and captures 3; fit 4 (fresh) replays
+        assert runner.counts == {"graphed_steps": 6, "eager_steps": 4, "captures": 2, "dropped": 0}
 
 
 def test_beyond_capacity_every_graph_is_dropped_at_once():

@@ -58,7 +58,13 @@ class StepTrace(TorchDispatchMode):
             self.problem = self._problem(name, args, kwargs)
         if not self.keep_ops:  # a warm-up: only the problems
             return func(*args, **kwargs)
-        self.ops.append((str(func), self._arguments(args), self._arguments(kwargs)))
+        if name == "lift_fresh" and args[0].numel() <= 16:
+            # a constant the step makes from Python numbers (torch.tensor(1.0)): the same numbers are the
+            # same operation, wherever they were allocated (a graph bakes the value of such a scalar)
+            self.ops.append((str(func), ("constant", args[0].dtype, tuple(args[0].flatten().tolist())), ()))
+            self._made.add(_storage(args[0]))
+        else:
+            self.ops.append((str(func), self._arguments(args), self._arguments(kwargs)))
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, Tensor) and _storage(t) not in self._outside:
@@ -132,6 +138,20 @@ class CheckedReruns:
             body()
         trace.restore()
         return _Rerun(self, body, trace.ops)
+
+
+@contextlib.contextmanager
+def capturable_adam_on_cpu():
+    """Lets Adam's ``capturable`` mode run on CPU tensors, which torch refuses only because no CPU graph
+    exists to capture it in: its arithmetic is the same on any device, so the stand-in can check it."""
+    from torch.optim import adam
+
+    real = adam._get_capturable_supported_devices
+    adam._get_capturable_supported_devices = lambda *args, **kwargs: [*real(*args, **kwargs), "cpu"]
+    try:
+        yield
+    finally:
+        adam._get_capturable_supported_devices = real
 
 
 class ReplayMismatch(AssertionError):

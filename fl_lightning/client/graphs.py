@@ -20,11 +20,17 @@ so a step is replayed only where that cannot change what it computes:
 - The key came before (its first step runs eagerly: a batch shape met once is not worth a capture), and
   its second step, run for real before the capture, made no random draw, no host read of a tensor
   (``.item()``, ``nonzero``, a boolean mask) and used no tensor on another device (checked op by op).
-- The optimizer is SGD. (torch's Adam replays only with ``capturable=True``, whose arithmetic differs.)
+- The optimizer is SGD, Adam or AdamW. Adam's default step reads its step count on the host and bakes
+  its bias corrections into the kernels as numbers, which a replay would repeat; its ``capturable`` mode
+  keeps the count on the device and computes them there. :func:`prepare_optimizer` switches it on for
+  every step of the run, eager ones too, so all steps round alike: a run with graphs then gives the
+  numbers of the same recipe with ``capturable: true`` and no graphs, bit for bit, and differs from the
+  default Adam by float rounding (bias corrections in float32 on the device, not float64 on the host).
 
-A batch is copied into the graph's own input tensors before a replay, and momentum buffers stay in the
-tensors the graphs were captured with: a client's restored optimizer state is copied into them, a fresh
-one zeroes them (SGD's first step then adds the gradient to zero: the copy it would make). Graphs
+A batch is copied into the graph's own input tensors before a replay, and the optimizer's state (SGD's
+momentum buffers; Adam's step count and moments) stays in the tensors the graphs were captured with: a
+client's restored optimizer state is copied into them, a fresh one zeroes them (what Adam's first step
+starts from; SGD's first step then adds the gradient to zero: the copy it would make). Graphs
 share one memory pool: they are replayed one at a time, and a replay's loss and record are read before
 the next; beyond ``capacity`` they are all dropped at once (one freed graph clears the capture stream's
 cuBLAS workspace, which the others use: pytorch/pytorch#193402). On a CPU, :class:`CheckedReruns` stands in for CUDA graphs: it reruns a step and fails when the
@@ -73,7 +79,7 @@ class StepGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.refused: dict[tuple, str] = {}  # step keys whose first run showed they cannot be replayed
         self.seen: set[tuple] = set()  # step keys met once: captured when they come again
-        self.momenta: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # per optimizer: params, static buffers
+        self.kept: dict[int, _KeptState] = {}  # per optimizer: the state tensors graphs were captured with
         self.counts = {"graphed_steps": 0, "eager_steps": 0, "captures": 0, "dropped": 0}
         self.eager_reasons: dict[str, int] = {}  # why steps ran eagerly, in steps (summary.json)
         self._fit_ids: dict[tuple, int] = {}
@@ -90,7 +96,15 @@ class StepGraphs:
     ) -> dict[str, float]:
         """One client's fit; the same result as ``LocalLoop.run_steps``'s plain 32-bit path."""
         module.train()
-        fit_key, why = fit_key_of(module, optimizer, step_fn, clip)
+        default_adam = _pause_capturable_at_zero_lr(optimizer)
+        fit_key, why = (None, _ZERO_LR) if default_adam else fit_key_of(module, optimizer, step_fn, clip)
+        try:
+            return self._fit(fit_key, why, module, optimizer, batches, step_fn, clip, on_record)
+        finally:
+            if default_adam:
+                _resume_capturable(optimizer)
+
+    def _fit(self, fit_key, why, module, optimizer, batches, step_fn, clip, on_record) -> dict[str, float]:
         if fit_key is not None:  # a small number per key: the long key is hashed once a fit, not at every step
             if fit_key not in self._fit_ids and len(self._fit_ids) >= 16 * self.capacity:
                 self._drop_all()  # keys that change every fit (FedHe's server logits) would otherwise pile up
@@ -122,11 +136,11 @@ class StepGraphs:
                         return self._run_and_capture(key, module, optimizer, batch, i, step_fn, clip)
                     self.seen.add(key)
                     reason = "a key's first step (captured if the key recurs)"
-                elif graph is not None and self._momenta_in_place(optimizer):
+                elif graph is not None and self._state_in_place(optimizer):
                     return self._replay(key, graph, batch)
                 else:
                     reason = self.refused.get(
-                        key, "the optimizer's momentum buffers are missing (a fit's first step makes them) or new"
+                        key, "the optimizer's state is missing (a fit's first step makes it) or new"
                     )
         optimizer.zero_grad(set_to_none=True)
         self._count_eager(reason)
@@ -161,8 +175,8 @@ class StepGraphs:
         record = None if record is None else tuple(t.clone() for t in record)
         if trace.problem is not None:
             return self._refuse(key, trace.problem, loss, record)
-        if not self._momenta_in_place(optimizer):
-            return self._refuse(key, "the optimizer keeps no momentum buffer for some parameter", loss, record)
+        if not self._state_in_place(optimizer):
+            return self._refuse(key, "the optimizer keeps no state for some parameter", loss, record)
 
         def body() -> tuple[Tensor, tuple | None]:
             optimizer.zero_grad(set_to_none=True)  # gradients are the step's own, not added to the last step's
@@ -200,38 +214,101 @@ class StepGraphs:
         self._count_eager(reason)
         return loss, record
 
-    def _momenta_in_place(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Puts the optimizer's momentum buffers into the tensors graphs were captured with (the first
-        capture's); False where that cannot be done (no capture yet made them, or other parameters have
-        momenta than then)."""
+    def _state_in_place(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Puts the optimizer's state tensors into those the graphs were captured with (the first
+        capture's); False where that cannot be done (no capture yet made them, or the state holds other
+        parameters or entries than then)."""
         state = optimizer.state
-        kept = self.momenta.get(id(optimizer))
-        if kept is not None and state.get(kept[0][0], {}).get("momentum_buffer") is kept[1][0]:
+        kept = self.kept.get(id(optimizer))
+        if kept is not None and state.get(kept.params[0], {}).get(kept.names[0]) is kept.tensors[0]:
             return True  # the replays' case: checked first
-        if not any(group.get("momentum") for group in optimizer.param_groups):
+        if not _keeps_state(optimizer):
             return True
         params = [p for group in optimizer.param_groups for p in group["params"] if p in state]
-        if not params and kept is not None and not any(g.get("dampening") for g in optimizer.param_groups):
-            # a fresh state (optimizer_state reset, a client's first fit): zero momenta. The first step then
-            # makes buffer = 0 * momentum + gradient = gradient, what SGD's first step copies (up to the sign
-            # of a zero), so it replays too instead of running eagerly once per fit
-            torch._foreach_zero_(kept[1])
-            for p, buffer in zip(kept[0], kept[1]):
-                state[p]["momentum_buffer"] = buffer
+        if not params and kept is not None and _fresh_state_is_zero(optimizer):
+            # a fresh state (optimizer_state reset, a client's first fit): zeros, which Adam's first step
+            # starts from and SGD's turns into a copy of the gradient, so the first step replays too
+            torch._foreach_zero_(kept.tensors)
+            kept.install(state)
             return True
-        current = [state[p].get("momentum_buffer") for p in params]
-        if not params or any(buffer is None for buffer in current):
+        entries = [(p, name) for p in params for name in sorted(state[p]) if isinstance(state[p][name], Tensor)]
+        if not entries:
             return False
+        current = [state[p][name] for p, name in entries]
         if kept is None:
-            self.momenta[id(optimizer)] = (params, current)
+            self.kept[id(optimizer)] = _KeptState([p for p, _ in entries], [n for _, n in entries], current)
             return True
-        if len(params) != len(kept[0]) or any(p is not q for p, q in zip(params, kept[0])):
-            return False  # other parameters have momenta than when the graphs were captured: stay eager
+        if len(entries) != len(kept.params) or any(
+            p is not q or name != kept_name for (p, name), q, kept_name in zip(entries, kept.params, kept.names)
+        ):
+            return False  # other parameters or entries than when the graphs were captured: stay eager
         with torch.no_grad():
-            torch._foreach_copy_(kept[1], current)
-        for p, buffer in zip(params, kept[1]):
-            state[p]["momentum_buffer"] = buffer
+            torch._foreach_copy_(kept.tensors, current)
+        kept.install(state)
         return True
+
+
+@dataclass
+class _KeptState:
+    """An optimizer's state tensors as the graphs captured them, one per (parameter, entry)."""
+
+    params: list[Tensor]
+    names: list[str]
+    tensors: list[Tensor]
+
+    def install(self, state: dict) -> None:
+        for p, name, tensor in zip(self.params, self.names, self.tensors):
+            state[p][name] = tensor
+
+
+REPLAYED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_CAPTURABLE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def prepare_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Switches Adam and AdamW to ``capturable`` mode for the whole run (see the module's docstring)."""
+    if isinstance(optimizer, _CAPTURABLE):
+        optimizer.defaults["capturable"] = True
+        for group in optimizer.param_groups:
+            group["capturable"] = True
+        optimizer._warned_capturable_if_run_uncaptured = True  # eager steps are intended: no warning
+
+
+_ZERO_LR = (
+    "the learning rate is 0: Adam's default step (its capturable mode divides by the learning rate, "
+    "0 / 0 where a second moment is 0)"
+)
+
+
+def _pause_capturable_at_zero_lr(optimizer: torch.optim.Optimizer) -> bool:
+    """At a learning rate of 0 (the last round of a cosine schedule) capturable Adam computes 0 / 0 for
+    every parameter whose second moment is 0 and writes NaN into it; the default step leaves the weights
+    as they are. Such a fit runs eagerly with the default step; True when it does."""
+    if not isinstance(optimizer, _CAPTURABLE) or not any(group["lr"] == 0 for group in optimizer.param_groups):
+        return False
+    for group in optimizer.param_groups:
+        group["capturable"] = False
+    return True
+
+
+def _resume_capturable(optimizer: torch.optim.Optimizer) -> None:
+    prepare_optimizer(optimizer)
+    for p, state in optimizer.state.items():
+        step = state.get("step")
+        if isinstance(step, Tensor) and step.device != p.device:  # a fresh state the default step made
+            state["step"] = step.to(p.device)  # where capturable mode keeps the count
+
+
+def _keeps_state(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, _CAPTURABLE) or any(group.get("momentum") for group in optimizer.param_groups)
+
+
+def _fresh_state_is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a first step on zeroed state tensors computes what a first step on no state does."""
+    if isinstance(optimizer, _CAPTURABLE):
+        return True  # Adam starts from zero moments and a zero step count
+    # SGD: 0 * momentum + (1 - dampening) * gradient is the gradient it copies only without dampening
+    return not any(group.get("dampening") for group in optimizer.param_groups)
 
 
 @dataclass
@@ -264,8 +341,13 @@ def fit_key_of(
     function = getattr(step_fn, "__func__", step_fn)
     if step_fn is not _training_step and not getattr(function, "vmappable", False):
         return None, "the step is not marked pure (@vmappable)"
-    if type(optimizer) is not torch.optim.SGD:
-        return None, f"the optimizer is {type(optimizer).__name__} (graphs replay SGD steps)"
+    if type(optimizer) not in REPLAYED_OPTIMIZERS:
+        return None, f"the optimizer is {type(optimizer).__name__} (graphs replay SGD, Adam and AdamW steps)"
+    if isinstance(optimizer, _CAPTURABLE) and not all(group.get("capturable") for group in optimizer.param_groups):
+        return (
+            None,
+            f"the {type(optimizer).__name__} optimizer is not in capturable mode (an optimizer of the method's own)",
+        )
     hyper = tuple(
         tuple((k, _frozen(v, 0)) for k, v in group.items() if k != "params") for group in optimizer.param_groups
     )
