@@ -57,17 +57,18 @@ ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr
         ("quickstart.yaml", [], 0.5),  # optimizer state reset each fit: a fit's first step makes the momenta
         ("quickstart.yaml", ["--training.optimizer_state", "per_client"], 0.5),  # a client's momenta copied in
         ("digits_ondevice_kd.yaml", [], 0.5),  # a teacher, a KD weight ramped each round, a local temperature
-        # a record of training-mode logits handed out each step; the server's logits are new tensors every
-        # fit, so every fit captures anew and few steps replay
-        ("digits_fedhe.yaml", SGD, 0.0),
+        # a record of training-mode logits handed out each step; the server's logits, sent anew each round,
+        # reach the step through ClientContext.on_device (one address), so fits keep their graphs
+        ("digits_fedhe.yaml", SGD, 0.4),
         # its recipe's Adam, one state per client: step counts and moments copied in, zeroed at a first fit
-        ("digits_fedhe.yaml", [], 0.0),
+        ("digits_fedhe.yaml", [], 0.4),
+        ("digits_felo.yaml", [], 0.5),  # server features and logits by class, Adam per client
         # a constant learning rate: at a cosine schedule's last round, 0, capturable Adam writes NaN (see below)
         ("quickstart.yaml", [*ADAMW, "--training.lr_schedule", "fl_lightning.schedules.ConstantLR"], 0.5),
     ],
 )
 def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra, replayed_share):
-    adam = "Adam" in " ".join(extra) or (not extra and "fedhe" in recipe)
+    adam = "Adam" in " ".join(extra) or (not extra and ("fedhe" in recipe or "felo" in recipe))
     eager, eager_ckpt = _run(tmp_path, "eager", recipe, *extra, *(CAPTURABLE if adam else []))
     replayed, replayed_ckpt = _run(tmp_path, "graphs", recipe, *extra, graphs_on=True)
     assert replayed["final"] == eager["final"]
@@ -334,6 +335,21 @@ def test_adam_in_capturable_mode_replays_as_it_runs_eagerly(kind):
         # fit 1: 5 eager, 5 captured, 5 and 3 seen; fit 2 (fresh state) replays both; fit 3 (a's state copied in)
         # replays 5, 5 and captures 3; fit 4 (fresh) replays
         assert runner.counts == {"graphed_steps": 6, "eager_steps": 4, "captures": 2, "dropped": 0}
+
+
+def test_server_knowledge_on_the_device_keeps_one_address_per_name_with_graphs_on(monkeypatch):
+    from fl_lightning.client import executor
+
+    runner = StepGraphs(CheckedReruns("cpu"))
+    first = runner.resident("logits", torch.ones(3, 3), torch.device("cpu"))
+    source = torch.full((3, 3), 2.0)
+    second = runner.resident("logits", source, torch.device("cpu"))
+    assert second is first and torch.equal(first, source) and second is not source  # refilled, never an alias
+    assert runner.resident("logits", torch.ones(4, 3), torch.device("cpu")) is not first  # another shape
+    assert runner.resident("available", torch.ones(3, 3), torch.device("cpu")) is not first  # another name
+    # a client the batched executor may pause keeps its own copy (its fit runs after the next client's update)
+    monkeypatch.setattr(executor, "paused_fit_running", lambda: True)
+    assert runner.resident("logits", source, torch.device("cpu")) is not first
 
 
 def test_beyond_capacity_every_graph_is_dropped_at_once():

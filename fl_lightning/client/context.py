@@ -71,6 +71,20 @@ class ClientContext:
         """
         return self._data.server_idx
 
+    def on_device(self, name: str, tensor: Tensor) -> Tensor:
+        """A copy of ``tensor`` (server knowledge a step closes over) on the training device, valid until the
+        next client's update.
+
+        With ``runtime.cuda_graphs`` the copy lives at one address per ``name``, refilled in place for each
+        client: a step's graph key holds its tensors' addresses, so what the server sends anew every round
+        (FedHe's class logits) would otherwise make a new key, and a new capture, at every fit. (Graphs run
+        the sequential executor: a client's fit has ended before the next client's update begins.)
+        """
+        graphs = self.loop.graphs
+        if graphs is None:
+            return tensor.to(self.data_x.device, copy=True)
+        return graphs.resident(name, tensor, self.data_x.device)
+
     def num_examples(self, split: str = "train") -> int:
         return len(getattr(self.indices, split))
 

@@ -57,6 +57,11 @@ def paused_fit(
     return coroutine.pause(request).result
 
 
+def paused_fit_running() -> bool:
+    """Whether this code runs inside a client the batched executor may pause (its fit runs later)."""
+    return getattr(_current, "coroutine", None) is not None
+
+
 class _Cancelled(BaseException):
     """Raised inside a paused client when the chunk stops (another client failed)."""
 

@@ -84,6 +84,7 @@ class StepGraphs:
         self.eager_reasons: dict[str, int] = {}  # why steps ran eagerly, in steps (summary.json)
         self._fit_ids: dict[tuple, int] = {}
         self._fit_numbers = itertools.count()
+        self._resident: dict[tuple, Tensor] = {}  # ClientContext.on_device: per (name, shape, dtype)
 
     def run_steps(
         self,
@@ -104,10 +105,26 @@ class StepGraphs:
             if default_adam:
                 _resume_capturable(optimizer)
 
+    def resident(self, name: str, tensor: Tensor, device: torch.device) -> Tensor:
+        """``tensor``'s values in a device tensor kept under ``name``, shape and dtype (refilled in place), so
+        that the steps of every client and round closing over it share one graph key. Only for fits that run
+        before the next copy: the sequential executor's (the batched one pauses fits, and graphs refuse it)."""
+        from .executor import paused_fit_running
+
+        if paused_fit_running():  # cannot happen with graphs on; a fresh copy would still be right
+            return tensor.to(device, copy=True)
+        key = (name, tuple(tensor.shape), tensor.dtype)
+        kept = self._resident.get(key)
+        if kept is None:
+            kept = self._resident[key] = tensor.to(device, copy=True)
+        else:
+            kept.copy_(tensor)
+        return kept
+
     def _fit(self, fit_key, why, module, optimizer, batches, step_fn, clip, on_record) -> dict[str, float]:
         if fit_key is not None:  # a small number per key: the long key is hashed once a fit, not at every step
             if fit_key not in self._fit_ids and len(self._fit_ids) >= 16 * self.capacity:
-                self._drop_all()  # keys that change every fit (FedHe's server logits) would otherwise pile up
+                self._drop_all()  # keys that change every fit (a new tensor in the closure) would otherwise pile up
             fit_id = self._fit_ids.get(fit_key)
             if fit_id is None:  # never a number used before: a graph kept from before a drop must not match
                 fit_id = self._fit_ids[fit_key] = next(self._fit_numbers)
@@ -231,7 +248,9 @@ class StepGraphs:
             torch._foreach_zero_(kept.tensors)
             kept.install(state)
             return True
-        entries = [(p, name) for p in params for name in sorted(state[p]) if isinstance(state[p][name], Tensor)]
+        # in the state's own order: a fresh state installed from these keeps the order the optimizer makes
+        # (saved client states then pickle, and hash, as the eager run's do)
+        entries = [(p, name) for p in params for name, value in state[p].items() if isinstance(value, Tensor)]
         if not entries:
             return False
         current = [state[p][name] for p, name in entries]

@@ -81,10 +81,14 @@ class FedHe(PersonalModels, Strategy):
         role = task.client.roles[0]
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         received = task.downlink["class_logits"]
-        device = ctx.data_x.device  # the server's bank lives on the CPU; the step indexes it with labels on the device
-        server_logits, available = received.vectors["logits"].to(device), received.present.to(device)
+        # the server's bank lives on the CPU; the step indexes it with labels on the device
+        server_logits = ctx.on_device("server_logits", received.vectors["logits"])
+        available = ctx.on_device("available", received.present)
+        device = ctx.data_x.device
         use_logits = task.round > self.warmup_rounds and bool(available.any())
         collector = ClassStatsCollector(self.num_classes, {"logits": self.num_classes}, device)
+        # the step closes over these values, not over the strategy and its server state (CUDA-graph keys)
+        alpha, logit_loss, logit_average = self.alpha, self.logit_loss, self.logit_average
 
         @vmappable  # pure: the logits it observes go out as its record, so clients can train batched
         def step(module, batch, i):
@@ -92,8 +96,8 @@ class FedHe(PersonalModels, Strategy):
             z = module(x)  # [B, C] training-mode logits, collected before the step (eq. 7)
             loss = F.cross_entropy(z, y)
             if use_logits:  # only samples whose class has a server logit; "batch": their sum / batch size
-                distance = logit_distance_rows(z, server_logits[y], self.logit_loss)
-                loss = loss + self.alpha * masked_row_mean(distance, available[y], self.logit_average)
+                distance = logit_distance_rows(z, server_logits[y], logit_loss)
+                loss = loss + alpha * masked_row_mean(distance, available[y], logit_average)
             return loss, (y, z)
 
         stats = ctx.fit(role, step_fn=step, on_record=lambda record: collector.add(record[0], logits=record[1]))

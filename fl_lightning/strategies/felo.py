@@ -129,11 +129,17 @@ class Felo(Strategy):
         # the server's class knowledge lives on the CPU; the step indexes it with labels on the client's device
         device = ctx.data_x.device
         (server_f, have_f), (server_z, have_z) = received_targets(task.downlink)
-        server_f, have_f, server_z, have_z = (t.to(device) for t in (server_f, have_f, server_z, have_z))
+        server_f, have_f, server_z, have_z = (
+            ctx.on_device(name, t)
+            for name, t in zip(("server_f", "have_f", "server_z", "have_z"), (server_f, have_f, server_z, have_z))
+        )
         any_features, any_logits = bool(have_f.any()), bool(have_z.any())
         use = task.round > self.warmup_rounds and (any_logits or any_features)
         dims = {"features": self.feature_dim, "logits": self.num_classes}
         collector = ClassStatsCollector(self.num_classes, dims, device)
+        # the step closes over these values, not over the strategy, whose server state (global weights,
+        # Velo's stored features) is new every round and would make a new CUDA-graph key every fit
+        alpha, loss_average, logit_loss = self.alpha, self.loss_average, self.logit_loss
 
         @vmappable  # pure: the outputs it observes go out as its record, so clients can train batched
         def step(module, batch, i):
@@ -145,11 +151,11 @@ class Felo(Strategy):
                 terms = []
                 if any_features:  # Velo sends none before its CVAE first trains
                     feature_rows = (f.float() - server_f[y].float()).pow(2).mean(1)
-                    terms.append(masked_row_mean(feature_rows, have_f[y], self.loss_average))
+                    terms.append(masked_row_mean(feature_rows, have_f[y], loss_average))
                 if any_logits:
-                    logit_rows = logit_distance_rows(z, server_z[y], self.logit_loss)
-                    terms.append(masked_row_mean(logit_rows, have_z[y], self.loss_average))
-                loss = loss + self.alpha * sum(terms[1:], terms[0])
+                    logit_rows = logit_distance_rows(z, server_z[y], logit_loss)
+                    terms.append(masked_row_mean(logit_rows, have_z[y], loss_average))
+                loss = loss + alpha * sum(terms[1:], terms[0])
             return loss, (y, f, z)  # training-mode outputs, before the step
 
         def collect(record):
