@@ -63,6 +63,8 @@ ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr
         # its recipe's Adam, one state per client: step counts and moments copied in, zeroed at a first fit
         ("digits_fedhe.yaml", [], 0.4),
         ("digits_felo.yaml", [], 0.5),  # server features and logits by class, Adam per client
+        ("digits_fedgems.yaml", [], 0.5),  # a distillation step over the server's logits and public labels
+        ("digits_heterofl.yaml", [], 0.5),  # logits of a client's absent classes masked
         # a constant learning rate: at a cosine schedule's last round, 0, capturable Adam writes NaN (see below)
         ("quickstart.yaml", [*ADAMW, "--training.lr_schedule", "fl_lightning.schedules.ConstantLR"], 0.5),
     ],

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..knowledge.distillation import kl_to_targets
@@ -145,6 +146,7 @@ class DSFL(PersonalModels, Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
     @staticmethod
+    @vmappable  # pure: its targets come in the batch (batched clients, CUDA graphs)
     def distillation_step(module, batch, i):
         x, targets = batch
         return kl_to_targets(module(x), targets)

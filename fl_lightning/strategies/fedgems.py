@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
@@ -173,18 +174,20 @@ class FedGEMS(PersonalModels, Strategy):
             positions = ctx.state.pop("public_positions", None)
             x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
             chosen = ctx.public_indices if positions is None else ctx.public_indices[positions.long()]
-            y_public = ctx.data_y[chosen]
-            teacher = F.softmax(
-                task.downlink["server_logits"].tensors["logits"].to(x_public.device) / self.temperature, 1
-            )
+            # server knowledge and public labels at one address per name (CUDA graphs keep their key)
+            y_public = ctx.on_device("public_labels", ctx.data_y[chosen])
+            server_logits = ctx.on_device("server_logits", task.downlink["server_logits"].tensors["logits"])
+            teacher = ctx.on_device("teacher", F.softmax(server_logits / self.temperature, 1))
             order = torch.arange(len(x_public), device=x_public.device)
             batches = target_batches(x_public, order, self.batch_size, self.distill_steps, ctx.generator)
+            temperature, epsilon = self.temperature, self.epsilon  # values, not the strategy, in the closure
 
+            @vmappable  # pure: batched clients, CUDA graphs
             def distill(module, batch, i):
                 x, rows = batch
                 z = module(x)
-                kl = F.kl_div(F.log_softmax(z / self.temperature, 1), teacher[rows], reduction="batchmean")
-                return self.epsilon * F.cross_entropy(z, y_public[rows]) + (1 - self.epsilon) * kl * self.temperature**2
+                kl = F.kl_div(F.log_softmax(z / temperature, 1), teacher[rows], reduction="batchmean")
+                return epsilon * F.cross_entropy(z, y_public[rows]) + (1 - epsilon) * kl * temperature**2
 
             metrics[f"{role}/distill_loss"] = ctx.fit(role, step_fn=distill, batches=batches)["loss"]
         ctx.state["weights"] = ctx.weights(role)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch.nn.functional as F
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..knowledge.distillation import kl_to_targets
@@ -137,19 +138,11 @@ class FedMD(PersonalModels, Strategy):
             targets = task.downlink["consensus"].tensors["logits"].to(x_public.device)
             batch_size = self.digest_batch_size or ctx.loop.training.batch_size
             batches = target_batches(x_public, targets, batch_size, self.digest_steps, ctx.generator)
-            metrics[f"{role}/digest_loss"] = ctx.fit(role, step_fn=self.digest_step, batches=batches)["loss"]
+            step = digest_step(self.digest_loss, self.temperature)
+            metrics[f"{role}/digest_loss"] = ctx.fit(role, step_fn=step, batches=batches)["loss"]
             metrics[f"{role}/loss"] = ctx.fit(role, steps=self.revisit_steps)["loss"]  # revisit
         ctx.state["weights"] = ctx.weights(role)
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
-
-    def digest_step(self, module, batch, i):
-        x, consensus = batch
-        z = module(x)
-        if self.digest_loss == "l1":
-            return F.l1_loss(z, consensus)  # mean over batch x classes, as Keras' mean_absolute_error
-        if self.digest_loss == "mse":
-            return F.mse_loss(z, consensus)
-        return kl_to_targets(z, F.softmax(consensus / self.temperature, dim=1), self.temperature)
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "communicate") -> dict[str, float]:
@@ -164,3 +157,20 @@ class FedMD(PersonalModels, Strategy):
             self.uploaders.append(update.client)
         self.consensus = (total / len(self.uploaders)).float() if self.uploaders else None
         return {}
+
+
+def digest_step(loss: str, temperature: float):
+    """The digest step: the public batch's logits towards the consensus in the batch. Pure, and closing over
+    two values only (not the strategy, whose server state changes each round): batched clients, CUDA graphs."""
+
+    @vmappable
+    def step(module, batch, i):
+        x, consensus = batch
+        z = module(x)
+        if loss == "l1":
+            return F.l1_loss(z, consensus)  # mean over batch x classes, as Keras' mean_absolute_error
+        if loss == "mse":
+            return F.mse_loss(z, consensus)
+        return kl_to_targets(z, F.softmax(consensus / temperature, dim=1), temperature)
+
+    return step

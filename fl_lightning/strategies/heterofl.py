@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
@@ -178,12 +179,15 @@ class HeteroFL(Strategy):
         module.model.load_state_dict({**module.model.state_dict(), **payload.state})
         labels = ctx.data_y[ctx.indices.train]
         classes = torch.bincount(labels, minlength=self.server.data.num_classes) > 0
+        absent = ctx.on_device("absent_classes", ~classes)  # one address per name: CUDA graphs keep their key
+        mask = self.mask  # a value, not the strategy, in the closure
 
+        @vmappable  # pure: batched clients, CUDA graphs
         def step(module, batch, i):
             x, y = batch
             z = module(x)
-            if self.mask:
-                z = z.masked_fill(~classes, 0.0)
+            if mask:
+                z = z.masked_fill(absent, 0.0)
             return F.cross_entropy(z, y)
 
         stats = ctx.fit(role, step_fn=step)
