@@ -84,7 +84,9 @@ def survey(recipe: str, rounds: int, check: bool) -> dict:
             differ = sorted(a.keys() ^ b.keys()) + [k for k in a.keys() & b.keys() if not torch.equal(a[k], b[k])]
             row["bit_for_bit"] = summary["final"] == eager["final"] and not differ
             if not row["bit_for_bit"]:
-                row["differ"] = differ[:5] or [k for k in eager["final"] if summary["final"].get(k) != eager["final"][k]]
+                row["differ"] = differ[:5] or [
+                    k for k in eager["final"] if summary["final"].get(k) != eager["final"][k]
+                ]
     return row
 
 

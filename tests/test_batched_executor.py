@@ -175,11 +175,13 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
         ("digits_fedmd.yaml", FEDMD_SHORT),
         ("digits_fedgems.yaml", ()),
         ("digits_heterofl.yaml", ()),
+        ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
     ],
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
-    """Steps closing over server knowledge per client (FedGEMS' teacher and public labels, HeteroFL's absent
-    classes) or taking their targets in the batch (DS-FL, FedMD's digest) run as vmapped groups."""
+    """Steps closing over server knowledge per client (FedGEMS' teacher and public labels, FedGKT's teacher
+    for each example, HeteroFL's absent classes) or taking their targets in the batch (DS-FL, FedMD's digest)
+    run as vmapped groups."""
     from fl_lightning.client import batched as batched_module
 
     sequential, weights = _run(tmp_path, recipe, "sequential", *extra)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
@@ -144,17 +145,21 @@ class FedGKT(PersonalModels, Strategy):
         idx = ctx.indices.train
         x, y = ctx.data_x[idx], ctx.data_y[idx]
         received = task.downlink.get("server_logits")
-        teacher = None if received is None else received.tensors["logits"].to(x.device)
+        # what the step indexes, at one address per name and shape (CUDA graphs keep their key)
+        labels = ctx.on_device("labels", y)
+        teacher = None if received is None else ctx.on_device("teacher", received.tensors["logits"])
         order = torch.arange(len(idx), device=x.device)
         steps = ctx.loop.num_steps(len(idx))
         batches = target_batches(x, order, ctx.loop.training.batch_size, steps, ctx.generator)
+        alpha, temperature = self.alpha, self.temperature  # values, not the strategy, in the closure
 
+        @vmappable  # pure: batched clients, CUDA graphs
         def step(module, batch, i):
             xb, at = batch
             z = module(xb)
             if teacher is None:
-                return F.cross_entropy(z, y[at])
-            return F.cross_entropy(z, y[at]) + self.alpha * kd_kl_loss(z, teacher[at], self.temperature)
+                return F.cross_entropy(z, labels[at])
+            return F.cross_entropy(z, labels[at]) + alpha * kd_kl_loss(z, teacher[at], temperature)
 
         loss = ctx.fit(role, step_fn=step, batches=batches)["loss"]
         ctx.state["weights"] = ctx.weights(role)

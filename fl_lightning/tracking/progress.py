@@ -112,7 +112,9 @@ class RoundProgress:
         elapsed = time.perf_counter() - self.started
         per_round = elapsed / max(rnd - self.done_at_start, 1)
         eta = duration(per_round * (self.total - rnd))
-        print(f"round {rnd}/{self.total}  {status}  elapsed {duration(elapsed)}  eta {eta}", file=sys.stderr, flush=True)
+        print(
+            f"round {rnd}/{self.total}  {status}  elapsed {duration(elapsed)}  eta {eta}", file=sys.stderr, flush=True
+        )
 
     def _warn(self, seconds_per_round: float, estimated: bool) -> None:
         if self.warned:
