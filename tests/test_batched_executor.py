@@ -203,6 +203,20 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
         assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
 
 
+def test_a_pure_step_over_each_client_s_own_reference_models_runs_alone_as_sequentially(tmp_path):
+    """MOON's step is pure (CUDA graphs replay it) but closes over the client's frozen global and previous
+    models. Sequentially one copy of each is refilled every fit; a fit the batched executor pauses runs
+    after the next client's update would refill it, so there each client gets its own copies, and clients
+    whose closures hold different modules are never grouped."""
+    sequential, weights = _run(tmp_path, "digits_moon.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_moon.yaml", "batched")
+    assert batched["executor"]["batched_fits"] == 0 and batched["executor"]["sequential_fits"] > 0
+    assert weights.keys() == batched_weights.keys() and weights
+    for name, value in weights.items():
+        assert torch.equal(batched_weights[name], value), name  # the sequential loop, bit for bit
+    assert batched["final"] == sequential["final"]
+
+
 def test_a_step_with_side_effects_runs_sequentially_with_the_same_numbers(tmp_path):
     """FD's step collects per-class logits inside the step (a side effect): it is not marked vmappable, so
     every fit runs through the sequential loop inside the batched executor, identical bit for bit."""

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
+from ..client.executor import paused_fit_running
 from ..errors import ConfigError
 from ..types import ClientTask, ClientUpdate, load_exchanged
 from .base import ServerContext
@@ -73,6 +75,7 @@ class MOON(FedAvg):
         if not mu >= 0 or not temperature > 0:
             raise ConfigError(f"MOON needs mu >= 0 and temperature > 0; got mu={mu}, temperature={temperature}.")
         self.mu, self.temperature = mu, temperature
+        self._references: dict[str, torch.nn.Module] = {}  # frozen copies refilled each fit (not state)
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
@@ -94,20 +97,22 @@ class MOON(FedAvg):
         received = task.downlink[role].state
         module = ctx.load(role)
         load_exchanged(module.model, received)
-        global_model = frozen(module.model, received)
+        global_model = self._frozen("global", module.model, received)
         previous = ctx.state.get("previous")
-        previous_models = [frozen(module.model, previous)] if previous is not None else []
+        previous_models = [self._frozen("previous", module.model, previous)] if previous is not None else []
+        mu, temperature = self.mu, self.temperature  # values, not the strategy, in the closure
 
+        @vmappable  # pure (CUDA graphs); batched, each client's reference models are its own, so it runs alone
         def step(module, batch, i):
             x, y = batch
             z = module.model.features(x)
             loss = F.cross_entropy(module.model.head(z), y)
-            if self.mu == 0:
+            if mu == 0:
                 return loss
             with torch.no_grad():
                 z_global = global_model.features(x)
                 z_previous = [model.features(x) for model in previous_models]
-            return loss + self.mu * model_contrastive_loss(z, z_global, z_previous, self.temperature)
+            return loss + mu * model_contrastive_loss(z, z_global, z_previous, temperature)
 
         stats = ctx.fit(role, step_fn=step)
         weights = ctx.weights(role)
@@ -115,3 +120,18 @@ class MOON(FedAvg):
         return ClientUpdate(
             task.client, ctx.num_examples(), {role: self.outgoing(role, weights)}, {f"{role}/loss": stats["loss"]}
         )
+
+    def _frozen(self, kind: str, model: torch.nn.Module, weights: dict[str, Tensor]) -> torch.nn.Module:
+        """What :func:`frozen` gives, without copying a module each fit: one frozen copy per kind, refilled
+        in place (the same tensors every fit, so a CUDA graph of the step keeps its key). A fit the batched
+        executor may pause runs after the next client's update, which would refill it: it gets its own copy."""
+        if paused_fit_running():
+            return frozen(model, weights)
+        reference = self._references.get(kind)
+        if reference is None:
+            reference = self._references[kind] = frozen(model, weights)
+            return reference
+        with torch.no_grad():
+            reference.load_state_dict(model.state_dict())  # as a fresh copy of the model would be
+        load_exchanged(reference, weights)
+        return reference
