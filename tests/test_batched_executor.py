@@ -176,6 +176,8 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
         ("digits_fedgems.yaml", ()),
         ("digits_heterofl.yaml", ()),
         ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
+        ("digits_fd.yaml", ()),  # a teacher per label, its logits handed out as a record
+        ("digits_fedproto.yaml", ()),  # prototypes per class, its representations handed out as a record
     ],
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
@@ -217,9 +219,12 @@ def test_a_pure_step_over_each_client_s_own_reference_models_runs_alone_as_seque
     assert batched["final"] == sequential["final"]
 
 
-def test_a_step_with_side_effects_runs_sequentially_with_the_same_numbers(tmp_path):
-    """FD's step collects per-class logits inside the step (a side effect): it is not marked vmappable, so
-    every fit runs through the sequential loop inside the batched executor, identical bit for bit."""
+def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monkeypatch):
+    """A step not marked vmappable (FD's, its mark taken away: a strategy's step may have side effects) runs
+    every fit through the sequential loop inside the batched executor, identical bit for bit."""
+    from fl_lightning.strategies import fd
+
+    monkeypatch.setattr(fd, "vmappable", lambda step: step)  # applied at each client_update: unmarked
     sequential, weights = _run(tmp_path, "digits_fd.yaml", "sequential")
     batched, batched_weights = _run(tmp_path, "digits_fd.yaml", "batched")
     assert batched["executor"]["batched_fits"] == 0 and batched["executor"]["sequential_fits"] > 0

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
-from ..knowledge.distillation import kl_to_targets
+from ..knowledge.distillation import masked_row_mean
 from ..types import ClientSpec, ClientTask, ClientUpdate
 from .base import PersonalModels, ServerContext, Strategy
 
@@ -74,21 +75,24 @@ class FD(PersonalModels, Strategy):
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         teacher = task.downlink["teacher_logits"]
         device = ctx.data_x.device
-        targets, available = teacher.vectors["logits"].to(device), teacher.present.to(device)
+        # at one address per name (CUDA graphs keep their key); absent labels' rows are zeros
+        targets, available = ctx.on_device("teacher", teacher.vectors["logits"]), ctx.on_device("has", teacher.present)
         collector = ClassStatsCollector(self.num_classes, {"logits": self.num_classes}, device)
+        lam, temperature = self.lam, self.temperature  # values, not the strategy, in the closure
 
+        @vmappable  # pure: the logits go out as its record; fixed shapes, no branch on a tensor
         def step(module, batch, i):
             x, y = batch
             z = module(x)  # [B, C]
-            collector.add(y, logits=z)
             loss = F.cross_entropy(z, y)
-            mask = available[y]
-            if mask.any():
-                soft = F.softmax(targets[y[mask]] / self.temperature, dim=1)
-                loss = loss + self.lam * kl_to_targets(z[mask], soft, self.temperature)
-            return loss
+            # T^2 KL(softmax(t_y / T) || softmax(z / T)), averaged over the samples whose label has a teacher
+            log_student = F.log_softmax(z.float() / temperature, dim=1)
+            soft = F.softmax(targets[y] / temperature, dim=1)
+            rows = F.kl_div(log_student, soft, reduction="none").sum(1) * temperature**2
+            loss = loss + lam * masked_row_mean(rows, available[y], "available")
+            return loss, (y, z)  # training-mode logits, before the step
 
-        stats = ctx.fit(role, step_fn=step)
+        stats = ctx.fit(role, step_fn=step, on_record=lambda record: collector.add(record[0], logits=record[1]))
         ctx.state["weights"] = ctx.weights(role)
         upload = collector.result("class_logits")
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})

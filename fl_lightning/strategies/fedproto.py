@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
@@ -33,11 +34,10 @@ def prototype_loss(features: Tensor, labels: Tensor, prototypes: Tensor, availab
         prototypes: ``[C, D]`` global prototypes.
         available: ``[C]`` bool, classes that have a global prototype.
     """
-    mask = available[labels]
-    if not mask.any():
-        return features.sum() * 0.0
-    squared = (features[mask] - prototypes[labels[mask]]).pow(2).sum()
-    return squared / features.numel()
+    # fixed shapes, no branch on a tensor (batched clients, CUDA graphs): absent classes' rows count 0
+    squared = (features - prototypes[labels]).pow(2)
+    covered = available[labels][:, None]
+    return torch.where(covered, squared, torch.zeros_like(squared)).sum() / features.numel()
 
 
 def prototype_head(prototypes: Tensor, available: Tensor) -> dict[str, Tensor]:
@@ -136,18 +136,21 @@ class FedProto(Strategy):
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         device = ctx.data_x.device
         prototypes, available = dense_prototypes(task.downlink["global_prototypes"], self.num_classes, device)
+        # at one address per name (CUDA graphs keep their key)
+        prototypes, available = ctx.on_device("prototypes", prototypes), ctx.on_device("has", available)
         collector = ClassStatsCollector(self.num_classes, {"prototypes": self.feature_dim}, device)
+        lam = self.lam  # a value, not the strategy, in the closure
 
+        @vmappable  # pure: the representations go out as its record
         def step(module, batch, i):
             x, y = batch
             h = module.features(x)
-            collector.add(y, prototypes=h)
             loss = F.cross_entropy(module.head(h), y)
-            if self.lam:
-                loss = loss + self.lam * prototype_loss(h, y, prototypes, available)
-            return loss
+            if lam:
+                loss = loss + lam * prototype_loss(h, y, prototypes, available)
+            return loss, (y, h)  # training-mode representations, before the step
 
-        stats = ctx.fit(role, step_fn=step)
+        stats = ctx.fit(role, step_fn=step, on_record=lambda record: collector.add(record[0], prototypes=record[1]))
         ctx.state["weights"] = ctx.weights(role)
         upload = collector.result("local_prototypes")
         if self.weighting == "samples":  # the class counts travel with the prototypes
