@@ -43,24 +43,10 @@ def _run(recipe: str, out: Path, rounds: int, extra: list[str], graphs_on: bool)
     return summary, weights
 
 
-def _tensors(tree, prefix: str = "") -> dict:
-    """A checkpoint's tensors by path, less the ids of the processes that wrote client states (new each run)."""
-    import torch
-
-    if prefix.endswith("/writers"):
-        return {}
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{prefix}/{key}").items()}
-    if isinstance(tree, (list, tuple)):
-        return {k: v for i, value in enumerate(tree) for k, v in _tensors(value, f"{prefix}/{i}").items()}
-    return {}
-
-
 def survey(recipe: str, rounds: int, check: bool) -> dict:
     import torch
 
+    from fl_lightning.checkpoint import tensors_by_path
     from fl_lightning.recipes import load_recipe
 
     optimizer = load_recipe(ROOT / "recipes" / recipe)["training"].get("optimizer", {}).get("class_path", "")
@@ -80,7 +66,7 @@ def survey(recipe: str, rounds: int, check: bool) -> dict:
         if check:
             extra = CAPTURABLE if optimizer.startswith("Adam") else []
             eager, eager_weights = _run(recipe, Path(tmp) / "eager", rounds, extra, graphs_on=False)
-            a, b = _tensors(weights), _tensors(eager_weights)
+            a, b = tensors_by_path(weights), tensors_by_path(eager_weights)
             differ = sorted(a.keys() ^ b.keys()) + [k for k in a.keys() & b.keys() if not torch.equal(a[k], b[k])]
             row["bit_for_bit"] = summary["final"] == eager["final"] and not differ
             if not row["bit_for_bit"]:

@@ -35,6 +35,21 @@ _PLAIN = (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)
 _known_good: set[tuple[int, ...]] = set()  # identities of the checkpoint files written or verified here
 
 
+def tensors_by_path(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a loaded checkpoint (or part of one) by its path, ``/strategy/global_weights/...``,
+    less the ids of the processes that wrote client states (new in every run): two runs that computed
+    the same numbers give equal dictionaries."""
+    if prefix.endswith("/writers"):
+        return {}
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in tensors_by_path(value, f"{prefix}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, value in enumerate(tree) for k, v in tensors_by_path(value, f"{prefix}/{i}").items()}
+    return {}
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Writes ``state`` (tensors and plain containers) with its checksum; keeps the old file as previous.ckpt."""
     content = {**state, "format": FORMAT}

@@ -55,6 +55,15 @@ def _named(name):
     return lambda message: f"{name}: {message}"
 
 
+def _assert_close_runs(sequential, weights, batched, batched_weights):
+    """Every tensor of the two runs' checkpoints and every final metric equal to float tolerance."""
+    assert weights.keys() == batched_weights.keys() and weights
+    for name, value in weights.items():
+        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
+    for metric, value in sequential["final"].items():
+        assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
+
+
 def _run(tmp_path, recipe, executor, *extra):
     out = tmp_path / executor
     argv = ["--config", str(ROOT / "recipes" / recipe), "--rounds", ROUNDS, "--eval_every", "1", "--seed", "3"]
@@ -123,11 +132,7 @@ def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, ext
     batched, batched_weights = _run(tmp_path, recipe, "batched", *extra)
     assert batched["executor"]["batched_fits"] > 0  # the fits really ran as vmapped groups
     assert "executor" not in sequential
-    assert weights.keys() == batched_weights.keys() and weights
-    for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
-    for metric, value in sequential["final"].items():
-        assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
+    _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
 def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
@@ -157,10 +162,7 @@ def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, ext
     sequential, weights = _run(tmp_path, recipe, "sequential", *extra)
     batched, batched_weights = _run(tmp_path, recipe, "batched", *extra)
     assert batched["executor"]["batched_fits"] > 0
-    for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
-    for metric, value in sequential["final"].items():
-        assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
+    _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
 # FedMD's recipe starts with 5 + 5 epochs of transfer learning, over which float differences grow chaotically:
@@ -198,11 +200,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
     counts = batched["executor"]
     # every fit batched but a client alone in its group (HeteroFL's width tiers leave one now and then)
     assert counts["batched_fits"] > 0 and counts["sequential_fits"] == sum(lone), counts
-    assert weights.keys() == batched_weights.keys() and weights
-    for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
-    for metric, value in sequential["final"].items():
-        assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
+    _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
 def test_a_pure_step_over_each_client_s_own_reference_models_runs_alone_as_sequentially(tmp_path):

@@ -219,3 +219,13 @@ def test_random_streams_are_named_distinct_and_keep_their_numbers():
         server_phase(MAX_PHASES)
     assert derive_seed(0, 1, Owner.SERVER, Stream.SAMPLER) == derive_seed(0, 1, 2**31 - 1, 2)
     assert derive_seed(0, 1, 2, 3) != derive_seed(0, 1, 2, 4)
+
+
+def test_tensors_by_path_names_every_tensor_and_leaves_out_the_writers_of_client_states():
+    from fl_lightning.checkpoint import tensors_by_path
+
+    a, b, c = torch.zeros(2), torch.ones(3), torch.arange(4)
+    tree = {"strategy": {"w": a, "banks": [b, (c, "not a tensor")]}, "clients": {"writers": torch.tensor([7])}}
+    found = tensors_by_path(tree)
+    assert list(found) == ["/strategy/w", "/strategy/banks/0", "/strategy/banks/1/0"]
+    assert found["/strategy/banks/1/0"] is c  # the checkpoint's own tensors, not copies

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.checkpoint import tensors_by_path
 from fl_lightning.cli import fit_from_argv
 from fl_lightning.client import graphs
 from fl_lightning.client.batched import vmappable
@@ -74,7 +75,7 @@ def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recip
     eager, eager_ckpt = _run(tmp_path, "eager", recipe, *extra, *(CAPTURABLE if adam else []))
     replayed, replayed_ckpt = _run(tmp_path, "graphs", recipe, *extra, graphs_on=True)
     assert replayed["final"] == eager["final"]
-    eager_tensors, replayed_tensors = _tensors(eager_ckpt), _tensors(replayed_ckpt)
+    eager_tensors, replayed_tensors = tensors_by_path(eager_ckpt), tensors_by_path(replayed_ckpt)
     assert replayed_tensors.keys() == eager_tensors.keys()
     assert all(torch.equal(t, eager_tensors[k]) for k, t in replayed_tensors.items())
     counts = replayed["cuda_graphs"]
@@ -85,8 +86,11 @@ def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recip
     assert "cuda_graphs" not in eager
 
 
-def test_steps_that_cannot_be_replayed_run_eagerly_with_the_reason(tmp_path, stand_in):
-    summary, _ = _run(tmp_path, "proto", "digits_fedproto.yaml", graphs_on=True)  # its step collects prototypes
+def test_steps_that_cannot_be_replayed_run_eagerly_with_the_reason(tmp_path, stand_in, monkeypatch):
+    from fl_lightning.strategies import fedproto
+
+    monkeypatch.setattr(fedproto, "vmappable", lambda step: step)  # an unmarked step: it may have side effects
+    summary, _ = _run(tmp_path, "proto", "digits_fedproto.yaml", graphs_on=True)
     reasons = summary["cuda_graphs"]["eager_reasons"]
     assert summary["cuda_graphs"]["graphed_steps"] == 0 and list(reasons) == [
         "the step is not marked pure (@vmappable)"
@@ -96,17 +100,6 @@ def test_steps_that_cannot_be_replayed_run_eagerly_with_the_reason(tmp_path, sta
     assert list(summary["cuda_graphs"]["eager_reasons"]) == [
         "the optimizer is RMSprop (graphs replay SGD, Adam and AdamW steps)"
     ]
-
-
-def _tensors(tree, prefix="") -> dict:
-    """A checkpoint's tensors by path, less the ids of the processes that wrote client states (new each run)."""
-    if prefix.endswith("/writers"):
-        return {}
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{prefix}/{key}").items()}
-    return {}
 
 
 # ------------------------------------------------------------------------------------------------ units
@@ -292,14 +285,14 @@ def test_a_fit_at_learning_rate_0_runs_adam_s_default_step_and_keeps_the_weights
     counts = summary["cuda_graphs"]
     zero_lr = [n for reason, n in counts["eager_reasons"].items() if reason.startswith("the learning rate is 0")]
     assert zero_lr and counts["graphed_steps"] > 0, counts
-    assert all(torch.isfinite(t).all() for t in _tensors(weights).values() if t.is_floating_point())
+    assert all(torch.isfinite(t).all() for t in tensors_by_path(weights).values() if t.is_floating_point())
     with pytest.raises(Diverged, match="round 3 diverged"):  # what the replays would otherwise have given
         _run(tmp_path, "capturable", "quickstart.yaml", *ADAMW, *CAPTURABLE)
     _, default_weights = _run(tmp_path, "default", "quickstart.yaml", *ADAMW)
     # round 3 (lr 0) moves no parameter in either run: equal to the default Adam's to float rounding
     # (rounds 1-2 ran in capturable mode)
-    final = {k: v for k, v in _tensors(default_weights).items() if v.is_floating_point()}
-    for k, v in _tensors(weights).items():
+    final = {k: v for k, v in tensors_by_path(default_weights).items() if v.is_floating_point()}
+    for k, v in tensors_by_path(weights).items():
         if k in final:
             torch.testing.assert_close(v, final[k], rtol=1e-4, atol=1e-5)
 
@@ -395,7 +388,7 @@ def test_the_flagship_replays_its_resnet_steps_as_run_eagerly(tmp_path, stand_in
     eager, eager_ckpt = _run(tmp_path, "eager", "ondevice_kd_cifar10.yaml", *shrink)
     replayed, replayed_ckpt = _run(tmp_path, "graphs", "ondevice_kd_cifar10.yaml", *shrink, graphs_on=True)
     assert replayed["final"] == eager["final"]
-    eager_tensors, replayed_tensors = _tensors(eager_ckpt), _tensors(replayed_ckpt)
+    eager_tensors, replayed_tensors = tensors_by_path(eager_ckpt), tensors_by_path(replayed_ckpt)
     assert replayed_tensors.keys() == eager_tensors.keys()
     assert all(torch.equal(t, eager_tensors[k]) for k, t in replayed_tensors.items())
     counts = replayed["cuda_graphs"]
