@@ -7,9 +7,11 @@ the share of local steps replayed, the captures, and the reasons the other steps
 are those a GPU run would make: the same ``StepGraphs`` decides, only the replay differs.
 
 ``--check`` also runs each recipe eagerly and compares the final metrics and checkpoint tensors bit for
-bit (an Adam recipe's eager twin runs Adam with ``capturable: true``, as graphs do).
+bit (an Adam recipe's eager twin runs Adam with ``capturable: true``, as graphs do). ``--batched`` also
+runs it with ``runtime.executor batched`` and reports how many of its fits ran as vmapped groups (the
+rest ran alone: a client alone in its group, or a step the executor cannot batch).
 
-    python benchmarks/graph_coverage.py --check --json    # one JSON object per recipe, then a table
+    python benchmarks/graph_coverage.py --check --batched --json   # one JSON object per recipe, then a table
     python benchmarks/graph_coverage.py --check digits_fedhe.yaml digits_felo.yaml
 """
 
@@ -43,7 +45,7 @@ def _run(recipe: str, out: Path, rounds: int, extra: list[str], graphs_on: bool)
     return summary, weights
 
 
-def survey(recipe: str, rounds: int, check: bool) -> dict:
+def survey(recipe: str, rounds: int, check: bool, batched: bool = False) -> dict:
     import torch
 
     from fl_lightning.checkpoint import tensors_by_path
@@ -73,6 +75,10 @@ def survey(recipe: str, rounds: int, check: bool) -> dict:
                 row["differ"] = differ[:5] or [
                     k for k in eager["final"] if summary["final"].get(k) != eager["final"][k]
                 ]
+        if batched:
+            counts = _run(recipe, Path(tmp) / "batched", rounds, ["--runtime.executor", "batched"], False)[0]
+            counts = counts["executor"]
+            row.update(batched_fits=counts["batched_fits"], fits=counts["batched_fits"] + counts["sequential_fits"])
     return row
 
 
@@ -81,6 +87,7 @@ def main() -> None:
     parser.add_argument("recipes", nargs="*", help="recipe files in recipes/ (default: every digits_*.yaml)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--check", action="store_true", help="also run eagerly and compare bit for bit")
+    parser.add_argument("--batched", action="store_true", help="also count the fits the batched executor batches")
     parser.add_argument("--json", action="store_true", help="print one JSON object per recipe")
     args = parser.parse_args()
 
@@ -95,20 +102,21 @@ def main() -> None:
     rows = []
     for recipe in recipes:
         with capturable_adam_on_cpu():
-            row = survey(recipe, args.rounds, args.check)
+            row = survey(recipe, args.rounds, args.check, args.batched)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
-    print(
-        f"\n| recipe | optimizer | local steps | replayed | captures | eager, by reason |{' bit for bit |' * args.check}"
-    )
-    print(f"|---|---|---|---|---|---|{'---|' * args.check}")
+    extra_columns = " bit for bit |" * args.check + " fits batched |" * args.batched
+    print(f"\n| recipe | optimizer | local steps | replayed | captures | eager, by reason |{extra_columns}")
+    print(f"|---|---|---|---|---|---|{'---|' * (args.check + args.batched)}")
     for row in rows:
         share = "-" if row["graphed_share"] is None else f"{100 * row['graphed_share']:.0f} %"
         reasons = "; ".join(f"{reason}: {n}" for reason, n in row["eager_reasons"].items()) or row["note"] or "-"
         cells = [row["recipe"], row["optimizer"], row["steps"], share, row["captures"], reasons]
         if args.check:
             cells.append("yes" if row["bit_for_bit"] else "**no**")
+        if args.batched:
+            cells.append(f"{row['batched_fits']} of {row['fits']}")
         print("| " + " | ".join(map(str, cells)) + " |")
 
 
