@@ -78,7 +78,10 @@ def survey(recipe: str, rounds: int, check: bool, batched: bool = False) -> dict
         if batched:
             counts = _run(recipe, Path(tmp) / "batched", rounds, ["--runtime.executor", "batched"], False)[0]
             counts = counts["executor"]
-            row.update(batched_fits=counts["batched_fits"], fits=counts["batched_fits"] + counts["sequential_fits"])
+            if counts["mode"] == "batched":
+                row.update(batched=f"{counts['batched_fits']} of {counts['batched_fits'] + counts['sequential_fits']}")
+            else:
+                row.update(batched=f"none: {counts['why']}")
     return row
 
 
@@ -116,7 +119,7 @@ def main() -> None:
         if args.check:
             cells.append("yes" if row["bit_for_bit"] else "**no**")
         if args.batched:
-            cells.append(f"{row['batched_fits']} of {row['fits']}")
+            cells.append(row["batched"])
         print("| " + " | ".join(map(str, cells)) + " |")
 
 

@@ -116,8 +116,10 @@ class FederationOrchestrator:
         self.schedule = schedule
         if executor not in ("sequential", "batched"):
             raise ConfigError(f"executor must be sequential or batched, got {executor!r}.")
-        # asynchronous rounds run one arrival at a time: nothing to batch there
+        # asynchronous rounds run one arrival at a time: nothing to batch there (summary.json says so)
         self.batched = BatchedExecutor(loop, batch_clients) if executor == "batched" and schedule is None else None
+        asked = executor == "batched" and schedule is not None
+        self.unbatched = "asynchronous rounds train one arrival at a time" if asked else None
         self.asynchronous = (
             AsynchronousRounds(schedule, strategy, clients, self.state.ledger, seed, self._run_client, faults)
             if schedule is not None
@@ -186,6 +188,8 @@ class FederationOrchestrator:
         summary.update(extra)
         if self.batched is not None:  # how many local fits really ran batched (the rest could not)
             summary["executor"] = {"mode": "batched", **self.batched.fits.counts}
+        elif self.unbatched is not None:  # batched was asked for (or auto chose it) and could not be
+            summary["executor"] = {"mode": "sequential", "why": self.unbatched}
         if self.loop.graphs is not None:  # how many steps were replayed from CUDA graphs, and why others were not
             summary["cuda_graphs"] = self.loop.graphs.summary()
         if self.faults is not None or self.divergence == "drop":

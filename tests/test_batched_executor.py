@@ -231,6 +231,17 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
         assert torch.equal(batched_weights[name], value), name
 
 
+def test_asynchronous_rounds_train_one_arrival_at_a_time_and_the_summary_says_so(tmp_path):
+    sequential, weights = _run(tmp_path, "digits_fedhe_async.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_fedhe_async.yaml", "batched")
+    assert batched["executor"] == {"mode": "sequential", "why": "asynchronous rounds train one arrival at a time"}
+    assert "executor" not in sequential
+    assert batched["final"] == sequential["final"]
+    assert weights.keys() == batched_weights.keys() and all(
+        torch.equal(batched_weights[k], v) for k, v in weights.items()
+    )
+
+
 def test_batched_with_a_shared_optimizer_state_is_refused():
     with pytest.raises(ConfigError, match="optimizer_state shared"):
         fit_from_argv(
