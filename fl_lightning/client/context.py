@@ -72,17 +72,19 @@ class ClientContext:
         return self._data.server_idx
 
     def on_device(self, name: str, tensor: Tensor) -> Tensor:
-        """A copy of ``tensor`` (server knowledge a step closes over) on the training device, valid until the
-        next client's update.
+        """``tensor`` (server knowledge a step closes over, read only) on the training device, valid until
+        the next client's update.
 
-        With ``runtime.cuda_graphs`` the copy lives at one address per ``name``, refilled in place for each
-        client: a step's graph key holds its tensors' addresses, so what the server sends anew every round
-        (FedHe's class logits) would otherwise make a new key, and a new capture, at every fit. (Graphs run
-        the sequential executor: a client's fit has ended before the next client's update begins.)
+        Without graphs it is ``tensor.to(device)``: one payload every client receives stays one object, which
+        the batched executor then shares instead of stacking a copy per client. With ``runtime.cuda_graphs``
+        it is a copy at one address per ``name``, refilled in place for each client: a step's graph key holds
+        its tensors' addresses, so what the server sends anew every round (FedHe's class logits) would
+        otherwise make a new key, and a new capture, at every fit. (Graphs run the sequential executor: a
+        client's fit has ended before the next client's update begins.)
         """
         graphs = self.loop.graphs
         if graphs is None:
-            return tensor.to(self.data_x.device, copy=True)
+            return tensor.to(self.data_x.device)
         return graphs.resident(name, tensor, self.data_x.device)
 
     def num_examples(self, split: str = "train") -> int:

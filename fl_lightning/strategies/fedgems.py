@@ -176,7 +176,7 @@ class FedGEMS(PersonalModels, Strategy):
             chosen = ctx.public_indices if positions is None else ctx.public_indices[positions.long()]
             # server knowledge and public labels at one address per name (CUDA graphs keep their key)
             y_public = ctx.on_device("public_labels", ctx.data_y[chosen])
-            server_logits = ctx.on_device("server_logits", task.downlink["server_logits"].tensors["logits"])
+            server_logits = task.downlink["server_logits"].tensors["logits"].to(x_public.device)
             teacher = ctx.on_device("teacher", F.softmax(server_logits / self.temperature, 1))
             order = torch.arange(len(x_public), device=x_public.device)
             batches = target_batches(x_public, order, self.batch_size, self.distill_steps, ctx.generator)
