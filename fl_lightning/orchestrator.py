@@ -188,6 +188,8 @@ class FederationOrchestrator:
         summary.update(extra)
         if self.batched is not None:  # how many local fits really ran batched (the rest could not)
             summary["executor"] = {"mode": "batched", **self.batched.fits.counts}
+            if self.batched.fits.sequential_reasons:
+                summary["executor"]["sequential_reasons"] = dict(self.batched.fits.sequential_reasons)
         elif self.unbatched is not None:  # batched was asked for (or auto chose it) and could not be
             summary["executor"] = {"mode": "sequential", "why": self.unbatched}
         if self.loop.graphs is not None:  # how many steps were replayed from CUDA graphs, and why others were not

@@ -12,6 +12,7 @@ import torch
 
 from fl_lightning.checkpoint import load_checkpoint
 from fl_lightning.cli import fit_from_argv
+from fl_lightning.client.batched import _ALONE
 from fl_lightning.client_store import load_client_states
 from fl_lightning.errors import ConfigError
 
@@ -200,6 +201,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
     counts = batched["executor"]
     # every fit batched but a client alone in its group (HeteroFL's width tiers leave one now and then)
     assert counts["batched_fits"] > 0 and counts["sequential_fits"] == sum(lone), counts
+    assert counts.get("sequential_reasons", {}) == ({_ALONE: sum(lone)} if sum(lone) else {}), counts
     _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
@@ -211,6 +213,7 @@ def test_a_pure_step_over_each_client_s_own_reference_models_runs_alone_as_seque
     sequential, weights = _run(tmp_path, "digits_moon.yaml", "sequential")
     batched, batched_weights = _run(tmp_path, "digits_moon.yaml", "batched")
     assert batched["executor"]["batched_fits"] == 0 and batched["executor"]["sequential_fits"] > 0
+    assert set(batched["executor"]["sequential_reasons"]) == {_ALONE}
     assert weights.keys() == batched_weights.keys() and weights
     for name, value in weights.items():
         assert torch.equal(batched_weights[name], value), name  # the sequential loop, bit for bit
@@ -225,10 +228,29 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
     monkeypatch.setattr(fd, "vmappable", lambda step: step)  # applied at each client_update: unmarked
     sequential, weights = _run(tmp_path, "digits_fd.yaml", "sequential")
     batched, batched_weights = _run(tmp_path, "digits_fd.yaml", "batched")
-    assert batched["executor"]["batched_fits"] == 0 and batched["executor"]["sequential_fits"] > 0
+    counts = batched["executor"]
+    assert counts["batched_fits"] == 0 and counts["sequential_fits"] > 0
+    assert counts["sequential_reasons"] == {"the step is not marked pure (@vmappable)": counts["sequential_fits"]}
     assert batched["final"] == sequential["final"]
     for name, value in weights.items():
         assert torch.equal(batched_weights[name], value), name
+
+
+def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_so(tmp_path):
+    """FML's fit_jointly trains two models per client outside loop.fit: the batched executor runs it as the
+    sequential loop does, bit for bit, and counts each such fit with its reason."""
+    sequential, weights = _run(tmp_path, "digits_fml.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_fml.yaml", "batched")
+    fits = 2 * 15  # 2 rounds x 15 clients
+    assert batched["executor"] == {
+        "mode": "batched",
+        "batched_fits": 0,
+        "sequential_fits": fits,
+        "sequential_reasons": {"models trained together (fit_jointly) train one client at a time": fits},
+    }
+    assert batched["final"] == sequential["final"]
+    assert weights.keys() == batched_weights.keys() and weights
+    assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
 
 
 def test_asynchronous_rounds_train_one_arrival_at_a_time_and_the_summary_says_so(tmp_path):
@@ -315,6 +337,7 @@ def test_a_step_drawing_a_second_stream_runs_in_both_executors(tmp_path):
     _, weights = _run(tmp_path, "digits_ondevice_kd.yaml", "sequential", *joint)
     batched, batched_weights = _run(tmp_path, "digits_ondevice_kd.yaml", "batched", *joint)
     assert batched["executor"]["sequential_fits"] == 2 * 4  # 2 rounds x the 4 strong clients' joint fits
+    assert batched["executor"]["sequential_reasons"] == {"the step is not marked pure (@vmappable)": 8}
     assert batched["executor"]["batched_fits"] > 0
     for name, value in weights.items():
         torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
@@ -332,8 +355,8 @@ def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
         coroutine.pause(FitRequest("r", iter(()), None, None, 1, {}, (), {}, (None, None)))
         reached.append("after")  # never: the pause raises once cancelled
 
-    coroutine = _Coroutine(job)
-    idle = _Coroutine(lambda: reached.append("idle ran"))
+    coroutine = _Coroutine(job, fits=None)
+    idle = _Coroutine(lambda: reached.append("idle ran"), fits=None)
     coroutine.advance()  # runs to its pause
     assert coroutine.request is not None and not coroutine.done
     coroutine.cancel()

@@ -59,6 +59,7 @@ ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr
         ("digits_ondevice_kd.yaml", []),
         # Adam, one state per client; graphs run it in capturable mode, so the eager twin does too
         ("digits_fedhe.yaml", ["--training.optimizer.init_args.capturable", "true"]),
+        ("digits_fedkd.yaml", []),  # models trained together (fit_jointly), W_h one instance (ctx.helper)
     ],
 )
 def test_cuda_graphs_replay_the_steps_of_the_eager_run(tmp_path, recipe, extra):

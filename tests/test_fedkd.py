@@ -1,6 +1,7 @@
 """FedKD: the adaptive mutual losses by hand, the SVD energy threshold, what the clients and the server
 exchange and that a client rebuilds exactly the server's mentee from the compressed update."""
 
+import functools
 import math
 
 import pytest
@@ -155,3 +156,37 @@ def test_every_client_needs_a_mentor_and_the_mentee():
         FedKD(energy_start=0.99, energy_end=0.95)
     with pytest.raises(ConfigError, match="compression"):
         FedKD(compression="topk")
+
+
+def test_every_client_s_hidden_map_trains_in_one_instance_from_a_fresh_optimizer_state():
+    """``W_h`` lives in one module per shape (``ctx.helper``: fixed addresses, so graphs can be shared), holds
+    each client's own weights while that client trains, and starts each fit from a fresh optimizer state."""
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    training = LocalTraining(local_steps=3, batch_size=16, optimizer=sgd)
+    strategy = FedKD()
+    server = method_env(strategy, MODELS, PAIR, training=training)
+    loop = server._loop
+    first, second = strategy.configure_round(1, server.clients[:2])
+    state_1, state_2 = {}, {}
+    client_update(strategy, server, first, state_1)
+    (slot,) = loop.helpers.values()
+    assert torch.equal(slot.module.weight, state_1["hidden_map"]["weight"])
+    assert slot.optimizer.state  # momenta of the first client's fit
+    client_update(strategy, server, second, state_2)
+    assert len(loop.helpers) == 1 and next(iter(loop.helpers.values())) is slot
+    assert not torch.equal(state_1["hidden_map"]["weight"], state_2["hidden_map"]["weight"])
+    # the first client's next round starts from its own W_h (not the second's) and a fresh momentum
+    again, before = strategy.configure_round(2, server.clients[:1])[0], state_1["hidden_map"]["weight"].clone()
+    received = {}
+    real = loop.helper_optimizer
+
+    def noted(module):
+        optimizer, base_lrs = real(module)
+        received["weight"], received["state"] = module.weight.detach().clone(), dict(optimizer.state)
+        return optimizer, base_lrs
+
+    loop.helper_optimizer = noted
+    client_update(strategy, server, again, state_1)
+    assert torch.equal(received["weight"], before)
+    assert not received["state"]
+    assert not torch.equal(state_1["hidden_map"]["weight"], before)  # and trained it

@@ -72,17 +72,18 @@ class BatchedFit:
 
     def __init__(self, loop: LocalLoop):
         self.loop = loop
-        self.unbatchable: set[Any] = set()  # (role, step code) pairs whose first batched step failed
+        self.unbatchable: dict[Any, str] = {}  # (role, step code) pairs whose first batched step failed, and why
         self.memory_limit: dict[str, int] = {}  # per role, the most clients batched since a larger group ran out
         self.counts = {"batched_fits": 0, "sequential_fits": 0}  # reported in summary.json
+        self.sequential_reasons: dict[str, int] = {}  # why fits ran sequentially, in fits (summary.json)
 
     def run(self, requests: list[FitRequest]) -> None:
         groups: dict[Any, list[FitRequest]] = {}
         for request in requests:
             groups.setdefault(self._group_key(request), []).append(request)
         for key, group in groups.items():
-            if key is None:
-                self._all_sequential(group)
+            if isinstance(key, str):  # why these fits cannot be batched
+                self._all_sequential(group, key)
                 continue
             limit = self.memory_limit.get(group[0].role, len(group))
             for start in range(0, len(group), limit):
@@ -90,8 +91,11 @@ class BatchedFit:
 
     def _run_part(self, part: list[FitRequest]) -> None:
         """Batched if it can be; halved while the device's memory cannot hold it (remembered for the role)."""
-        if len(part) == 1 or _step_key(part[0]) in self.unbatchable:
-            self._all_sequential(part)
+        if len(part) == 1:
+            self._all_sequential(part, _ALONE)
+            return
+        if _step_key(part[0]) in self.unbatchable:
+            self._all_sequential(part, self.unbatchable[_step_key(part[0])])
             return
         try:
             batched = self._try_batched(part)
@@ -109,30 +113,37 @@ class BatchedFit:
         elif batched:
             self.counts["batched_fits"] += len(part)
         else:
-            self._all_sequential(part)
+            self._all_sequential(part, self.unbatchable[_step_key(part[0])])
 
-    def _all_sequential(self, group: list[FitRequest]) -> None:
+    def _all_sequential(self, group: list[FitRequest], why: str) -> None:
         for request in group:
             self._sequential(request)
-        self.counts["sequential_fits"] += len(group)
+        self.note_sequential(len(group), why)
+
+    def note_sequential(self, fits: int, why: str) -> None:
+        """Counts ``fits`` that ran through the sequential loop, with the reason summary.json gives."""
+        self.counts["sequential_fits"] += fits
+        self.sequential_reasons[why] = self.sequential_reasons.get(why, 0) + fits
 
     # ------------------------------------------------------------------ grouping
     def _group_key(self, request: FitRequest) -> Any:
-        """Requests with equal keys can share one vmapped step; None: this one must run alone."""
+        """Requests with equal keys can share one vmapped step; a string: why this one runs sequentially."""
         fn = request.step_fn
         function = getattr(fn, "__func__", fn)
         if fn is not _default_step() and not getattr(function, "vmappable", False):
-            return None
+            return "the step is not marked pure (@vmappable)"
         if getattr(self.loop.fabric.strategy.precision, "scaler", None) is not None:  # 16-mixed scales the loss
-            return None
+            return "fp16 mixed precision scales the loss"
         slot = self.loop.slots[request.role]
         optimizer = slot.optimizer
-        if _update_rule(optimizer) is None or len(optimizer.param_groups) != 1:
-            return None
+        if _update_rule(optimizer) is None:
+            return f"the optimizer is {type(optimizer).__name__} (batched: SGD, Adam and AdamW)"
+        if len(optimizer.param_groups) != 1:
+            return "the optimizer has several parameter groups"
         if optimizer.param_groups[0].get("dampening"):  # SGD's first momentum step would differ (clone vs add)
-            return None
+            return "SGD's dampening"
         if _step_key(request) in self.unbatchable:
-            return None
+            return self.unbatchable[_step_key(request)]
         constants = tuple(
             ("tensor", tuple(v.shape), v.dtype) if isinstance(v, Tensor) else ("value", _identity(v))
             for v in _closure_values(fn)
@@ -165,10 +176,15 @@ class BatchedFit:
             training.run()  # converts running out of memory in its first step itself (later, it cannot)
         except _OutOfMemory:
             raise
-        except _NotBatchable:
-            self.unbatchable.add(_step_key(first))
+        except _NotBatchable as err:
+            self.unbatchable[_step_key(first)] = (
+                f"its first batched step failed: {str(err).splitlines()[0] if str(err) else '?'}"
+            )
             return False
         return True
+
+
+_ALONE = "no other client of its chunk trained the same role, step and settings at the same point"
 
 
 def _step_key(request: FitRequest) -> tuple:

@@ -139,6 +139,13 @@ class ClientContext:
         batches = batches if batches is not None else self.batches(split, steps)
         return self.loop.fit(self.slot(role), batches, self.round, step_fn, on_record)
 
+    def helper(self, name: str, module: torch.nn.Module, weights: StateDict | None = None) -> torch.nn.Module:
+        """A small module the strategy trains next to its roles (FedKD's ``W_h``), holding this client's
+        ``weights`` (``module``'s own values when None): one instance per name and shapes, reused by every
+        client and valid until the next client's update (:meth:`LocalLoop.helper`). ``fit_jointly`` trains
+        it with a fresh optimizer state."""
+        return self.loop.helper(name, module, weights)
+
     def weights(self, role: str) -> StateDict:
         """A copy of the role's current weights, safe to keep after the next client reuses the instance."""
         return {k: v.detach().clone() for k, v in self.slot(role).module.model.state_dict().items()}

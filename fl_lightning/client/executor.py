@@ -57,6 +57,14 @@ def paused_fit(
     return coroutine.pause(request).result
 
 
+def note_sequential_fit(why: str) -> None:
+    """Inside a client of the batched executor: counts a fit the strategy ran itself, outside ``loop.fit``
+    (models trained together), as a sequential one with ``why`` (summary.json); nothing outside."""
+    coroutine = getattr(_current, "coroutine", None)
+    if coroutine is not None:
+        coroutine.fits.note_sequential(1, why)
+
+
 def paused_fit_running() -> bool:
     """Whether this code runs inside a client the batched executor may pause (its fit runs later)."""
     return getattr(_current, "coroutine", None) is not None
@@ -69,8 +77,8 @@ class _Cancelled(BaseException):
 class _Coroutine:
     """A client task on its own thread, run only while the executor waits for it."""
 
-    def __init__(self, job: Callable[[], Any]):
-        self.job = job
+    def __init__(self, job: Callable[[], Any], fits: BatchedFit):
+        self.job, self.fits = job, fits
         self.request: FitRequest | None = None
         self.done, self.cancelled = False, False
         self.value: Any = None
@@ -134,7 +142,7 @@ class BatchedExecutor:
             yield from self._run_chunk(jobs[start : start + self.chunk])
 
     def _run_chunk(self, jobs: list[Callable[[], Any]]) -> list[Any]:
-        coroutines = [_Coroutine(job) for job in jobs]
+        coroutines = [_Coroutine(job, self.fits) for job in jobs]
         last_fit: dict[str, tuple[int, FitRequest]] = {}  # per role, the fit of the latest client in task order
         try:
             for coroutine in coroutines:

@@ -45,7 +45,7 @@ import functools
 import itertools
 import logging
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,13 +96,33 @@ class StepGraphs:
         on_record: Callable[[tuple], None] | None,
     ) -> dict[str, float]:
         """One client's fit; the same result as ``LocalLoop.run_steps``'s plain 32-bit path."""
-        module.train()
-        default_adam = _pause_capturable_at_zero_lr(optimizer)
-        fit_key, why = (None, _ZERO_LR) if default_adam else fit_key_of(module, optimizer, step_fn, clip)
+        total, steps = self._fit(_Trainee(module, ((module, optimizer),)), batches, step_fn, clip, on_record)
+        return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
+
+    def run_joint_steps(
+        self,
+        modules: dict[str, nn.Module],
+        trained: Sequence[tuple[nn.Module, torch.optim.Optimizer]],
+        batches: Iterable[tuple],
+        step_fn: Callable,
+        clip: float | None,
+    ) -> dict[str, float]:
+        """Models of one client trained together (``knowledge.mutual.fit_jointly``): per batch, one backward
+        pass of the sum of the losses ``step_fn(modules, batch, i)`` returns per role, then each module of
+        ``trained`` clipped on its own and stepped by its optimizer. Returns each role's mean loss."""
+        roles = tuple(modules)
+        trainee = _Trainee(modules, tuple(trained), roles)
+        total, steps = self._fit(trainee, batches, step_fn, clip, None)
+        return dict(zip(roles, (total / max(steps, 1)).tolist()))
+
+    def _fit(self, trainee: _Trainee, batches, step_fn, clip, on_record) -> tuple[Tensor, int]:
+        trainee.train()
+        default_adam = [o for _, o in trainee.pairs if _pause_capturable_at_zero_lr(o)]
+        fit_key, why = (None, _ZERO_LR) if default_adam else fit_key_of(trainee, step_fn, clip)
         try:
-            return self._fit(fit_key, why, module, optimizer, batches, step_fn, clip, on_record)
+            return self._steps(fit_key, why, trainee, batches, step_fn, clip, on_record)
         finally:
-            if default_adam:
+            for optimizer in default_adam:
                 _resume_capturable(optimizer)
 
     def resident(self, name: str, tensor: Tensor, device: torch.device) -> Tensor:
@@ -121,7 +141,7 @@ class StepGraphs:
             kept.copy_(tensor)
         return kept
 
-    def _fit(self, fit_key, why, module, optimizer, batches, step_fn, clip, on_record) -> dict[str, float]:
+    def _steps(self, fit_key, why, trainee, batches, step_fn, clip, on_record) -> tuple[Tensor, int]:
         if fit_key is not None:  # a small number per key: the long key is hashed once a fit, not at every step
             if fit_key not in self._fit_ids and len(self._fit_ids) >= 16 * self.capacity:
                 self._drop_all()  # keys that change every fit (a new tensor in the closure) would otherwise pile up
@@ -129,16 +149,16 @@ class StepGraphs:
             if fit_id is None:  # never a number used before: a graph kept from before a drop must not match
                 fit_id = self._fit_ids[fit_key] = next(self._fit_numbers)
             fit_key = fit_id
-        total, steps = torch.zeros((), device=self.backend.device), 0
+        total, steps = torch.zeros(trainee.loss_shape, device=self.backend.device), 0
         for i, batch in enumerate(batches):
-            loss, record = self._one_step(fit_key, why, module, optimizer, batch, i, step_fn, clip)
+            loss, record = self._one_step(fit_key, why, trainee, batch, i, step_fn, clip)
             if record is not None and on_record is not None:
                 on_record(record)
             total += loss.float()
             steps += 1
-        return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
+        return total, steps
 
-    def _one_step(self, fit_key, why, module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
+    def _one_step(self, fit_key, why, trainee, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
         """A step replayed, or run for real and captured (a key's second), or run eagerly (counted with why)."""
         reason = why
         if fit_key is not None:
@@ -150,18 +170,18 @@ class StepGraphs:
                 graph = self.graphs.get(key)
                 if graph is None and key not in self.refused:
                     if key in self.seen:  # a key that recurs: worth a capture (a one-off shape is not)
-                        return self._run_and_capture(key, module, optimizer, batch, i, step_fn, clip)
+                        return self._run_and_capture(key, trainee, batch, i, step_fn, clip)
                     self.seen.add(key)
                     reason = "a key's first step (captured if the key recurs)"
-                elif graph is not None and self._state_in_place(optimizer):
+                elif graph is not None and self._states_in_place(trainee):
                     return self._replay(key, graph, batch)
                 else:
                     reason = self.refused.get(
                         key, "the optimizer's state is missing (a fit's first step makes it) or new"
                     )
-        optimizer.zero_grad(set_to_none=True)
+        trainee.zero_grad()
         self._count_eager(reason)
-        return _step(module, optimizer, batch, i, step_fn, clip)
+        return trainee.step(batch, i, step_fn, clip)
 
     def _replay(self, key: tuple, graph: _Graph, batch: tuple) -> tuple[Tensor, tuple | None]:
         for static, tensor in zip(graph.inputs, batch):
@@ -182,34 +202,34 @@ class StepGraphs:
         reason = reason or "not replayable"
         self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
 
-    def _run_and_capture(self, key, module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
+    def _run_and_capture(self, key, trainee, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
         """Runs the step for real (the capture's warm-up), checked op by op, then captures its graph."""
         inputs = tuple(t.clone() for t in batch)  # the graph's input tensors, filled before each replay
-        optimizer.zero_grad(set_to_none=True)
+        trainee.zero_grad()
         trace = StepTrace(self.backend.device)
         with self.backend.warm_up(), trace:
-            loss, record = _step(module, optimizer, inputs, i, step_fn, clip)
+            loss, record = trainee.step(inputs, i, step_fn, clip)
         record = None if record is None else tuple(t.clone() for t in record)
         if trace.problem is not None:
             return self._refuse(key, trace.problem, loss, record)
-        if not self._state_in_place(optimizer):
+        if not self._states_in_place(trainee):
             return self._refuse(key, "the optimizer keeps no state for some parameter", loss, record)
 
         def body() -> tuple[Tensor, tuple | None]:
-            optimizer.zero_grad(set_to_none=True)  # gradients are the step's own, not added to the last step's
-            return _step(module, optimizer, inputs, i, step_fn, clip)
+            trainee.zero_grad()  # gradients are the step's own, not added to the last step's
+            return trainee.step(inputs, i, step_fn, clip)
 
         if len(self.graphs) >= self.capacity:  # before the capture: a graph freed after it would break it
             self._drop_all()
         try:
             handle = self.backend.capture(body)
         except Exception as err:  # noqa: BLE001 (whatever the capture met, the step stays eager)
-            optimizer.zero_grad(set_to_none=True)
+            trainee.zero_grad()
             self._drop_all()  # the failed graph's teardown may have cleared the workspace the others use
             return self._refuse(
                 key, f"capture failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}", loss, record
             )
-        optimizer.zero_grad(set_to_none=True)  # no gradient attribute left pointing into the graphs' shared memory
+        trainee.zero_grad()  # no gradient attribute left pointing into the graphs' shared memory
         self.graphs[key] = _Graph(handle, inputs)
         self.counts["captures"] += 1
         self._count_eager("a key's second step (run, then captured)")
@@ -230,6 +250,9 @@ class StepGraphs:
         self.refused[key] = reason
         self._count_eager(reason)
         return loss, record
+
+    def _states_in_place(self, trainee: _Trainee) -> bool:
+        return all(self._state_in_place(optimizer) for _, optimizer in trainee.pairs)
 
     def _state_in_place(self, optimizer: torch.optim.Optimizer) -> bool:
         """Puts the optimizer's state tensors into those the graphs were captured with (the first
@@ -350,28 +373,72 @@ def _step(module, optimizer, batch, i, step_fn, clip) -> tuple[Tensor, tuple | N
     return loss.detach(), record
 
 
+def _joint_step(modules, pairs, roles, batch, i, step_fn, clip) -> tuple[Tensor, None]:
+    """One step of models trained together, as ``knowledge.mutual.fit_jointly`` makes it: its losses, one per
+    role, stacked in the roles' order."""
+    losses = step_fn(modules, batch, i)
+    sum(losses[role] for role in roles).backward()
+    for module, optimizer in pairs:
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+    return torch.stack([losses[role].detach() for role in roles]), None
+
+
+@dataclass(frozen=True)
+class _Trainee:
+    """What a fit's steps train: the step function's first argument (a module, or a joint step's modules by
+    role) and the (module, optimizer) pairs that each step clips one by one and steps after its backward."""
+
+    argument: Any
+    pairs: tuple[tuple[nn.Module, torch.optim.Optimizer], ...]
+    roles: tuple[str, ...] | None = None  # a joint step's: it returns a loss per role
+
+    @property
+    def loss_shape(self) -> tuple[int, ...]:
+        return () if self.roles is None else (len(self.roles),)
+
+    def train(self) -> None:
+        for module, _ in self.pairs:
+            module.train()
+
+    def zero_grad(self) -> None:
+        for _, optimizer in self.pairs:
+            optimizer.zero_grad(set_to_none=True)
+
+    def step(self, batch, i, step_fn, clip) -> tuple[Tensor, tuple | None]:
+        if self.roles is None:
+            ((module, optimizer),) = self.pairs
+            return _step(module, optimizer, batch, i, step_fn, clip)
+        return _joint_step(self.argument, self.pairs, self.roles, batch, i, step_fn, clip)
+
+
 # ---------------------------------------------------------------------------------------------- keys
-def fit_key_of(
-    module: nn.Module, optimizer: torch.optim.Optimizer, step_fn: Callable, clip
-) -> tuple[tuple | None, str | None]:
+def fit_key_of(trainee: _Trainee, step_fn: Callable, clip) -> tuple[tuple | None, str | None]:
     """What a fit's steps must share with a graph's capture to replay it, or (None, why they cannot)."""
     from .loop import _training_step
 
     function = getattr(step_fn, "__func__", step_fn)
     if step_fn is not _training_step and not getattr(function, "vmappable", False):
         return None, "the step is not marked pure (@vmappable)"
-    if type(optimizer) not in REPLAYED_OPTIMIZERS:
-        return None, f"the optimizer is {type(optimizer).__name__} (graphs replay SGD, Adam and AdamW steps)"
-    if isinstance(optimizer, _CAPTURABLE) and not all(group.get("capturable") for group in optimizer.param_groups):
-        return (
-            None,
-            f"the {type(optimizer).__name__} optimizer is not in capturable mode (an optimizer of the method's own)",
-        )
+    for _, optimizer in trainee.pairs:
+        if type(optimizer) not in REPLAYED_OPTIMIZERS:
+            return None, f"the optimizer is {type(optimizer).__name__} (graphs replay SGD, Adam and AdamW steps)"
+        if isinstance(optimizer, _CAPTURABLE) and not all(group.get("capturable") for group in optimizer.param_groups):
+            return (
+                None,
+                f"the {type(optimizer).__name__} optimizer is not in capturable mode (an optimizer of the method's own)",
+            )
     hyper = tuple(
-        tuple((k, _frozen(v, 0)) for k, v in group.items() if k != "params") for group in optimizer.param_groups
+        tuple((k, _frozen(v, 0)) for k, v in group.items() if k != "params")
+        for _, optimizer in trainee.pairs
+        for group in optimizer.param_groups
     )
+    argument = trainee.argument
+    given = id(argument) if trainee.roles is None else tuple((role, id(argument[role])) for role in trainee.roles)
+    trained = tuple((_module_key(module), id(optimizer)) for module, optimizer in trainee.pairs)
     closure = _frozen(step_fn, 3)  # the step, its closure values, their attributes, and theirs
-    return (id(module), id(optimizer), _module_key(module), hyper, clip, closure), None
+    return (given, trained, hyper, clip, closure), None
 
 
 def _module_key(module: nn.Module) -> tuple:

@@ -57,6 +57,7 @@ class LocalLoop:
         self.phase_start: dict[str, dict] = {}  # optimizer states every client of a phase starts from
         self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
         self.graphs: StepGraphs | None = None  # runtime.cuda_graphs: client fits replay their steps (graphs.py)
+        self.helpers: dict[tuple, ModelSlot] = {}  # strategies' small trained modules, one per name and shapes
 
     def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
         """Builds one module per role (weights seeded per role) and its optimizer, once per run."""
@@ -96,6 +97,50 @@ class LocalLoop:
             spec, context = self.specs[role], self.context
             self._initializers[role] = SeededInitializer(lambda: spec.build(**context))
         return self._initializers[role].weights(seed, self.fabric.device)
+
+    def helper(self, name: str, module: torch.nn.Module, weights: dict[str, Tensor] | None = None) -> torch.nn.Module:
+        """The one instance of a strategy's small trained module ``name`` with ``module``'s shapes (FedKD's
+        ``W_h``), on the device and holding ``weights``, or ``module``'s own values when None.
+
+        Valid until the next client's update. One instance keeps a step's tensors at fixed addresses, so
+        that with ``runtime.cuda_graphs`` every client's fit replays the same graphs. Inside a client the
+        batched executor may pause (its fits run later, interleaved with other clients'), a client gets
+        ``module`` itself instead.
+        """
+        from .executor import paused_fit_running
+
+        if paused_fit_running():
+            module = module.to(self.fabric.device)
+            if weights is not None:
+                module.load_state_dict(weights)
+            return module
+        key = (name, tuple((k, tuple(v.shape), v.dtype) for k, v in module.state_dict().items()))
+        slot = self.helpers.get(key)
+        if slot is None:  # the first module given becomes the instance
+            instance = module.to(self.fabric.device)
+            optimizer = self.training.optimizer_factory()(instance.parameters())
+            if self.graphs is not None:
+                from .graphs import prepare_optimizer
+
+                prepare_optimizer(optimizer)
+            slot = self.helpers[key] = ModelSlot(instance, optimizer, [g["lr"] for g in optimizer.param_groups])
+        with torch.no_grad():
+            slot.module.load_state_dict(weights if weights is not None else module.state_dict())
+        return slot.module
+
+    def helper_optimizer(self, module: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[float]]:
+        """An optimizer of the recipe's kind with a fresh state for ``module``, and its base learning rates:
+        the instance's own (its state cleared) for a module of :meth:`helper`, else a new one."""
+        slot = next((slot for slot in self.helpers.values() if slot.module is module), None)
+        if slot is not None:
+            slot.optimizer.state.clear()
+            return slot.optimizer, slot.base_lrs
+        optimizer = self.training.optimizer_factory()(module.parameters())
+        if self.graphs is not None:
+            from .graphs import prepare_optimizer
+
+            prepare_optimizer(optimizer)
+        return optimizer, [g["lr"] for g in optimizer.param_groups]
 
     def num_steps(self, num_examples: int) -> int:
         if self.training.local_steps is not None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..client.executor import note_sequential_fit
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -82,8 +83,11 @@ def fit_jointly(
 
     Each role's optimizer runs at the round's learning rate (the recipe's ``lr_schedule``) and each
     role's gradient is clipped at ``training.grad_clip_norm`` on its own (HtFLlib clips each model
-    separately). ``helpers`` (FedKD's ``W_h``) are trained too, with a fresh optimizer of the recipe's
-    kind. Returns the mean loss of each role.
+    separately). ``helpers`` (FedKD's ``W_h``, best one instance from ``ctx.helper``) are trained too, with
+    a fresh optimizer state of the recipe's kind. Returns the mean loss of each role. With
+    ``runtime.cuda_graphs`` the steps of a step function marked
+    :func:`~fl_lightning.client.batched.vmappable` are replayed from CUDA graphs
+    (:meth:`~fl_lightning.client.graphs.StepGraphs.run_joint_steps`).
     """
     loop = ctx.loop
     if getattr(loop.fabric.strategy.precision, "scaler", None) is not None:
@@ -93,22 +97,22 @@ def fit_jointly(
             "models trained together on one client (FML, FedKD) cannot use fp16 mixed precision's loss "
             "scaler here; set runtime precision to 32-true or bf16-mixed."
         )
+    note_sequential_fit("models trained together (fit_jointly) train one client at a time")
     slots = {role: ctx.slot(role) for role in roles}
     factor = loop.training.lr_schedule(ctx.round, loop.rounds)
-    for slot in slots.values():
-        for group, base in zip(slot.optimizer.param_groups, slot.base_lrs):
+    trained = [(slot.module, slot.optimizer, slot.base_lrs) for slot in slots.values()]
+    trained += [(helper, *loop.helper_optimizer(helper)) for helper in helpers]
+    for _, optimizer, base_lrs in trained:
+        for group, base in zip(optimizer.param_groups, base_lrs):
             group["lr"] = base * factor
-    extra = []
-    for helper in helpers:
-        optimizer = loop.training.optimizer_factory()(helper.parameters())
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-        extra.append((helper, optimizer))
     modules = {role: slot.module for role, slot in slots.items()}
-    trained = [(slot.module, slot.optimizer) for slot in slots.values()] + extra
+    trained = [(module, optimizer) for module, optimizer, _ in trained]
+    clip = loop.training.grad_clip_norm
+    if loop.graphs is not None:  # runtime.cuda_graphs: the same steps, replayed where their key allows
+        return loop.graphs.run_joint_steps(modules, trained, ctx.batches(split), step_fn, clip)
     for module, _ in trained:
         module.train()
-    clip, optimizer_step = loop.training.grad_clip_norm, loop.fabric.strategy.optimizer_step
+    optimizer_step = loop.fabric.strategy.optimizer_step
     totals = {role: torch.zeros((), device=loop.fabric.device) for role in roles}
     steps = 0
     for i, batch in enumerate(ctx.batches(split)):

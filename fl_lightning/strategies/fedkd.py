@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
@@ -175,7 +176,9 @@ class FedKD(Strategy):
         ctx.load(mentor, self.mentor_weights(task.client, ctx.state))
         load_exchanged(ctx.load(mentee).model, base)
         mapping = self.client_hidden_map(task.client, ctx)
+        adaptive, reduction, detach = self.adaptive, self.kl_reduction, self.detach_partner
 
+        @vmappable  # pure: replayed from CUDA graphs (runtime.cuda_graphs)
         def step(modules, batch, i):
             x, y = batch
             h_t, h_s = modules[mentor].features(x), modules[mentee].features(x)
@@ -184,9 +187,9 @@ class FedKD(Strategy):
                 (h_s, modules[mentee].head(h_s)),
                 y,
                 mapping,
-                self.adaptive,
-                self.kl_reduction,
-                self.detach_partner,
+                adaptive,
+                reduction,
+                detach,
             )
             return dict(zip((mentor, mentee), losses))
 
@@ -199,15 +202,12 @@ class FedKD(Strategy):
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
-    def client_hidden_map(self, client: ClientSpec, ctx: ClientContext) -> nn.Linear:
-        """The client's ``W_h`` (new on its first round, from torch's per-client-update generator)."""
-        mapping = hidden_map(
-            self.server.feature_dim(self.mentee_role), self.server.feature_dim(self.mentor_role(client))
-        )
-        mapping = mapping.to(ctx.data_x.device)
-        if "hidden_map" in ctx.state:
-            mapping.load_state_dict(ctx.state["hidden_map"])
-        return mapping
+    def client_hidden_map(self, client: ClientSpec, ctx: ClientContext) -> nn.Module:
+        """The client's ``W_h`` (new on its first round, from torch's per-client-update generator), in the
+        one instance of its shape (``ctx.helper``)."""
+        # drawn every round, the client's first included, so that the random stream after it stays the same
+        fresh = hidden_map(self.server.feature_dim(self.mentee_role), self.server.feature_dim(self.mentor_role(client)))
+        return ctx.helper("hidden_map", fresh, ctx.state.get("hidden_map"))
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch.nn.functional as F
 
+from ..client.batched import vmappable
 from ..client.context import ClientContext
 from ..errors import ConfigError
 from ..evaluation import Evaluator
@@ -96,6 +97,7 @@ class FML(Strategy):
         load_exchanged(ctx.load(meme).model, task.downlink[meme].state)
         alpha, beta, reduction, detach = self.alpha, self.beta, self.kl_reduction, self.detach_partner
 
+        @vmappable  # pure: replayed from CUDA graphs (runtime.cuda_graphs)
         def step(modules, batch, i):
             x, y = batch
             z_private, z_meme = modules[private](x), modules[meme](x)
