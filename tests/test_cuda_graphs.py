@@ -525,3 +525,20 @@ def test_slotted_objects_partials_and_numpy_numbers_in_a_closure_are_keyed_by_va
     scaled[0] = functools.partial(torch.mul, other=2.0)
     _fit(step, [4, 4, 4], True, runner, net, optimizer)
     assert runner.counts["captures"] == 4 and runner.counts["graphed_steps"] == 4
+
+
+def test_an_optimizer_taking_a_freed_optimizer_s_id_gets_none_of_its_state_or_graphs():
+    """Optimizers made per fit are freed and their ids reused: the state kept for the old one must not be
+    installed into the new one, and no graph captured with the old state may replay (its memory goes)."""
+    step, shapes = _cross_entropy(1.0), [5, 5, 5]
+    runner = StepGraphs(CheckedReruns("cpu"))
+    _, old, _ = _fit(step, shapes, graphs_on=True, runner=runner)
+    assert runner.counts["captures"] == 1 and id(old) in runner.kept
+    eager_net, eager_opt, _ = _fit(step, shapes, graphs_on=False, net=_Net())
+    net = _Net()
+    new = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
+    runner.kept[id(new)] = runner.kept.pop(id(old))  # what CPython does when `old` is freed and `new` takes its id
+    _fit(step, shapes, graphs_on=True, runner=runner, net=net, optimizer=new)
+    assert set(new.state) == set(net.parameters())  # its own parameters' state only
+    assert all(torch.equal(a, b) for a, b in zip(_state(net, new), _state(eager_net, eager_opt)))
+    assert runner.counts["dropped"] == 1 and runner.kept[id(new)].owner() is new

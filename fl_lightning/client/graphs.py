@@ -27,6 +27,10 @@ so a step is replayed only where that cannot change what it computes:
   numbers of the same recipe with ``capturable: true`` and no graphs, bit for bit, and differs from the
   default Adam by float rounding (bias corrections in float32 on the device, not float64 on the host).
 
+Models trained together (``knowledge.mutual.fit_jointly``: FML, FedKD) replay the same way
+(:meth:`StepGraphs.run_joint_steps`): one step is the backward of their summed losses, then each
+(module, optimizer) pair clipped on its own and stepped, and the key covers every pair.
+
 A batch is copied into the graph's own input tensors before a replay, and the optimizer's state (SGD's
 momentum buffers; Adam's step count and moments) stays in the tensors the graphs were captured with: a
 client's restored optimizer state is copied into them, a fresh one zeroes them (what Adam's first step
@@ -45,6 +49,7 @@ import functools
 import itertools
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -260,6 +265,12 @@ class StepGraphs:
         parameters or entries than then)."""
         state = optimizer.state
         kept = self.kept.get(id(optimizer))
+        if kept is not None and kept.owner() is not optimizer:
+            # a freed optimizer's (one made per fit), whose id a new one took: its state is not this one's, and
+            # once it is let go its tensors' memory may be reused, so no graph captured with it may replay
+            self._drop_all()
+            del self.kept[id(optimizer)]
+            kept = None
         if kept is not None and state.get(kept.params[0], {}).get(kept.names[0]) is kept.tensors[0]:
             return True  # the replays' case: checked first
         if not _keeps_state(optimizer):
@@ -278,7 +289,8 @@ class StepGraphs:
             return False
         current = [state[p][name] for p, name in entries]
         if kept is None:
-            self.kept[id(optimizer)] = _KeptState([p for p, _ in entries], [n for _, n in entries], current)
+            params, names = [p for p, _ in entries], [n for _, n in entries]
+            self.kept[id(optimizer)] = _KeptState(params, names, current, weakref.ref(optimizer))
             return True
         if len(entries) != len(kept.params) or any(
             p is not q or name != kept_name for (p, name), q, kept_name in zip(entries, kept.params, kept.names)
@@ -297,6 +309,7 @@ class _KeptState:
     params: list[Tensor]
     names: list[str]
     tensors: list[Tensor]
+    owner: weakref.ref  # the optimizer: ids of freed objects are reused
 
     def install(self, state: dict) -> None:
         for p, name, tensor in zip(self.params, self.names, self.tensors):
