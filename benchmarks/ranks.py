@@ -13,6 +13,13 @@ weights bit for bit.
 
     python benchmarks/ranks.py            # a table
     python benchmarks/ranks.py --json     # one JSON object: s_per_round_1, s_per_round_2, identical, ...
+    python benchmarks/ranks.py --personal --json   # Standalone: 20 personal models evaluated every round
+
+``--personal`` runs the same clients and training as Standalone (each client its own digits CNN) with
+every client's model evaluated on the global test set after every round, the evaluation a personalized
+method pays (each rank evaluates its share of the clients and the ranks exchange the scores); it reports
+``evaluating_every_round`` only. ``--root DIR`` runs the fl-lightning tree at DIR (e.g. an earlier commit
+from ``git archive``) with this script's workload.
 
 On CPU each rank takes one core: run it on an otherwise idle machine with at least two cores (on a
 shared one the times only bound the idle ones from above).
@@ -60,11 +67,12 @@ WORKLOAD = {
 }
 
 
-def run(recipe: Path, output: Path, rounds: int, devices: int, eval_every: int = 1) -> None:
+def run(recipe: Path, output: Path, rounds: int, devices: int, eval_every: int = 1, root: Path = ROOT) -> None:
     command = [sys.executable, "-m", "fl_lightning", "fit", "--config", str(recipe), "--output_dir", str(output)]
     command += ["--rounds", str(rounds), "--checkpoint_every", str(rounds), "--runtime.devices", str(devices)]
     command += ["--eval_every", str(eval_every)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
@@ -112,9 +120,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=22, help="rounds of the long run (default 22)")
     parser.add_argument("--warmup", type=int, default=2, help="rounds of the short run, left out (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--personal", action="store_true", help="Standalone, every personal model evaluated each round")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the fl-lightning tree to run (default: this one)")
     args = parser.parse_args()
     if not 1 <= args.warmup < args.rounds:
         parser.error("--warmup must be at least 1 and below --rounds")
+    if args.personal:
+        print(
+            json.dumps(personal(args.rounds, args.warmup, args.root.resolve())) if args.json else personal_table(args)
+        )
+        return
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         recipe = scratch / "digits_cnn_fedavg.yaml"
@@ -125,12 +140,12 @@ def main() -> None:
         steady = {}
         for devices in (1, 2):
             for rounds in (args.warmup, args.rounds):
-                run(recipe, scratch / f"end{devices}_{rounds}", rounds, devices, eval_every=rounds)
+                run(recipe, scratch / f"end{devices}_{rounds}", rounds, devices, rounds, args.root.resolve())
             long, short = (wall_seconds(scratch / f"end{devices}_{r}") for r in (args.rounds, args.warmup))
             steady[devices] = (long - short) / (args.rounds - args.warmup)
         # the same with an evaluation after every round (it runs on every rank: a serial part)
         for devices in (1, 2):
-            run(recipe, scratch / f"devices{devices}", args.rounds, devices)
+            run(recipe, scratch / f"devices{devices}", args.rounds, devices, root=args.root.resolve())
         one, two = (steady_seconds(scratch / f"devices{d}", args.warmup) for d in (1, 2))
         result = {
             "s_per_round_1": steady[1],
@@ -150,6 +165,37 @@ def main() -> None:
     print(f"  1 process : {steady[1]:.3f} s per round ({one:.3f} evaluating every round)")
     print(f"  2 ranks   : {steady[2]:.3f} s per round ({result['speedup']:.2f}x; {two:.3f}, {one / two:.2f}x)")
     print(f"  identical : {result['identical']}")
+
+
+def personal(rounds: int, warmup: int, root: Path) -> dict:
+    """Standalone on the workload's clients, every client's model evaluated on the test set every round."""
+    workload = {**WORKLOAD, "strategy": {"class_path": "fl_lightning.strategies.Standalone"}}
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        recipe = scratch / "digits_cnn_standalone.yaml"
+        recipe.write_text(yaml.safe_dump(workload))
+        for devices in (1, 2):
+            run(recipe, scratch / f"devices{devices}", rounds, devices, root=root)
+        one, two = (steady_seconds(scratch / f"devices{d}", warmup) for d in (1, 2))
+        return {
+            "workload": "standalone, 20 personal digits CNNs evaluated every round",
+            "evaluating_every_round": {"s_per_round_1": one, "s_per_round_2": two, "speedup": one / two},
+            "identical": identical(scratch / "devices1", scratch / "devices2"),
+            "rounds": rounds,
+            "warmup_rounds": warmup,
+            "root": str(root),
+        }
+
+
+def personal_table(args: argparse.Namespace) -> str:
+    result = personal(args.rounds, args.warmup, args.root.resolve())
+    timed = result["evaluating_every_round"]
+    return (
+        f"{result['workload']}, {args.rounds} rounds, the first {args.warmup} left out, one CPU thread per rank\n"
+        f"  1 process : {timed['s_per_round_1']:.3f} s per round\n"
+        f"  2 ranks   : {timed['s_per_round_2']:.3f} s per round ({timed['speedup']:.2f}x)\n"
+        f"  identical : {result['identical']}"
+    )
 
 
 if __name__ == "__main__":

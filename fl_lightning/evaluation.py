@@ -13,6 +13,7 @@ from torch import Tensor
 from .client.loop import LocalLoop
 from .data import FederatedData
 from .errors import ConfigError
+from .ranks import current_ranks, exchange
 from .seeding import Owner, Stream, derive_seed
 from .stacked_eval import StackedEvaluation
 from .types import PAD, ClientSpec, StateDict
@@ -179,31 +180,47 @@ class Evaluator:
 
         Personal models may rightly favour their client's classes: no collapse warning. ``weights_of`` is
         called in client order whichever way the clients are evaluated (a client's initial weights reseed
-        torch's generator, so the order decides where it is left).
+        torch's generator, so the order decides where it is left), on every rank. With several ranks each
+        evaluates its share (every ``world``-th client, or chunk of clients evaluated together: the chunks
+        of one process, so each score is computed as there) and the ranks exchange their scores.
         """
+        ranks = current_ranks()
         if split != "global" or self.plan.clients_per_batch == 1:  # local splits differ per client
-            scores = []
-            for client in covered:
+            scores = {}
+            for position, client in enumerate(covered):
                 role, weights = weights_of(client, self.client_states.get(client.id, {}))
+                if position % ranks.world != ranks.rank:
+                    continue  # another rank's share
                 x, y = (self.data.test_x, self.data.test_y) if split == "global" else self._split(client.id, split)
-                scores.append(_acc_loss(self._run(role, weights, x, y)))
-            return scores
-        return self._stacked_scores(covered, weights_of)
+                scores[position] = _acc_loss(self._run(role, weights, x, y))
+            return _every_ranks(scores, len(covered))
+        return _every_ranks(self._stacked_scores(covered, weights_of, ranks.rank, ranks.world), len(covered))
 
     def _stacked_scores(
-        self, covered: list[ClientSpec], weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]]
-    ) -> list[tuple[float, float]]:
-        """Clients of one role evaluated together, ``plan.clients_per_batch`` at a time, on the global test set."""
+        self,
+        covered: list[ClientSpec],
+        weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]],
+        rank: int = 0,
+        world: int = 1,
+    ) -> dict[int, tuple[float, float]]:
+        """Clients of one role evaluated together, ``plan.clients_per_batch`` at a time, on the global test set;
+        this rank's chunks only (every ``world``-th, counted in the order they fill), by position in ``covered``."""
         scores: dict[int, tuple[float, float]] = {}
         pending: dict[str, list[tuple[int, StateDict]]] = {}
+        chunks = 0
         for position, client in enumerate(covered):
             role, weights = weights_of(client, self.client_states.get(client.id, {}))
             pending.setdefault(role, []).append((position, weights))
             if len(pending[role]) == self.plan.clients_per_batch:
-                scores.update(self._evaluate_together(role, pending.pop(role)))
+                chunk = pending.pop(role)
+                if chunks % world == rank:
+                    scores.update(self._evaluate_together(role, chunk))
+                chunks += 1
         for role, chunk in pending.items():
-            scores.update(self._evaluate_together(role, chunk))
-        return [scores[position] for position in range(len(covered))]
+            if chunks % world == rank:
+                scores.update(self._evaluate_together(role, chunk))
+            chunks += 1
+        return scores
 
     def _evaluate_together(self, role: str, chunk: list[tuple[int, StateDict]]) -> dict[int, tuple[float, float]]:
         """One chunk of a role's clients batched, or one at a time where the role's model cannot be batched."""
@@ -273,6 +290,13 @@ class Evaluator:
                 predicted = predicted + counts
         n = max(int((y != PAD).sum()), 1)  # tokens for sequence targets, examples otherwise
         return {"acc": correct.item() / n, "loss": loss_sum.item() / n, "top_class_share": _top_share(predicted)}
+
+
+def _every_ranks(scores: dict[int, tuple[float, float]], count: int) -> list[tuple[float, float]]:
+    """Every client's score in position order: this rank's ``scores`` and, with several ranks, the others'."""
+    if current_ranks().world > 1:
+        scores = {position: score for share in exchange(scores) for position, score in share.items()}
+    return [scores[position] for position in range(count)]
 
 
 def _acc_loss(result: dict[str, float]) -> tuple[float, float]:

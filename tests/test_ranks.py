@@ -81,15 +81,19 @@ def test_two_cpu_ranks_give_fedavg_the_numbers_of_one_process_with_lost_updates(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "recipe, rounds",
+    "recipe, rounds, extra",
     [
-        ("digits_fedhe.yaml", 3),  # per-client models and Adam states: client states cross ranks
-        ("digits_velo.yaml", 2),  # server CVAE batches drawn from the last client's generator
+        # per-client models and Adam states: client states cross ranks; each rank evaluates half the clients
+        ("digits_fedhe.yaml", 3, []),
+        # the same with the clients' models evaluated 4 at a time (stacked): each rank takes every other chunk
+        ("digits_fedhe.yaml", 2, ["--evaluation.clients_per_batch", "4"]),
+        ("digits_fedgh.yaml", 2, []),  # personal models on their clients' local test splits
+        ("digits_velo.yaml", 2, []),  # server CVAE batches drawn from the last client's generator
     ],
 )
-def test_two_cpu_ranks_give_personalized_methods_the_numbers_of_one_process(tmp_path, recipe, rounds):
+def test_two_cpu_ranks_give_personalized_methods_the_numbers_of_one_process(tmp_path, recipe, rounds, extra):
     common = ["--config", str(ROOT / "recipes" / recipe), "--rounds", str(rounds), "--eval_every", str(rounds)]
-    common += ["--runtime.progress", "false"]
+    common += ["--runtime.progress", "false", *extra]
     # a fresh process, as each rank is: Velo builds its CVAE from torch's unseeded global generator, which
     # this test process has advanced
     subprocess.run(

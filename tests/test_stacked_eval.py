@@ -153,3 +153,47 @@ def test_the_option_through_fit(tmp_path, capsys):
     assert run_cli(*argv, "--output_dir", str(tmp_path / "bad"), "--evaluation.clients_per_batch", "0") == 2
     err = capsys.readouterr().err.strip()
     assert "evaluation.clients_per_batch must be a whole number of at least 1" in err and "\n" not in err
+
+
+class _Handed(Exception):
+    """Stops an evaluation at its exchange: the share this rank hands to the others is what the test wants."""
+
+
+@pytest.mark.parametrize("clients_per_batch", [1, 3])
+def test_ranks_each_evaluate_their_share_and_together_give_one_process_s_scores(fedhe, monkeypatch, clients_per_batch):
+    """With two ranks, each evaluates every other client (or chunk of clients stacked: the chunks one process
+    forms), draws every client's initial weights in client order all the same, and the exchanged shares give
+    every rank the metrics of one process, bit for bit."""
+    from fl_lightning import evaluation
+    from fl_lightning.ranks import Ranks
+
+    server, strategy, states = fedhe
+    torch.manual_seed(5)
+    one_metrics, one, one_rng = _evaluate(server, strategy, clients_per_batch, states)
+    shares = {}
+
+    def hand_over(rank):
+        def exchange(share):
+            shares[rank] = share
+            if rank == 1:
+                raise _Handed
+            return [share, shares[1]]
+
+        return exchange
+
+    for rank in (1, 0):  # rank 1's share first, then rank 0's run receives it
+        monkeypatch.setattr(evaluation, "current_ranks", lambda rank=rank: Ranks(rank=rank, world=2))
+        monkeypatch.setattr(evaluation, "exchange", hand_over(rank))
+        torch.manual_seed(5)
+        if rank == 1:
+            with pytest.raises(_Handed):
+                _evaluate(server, strategy, clients_per_batch, states)
+            rank_1_rng = torch.get_rng_state()
+        else:
+            metrics, evaluator, rng = _evaluate(server, strategy, clients_per_batch, states)
+    assert shares[0] and shares[1] and not shares[0].keys() & shares[1].keys()
+    assert shares[0].keys() | shares[1].keys() == set(range(12))
+    if clients_per_batch == 1:
+        assert sorted(shares[1]) == [1, 3, 5, 7, 9, 11]
+    assert metrics == one_metrics and evaluator.per_client == one.per_client
+    assert torch.equal(rng, one_rng) and torch.equal(rank_1_rng, one_rng)
