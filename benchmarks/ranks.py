@@ -18,7 +18,8 @@ weights bit for bit.
 ``--personal`` runs the same clients and training as Standalone (each client its own digits CNN) with
 every client's model evaluated on the global test set after every round, the evaluation a personalized
 method pays (each rank evaluates its share of the clients and the ranks exchange the scores); it reports
-``evaluating_every_round`` only. ``--root DIR`` runs the fl-lightning tree at DIR (e.g. an earlier commit
+``evaluating_every_round`` only. ``--eval_batch_size 45`` splits the 360 test examples into 8 batches, which
+ranks share when they evaluate a global model (a CIFAR test set is 20 batches of 512). ``--root DIR`` runs the fl-lightning tree at DIR (e.g. an earlier commit
 from ``git archive``) with this script's workload.
 
 On CPU each rank takes one core: run it on an otherwise idle machine with at least two cores (on a
@@ -122,9 +123,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--personal", action="store_true", help="Standalone, every personal model evaluated each round")
     parser.add_argument("--root", type=Path, default=ROOT, help="the fl-lightning tree to run (default: this one)")
+    parser.add_argument(
+        "--eval_batch_size", type=int, default=512, help="test batch size (512: the 360 digits test examples in one)"
+    )
     args = parser.parse_args()
     if not 1 <= args.warmup < args.rounds:
         parser.error("--warmup must be at least 1 and below --rounds")
+    WORKLOAD["training"]["eval_batch_size"] = args.eval_batch_size
     if args.personal:
         print(
             json.dumps(personal(args.rounds, args.warmup, args.root.resolve())) if args.json else personal_table(args)
@@ -156,6 +161,7 @@ def main() -> None:
             "evaluating_every_round": {"s_per_round_1": one, "s_per_round_2": two, "speedup": one / two},
             "rounds": args.rounds,
             "warmup_rounds": args.warmup,
+            "eval_batch_size": args.eval_batch_size,
             "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         }
     if args.json:

@@ -117,9 +117,9 @@ class Evaluator:
         return result
 
     def _on_test_sets(self, role: str, weights: StateDict | None) -> dict[str, float]:
-        result = self._run(role, weights, self.data.test_x, self.data.test_y)
+        result = self._run(role, weights, self.data.test_x, self.data.test_y, shared=True)
         for name, (x, y) in self.data.extra_tests.items():
-            result[f"acc_{name}"] = self._run(role, None, x, y)["acc"]
+            result[f"acc_{name}"] = self._run(role, None, x, y, shared=True)["acc"]
         return result
 
     def personal(self, role: str, weights: StateDict | None, client_id: int, split: str = "test") -> dict[str, float]:
@@ -273,21 +273,37 @@ class Evaluator:
         return [next(cursor[client.tier]) for client in clients]
 
     @torch.no_grad()
-    def _run(self, role: str, weights: StateDict | None, x: Tensor, y: Tensor) -> dict[str, float]:
+    def _run(
+        self, role: str, weights: StateDict | None, x: Tensor, y: Tensor, shared: bool = False
+    ) -> dict[str, float]:
+        """Accuracy, loss and top-class share of ``weights`` on ``(x, y)``. ``shared`` (every rank evaluates the
+        same model on the same set): each rank passes every ``world``-th batch and the ranks exchange the
+        batches' sums, which every rank then adds up in batch order, as one process does."""
         module = self.loop.slots[role].module
         if weights is not None:
             module.model.load_state_dict(weights)
         module.eval()
+        size = self.loop.training.eval_batch_size
+        starts = range(0, len(y), size)
+        ranks = current_ranks()
+        if shared and ranks.world > 1:
+            starts = starts[ranks.rank :: ranks.world]
+        sums = {}
+        with self.loop.fabric.autocast():
+            for start in starts:
+                sums[start] = module.test_step((x[start : start + size], y[start : start + size]))
+        if shared and ranks.world > 1:
+            sums = {start: part for share in exchange(sums) for start, part in share.items()}
+            if sorted(sums) != list(range(0, len(y), size)):  # the ranks disagree on the test set or its batches
+                raise RuntimeError(f"the ranks' shares of {role}'s evaluation do not cover the test set's batches once")
         loss_sum = torch.zeros((), device=x.device)  # float32 whatever the precision (test_step sums in float32)
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         predicted = torch.zeros((), dtype=torch.long, device=x.device)
-        size = self.loop.training.eval_batch_size
-        with self.loop.fabric.autocast():
-            for start in range(0, len(y), size):
-                loss, right, counts = module.test_step((x[start : start + size], y[start : start + size]))
-                loss_sum += loss.float()
-                correct += right
-                predicted = predicted + counts
+        for start in sorted(sums):
+            loss, right, counts = sums[start]
+            loss_sum += loss.float()
+            correct += right
+            predicted = predicted + counts
         n = max(int((y != PAD).sum()), 1)  # tokens for sequence targets, examples otherwise
         return {"acc": correct.item() / n, "loss": loss_sum.item() / n, "top_class_share": _top_share(predicted)}
 

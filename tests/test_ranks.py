@@ -69,8 +69,9 @@ def test_two_cpu_ranks_give_fedavg_the_numbers_of_one_process_with_lost_updates(
         population={"num_clients": 9, "tiers": [{"name": "all", "roles": ["global"]}]},  # odd: uneven shares
         sampler={"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"fraction": 0.6}},
     )
-    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "one")) == 0
-    argv = ["fit", "--config", str(recipe), "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2"]
+    small = ["--training.eval_batch_size", "50"]  # several test batches: the ranks share the evaluation's
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "one"), *small) == 0
+    argv = ["fit", "--config", str(recipe), "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2", *small]
     folders = _mailbox_folders()
     assert run_cli(*argv) == 0  # this process launches the 2 ranks and waits for them
     assert _mailbox_folders() - folders == set()  # the ranks' exchange files went with the run
@@ -492,3 +493,47 @@ def test_two_ranks_of_fedadam_do_not_stop_on_a_spurious_server_state_difference(
     argv = ["fit", "--config", str(ROOT / "recipes/digits_fedadam.yaml"), "--rounds", "2"]
     argv += ["--eval_every", "2", "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2"]
     assert run_cli(*argv) == 0  # was: "round 2: the server state of rank(s) [1] differs from rank 0's"
+
+
+def test_ranks_share_a_global_model_s_test_batches_and_add_them_up_as_one_process(monkeypatch):
+    """A global model's evaluation: each of two ranks passes every other test batch, the ranks exchange the
+    batches' sums and each adds them up in batch order, so the metrics equal one process's bit for bit."""
+    from conftest import method_env
+
+    from fl_lightning import evaluation
+    from fl_lightning.client import LocalTraining
+    from fl_lightning.evaluation import Evaluator
+    from fl_lightning.models import ModelSpec
+    from fl_lightning.population import Tier
+    from fl_lightning.strategies import FedAvg
+
+    models = {"global": ModelSpec("digits_cnn", {"width": 0.5, "batch_norm": True})}
+    server = method_env(FedAvg(), models, [Tier("all", ["global"])], training=LocalTraining(eval_batch_size=50))
+    evaluator = Evaluator(server._loop, server.data, server.clients)
+    torch.manual_seed(3)
+    weights = {
+        k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v
+        for k, v in server.initial_weights("global").items()
+    }
+    one = evaluator.global_model("global", weights)
+    assert len(server.data.test_y) > 6 * 50  # several batches for each rank
+    shares = {}
+
+    def exchange_of(rank):
+        def exchange(share):
+            shares[rank] = share
+            return [shares[0], shares[1]] if rank == 0 else [share, share]  # rank 1's own result is not checked
+
+        return exchange
+
+    for rank in (1, 0):
+        monkeypatch.setattr(evaluation, "current_ranks", lambda rank=rank: ranks.Ranks(rank=rank, world=2))
+        monkeypatch.setattr(evaluation, "exchange", exchange_of(rank))
+        if rank == 1:
+            with pytest.raises(RuntimeError, match="do not cover"):  # given its own share twice: rank 0's are missing
+                evaluator.global_model("global", weights)
+        else:
+            two = evaluator.global_model("global", weights)
+    assert sorted(shares[0]) == list(range(0, len(server.data.test_y), 100))
+    assert sorted(shares[1]) == list(range(50, len(server.data.test_y), 100))
+    assert two == one
