@@ -286,13 +286,14 @@ class Evaluator:
         size = self.loop.training.eval_batch_size
         starts = range(0, len(y), size)
         ranks = current_ranks()
-        if shared and ranks.world > 1:
+        shared = shared and ranks.world > 1 and len(starts) > 1  # one batch: every rank passes it, no exchange
+        if shared:
             starts = starts[ranks.rank :: ranks.world]
         sums = {}
         with self.loop.fabric.autocast():
             for start in starts:
                 sums[start] = module.test_step((x[start : start + size], y[start : start + size]))
-        if shared and ranks.world > 1:
+        if shared:
             sums = {start: part for share in exchange(sums) for start, part in share.items()}
             if sorted(sums) != list(range(0, len(y), size)):  # the ranks disagree on the test set or its batches
                 raise RuntimeError(f"the ranks' shares of {role}'s evaluation do not cover the test set's batches once")
