@@ -186,6 +186,9 @@ class Evaluator:
         """
         ranks = current_ranks()
         if split != "global" or self.plan.clients_per_batch == 1:  # local splits differ per client
+            if split != "global" and ranks.world > 1:
+                for client in covered:  # an empty split fails every rank alike, not one while the others wait
+                    self._split(client.id, split)
             scores = {}
             for position, client in enumerate(covered):
                 role, weights = weights_of(client, self.client_states.get(client.id, {}))

@@ -197,3 +197,19 @@ def test_ranks_each_evaluate_their_share_and_together_give_one_process_s_scores(
         assert sorted(shares[1]) == [1, 3, 5, 7, 9, 11]
     assert metrics == one_metrics and evaluator.per_client == one.per_client
     assert torch.equal(rng, one_rng) and torch.equal(rank_1_rng, one_rng)
+
+
+def test_an_empty_local_split_fails_every_rank_before_any_exchange(fedhe, monkeypatch):
+    """With ranks sharing a personalized evaluation on local test splits, a client's empty split is found by
+    every rank up front (one message on each), not only by the rank that evaluates the client while the
+    others wait at the exchange."""
+    from fl_lightning import evaluation
+    from fl_lightning.ranks import Ranks
+
+    server, strategy, states = fedhe
+    server.data.clients[0].test = server.data.clients[0].test[:0]
+    monkeypatch.setattr(evaluation, "current_ranks", lambda: Ranks(rank=1, world=2))  # client 0 is rank 0's
+    monkeypatch.setattr(evaluation, "exchange", lambda share: pytest.fail("exchanged before the check"))
+    evaluator = Evaluator(server._loop, server.data, server.clients, states)
+    with pytest.raises(ValueError, match="client 0 has an empty local test split"):
+        evaluator.personalized(strategy.personal_weights, split="test")
