@@ -188,7 +188,8 @@ class Evaluator:
         if split != "global" or self.plan.clients_per_batch == 1:  # local splits differ per client
             if split != "global" and ranks.world > 1:
                 for client in covered:  # an empty split fails every rank alike, not one while the others wait
-                    self._split(client.id, split)
+                    if not len(getattr(self.data.clients[client.id], split)):
+                        self._split(client.id, split)  # its message
             scores = {}
             for position, client in enumerate(covered):
                 role, weights = weights_of(client, self.client_states.get(client.id, {}))
@@ -253,9 +254,12 @@ class Evaluator:
                 log.warning("%s's clients are evaluated one at a time: batched evaluation failed (%s)", role, err)
                 self._stacked[role] = None
             else:
-                if stacked.slow:  # vmap looped over the clients for some op: batching gains nothing here
-                    self._stacked[role] = None
-                return {position: score for (position, _), score in zip(chunk, scores)}
+                if not stacked.slow:
+                    return {position: score for (position, _), score in zip(chunk, scores)}
+                # vmap looped over the clients for some op: batching gains nothing here. This chunk is scored
+                # one at a time too, like the role's later chunks, so that no score depends on which chunk found
+                # it out (with ranks, each finds it in a chunk of its own)
+                self._stacked[role] = None
         return {position: _acc_loss(self._run(role, weights, x, y)) for position, weights in chunk}
 
     def _covered(self) -> list[ClientSpec]:

@@ -542,3 +542,33 @@ def test_an_optimizer_taking_a_freed_optimizer_s_id_gets_none_of_its_state_or_gr
     assert set(new.state) == set(net.parameters())  # its own parameters' state only
     assert all(torch.equal(a, b) for a, b in zip(_state(net, new), _state(eager_net, eager_opt)))
     assert runner.counts["dropped"] == 1 and runner.kept[id(new)].owner() is new
+
+
+def _swapped(value, old: int, new: int):
+    """``value`` (a graph key) with the integer ``old`` (an object's id) replaced by ``new`` wherever it occurs."""
+    if isinstance(value, tuple):
+        return tuple(_swapped(v, old, new) for v in value)
+    return new if value == old and type(value) is int else value
+
+
+def test_a_graph_of_a_freed_optimizer_never_replays_for_one_that_took_its_id_with_a_state_of_its_own():
+    """The same module, a new optimizer holding a loaded state and the freed one's id: its fit's key equals the
+    old graphs' keys, and a replay would step the freed optimizer's state, not its own."""
+    step, shapes = _cross_entropy(1.0), [5, 5, 5, 5]
+    runner, net = StepGraphs(CheckedReruns("cpu")), _Net()
+    old = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
+    runner.run_steps(net, old, _batches(shapes), step, 1.0, None)
+    assert runner.counts["captures"] == 1
+    new = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
+    new.load_state_dict(copy.deepcopy(old.state_dict()))  # a copy: load_state_dict keeps the tensors it is given
+    eager_net = _Net()
+    eager_net.load_state_dict(net.state_dict())
+    eager_opt = torch.optim.SGD(eager_net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
+    eager_opt.load_state_dict(copy.deepcopy(old.state_dict()))
+    # what CPython does when `old` is freed and `new` takes its id
+    runner.kept[id(new)] = runner.kept.pop(id(old))
+    runner._fit_ids = {_swapped(key, id(old), id(new)): n for key, n in runner._fit_ids.items()}
+    runner.run_steps(net, new, _batches(shapes, seed=2), step, 1.0, None)
+    _eager_fit(eager_net, eager_opt, _batches(shapes, seed=2), step)
+    assert all(torch.equal(a, b) for a, b in zip(_state(net, new), _state(eager_net, eager_opt)))
+    assert runner.counts["dropped"] == 1

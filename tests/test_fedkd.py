@@ -190,3 +190,19 @@ def test_every_client_s_hidden_map_trains_in_one_instance_from_a_fresh_optimizer
     assert torch.equal(received["weight"], before)
     assert not received["state"]
     assert not torch.equal(state_1["hidden_map"]["weight"], before)  # and trained it
+
+
+def test_a_helper_is_one_instance_per_name_class_and_shapes():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    server = method_env(FedKD(), MODELS, PAIR, training=TRAINING)
+    loop = server._loop
+    first = loop.helper("map", nn.Linear(4, 2, bias=False))
+    assert loop.helper("map", nn.Linear(4, 2, bias=False)) is first  # the same kind: the one instance
+    assert loop.helper("map", nn.Linear(4, 3, bias=False)) is not first  # other shapes
+    doubled = loop.helper("map", Doubled(4, 2, bias=False))
+    assert type(doubled) is Doubled and doubled is not first  # another class: its own forward, not the first's
+    assert loop.helper("other", nn.Linear(4, 2, bias=False)) is not first
+    assert len(loop.helpers) == 4

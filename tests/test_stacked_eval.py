@@ -159,17 +159,12 @@ class _Handed(Exception):
     """Stops an evaluation at its exchange: the share this rank hands to the others is what the test wants."""
 
 
-@pytest.mark.parametrize("clients_per_batch", [1, 3])
-def test_ranks_each_evaluate_their_share_and_together_give_one_process_s_scores(fedhe, monkeypatch, clients_per_batch):
-    """With two ranks, each evaluates every other client (or chunk of clients stacked: the chunks one process
-    forms), draws every client's initial weights in client order all the same, and the exchanged shares give
-    every rank the metrics of one process, bit for bit."""
+def _as_two_ranks(monkeypatch, server, strategy, clients_per_batch, states):
+    """The evaluation as rank 1 (up to its exchange, its share kept) and then as rank 0, which receives that
+    share: rank 0's (metrics, evaluator, generator state), rank 0's and rank 1's shares, rank 1's generator."""
     from fl_lightning import evaluation
     from fl_lightning.ranks import Ranks
 
-    server, strategy, states = fedhe
-    torch.manual_seed(5)
-    one_metrics, one, one_rng = _evaluate(server, strategy, clients_per_batch, states)
     shares = {}
 
     def hand_over(rank):
@@ -190,13 +185,45 @@ def test_ranks_each_evaluate_their_share_and_together_give_one_process_s_scores(
                 _evaluate(server, strategy, clients_per_batch, states)
             rank_1_rng = torch.get_rng_state()
         else:
-            metrics, evaluator, rng = _evaluate(server, strategy, clients_per_batch, states)
+            result = _evaluate(server, strategy, clients_per_batch, states)
+    return result, shares, rank_1_rng
+
+
+@pytest.mark.parametrize("clients_per_batch", [1, 3])
+def test_ranks_each_evaluate_their_share_and_together_give_one_process_s_scores(fedhe, monkeypatch, clients_per_batch):
+    """With two ranks, each evaluates every other client (or chunk of clients stacked: the chunks one process
+    forms), draws every client's initial weights in client order all the same, and the exchanged shares give
+    every rank the metrics of one process, bit for bit."""
+    server, strategy, states = fedhe
+    torch.manual_seed(5)
+    one_metrics, one, one_rng = _evaluate(server, strategy, clients_per_batch, states)
+    (metrics, evaluator, rng), shares, rank_1_rng = _as_two_ranks(
+        monkeypatch, server, strategy, clients_per_batch, states
+    )
     assert shares[0] and shares[1] and not shares[0].keys() & shares[1].keys()
     assert shares[0].keys() | shares[1].keys() == set(range(12))
     if clients_per_batch == 1:
         assert sorted(shares[1]) == [1, 3, 5, 7, 9, 11]
     assert metrics == one_metrics and evaluator.per_client == one.per_client
     assert torch.equal(rng, one_rng) and torch.equal(rank_1_rng, one_rng)
+
+
+def test_a_role_vmap_runs_slowly_is_scored_one_at_a_time_from_its_first_chunk_with_ranks_or_without(fedhe, monkeypatch):
+    """vmap's slow per-client fallback makes stacking useless for a role: the chunk that finds it out is scored
+    one at a time too, so no score depends on which chunk that was (each rank finds it in a chunk of its own)."""
+    real = StackedEvaluation.scores
+
+    def slow(self, weights, x, y):  # a model vmap runs through its slow fallback; +100 marks a stacked score
+        self.slow = True
+        return [(acc + 100, loss) for acc, loss in real(self, weights, x, y)]
+
+    monkeypatch.setattr(StackedEvaluation, "scores", slow)
+    server, strategy, states = fedhe
+    torch.manual_seed(5)
+    one_metrics, one, _ = _evaluate(server, strategy, 2, states)
+    (metrics, evaluator, _), _, _ = _as_two_ranks(monkeypatch, server, strategy, 2, states)
+    assert max(one.per_client.values()) <= 1.0  # no score came from a slow stacked pass
+    assert evaluator.per_client == one.per_client and metrics == one_metrics
 
 
 def test_an_empty_local_split_fails_every_rank_before_any_exchange(fedhe, monkeypatch):

@@ -121,6 +121,7 @@ class StepGraphs:
         return dict(zip(roles, (total / max(steps, 1)).tolist()))
 
     def _fit(self, trainee: _Trainee, batches, step_fn, clip, on_record) -> tuple[Tensor, int]:
+        self._forget_freed(trainee)
         trainee.train()
         default_adam = [o for _, o in trainee.pairs if _pause_capturable_at_zero_lr(o)]
         fit_key, why = (None, _ZERO_LR) if default_adam else fit_key_of(trainee, step_fn, clip)
@@ -248,6 +249,9 @@ class StepGraphs:
         self.refused.clear()
         self.seen.clear()
         self._fit_ids.clear()  # graph keys hold these numbers: they go together
+        for number, kept in list(self.kept.items()):  # freed optimizers' states: no graph uses them any more
+            if kept.owner() is None:
+                del self.kept[number]
 
     def _refuse(self, key, reason: str, loss: Tensor, record) -> tuple[Tensor, tuple | None]:
         if reason not in self.refused.values():
@@ -255,6 +259,16 @@ class StepGraphs:
         self.refused[key] = reason
         self._count_eager(reason)
         return loss, record
+
+    def _forget_freed(self, trainee: _Trainee) -> None:
+        """Drops the state kept for a freed optimizer (one made per fit) whose id one of ``trainee``'s took: it is
+        not this one's, and once let go its tensors' memory may be reused, so no graph captured with it may
+        replay either: every graph goes."""
+        for _, optimizer in trainee.pairs:
+            kept = self.kept.get(id(optimizer))
+            if kept is not None and kept.owner() is not optimizer:
+                self._drop_all()
+                del self.kept[id(optimizer)]
 
     def _states_in_place(self, trainee: _Trainee) -> bool:
         return all(self._state_in_place(optimizer) for _, optimizer in trainee.pairs)
@@ -264,13 +278,7 @@ class StepGraphs:
         capture's); False where that cannot be done (no capture yet made them, or the state holds other
         parameters or entries than then)."""
         state = optimizer.state
-        kept = self.kept.get(id(optimizer))
-        if kept is not None and kept.owner() is not optimizer:
-            # a freed optimizer's (one made per fit), whose id a new one took: its state is not this one's, and
-            # once it is let go its tensors' memory may be reused, so no graph captured with it may replay
-            self._drop_all()
-            del self.kept[id(optimizer)]
-            kept = None
+        kept = self.kept.get(id(optimizer))  # this optimizer's own (_forget_freed ran at the fit's start)
         if kept is not None and state.get(kept.params[0], {}).get(kept.names[0]) is kept.tensors[0]:
             return True  # the replays' case: checked first
         if not _keeps_state(optimizer):

@@ -114,7 +114,7 @@ class LocalLoop:
             if weights is not None:
                 module.load_state_dict(weights)
             return module
-        key = (name, tuple((k, tuple(v.shape), v.dtype) for k, v in module.state_dict().items()))
+        key = (name, type(module), tuple((k, tuple(v.shape), v.dtype) for k, v in module.state_dict().items()))
         slot = self.helpers.get(key)
         if slot is None:  # the first module given becomes the instance
             instance = module.to(self.fabric.device)
