@@ -80,6 +80,9 @@ def survey(recipe: str, rounds: int, check: bool, batched: bool = False) -> dict
             counts = counts["executor"]
             if counts["mode"] == "batched":
                 row.update(batched=f"{counts['batched_fits']} of {counts['batched_fits'] + counts['sequential_fits']}")
+                reasons = counts.get("sequential_reasons", {})
+                if reasons:  # why the others ran one at a time (summary.json's executor.sequential_reasons)
+                    row["batched"] += " (" + "; ".join(f"{why}: {n}" for why, n in reasons.items()) + ")"
             else:
                 row.update(batched=f"none: {counts['why']}")
     return row
