@@ -139,8 +139,15 @@ class Runtime:
             ) from None
 
 
-def resolve_executor(runtime: Runtime, device: torch.device, training: LocalTraining) -> str:
-    """``sequential`` or ``batched`` for this run (``auto``: batched on a GPU)."""
+SHARED_STATE_SEQUENTIAL = (
+    "optimizer_state shared: each client continues the previous client's optimizer state, so clients cannot "
+    "train at once (shared_per_phase can)"
+)
+
+
+def resolve_executor(runtime: Runtime, device: torch.device, training: LocalTraining) -> tuple[str, str | None]:
+    """``sequential`` or ``batched`` for this run (``auto``: batched on a GPU), and why ``auto`` chose
+    sequential where it would have batched (summary.json says so), else None."""
     if training.optimizer_state == "shared":  # each client continues the previous client's optimizer state
         if runtime.executor == "batched":
             raise ConfigError(
@@ -149,10 +156,11 @@ def resolve_executor(runtime: Runtime, device: torch.device, training: LocalTrai
                 "sequential or auto, or optimizer_state shared_per_phase (one state per role taken at each phase's "
                 "start), reset or per_client."
             )
-        return "sequential"
+        would_batch = runtime.executor == "auto" and device.type == "cuda" and not runtime.cuda_graphs
+        return "sequential", SHARED_STATE_SEQUENTIAL if would_batch else None
     if runtime.executor == "auto":
-        return "batched" if device.type == "cuda" and not runtime.cuda_graphs else "sequential"
-    return runtime.executor
+        return "batched" if device.type == "cuda" and not runtime.cuda_graphs else "sequential", None
+    return runtime.executor, None
 
 
 def fit(
@@ -272,6 +280,7 @@ def fit(
         resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
         if resumes:
             run_info["resumed_with"] = resumes
+    executor, sequential_why = resolve_executor(runtime, fabric.device, training)
     orchestrator = FederationOrchestrator(
         strategy,
         clients,
@@ -292,7 +301,8 @@ def fit(
         config=resolved_config,
         evaluation=evaluation,
         client_state_memory_mb=runtime.client_state_memory_mb,
-        executor=resolve_executor(runtime, fabric.device, training),
+        executor=executor,
+        sequential_why=sequential_why,
         batch_clients=runtime.batch_clients,
         faults=faults,
         divergence=divergence,

@@ -61,6 +61,8 @@ class FederationOrchestrator:
             (``client_store.py``). None keeps it all in memory.
         executor: ``sequential`` (one client after another) or ``batched`` (clients' local fits batched
             with ``torch.func.vmap`` where their step allows it; ``client/executor.py``).
+        sequential_why: why the run trains sequentially where ``runtime.executor auto`` would have batched
+            (summary.json's ``executor.why``).
         batch_clients: at most this many clients per batched computation.
         faults: faults injected into the clients (``robustness.Faults``); none when None.
         divergence: what a non-finite client update does: ``stop`` the run (exit 2) or ``drop`` the update.
@@ -88,6 +90,7 @@ class FederationOrchestrator:
         evaluation: PersonalEvaluation | None = None,
         client_state_memory_mb: float | None = None,
         executor: str = "sequential",
+        sequential_why: str | None = None,
         batch_clients: int = 64,
         faults: Faults | None = None,
         divergence: str = "stop",
@@ -119,7 +122,7 @@ class FederationOrchestrator:
         # asynchronous rounds run one arrival at a time: nothing to batch there (summary.json says so)
         self.batched = BatchedExecutor(loop, batch_clients) if executor == "batched" and schedule is None else None
         asked = executor == "batched" and schedule is not None
-        self.unbatched = "asynchronous rounds train one arrival at a time" if asked else None
+        self.unbatched = "asynchronous rounds train one arrival at a time" if asked else sequential_why
         self.asynchronous = (
             AsynchronousRounds(schedule, strategy, clients, self.state.ledger, seed, self._run_client, faults)
             if schedule is not None
