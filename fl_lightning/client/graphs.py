@@ -267,8 +267,8 @@ class StepGraphs:
         for _, optimizer in trainee.pairs:
             kept = self.kept.get(id(optimizer))
             if kept is not None and kept.owner() is not optimizer:
-                self._drop_all()
                 del self.kept[id(optimizer)]
+                self._drop_all()
 
     def _states_in_place(self, trainee: _Trainee) -> bool:
         return all(self._state_in_place(optimizer) for _, optimizer in trainee.pairs)
