@@ -189,6 +189,7 @@ def personal(rounds: int, warmup: int, root: Path) -> dict:
             "identical": identical(scratch / "devices1", scratch / "devices2"),
             "rounds": rounds,
             "warmup_rounds": warmup,
+            "eval_batch_size": WORKLOAD["training"]["eval_batch_size"],
             "root": str(root),
         }
 
