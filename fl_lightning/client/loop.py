@@ -118,11 +118,7 @@ class LocalLoop:
         slot = self.helpers.get(key)
         if slot is None:  # the first module given becomes the instance
             instance = module.to(self.fabric.device)
-            optimizer = self.training.optimizer_factory()(instance.parameters())
-            if self.graphs is not None:
-                from .graphs import prepare_optimizer
-
-                prepare_optimizer(optimizer)
+            optimizer = self._helper_optimizer(instance)
             slot = self.helpers[key] = ModelSlot(instance, optimizer, [g["lr"] for g in optimizer.param_groups])
         with torch.no_grad():
             slot.module.load_state_dict(weights if weights is not None else module.state_dict())
@@ -135,12 +131,16 @@ class LocalLoop:
         if slot is not None:
             slot.optimizer.state.clear()
             return slot.optimizer, slot.base_lrs
+        optimizer = self._helper_optimizer(module)
+        return optimizer, [g["lr"] for g in optimizer.param_groups]
+
+    def _helper_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         optimizer = self.training.optimizer_factory()(module.parameters())
-        if self.graphs is not None:
+        if self.graphs is not None:  # Adam in capturable mode, as every role's (graphs.prepare_optimizer)
             from .graphs import prepare_optimizer
 
             prepare_optimizer(optimizer)
-        return optimizer, [g["lr"] for g in optimizer.param_groups]
+        return optimizer
 
     def num_steps(self, num_examples: int) -> int:
         if self.training.local_steps is not None:
