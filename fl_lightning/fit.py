@@ -275,6 +275,7 @@ def fit(
         "partition_sha256": partition["sha256"],
         "reference": reference,
         "versions": _versions(),
+        "hardware": hardware(fabric.device, ranks.world),
     }
     if checkpoint is not None:
         resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
@@ -400,6 +401,37 @@ def _versions() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     return versions
+
+
+def hardware(device: torch.device, world: int = 1) -> dict[str, Any]:
+    """Where a run's wall time comes from: its device (the GPU's name), CPU, threads and ranks.
+
+    Timings compare only between runs on the same hardware, so reports and sweeps need it beside the
+    versions; a resumed run records the hardware of its last invocation.
+    """
+    record: dict[str, Any] = {
+        "device": str(device),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "ranks": world,
+    }
+    if device.type == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(device)
+    if "CUDA_VISIBLE_DEVICES" in os.environ:  # e.g. the GPU a sweep worker was given
+        record["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    return record
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:  # Linux; platform.processor() there is only the architecture
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def summary_metrics(summary: dict[str, Any]) -> str:

@@ -257,7 +257,19 @@ def _provenance(run: dict, metric: str) -> dict[str, Any]:
         "config_sha256": str(summary.get("config_sha256") or "")[:12],
         "git_commit": str(versions.get("git_commit") or "n/a")[:12],
         "versions": {k: v for k, v in versions.items() if k != "git_commit"},
+        "hardware": _hardware_text(summary.get("hardware")),
     }
+
+
+def _hardware_text(hardware: Any) -> str:
+    """``NVIDIA H200 (cuda:0), 1 rank`` or ``<CPU model>, 1 thread, 1 rank``: where a run's wall time was spent
+    (``n/a`` for runs written before summaries recorded it)."""
+    if not isinstance(hardware, dict):
+        return "n/a"
+    where = f"{hardware['gpu']} ({hardware.get('device')})" if hardware.get("gpu") else str(hardware.get("cpu"))
+    if not hardware.get("gpu") and hardware.get("threads") is not None:
+        where += f", {plural(hardware['threads'], 'thread')}"
+    return f"{where}, {plural(hardware.get('ranks', 1), 'rank')}"
 
 
 def png(fig) -> bytes | None:

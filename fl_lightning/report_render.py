@@ -112,10 +112,11 @@ def write_html(report: dict, path: Path) -> None:
                 (e(p["config_sha256"]), ""),
                 (e(p["git_commit"]), ""),
                 (e(json.dumps(p["versions"])), ""),
+                (e(p["hardware"]), ""),
             ]
             for p in c["provenance"]
         ]
-        header = ["seed", f"{metric} final", "best", "run", "config sha256", "git commit", "versions"]
+        header = ["seed", f"{metric} final", "best", "run", "config sha256", "git commit", "versions", "hardware"]
         parts.append(html_table(header, rows))
     for sweep in report["sweeps"]:
         parts += sweep_html(sweep)
@@ -156,9 +157,16 @@ def write_markdown(report: dict, path: Path) -> None:
                 lines.append(f"![{kind}]({figures.name}/{save_figure(figures, s['name'], kind, image)})")
         lines.append("")
         lines += md_table(
-            ["seed", "final", "best", "config sha256", "git commit"],
+            ["seed", "final", "best", "config sha256", "git commit", "hardware"],
             [
-                [md(p["seed"]), fmt(p["final"]), fmt(p["best"]), md(p["config_sha256"]), md(p["git_commit"])]
+                [
+                    md(p["seed"]),
+                    fmt(p["final"]),
+                    fmt(p["best"]),
+                    md(p["config_sha256"]),
+                    md(p["git_commit"]),
+                    md(p["hardware"]),
+                ]
                 for p in c["provenance"]
             ],
         )

@@ -167,9 +167,15 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
     for name, p in spec.parameters.items():
         sample = p["choices"][0] if p["type"] == "categorical" else p["low"]
         try:
-            parse_fit(["--config", spec.base, *_as_args(spec.overrides), *_as_args({name: sample})])
+            _, init, _ = parse_fit(["--config", spec.base, *_as_args(spec.overrides), *_as_args({name: sample})])
         except (UserError, ConfigError) as err:
             raise ConfigError(f"sweep parameter {name!r} does not fit the base recipe {spec.base}: {err}") from None
+        if init.runtime.devices > 1:  # else every trial would fail on it
+            raise ConfigError(
+                f"the sweep's trials would run with runtime.devices {init.runtime.devices}, but a trial runs in one "
+                "process; add `runtime.devices: 1` to the sweep's overrides and run trials side by side with "
+                "--n_jobs (one GPU each)."
+            )
 
 
 def _as_args(values: dict[str, Any]) -> list[str]:
@@ -390,7 +396,7 @@ def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, o
     import time
 
     from .sweep_results import Progress, write_results
-    from .sweep_workers import coordinate, run_in_process, wait_for_stale
+    from .sweep_workers import coordinate, run_in_process, visible_gpus, wait_for_stale
 
     if n_jobs < 1:
         raise ConfigError(f"--n_jobs must be at least 1, got {n_jobs}.")
@@ -402,12 +408,13 @@ def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, o
     epoch = len(study.get_trials(deepcopy=False))
     study.sampler = _sampler(spec, epoch, worker=0)
     progress = Progress(spec, study, out or sys.stdout)
-    progress.header(n_jobs)
+    gpus = visible_gpus() if n_jobs > 1 else []  # one process alone keeps the GPUs it was given
+    progress.header(n_jobs, gpus)
     deadline = time.monotonic() + spec.timeout if spec.timeout else None
     status = 0
     for _ in range(3):  # further passes run trials that went stale (a killed process) while this one ran
         if n_jobs > 1:
-            status = coordinate(spec, study, n_jobs, sweep_file, epoch, deadline, progress)
+            status = coordinate(spec, study, n_jobs, sweep_file, epoch, deadline, progress, gpus)
         else:
             status = run_in_process(spec, study, deadline, progress)
         if status or not wait_for_stale(spec, study, deadline, progress):

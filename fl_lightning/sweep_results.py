@@ -8,6 +8,7 @@ import json
 import shlex
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,11 @@ class Progress:
         """Something went wrong or needs the user's attention: on stderr."""
         print(f"flrun sweep: {text}", file=sys.stderr, flush=True)
 
-    def header(self, n_jobs: int) -> None:
+    def header(self, n_jobs: int, gpus: Sequence[str] = ()) -> None:
         counts = tally(self.study.get_trials(deepcopy=False))
         workers = f"{n_jobs} worker processes" if n_jobs > 1 else "in this process"
+        if gpus:
+            workers += f" (each on one GPU of CUDA_VISIBLE_DEVICES {','.join(gpus)})"
         self.print(
             f"sweep {self.spec.study_name}: {counts['finished']} of {self.spec.n_trials} trials done, {workers}; "
             f"storage {shown_storage(self.spec)}; trial runs under {self.spec.output_dir}"

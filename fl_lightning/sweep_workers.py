@@ -8,6 +8,10 @@ with exactly ``n_trials``. The coordinator watches its workers: one that dies ge
 failed and queued again and is replaced (a bounded number of times); the workers end with the
 coordinator (Linux ``PR_SET_PDEATHSIG``, and a pipe that closes), and an interrupted worker fails and
 re-queues its own trial, so a re-run of the command finishes the study.
+
+On a machine with GPUs each worker sees one of them (``CUDA_VISIBLE_DEVICES``, the GPU with the fewest
+workers when it starts): ``--n_jobs 8`` on four GPUs runs two trials on each instead of eight on the
+first. The GPUs are those this command may use (its own ``CUDA_VISIBLE_DEVICES``, or every GPU).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 
 from .sweep import PROCESS, SweepSpec, open_slots, open_study, requeue, run_trial, tally
 
@@ -114,6 +120,26 @@ def wait_for_stale(spec: SweepSpec, study, deadline: float | None, progress) -> 
     return False
 
 
+def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
+    """The GPUs this process may use, each as a ``CUDA_VISIBLE_DEVICES`` entry a worker can be given.
+
+    The process's own ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs) up to the first one CUDA would
+    stop at (an empty or negative entry), or, without the setting, the index of every GPU torch sees.
+    """
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        entries = []
+        for entry in environ["CUDA_VISIBLE_DEVICES"].split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            entries.append(entry)
+        return entries
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
 def _end_with_parent() -> None:
     """Linux sends this worker SIGTERM when its coordinator dies (the caller then checks it is still there)."""
     if sys.platform.startswith("linux"):
@@ -123,8 +149,8 @@ def _end_with_parent() -> None:
 
 
 class _Worker:
-    def __init__(self, serial: int, process: subprocess.Popen, inbox: int, outbox: int):
-        self.serial, self.process, self.inbox, self.outbox = serial, process, inbox, outbox
+    def __init__(self, serial: int, process: subprocess.Popen, inbox: int, outbox: int, gpu: str | None = None):
+        self.serial, self.process, self.inbox, self.outbox, self.gpu = serial, process, inbox, outbox, gpu
         self.buffer = b""
         self.asking = self.granted = False
         self.trial: int | None = None
@@ -144,8 +170,19 @@ class _Worker:
 class Coordinator:
     """Starts, feeds and watches the worker processes of one command."""
 
-    def __init__(self, spec: SweepSpec, study, n_jobs: int, sweep_file: str, epoch: int, deadline, progress):
+    def __init__(
+        self,
+        spec: SweepSpec,
+        study,
+        n_jobs: int,
+        sweep_file: str,
+        epoch: int,
+        deadline,
+        progress,
+        gpus: Sequence[str] = (),
+    ):
         self.spec, self.study, self.n_jobs, self.sweep_file = spec, study, n_jobs, sweep_file
+        self.gpus = list(gpus)  # CUDA_VISIBLE_DEVICES entries shared out among the workers; none: unchanged
         self.epoch, self.deadline, self.progress = epoch, deadline, progress
         self.workers: list[_Worker] = []
         self.selector = selectors.DefaultSelector()
@@ -161,14 +198,25 @@ class Coordinator:
         command += ["--worker", json.dumps(info), "--output_dir", self.spec.output_dir]
         command += ["--study_name", self.spec.study_name]
         env = dict(os.environ, FLRUN_SWEEP_STORAGE=self.spec.storage or "")  # a password stays out of `ps`
+        gpu = self.least_used_gpu()
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         process = subprocess.Popen(command, pass_fds=(to_worker_r, to_parent_w), env=env, stdin=subprocess.DEVNULL)
         os.close(to_worker_r)
         os.close(to_parent_w)
-        worker = _Worker(self.serials, process, to_parent_r, to_worker_w)
+        worker = _Worker(self.serials, process, to_parent_r, to_worker_w, gpu)
         self.selector.register(to_parent_r, selectors.EVENT_READ, worker)
         self.workers.append(worker)
         self.serials += 1
         self.spawn_budget -= 1
+
+    def least_used_gpu(self) -> str | None:
+        """The GPU with the fewest live workers, the first listed on a tie (a replacement takes the dead
+        worker's GPU)."""
+        if not self.gpus:
+            return None
+        load = Counter(worker.gpu for worker in self.workers)
+        return min(self.gpus, key=lambda gpu: load[gpu])
 
     def run(self) -> int:
         try:
@@ -283,10 +331,12 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def coordinate(spec: SweepSpec, study, n_jobs: int, sweep_file: str, epoch: int, deadline, progress) -> int:
+def coordinate(
+    spec: SweepSpec, study, n_jobs: int, sweep_file: str, epoch: int, deadline, progress, gpus: Sequence[str] = ()
+) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill PID` ends the workers too
     try:
-        return Coordinator(spec, study, n_jobs, sweep_file, epoch, deadline, progress).run()
+        return Coordinator(spec, study, n_jobs, sweep_file, epoch, deadline, progress, gpus).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -50,6 +50,29 @@ def test_run_files_and_metrics_rows(tmp_path):
     assert "rounds: 4" in (out / "config.yaml").read_text()
 
 
+def test_summary_records_the_hardware_the_wall_time_comes_from(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1, eval_every=1)
+    out = tmp_path / "run"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), "--runtime.num_threads", "1") == 0
+    hardware = read_summary(out)["hardware"]
+    assert hardware["device"] == "cpu" and "gpu" not in hardware
+    assert hardware["threads"] == 1 and hardware["ranks"] == 1
+    assert hardware["cpu"] and hardware["cpu_count"] >= 1
+
+
+def test_hardware_names_the_gpus_a_process_was_given(monkeypatch):
+    import torch
+
+    from fl_lightning.fit import hardware
+
+    # the function alone: a whole run would let CUDA start up under this setting on a GPU machine
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # as a sweep worker given the fourth GPU
+    assert hardware(torch.device("cpu"), world=2)["cuda_visible_devices"] == "3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    record = hardware(torch.device("cpu"), world=2)
+    assert "cuda_visible_devices" not in record and record["ranks"] == 2
+
+
 def test_fedavg_ledger_counts_model_bytes_per_client(tmp_path):
     # digits_mlp(hidden=32): 64*32 + 32 + 32*10 + 10 = 2,410 float32 parameters = 9,640 bytes.
     recipe = write_recipe(tmp_path / "r.yaml", rounds=3, eval_every=3)

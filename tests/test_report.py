@@ -105,8 +105,11 @@ def test_html_report_compares_the_final_round_mean_over_seeds_with_the_paper(run
     assert "2 runs in 1 recipe." in page.cells
     assert any(c.startswith("Measured = the value after the last round") for c in page.cells)
     assert page.images >= 1  # the learning curve, embedded
-    commit = read_summary(runs / "cell" / "seed0")["versions"].get("git_commit", "n/a")[:12]
-    assert commit in page.cells
+    summary = read_summary(runs / "cell" / "seed0")
+    assert summary["versions"].get("git_commit", "n/a")[:12] in page.cells
+    threads = summary["hardware"]["threads"]
+    # where the wall time was spent, so that timings are compared only on the same hardware
+    assert f"{summary['hardware']['cpu']}, {threads} thread{'s' * (threads != 1)}, 1 rank" in page.cells
 
 
 def test_one_seed_has_no_std_and_one_run_is_one_run(tmp_path):
@@ -128,6 +131,7 @@ def test_values_from_files_are_escaped_in_html_and_markdown(runs, tmp_path):
         best={evil: 0.5},
         reference={"paper": "<img src=x onerror=alert(1)>", "table": evil, "column": "c", "metrics": {evil: 0.6}},
         versions={"torch": evil, "git_commit": evil},
+        hardware={"device": evil, "gpu": evil, "ranks": 1},
     )
     path.write_text(json.dumps(summary))
     page = report_page([runs], tmp_path / "report.html")

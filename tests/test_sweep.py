@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -121,6 +122,10 @@ def test_best_recipe_is_the_base_recipe_with_the_best_parameters(tmp_path, monke
         ({"n_trials": 0}, "n_trials must be a positive whole number, got 0."),
         ({"heartbeat_interval": 5, "grace_period": 5}, "grace_period (5 s) must exceed heartbeat_interval (5 s)"),
         ({"parameters": {"training.batch_size": [8, 16]}}, "parameter 'training.batch_size': give a mapping"),
+        (
+            {"overrides": {"rounds": 4, "runtime": {"devices": 2}}},
+            "a trial runs in one process; add `runtime.devices: 1`",
+        ),
     ],
 )
 def test_malformed_sweeps_fail_before_any_trial(tmp_path, capsys, change, message):
@@ -178,9 +183,17 @@ def by_state(study):
 @pytest.mark.slow  # worker processes, each importing the stack
 def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=4, parameters=LR)
-    code, out, err = finish(sweep_command(sweep, "--n_jobs", "2", "--storage", storage))
+    # two "GPUs" (this machine has none, and the CPU recipe uses none): each worker must be given its own
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+    code, out, err = finish(sweep_command(sweep, "--n_jobs", "2", "--storage", storage, env=env))
     assert code == 0, err
+    assert "each on one GPU of CUDA_VISIBLE_DEVICES 0,1" in out
     study = load(storage)
+    gpu_of = {
+        t.user_attrs["process"]: read_summary(Path(t.user_attrs["output_dir"]))["hardware"]["cuda_visible_devices"]
+        for t in study.trials
+    }
+    assert sorted(gpu_of.values()) == ["0", "1"]  # one GPU per worker process, a different one each
     assert sorted(t.number for t in study.trials) == list(range(4))
     assert all(t.state.name == "COMPLETE" for t in study.trials)
     # each worker seeds its sampler differently (equal seeds drew trial 0 = trial 1)
@@ -193,6 +206,51 @@ def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_p
     # the study is full: another run starts no worker and adds no trial
     code, out, err = finish(sweep_command(sweep, "--n_jobs", "2", "--storage", storage))
     assert code == 0 and "already holds 4 trials" in out and len(load(storage).trials) == 4
+
+
+def test_visible_gpus_are_the_processes_own_setting_or_every_gpu():
+    from fl_lightning.sweep_workers import visible_gpus
+
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5,GPU-8a1b"}) == ["2", "5", "GPU-8a1b"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,3"}) == ["1"]  # CUDA stops at an invalid entry
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []  # GPUs hidden: the workers' setting is left alone
+    import torch
+
+    assert visible_gpus({}) == [str(i) for i in range(torch.cuda.device_count())]
+
+
+def test_workers_are_spread_over_the_gpus_and_a_replacement_takes_the_dead_worker_s(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from fl_lightning import sweep_workers
+
+    started = []
+
+    def popen(command, env, **kwargs):
+        started.append(env.get("CUDA_VISIBLE_DEVICES"))
+        return SimpleNamespace(pid=10_000 + len(started), poll=lambda: None)
+
+    monkeypatch.setattr(sweep_workers.subprocess, "Popen", popen)
+    spec = SimpleNamespace(output_dir=str(tmp_path), study_name="s", storage=None)
+    coordinator = sweep_workers.Coordinator(spec, None, 5, "s.yaml", 0, None, None, gpus=["4", "7"])
+    try:
+        for _ in range(5):
+            coordinator.spawn()
+        assert started == ["4", "7", "4", "7", "4"]
+        dead = next(w for w in coordinator.workers if w.gpu == "7")
+        coordinator.workers.remove(dead)  # as reap() does when a worker dies
+        coordinator.selector.unregister(dead.inbox)
+        dead.close()
+        coordinator.spawn()
+        assert started[-1] == "7"
+        without = sweep_workers.Coordinator(spec, None, 1, "s.yaml", 0, None, None)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+        without.spawn()  # no GPUs to share out: the worker inherits this process's setting
+        assert started[-1] == "3"
+        without.workers[0].close()
+    finally:
+        for worker in coordinator.workers:
+            worker.close()
 
 
 def wait_for_running(storage, count=1, timeout=300):
