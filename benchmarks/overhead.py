@@ -16,6 +16,7 @@ Two hand-written loops, each timed in its own process (so peak memory, max RSS, 
     python benchmarks/overhead.py                       # digits MLP, digits CNN and ResNet20: a table
     python benchmarks/overhead.py --model resnet20 --rounds 2
     python benchmarks/overhead.py --counts             # calls per step instead of seconds (busy machines)
+    python benchmarks/overhead.py --counts --per_fit --model resnet20   # per step and per client fit apart
 
 The ResNet20 case feeds random 32x32 images (a timing workload only: no accuracy is claimed on it).
 """
@@ -272,7 +273,9 @@ def run_hand_written(case: str, rounds: int, seed: int, threads: int) -> dict:
     return {"losses": losses, **probe.result, "acc": acc}
 
 
-def measure(side: str, case: str, rounds: int, seed: int, threads: int, counts: bool = False) -> dict:
+def measure(
+    side: str, case: str, rounds: int, seed: int, threads: int, counts: bool = False, local_steps: int | None = None
+) -> dict:
     command = [
         sys.executable,
         __file__,
@@ -287,6 +290,7 @@ def measure(side: str, case: str, rounds: int, seed: int, threads: int, counts: 
         "--threads",
         str(threads),
         *(["--counts"] if counts else []),
+        *(["--local_steps", str(local_steps)] if local_steps else []),
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -305,13 +309,23 @@ def main() -> None:
         help="instead of timing: Python function calls and torch operator calls per training step of each side "
         "(cProfile, torch.profiler), which a busy machine does not change",
     )
+    parser.add_argument(
+        "--per_fit",
+        action="store_true",
+        help="with --counts: run each side at the case's local steps and at 3x, and split the counts into per step "
+        "(the difference) and per client fit (the rest: loading, uploading, checking and averaging its weights)",
+    )
+    parser.add_argument("--local_steps", type=int, help=argparse.SUPPRESS)  # set by --per_fit for its workers
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     Probe.counting = args.counts
     if args.counts and not args.worker:
-        print_counts(args)
+        (print_counts_per_fit if args.per_fit else print_counts)(args)
         return
     if args.worker:
+        if args.local_steps:
+            spec, kind, clients, per_round, _, batch = CASES[args.model[0]]
+            CASES[args.model[0]] = (spec, kind, clients, per_round, args.local_steps, batch)
         result = WORKERS[args.worker](args.model[0], args.rounds, args.seed, args.threads)
         result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
@@ -352,6 +366,34 @@ def print_counts(args: argparse.Namespace) -> None:
         python = " / ".join(f"{runs[side]['python_calls'] / total:.1f}" for side in ("minimal", "hand", "framework"))
         ops = " / ".join(f"{runs[side]['torch_ops'] / total:.1f}" for side in ("minimal", "hand", "framework"))
         print(f"| {case} | {total:,} | {python} | {ops} |", flush=True)
+
+
+def print_counts_per_fit(args: argparse.Namespace) -> None:
+    """Counts at the case's local steps and at three times as many: per step, and per client fit (with its share
+    of the round), the part a GPU pays as kernel launches once per client however long it trains."""
+    print(
+        "| model | per step: Python calls minimal / fl | torch ops minimal / fl | per client fit: Python calls "
+        "minimal / fl | torch ops minimal / fl |"
+    )
+    print("|---|---|---|---|---|")
+    for case in args.model or ["digits_cnn", "resnet20"]:
+        rounds = args.rounds or (2 if case == "resnet20" else 30)
+        _, _, _, per_round, steps, _ = CASES[case]
+        fits = rounds * per_round
+        runs = {
+            (side, n): measure(side, case, rounds, args.seed, args.threads, counts=True, local_steps=n)
+            for side in ("minimal", "framework")
+            for n in (steps, 3 * steps)
+        }
+        cells = []
+        for part in ("step", "fit"):
+            for key in ("python_calls", "torch_ops"):
+                values = []
+                for side in ("minimal", "framework"):
+                    per_step = (runs[side, 3 * steps][key] - runs[side, steps][key]) / (2 * steps * fits)
+                    values.append(per_step if part == "step" else runs[side, steps][key] / fits - steps * per_step)
+                cells.append(" / ".join(f"{v:,.0f}" for v in values))
+        print(f"| {case} | {' | '.join(cells)} |", flush=True)
 
 
 WORKERS = {"minimal": run_minimal, "hand": run_hand_written, "framework": run_framework}

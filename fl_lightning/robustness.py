@@ -144,14 +144,35 @@ def poison(update: ClientUpdate) -> None:
 def nonfinite_parts(update: ClientUpdate) -> list[str]:
     """Names of the uplink payloads and local metrics holding NaN or infinity (empty: all finite).
 
-    One ``.item()`` for the whole uplink: a device sync per client, not per tensor or step.
+    One sync for the whole uplink (per device and dtype): a device sync per client, not per tensor or step.
     """
     tensors = [t for payload in update.uplink.values() for t in _tensors(payload)]
     bad = [f"metric {k}" for k, v in update.metrics.items() if not math.isfinite(v)]
     bad += [f"metric {k} = {v:.3g} (exploded)" for k, v in update.metrics.items() if _exploded(k, v)]
-    if tensors and not bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all().item()):
-        bad = [f"uplink {name}" for name, p in update.uplink.items() if not _finite(p)] + bad
+    if not all_finite(tensors):
+        bad = [f"uplink {name}" for name, p in update.uplink.items() if not all_finite(_tensors(p))] + bad
     return bad
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether no element of ``tensors`` is NaN or infinite.
+
+    Each tensor's largest magnitude comes from one ``_foreach_norm`` (infinity norm) call per device and
+    dtype, through which NaN and infinity propagate (finite values cannot overflow a maximum), then one
+    sync per device and dtype: a handful of kernels per update where ``isfinite(t).all()`` took five per
+    tensor (about 560 for a ResNet20 update, each a launch on a GPU).
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.layout == torch.sparse_coo:
+            t = t._values()  # the stored values, duplicates not yet summed
+        elif t.layout != torch.strided:
+            t = t.values()
+        if t.numel():  # an empty tensor has nothing to check (and no maximum)
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    return all(
+        bool(torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all()) for group in groups.values()
+    )
 
 
 LOSS_LIMIT = 1e4  # a training loss beyond this has exploded (cross-entropy of a uniform guess over C classes is ln C)
@@ -160,10 +181,6 @@ LOSS_LIMIT = 1e4  # a training loss beyond this has exploded (cross-entropy of a
 def _exploded(key: str, value: float) -> bool:
     """A finite local loss so large that training has diverged (kd_weight 1e8 reaches 1e6 and stays finite)."""
     return key.endswith("loss") and math.isfinite(value) and abs(value) > LOSS_LIMIT
-
-
-def _finite(payload: Payload) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in _tensors(payload))
 
 
 def nonfinite_metrics(metrics: dict[str, Any]) -> list[str]:

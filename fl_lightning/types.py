@@ -51,7 +51,10 @@ class ModelWeights(Payload):
     @classmethod
     def part(cls, role: Role, state: StateDict, keys: list[str], copy: bool = False) -> ModelWeights:
         """The ``keys`` of ``state`` (a model's :func:`exchanged_keys`); ``copy`` for a live module's tensors."""
-        return cls(role, {k: state[k].detach().clone() if copy else state[k] for k in keys})
+        if not copy:
+            return cls(role, {k: state[k] for k in keys})
+        with torch.no_grad():  # a clone without autograd history: one op per tensor instead of detach + clone
+            return cls(role, {k: state[k].clone() for k in keys})
 
 
 def exchanged_keys(model: torch.nn.Module) -> list[str]:

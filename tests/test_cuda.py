@@ -136,3 +136,19 @@ def test_cuda_graph_steps_replay_and_a_masked_step_is_refused_on_a_gpu():
             assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
         if not replays:
             assert [r for r in runner.eager_reasons if "boolean mask" in r], runner.eager_reasons
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_sees_one_bad_element_in_large_gpu_tensors(dtype):
+    """The uplink check's fused infinity norm must carry NaN through CUDA's chunked maximum (several
+    chunks of 65,536 elements per tensor, and a CPU tensor beside the GPU ones)."""
+    from fl_lightning.robustness import all_finite
+
+    tensors = [torch.randn(300_000, device="cuda", dtype=dtype), torch.randn(5, 7, device="cuda", dtype=dtype)]
+    tensors.append(torch.randn(9))
+    assert all_finite(tensors)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for k, position in ((0, 0), (0, 200_001), (0, 299_999), (1, 34), (2, 4)):
+            spoiled = [t.clone() for t in tensors]
+            spoiled[k].view(-1)[position] = bad
+            assert not all_finite(spoiled), (bad, k, position)

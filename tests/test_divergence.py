@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ROOT, read_summary, run_cli, write_recipe
 
-from fl_lightning.robustness import nonfinite_metrics, nonfinite_parts
+from fl_lightning.robustness import all_finite, nonfinite_metrics, nonfinite_parts
 from fl_lightning.types import ClientSpec, ClientUpdate, ModelWeights, TensorPayload
 
 
@@ -116,6 +116,26 @@ def test_nonfinite_parts_names_each_bad_payload_and_metric():
         {"global/loss": float("nan")},
     )
     assert nonfinite_parts(bad) == ["uplink logits", "metric global/loss"]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_all_finite_finds_one_bad_element_among_many(bad, dtype):
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g).to(dtype) for s in [(7, 3, 3), (33,), (1,), ()]]
+    mixed = [*tensors, torch.empty(0), torch.randn(4, dtype=torch.float64, generator=g)]
+    assert all_finite(mixed) and all_finite([])
+    for k, t in enumerate(tensors):
+        for position in (0, t.numel() // 2, t.numel() - 1):
+            spoiled = [x.clone() for x in mixed]
+            spoiled[k].view(-1)[position] = bad
+            assert not all_finite(spoiled), (k, position)
+    huge = torch.full((3,), torch.finfo(dtype).max, dtype=dtype)  # finite at the type's limit: no overflow
+    assert all_finite([huge, -huge])
+    sparse = torch.tensor([[0.0, bad], [1.0, 0.0]], dtype=dtype)
+    assert not all_finite([sparse.to_sparse()]) and not all_finite([sparse.to_sparse_csr()])
+    assert all_finite([torch.eye(2, dtype=dtype).to_sparse(), torch.eye(2, dtype=dtype).to_sparse_csr()])
 
 
 def test_nonfinite_metrics_ignores_an_evaluation_that_covered_no_client():

@@ -26,14 +26,15 @@ class WeightedAverage:
     def add(self, state: StateDict, weight: float = 1.0) -> None:
         if weight <= 0:
             raise ValueError(f"averaging weight must be positive, got {weight}")
-        if self._sum is None:
-            self._dtypes = {k: v.dtype for k, v in state.items()}
-            self._sum = {k: v.detach().to(torch.float64) * weight for k, v in state.items()}
-        else:
-            if state.keys() != self._sum.keys():
-                raise ValueError("cannot average state dicts with different keys (different architectures?)")
-            for k, v in state.items():
-                self._sum[k].add_(v.detach().to(torch.float64), alpha=weight)
+        with torch.no_grad():
+            if self._sum is None:
+                self._dtypes = {k: v.dtype for k, v in state.items()}
+                self._sum = {k: v.to(torch.float64) * weight for k, v in state.items()}
+            else:
+                if state.keys() != self._sum.keys():
+                    raise ValueError("cannot average state dicts with different keys (different architectures?)")
+                # one call for every tensor; each is promoted to float64 inside the add, exactly as by .to(float64)
+                torch._foreach_add_(list(self._sum.values()), [state[k] for k in self._sum], alpha=weight)
         self.total_weight += weight
         self.count += 1
 
