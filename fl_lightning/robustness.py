@@ -22,7 +22,7 @@ import torch
 
 from .errors import ConfigError
 from .seeding import Stream, derive_seed
-from .types import ClientUpdate, Payload
+from .types import ClientUpdate
 
 FAULT_KINDS = ("crash", "nan", "straggle", "drop_upload")
 """Injected faults, in the order their rates are stacked on one uniform draw."""
