@@ -28,6 +28,7 @@ commands:
   sweep    flrun sweep --config sweeps/NAME.yaml: an Optuna study over a recipe
   report   flrun report RUN_DIRS... --output report.html: measured vs the papers' numbers
            flrun report RUN_DIRS --table paper-001/table-5: one paper table, paper vs measured per cell
+  table    flrun table paper-001/table-5 [--seeds 0 1 2] [--n_jobs K]: run what the table lacks, then build it
 
 Run `flrun COMMAND --help` for the options of a command."""
 
@@ -261,12 +262,64 @@ def _report_table(args) -> int:
     return 0
 
 
+def run_table(argv: list[str]) -> int:
+    """``flrun table PAPER/TABLE [--seeds ...] [--runs DIR] [--n_jobs K] [--dry_run] [-- FIT_ARGS...]``."""
+    import argparse
+
+    from .recipes import RECIPES_DIR
+    from .report_table import build_table, write_table_html, write_table_markdown
+    from .table_runs import plan, run_all
+
+    fit_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        prog="flrun table",
+        description="Runs every recipe x seed a paper table still lacks (complete runs are skipped, interrupted "
+        "ones resume), then writes the table as flrun report --table does. Arguments after -- go to every flrun fit.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("table", help="the table's id, e.g. paper-001/table-5 (an unknown id lists the known ones)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every cell (default 0 1 2)")
+    parser.add_argument("--runs", default="runs/tables", help="run directories go under RUNS/<table id>/<recipe>/")
+    parser.add_argument("--n_jobs", type=int, default=1, help="runs at once, each its own process on one GPU")
+    parser.add_argument("--recipes", help="recipe folder whose reference blocks define the table (default: recipes/)")
+    parser.add_argument("--output", help="the table file, .html or .md (default RUNS/<table id>/table.html)")
+    parser.add_argument("--dry_run", action="store_true", help="list the runs and whether each is done, then stop")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    recipes = Path(args.recipes) if args.recipes else RECIPES_DIR
+    if not recipes.is_dir():
+        raise _UserError(f"--recipes {recipes} is not a folder; give the folder holding the recipes (recipes/).")
+    runs = plan(args.table, args.seeds, Path(args.runs), recipes)
+    if args.dry_run:
+        for run in runs:
+            print(f"{run.state():>6}  {run.name}  {run.output_dir}")
+        return 0
+    try:
+        failed = run_all(runs, fit_args, args.n_jobs, sys.stdout)
+    except KeyboardInterrupt:
+        print("flrun table: interrupted; run the same command again to resume the runs.", file=sys.stderr)
+        return 130
+    folder = Path(args.runs).joinpath(*args.table.split("/"))
+    output = Path(args.output) if args.output else folder / "table.html"
+    table = build_table([str(folder)], args.table, recipes)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    (write_table_markdown if output.suffix == ".md" else write_table_html)(table, output)
+    print(f"{table['id']}: {len(table['cells'])} cells, {table['runs']} runs: {output}")
+    for run, reason in failed:
+        print(f"flrun table: {run.name} failed: {reason} (log {run.log})", file=sys.stderr)
+    return 1 if failed else 0
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "report": run_report,
     "fit": run_fit,
     "models": run_models,
     "data": run_data,
     "sweep": run_sweep_command,
+    "table": run_table,
 }
 
 

@@ -26,9 +26,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 
+from .gpu_share import environment_for, least_used
 from .sweep import PROCESS, SweepSpec, open_slots, open_study, requeue, run_trial, tally
 
 
@@ -120,26 +120,6 @@ def wait_for_stale(spec: SweepSpec, study, deadline: float | None, progress) -> 
     return False
 
 
-def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
-    """The GPUs this process may use, each as a ``CUDA_VISIBLE_DEVICES`` entry a worker can be given.
-
-    The process's own ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs) up to the first one CUDA would
-    stop at (an empty or negative entry), or, without the setting, the index of every GPU torch sees.
-    """
-    environ = os.environ if environ is None else environ
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        entries = []
-        for entry in environ["CUDA_VISIBLE_DEVICES"].split(","):
-            entry = entry.strip()
-            if not entry or entry.startswith("-"):
-                break
-            entries.append(entry)
-        return entries
-    import torch
-
-    return [str(index) for index in range(torch.cuda.device_count())]
-
-
 def _end_with_parent() -> None:
     """Linux sends this worker SIGTERM when its coordinator dies (the caller then checks it is still there)."""
     if sys.platform.startswith("linux"):
@@ -197,10 +177,9 @@ class Coordinator:
         command = [sys.executable, "-m", "fl_lightning", "sweep", "--config", self.sweep_file]
         command += ["--worker", json.dumps(info), "--output_dir", self.spec.output_dir]
         command += ["--study_name", self.spec.study_name]
-        env = dict(os.environ, FLRUN_SWEEP_STORAGE=self.spec.storage or "")  # a password stays out of `ps`
-        gpu = self.least_used_gpu()
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
+        gpu = least_used(self.gpus, (worker.gpu for worker in self.workers))
+        env = environment_for(gpu)
+        env["FLRUN_SWEEP_STORAGE"] = self.spec.storage or ""  # a password stays out of `ps`
         process = subprocess.Popen(command, pass_fds=(to_worker_r, to_parent_w), env=env, stdin=subprocess.DEVNULL)
         os.close(to_worker_r)
         os.close(to_parent_w)
@@ -209,14 +188,6 @@ class Coordinator:
         self.workers.append(worker)
         self.serials += 1
         self.spawn_budget -= 1
-
-    def least_used_gpu(self) -> str | None:
-        """The GPU with the fewest live workers, the first listed on a tie (a replacement takes the dead
-        worker's GPU)."""
-        if not self.gpus:
-            return None
-        load = Counter(worker.gpu for worker in self.workers)
-        return min(self.gpus, key=lambda gpu: load[gpu])
 
     def run(self) -> int:
         try:

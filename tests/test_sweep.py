@@ -209,7 +209,7 @@ def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_p
 
 
 def test_visible_gpus_are_the_processes_own_setting_or_every_gpu():
-    from fl_lightning.sweep_workers import visible_gpus
+    from fl_lightning.gpu_share import visible_gpus
 
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5,GPU-8a1b"}) == ["2", "5", "GPU-8a1b"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,3"}) == ["1"]  # CUDA stops at an invalid entry

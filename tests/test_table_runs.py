@@ -1,0 +1,143 @@
+"""flrun table: the runs of a paper table from its recipes, on tiny digits recipes of a made-up table."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from conftest import read_summary, run_cli, write_recipe
+
+from fl_lightning.table_runs import plan
+
+
+def reference(column, metric="global/test_acc", value=0.9):
+    return {
+        "paper": "paper-9 (a test)",
+        "table": "Table 1",
+        "row": "digits",
+        "column": column,
+        "metrics": {metric: value},
+    }
+
+
+@pytest.fixture
+def recipes(tmp_path):
+    """Two methods of paper-9's Table 1, and a third cell that is the first method's experiment again."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    write_recipe(folder / "mlp_a.yaml", rounds=2, eval_every=2, reference=reference("A"))
+    changes = {"rounds": 2, "eval_every": 2, "reference": reference("B")}
+    changes["training"] = {**yaml.safe_load((folder / "mlp_a.yaml").read_text())["training"], "local_steps": 3}
+    write_recipe(folder / "mlp_b.yaml", **changes)
+    (folder / "mlp_a_again.yaml").write_text(yaml.safe_dump({"base": "mlp_a.yaml", "reference": reference("A2")}))
+    write_recipe(folder / "other_table.yaml", rounds=2, reference={**reference("X"), "table": "Table 2"})
+    return folder
+
+
+def table_command(recipes, runs, *args, env=None):
+    command = [sys.executable, "-m", "fl_lightning", "table", "paper-9/table-1", "--recipes", str(recipes)]
+    command += ["--runs", str(runs), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False)
+
+
+def test_the_plan_runs_each_experiment_once_at_every_seed(recipes, tmp_path):
+    runs = plan("paper-9/table-1", [0, 3], tmp_path / "runs", recipes)
+    # mlp_a_again is mlp_a's experiment (base + reference only): its cell is filled by mlp_a's runs
+    assert [(r.recipe.name, r.seed) for r in runs] == [
+        ("mlp_a.yaml", 0),
+        ("mlp_a.yaml", 3),
+        ("mlp_b.yaml", 0),
+        ("mlp_b.yaml", 3),
+    ]
+    assert runs[1].output_dir == tmp_path / "runs" / "paper-9" / "table-1" / "mlp_a" / "seed3"
+    assert runs[1].log == tmp_path / "runs" / "paper-9" / "table-1" / "mlp_a" / "seed3.log"
+    assert {r.state() for r in runs} == {"new"}
+
+
+@pytest.mark.parametrize(
+    ("table", "seeds", "message"),
+    [
+        ("paper-9/table-7", [0], "no recipe in"),
+        ("paper-9/table-1", [1, 1], "--seeds must list distinct seeds"),
+    ],
+)
+def test_an_unknown_table_or_repeated_seeds_are_refused(recipes, tmp_path, capsys, table, seeds, message):
+    argv = ["table", table, "--recipes", str(recipes), "--runs", str(tmp_path), "--seeds", *map(str, seeds)]
+    assert run_cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    if table == "paper-9/table-7":
+        assert "known tables: paper-9/table-1, paper-9/table-2." in err
+
+
+@pytest.mark.slow  # flrun fit processes, each importing the stack
+def test_runs_spread_over_the_gpus_finish_the_table_and_a_second_call_runs_nothing(recipes, tmp_path):
+    runs = tmp_path / "runs"
+    # two "GPUs" (none here; the recipes train on the CPU): the two runs at a time must get one each
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+    done = table_command(recipes, runs, "--seeds", "0", "1", "--n_jobs", "2", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 of 4 runs done; 4 to run" in done.stdout and "[4/4]" in done.stdout
+    folder = runs / "paper-9" / "table-1"
+    summaries = {(r, s): read_summary(folder / r / f"seed{s}") for r in ("mlp_a", "mlp_b") for s in (0, 1)}
+    assert all(summary["complete"] and summary["rounds"] == 2 for summary in summaries.values())
+    assert summaries["mlp_a", 0]["final"] != summaries["mlp_a", 1]["final"]  # seeds differ
+    first_two = [summaries["mlp_a", 0], summaries["mlp_a", 1]]  # started together
+    assert sorted(s["hardware"]["cuda_visible_devices"] for s in first_two) == ["0", "1"]
+    # cells A and A2 (one experiment) each count mlp_a's two runs
+    assert (folder / "table.html").is_file() and "3 cells, 6 runs" in done.stdout
+    again = table_command(recipes, runs, "--seeds", "0", "1", env=env)
+    assert again.returncode == 0 and "4 of 4 runs done; 0 to run" in again.stdout and "started" not in again.stdout
+    # the same runs as one at a time in this process would give
+    assert (
+        run_cli("fit", "--config", str(recipes / "mlp_b.yaml"), "--seed", "1", "--output_dir", str(tmp_path / "one"))
+        == 0
+    )
+    assert read_summary(tmp_path / "one")["final"] == summaries["mlp_b", 1]["final"]
+
+
+@pytest.mark.slow  # flrun fit processes
+def test_an_interrupted_run_resumes_and_a_failing_one_is_reported(recipes, tmp_path):
+    runs = tmp_path / "runs"
+    seed0 = runs / "paper-9" / "table-1" / "mlp_a" / "seed0"
+    argv = ["fit", "--config", str(recipes / "mlp_a.yaml"), "--output_dir", str(seed0), "--stop_after", "1"]
+    assert run_cli(*argv) == 0 and not read_summary(seed0)["complete"]
+    assert [r.state() for r in plan("paper-9/table-1", [0], runs, recipes)] == ["resume", "new"]
+    done = table_command(recipes, runs, "--seeds", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "mlp_a seed 0: started (resume)" in done.stdout
+    whole = ["fit", "--config", str(recipes / "mlp_a.yaml"), "--output_dir", str(tmp_path / "whole")]
+    assert run_cli(*whole) == 0  # the resumed run ends where an uninterrupted one does
+    assert read_summary(seed0)["complete"] and read_summary(seed0)["final"] == read_summary(tmp_path / "whole")["final"]
+    # a value every run refuses: each fails with flrun fit's sentence, the table is still written, exit 1
+    failed = table_command(recipes, tmp_path / "bad", "--seeds", "0", "--", "--training.batch_size", "0")
+    assert failed.returncode == 1
+    assert failed.stderr.count("failed: flrun fit: error: training.batch_size must be at least 1") == 2
+    assert (tmp_path / "bad" / "paper-9" / "table-1" / "table.html").is_file()
+    assert [r.state() for r in plan("paper-9/table-1", [0], tmp_path / "bad", recipes)] == ["new", "new"]
+
+
+@pytest.mark.slow  # flrun fit processes
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    # long enough to be stopped in the middle; a checkpoint every 20 rounds
+    write_recipe(folder / "long.yaml", rounds=5000, eval_every=5000, checkpoint_every=20, reference=reference("A"))
+    runs = tmp_path / "runs"
+    command = [sys.executable, "-m", "fl_lightning", "table", "paper-9/table-1", "--recipes", str(folder)]
+    process = subprocess.Popen([*command, "--runs", str(runs), "--seeds", "0"], stdout=subprocess.PIPE, text=True)
+    checkpoint = runs / "paper-9" / "table-1" / "long" / "seed0" / "checkpoints" / "last.ckpt"
+    end = time.monotonic() + 120
+    while not checkpoint.is_file() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert checkpoint.is_file()
+    find_fit = ["pgrep", "-f", "--", f"--output_dir {checkpoint.parents[1]} "]
+    assert subprocess.run(find_fit, capture_output=True, check=False).returncode == 0  # the run's process, found
+    process.send_signal(stop)
+    assert process.wait(timeout=60) == 130
+    assert subprocess.run(find_fit, capture_output=True, check=False).returncode == 1  # it ended with the command
+    assert [r.state() for r in plan("paper-9/table-1", [0], runs, folder)] == ["resume"]
