@@ -395,8 +395,8 @@ def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, o
     import sys
     import time
 
-    from .sweep_results import Progress, write_results
     from .gpu_share import visible_gpus
+    from .sweep_results import Progress, write_results
     from .sweep_workers import coordinate, run_in_process, wait_for_stale
 
     if n_jobs < 1:
