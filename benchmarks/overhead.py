@@ -370,14 +370,16 @@ def print_counts(args: argparse.Namespace) -> None:
 
 def print_counts_per_fit(args: argparse.Namespace) -> None:
     """Counts at the case's local steps and at three times as many: per step, and per client fit (with its share
-    of the round), the part a GPU pays as kernel launches once per client however long it trains."""
+    of the round and of the run's end: evaluation, checkpoint), the part a GPU pays as kernel launches once per
+    client however long it trains. Digits runs 5 rounds and ResNet20 2 unless --rounds says otherwise."""
     print(
         "| model | per step: Python calls minimal / fl | torch ops minimal / fl | per client fit: Python calls "
         "minimal / fl | torch ops minimal / fl |"
     )
     print("|---|---|---|---|---|")
     for case in args.model or ["digits_cnn", "resnet20"]:
-        rounds = args.rounds or (2 if case == "resnet20" else 30)
+        # few rounds: the profiler keeps every event (30 digits rounds at 3x the steps took ~20 GB)
+        rounds = args.rounds or (2 if case == "resnet20" else 5)
         _, _, _, per_round, steps, _ = CASES[case]
         fits = rounds * per_round
         runs = {

@@ -16,6 +16,36 @@ def test_weighted_average_matches_hand_computation():
     assert out["n"].dtype == torch.int64 and out["n"].item() == 17
 
 
+def test_weighted_average_of_mixed_tensors_equals_the_float64_sum_tensor_by_tensor():
+    """Tensors of several dtypes and shapes (summed in one flat buffer per dtype) give, bit for bit, the
+    per-tensor float64 sums, in the state dict's key order and shapes; complex tensors keep their imaginary part."""
+    g = torch.Generator().manual_seed(0)
+
+    def state():
+        return {
+            "w": torch.randn(4, 3, generator=g),
+            "count": torch.randint(0, 1000, (), generator=g),
+            "half": torch.randn(5, generator=g).bfloat16(),
+            "scalar": torch.randn((), generator=g),
+            "b": torch.randn(3, generator=g),
+            "double": torch.randn(6, generator=g, dtype=torch.float64),  # compared at float64 precision
+        }
+
+    states, weights = [state() for _ in range(3)], [3.0, 0.7, 11.0]
+    out = weighted_average(states, weights)
+    assert list(out) == ["w", "count", "half", "scalar", "b", "double"]
+    for key, first in states[0].items():
+        total = first.to(torch.float64) * weights[0]
+        for s, w in zip(states[1:], weights[1:]):
+            total.add_(s[key].to(torch.float64), alpha=w)  # as add_ computes it (fused multiply-add on CPUs)
+        mean = total / sum(weights)
+        expected = (mean if first.dtype.is_floating_point else mean.round()).to(first.dtype)
+        assert out[key].dtype == first.dtype and out[key].shape == first.shape
+        assert torch.equal(out[key], expected), key
+    complex_mean = weighted_average([{"z": torch.tensor([1 + 2j])}, {"z": torch.tensor([3 + 4j])}], [1.0, 1.0])
+    assert torch.equal(complex_mean["z"], torch.tensor([2 + 3j]))
+
+
 def test_weighted_average_rejects_mismatched_architectures_and_bad_weights():
     avg = WeightedAverage()
     avg.add({"w": torch.zeros(2)}, 1.0)

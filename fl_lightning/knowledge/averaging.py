@@ -12,14 +12,18 @@ from ..types import StateDict
 class WeightedAverage:
     """Running weighted mean of state dicts: ``sum_k w_k * theta_k / sum_k w_k``.
 
-    Sums are kept in float64 and cast back to each tensor's dtype at the end, so the result does not
-    depend on client order beyond float64 rounding. Integer buffers (BatchNorm's
-    ``num_batches_tracked``) are averaged and rounded.
+    Sums are kept in float64 (complex128 for complex tensors) and cast back to each tensor's dtype at the
+    end, so the result does not depend on client order beyond float64 rounding. Integer buffers
+    (BatchNorm's ``num_batches_tracked``) are averaged and rounded. The tensors of one device and dtype
+    are summed as one flat buffer: adding a state is a concatenation and one add per buffer, two kernel
+    launches on a GPU instead of one per tensor, with each element's arithmetic unchanged.
     """
 
     def __init__(self) -> None:
-        self._sum: dict[str, torch.Tensor] | None = None
+        self._sum: dict[tuple, torch.Tensor] | None = None  # (device, dtype) -> flat sums of those keys
+        self._groups: dict[tuple, list[str]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
+        self._shapes: dict[str, torch.Size] = {}
         self.total_weight = 0.0
         self.count = 0
 
@@ -29,12 +33,18 @@ class WeightedAverage:
         with torch.no_grad():
             if self._sum is None:
                 self._dtypes = {k: v.dtype for k, v in state.items()}
-                self._sum = {k: v.to(torch.float64) * weight for k, v in state.items()}
+                self._shapes = {k: v.shape for k, v in state.items()}
+                for k, v in state.items():
+                    self._groups.setdefault((v.device, v.dtype), []).append(k)
+                self._sum = {
+                    group: _flat(state, keys).to(torch.promote_types(group[1], torch.float64)) * weight
+                    for group, keys in self._groups.items()
+                }
             else:
-                if state.keys() != self._sum.keys():
+                if state.keys() != self._dtypes.keys():
                     raise ValueError("cannot average state dicts with different keys (different architectures?)")
-                # one call for every tensor; each is promoted to float64 inside the add, exactly as by .to(float64)
-                torch._foreach_add_(list(self._sum.values()), [state[k] for k in self._sum], alpha=weight)
+                for group, keys in self._groups.items():  # promoted to the sum's dtype inside the add
+                    self._sum[group].add_(_flat(state, keys), alpha=weight)
         self.total_weight += weight
         self.count += 1
 
@@ -42,11 +52,18 @@ class WeightedAverage:
         if self._sum is None:
             raise ValueError("no state dict was added")
         out = {}
-        for k, s in self._sum.items():
-            mean = s / self.total_weight
-            dtype = self._dtypes[k]
-            out[k] = (mean if dtype.is_floating_point else mean.round()).to(dtype)
-        return out
+        for group, keys in self._groups.items():
+            sizes = [self._shapes[k].numel() for k in keys]
+            for k, flat in zip(keys, (self._sum[group] / self.total_weight).split(sizes), strict=True):
+                dtype = self._dtypes[k]
+                mean = flat.view(self._shapes[k])
+                out[k] = (mean if dtype.is_floating_point or dtype.is_complex else mean.round()).to(dtype)
+        return {k: out[k] for k in self._dtypes}  # the state dict's key order
+
+
+def _flat(state: StateDict, keys: list[str]) -> torch.Tensor:
+    """The tensors of ``keys`` as one flat tensor (a copy)."""
+    return torch.cat([state[k].reshape(-1) for k in keys])
 
 
 def weighted_average(states: Iterable[StateDict], weights: Iterable[float]) -> StateDict:
