@@ -165,15 +165,22 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         if t.layout == torch.sparse_coo:
-            t = t._values()  # the stored values, duplicates not yet summed
+            t = t._values()  # the stored values (duplicates unsummed: a sum that overflows is not seen)
         elif t.layout != torch.strided:
             t = t.values()
-        if t.numel():  # an empty tensor has nothing to check (and no maximum)
-            groups.setdefault((t.device, t.dtype), []).append(t)
+        if t.is_complex():
+            t = torch.view_as_real(t)  # each part's magnitude: |z| itself could overflow while both are finite
+        if not t.is_floating_point() or not t.numel():  # integers are finite; an empty tensor has no maximum
+            continue
+        if t.dtype not in _NORM_DTYPES:  # float8 and the like: _foreach_norm has no kernel for them
+            t = t.float()
+        groups.setdefault((t.device, t.dtype), []).append(t)
     return all(
         bool(torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all()) for group in groups.values()
     )
 
+
+_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 LOSS_LIMIT = 1e4  # a training loss beyond this has exploded (cross-entropy of a uniform guess over C classes is ln C)
 

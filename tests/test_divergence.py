@@ -138,6 +138,13 @@ def test_all_finite_finds_one_bad_element_among_many(bad, dtype):
     assert all_finite([torch.eye(2, dtype=dtype).to_sparse(), torch.eye(2, dtype=dtype).to_sparse_csr()])
 
 
+def test_all_finite_takes_integer_complex_and_float8_tensors():
+    assert all_finite([torch.arange(5), torch.tensor([True, False]), torch.tensor([3e38 + 3e38j])])
+    assert not all_finite([torch.tensor([1 + 2j, complex(1.0, float("nan"))])])
+    assert not all_finite([torch.tensor([1.0, float("inf")]).to(torch.float8_e5m2)])
+    assert all_finite([torch.tensor([1.0, -2.0]).to(torch.float8_e4m3fn)])
+
+
 def test_nonfinite_metrics_ignores_an_evaluation_that_covered_no_client():
     nan = float("nan")
     row = {"personal/test_acc": nan, "personal/clients_evaluated": 0.0, "global/test_loss": math.inf, "round": 3}
