@@ -7,6 +7,7 @@ processes on a machine with G GPUs spread over them instead of all training on t
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -14,21 +15,38 @@ from collections.abc import Iterable, Sequence
 def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
     """The GPUs this process may use, each as a ``CUDA_VISIBLE_DEVICES`` entry a child process can be given.
 
-    The process's own ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs) up to the first one CUDA would
-    stop at (an empty or negative entry), or, without the setting, the index of every GPU torch sees.
+    The process's own ``CUDA_VISIBLE_DEVICES`` read as CUDA and torch read it (UUIDs when the first entry is
+    one, else indices; the list ends at the first entry of another kind, and a repeated entry makes it
+    empty), cut to the number of GPUs torch sees when it sees any; without the setting, every GPU's index.
     """
     environ = os.environ if environ is None else environ
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        entries = []
-        for entry in environ["CUDA_VISIBLE_DEVICES"].split(","):
-            entry = entry.strip()
-            if not entry or entry.startswith("-"):
-                break
-            entries.append(entry)
-        return entries
     import torch
 
-    return [str(index) for index in range(torch.cuda.device_count())]
+    count = torch.cuda.device_count()
+    if "CUDA_VISIBLE_DEVICES" not in environ:
+        return [str(index) for index in range(count)]
+    entries = _parse_visible(environ["CUDA_VISIBLE_DEVICES"])
+    return entries[:count] if count else entries
+
+
+def _parse_visible(value: str) -> list[str]:
+    """torch.cuda's reading of ``CUDA_VISIBLE_DEVICES`` (``_parse_visible_devices``), as strings."""
+    entries: list[str] = []
+    prefix = next((p for p in ("GPU-", "MIG-") if value.startswith(p)), None)
+    for raw in value.split(","):
+        entry = raw.strip()
+        if prefix is not None:
+            if not entry.startswith(prefix):
+                break
+        else:
+            digits = re.match(r"\d+", entry)
+            if digits is None:  # not an index (a negative one included): the list ends here
+                break
+            entry = str(int(digits.group()))
+        if entry in entries:  # CUDA refuses a repeated device: no GPU at all
+            return []
+        entries.append(entry)
+    return entries
 
 
 def least_used(gpus: Sequence[str], in_use: Iterable[str | None]) -> str | None:

@@ -170,11 +170,14 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
             _, init, _ = parse_fit(["--config", spec.base, *_as_args(spec.overrides), *_as_args({name: sample})])
         except (UserError, ConfigError) as err:
             raise ConfigError(f"sweep parameter {name!r} does not fit the base recipe {spec.base}: {err}") from None
-        if init.runtime.devices > 1:  # else every trial would fail on it
+        devices = [init.runtime.devices]
+        if name == "runtime.devices":  # every value the parameter can draw, not only the sample
+            devices += list(p["choices"]) if p["type"] == "categorical" else [p["high"]]
+        if any(isinstance(d, (int, float)) and d > 1 for d in devices):  # else those trials would fail on it
             raise ConfigError(
-                f"the sweep's trials would run with runtime.devices {init.runtime.devices}, but a trial runs in one "
-                "process; add `runtime.devices: 1` to the sweep's overrides and run trials side by side with "
-                "--n_jobs (one GPU each)."
+                f"the sweep's trials could run with runtime.devices {max(devices)}, but a trial runs in one process; "
+                "set `runtime.devices: 1` (in the sweep's overrides, not as a parameter) and run trials side by "
+                "side with --n_jobs (one GPU each)."
             )
 
 

@@ -53,7 +53,8 @@ def test_run_files_and_metrics_rows(tmp_path):
 def test_summary_records_the_hardware_the_wall_time_comes_from(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1, eval_every=1)
     out = tmp_path / "run"
-    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), "--runtime.num_threads", "1") == 0
+    argv = ["--output_dir", str(out), "--runtime.num_threads", "1", "--runtime.accelerator", "cpu"]
+    assert run_cli("fit", "--config", str(recipe), *argv) == 0
     hardware = read_summary(out)["hardware"]
     assert hardware["device"] == "cpu" and "gpu" not in hardware
     assert hardware["threads"] == 1 and hardware["ranks"] == 1

@@ -124,8 +124,10 @@ def test_best_recipe_is_the_base_recipe_with_the_best_parameters(tmp_path, monke
         ({"parameters": {"training.batch_size": [8, 16]}}, "parameter 'training.batch_size': give a mapping"),
         (
             {"overrides": {"rounds": 4, "runtime": {"devices": 2}}},
-            "a trial runs in one process; add `runtime.devices: 1`",
+            "a trial runs in one process; set `runtime.devices: 1`",
         ),
+        ({"parameters": {"runtime.devices": {"type": "categorical", "choices": [1, 2]}}}, "runtime.devices 2, but"),
+        ({"parameters": {"runtime.devices": {"type": "int", "low": 1, "high": 3}}}, "runtime.devices 3, but"),
     ],
 )
 def test_malformed_sweeps_fail_before_any_trial(tmp_path, capsys, change, message):
@@ -208,15 +210,26 @@ def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_p
     assert code == 0 and "already holds 4 trials" in out and len(load(storage).trials) == 4
 
 
-def test_visible_gpus_are_the_processes_own_setting_or_every_gpu():
-    from fl_lightning.gpu_share import visible_gpus
-
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5,GPU-8a1b"}) == ["2", "5", "GPU-8a1b"]
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,3"}) == ["1"]  # CUDA stops at an invalid entry
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []  # GPUs hidden: the workers' setting is left alone
+@pytest.mark.parametrize(
+    ("setting", "gpus_seen", "expected"),
+    [
+        (None, 3, ["0", "1", "2"]),  # no setting: every GPU torch sees
+        ("2, 5,GPU-8a1b", 0, ["2", "5"]),  # indices, to the first entry of another kind (as torch reads it)
+        ("GPU-8a1b,3", 0, ["GPU-8a1b"]),
+        ("1,-1,3", 0, ["1"]),  # CUDA stops at an invalid entry
+        ("0,0,1", 0, []),  # a repeated device: CUDA shows none
+        ("", 0, []),  # GPUs hidden: the workers' setting is left alone
+        ("0,1,7", 2, ["0", "1"]),  # on two GPUs CUDA stops at 7: no worker may be given it
+    ],
+)
+def test_visible_gpus_read_the_setting_as_cuda_does(monkeypatch, setting, gpus_seen, expected):
     import torch
 
-    assert visible_gpus({}) == [str(i) for i in range(torch.cuda.device_count())]
+    from fl_lightning.gpu_share import visible_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus_seen)
+    environ = {} if setting is None else {"CUDA_VISIBLE_DEVICES": setting}
+    assert visible_gpus(environ) == expected
 
 
 def test_workers_are_spread_over_the_gpus_and_a_replacement_takes_the_dead_worker_s(monkeypatch, tmp_path):
