@@ -51,6 +51,8 @@ def test_weighted_average_rejects_mismatched_architectures_and_bad_weights():
     avg.add({"w": torch.zeros(2)}, 1.0)
     with pytest.raises(ValueError, match="different keys"):
         avg.add({"v": torch.zeros(2)}, 1.0)
+    with pytest.raises(ValueError, match=r"cannot average 'w': shape \(1, 2\) differs from the first state's \(2,\)"):
+        avg.add({"w": torch.zeros(1, 2)}, 1.0)  # as many numbers, another shape: refused, not flattened
     with pytest.raises(ValueError, match="positive"):
         avg.add({"w": torch.zeros(2)}, 0.0)
 

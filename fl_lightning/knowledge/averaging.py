@@ -43,6 +43,12 @@ class WeightedAverage:
             else:
                 if state.keys() != self._dtypes.keys():
                     raise ValueError("cannot average state dicts with different keys (different architectures?)")
+                wrong = [k for k, v in state.items() if v.shape != self._shapes[k]]  # flat sums would not see it
+                if wrong:
+                    raise ValueError(
+                        f"cannot average {wrong[0]!r}: shape {tuple(state[wrong[0]].shape)} differs from the first "
+                        f"state's {tuple(self._shapes[wrong[0]])} (different architectures?)"
+                    )
                 for group, keys in self._groups.items():  # promoted to the sum's dtype inside the add
                     self._sum[group].add_(_flat(state, keys), alpha=weight)
         self.total_weight += weight
