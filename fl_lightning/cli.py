@@ -268,7 +268,7 @@ def run_table(argv: list[str]) -> int:
 
     from .recipes import RECIPES_DIR
     from .report_table import build_table, write_table_html, write_table_markdown
-    from .table_runs import plan, run_all
+    from .table_runs import check_fit_args, plan, run_all
 
     fit_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
@@ -280,10 +280,10 @@ def run_table(argv: list[str]) -> int:
     )
     parser.add_argument("table", help="the table's id, e.g. paper-001/table-5 (an unknown id lists the known ones)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every cell (default 0 1 2)")
-    parser.add_argument("--runs", default="runs/tables", help="run directories go under RUNS/<table id>/<recipe>/")
+    parser.add_argument("--runs", default="runs/tables", help="run directories go under RUNS/<paper>/<recipe>/")
     parser.add_argument("--n_jobs", type=int, default=1, help="runs at once, each its own process on one GPU")
     parser.add_argument("--recipes", help="recipe folder whose reference blocks define the table (default: recipes/)")
-    parser.add_argument("--output", help="the table file, .html or .md (default RUNS/<table id>/table.html)")
+    parser.add_argument("--output", help="the table file, .html or .md (default RUNS/<paper>/<table>.html)")
     parser.add_argument("--dry_run", action="store_true", help="list the runs and whether each is done, then stop")
     try:
         args = parser.parse_args(argv)
@@ -292,19 +292,22 @@ def run_table(argv: list[str]) -> int:
     recipes = Path(args.recipes) if args.recipes else RECIPES_DIR
     if not recipes.is_dir():
         raise _UserError(f"--recipes {recipes} is not a folder; give the folder holding the recipes (recipes/).")
+    if args.n_jobs < 1:
+        raise _UserError(f"--n_jobs must be at least 1, got {args.n_jobs}.")
+    check_fit_args(fit_args)
     runs = plan(args.table, args.seeds, Path(args.runs), recipes)
     if args.dry_run:
         for run in runs:
-            print(f"{run.state():>6}  {run.name}  {run.output_dir}")
+            print(f"{run.state(fit_args):>7}  {run.name}  {run.output_dir}")
         return 0
     try:
-        failed = run_all(runs, fit_args, args.n_jobs, sys.stdout)
+        done, failed = run_all(runs, fit_args, args.n_jobs, sys.stdout)
     except KeyboardInterrupt:
         print("flrun table: interrupted; run the same command again to resume the runs.", file=sys.stderr)
         return 130
-    folder = Path(args.runs).joinpath(*args.table.split("/"))
-    output = Path(args.output) if args.output else folder / "table.html"
-    table = build_table([str(folder)], args.table, recipes)
+    paper, _, name = args.table.partition("/")
+    output = Path(args.output) if args.output else Path(args.runs) / paper / f"{name}.html"
+    table = build_table([str(run.output_dir) for run in done], args.table, recipes)  # this plan's complete runs
     output.parent.mkdir(parents=True, exist_ok=True)
     (write_table_markdown if output.suffix == ".md" else write_table_html)(table, output)
     print(f"{table['id']}: {len(table['cells'])} cells, {table['runs']} runs: {output}")

@@ -173,9 +173,10 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
         devices = [init.runtime.devices]
         if name == "runtime.devices":  # every value the parameter can draw, not only the sample
             devices += list(p["choices"]) if p["type"] == "categorical" else [p["high"]]
-        if any(isinstance(d, (int, float)) and d > 1 for d in devices):  # else those trials would fail on it
+        many = [d for d in devices if isinstance(d, (int, float)) and not isinstance(d, bool) and d > 1]
+        if many:  # else those trials would fail on it
             raise ConfigError(
-                f"the sweep's trials could run with runtime.devices {max(devices)}, but a trial runs in one process; "
+                f"the sweep's trials could run with runtime.devices {max(many)}, but a trial runs in one process; "
                 "set `runtime.devices: 1` (in the sweep's overrides, not as a parameter) and run trials side by "
                 "side with --n_jobs (one GPU each)."
             )

@@ -1,28 +1,38 @@
 """``flrun table paper-001/table-5``: runs what a paper table still lacks, then builds the table.
 
-The table's cells are those the recipes' ``reference`` blocks name (:mod:`fl_lightning.report_table`); cells
-that are the same experiment (a recipe made of a ``base:`` recipe and a reference) run once, since the runs
-of either fill both. Each (recipe, seed) is the run directory ``<runs>/<table id>/<recipe>/seed<k>``: a
-complete run is skipped, an interrupted one resumes from its last checkpoint (``--resume auto``), so running
-the command again finishes the table. Every run is its own ``flrun fit`` process, its output appended to
-``seed<k>.log`` beside its directory; with ``--n_jobs K`` K of them run at once, each on one GPU of the
-machine (:mod:`fl_lightning.gpu_share`), as a sweep's workers do.
+The table's cells are those the recipes' ``reference`` blocks name (:mod:`fl_lightning.report_table`). Cells
+that are the same experiment (a recipe made of a ``base:`` recipe and a reference) run once, as the recipe
+of their own, wherever its table is, since the runs of either fill both. Each (recipe, seed) is the run
+directory ``<runs>/<paper>/<recipe>/seed<k>``, shared by the paper's tables: a complete run of the same
+recipe and arguments is skipped, any other is started with ``--resume auto`` (an interrupted one continues,
+one with more rounds is extended, a changed recipe is refused by ``flrun fit``), so running the command again
+finishes the table. Every run is its own ``flrun fit`` process, its output appended to ``seed<k>.log`` beside
+its directory, which it holds locked while it runs; with ``--n_jobs K`` K of them run at once, each on one
+GPU of the machine (:mod:`fl_lightning.gpu_share`), as a sweep's workers do. The table is built from the
+planned runs that are complete.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+import yaml
 
 from .errors import ConfigError
 from .gpu_share import environment_for, least_used, visible_gpus
 from .report_table import _experiments, recipe_cells
+
+# set per run by the table itself: from the fit arguments they would make every seed one run
+RESERVED = ("--seed", "--output_dir", "--resume", "--config")
 
 
 @dataclass
@@ -41,33 +51,47 @@ class TableRun:
     def log(self) -> Path:
         return self.output_dir.with_name(f"seed{self.seed}.log")
 
-    def state(self) -> str:
-        """``done`` (its summary says complete), ``resume`` (a checkpoint to continue) or ``new``."""
+    def fit_argv(self, fit_args: list[str]) -> list[str]:
+        """The ``flrun fit`` arguments of this run."""
+        argv = ["--config", str(self.recipe), "--seed", str(self.seed), "--output_dir", str(self.output_dir)]
+        return [*argv, "--runtime.progress", "false", "--resume", "auto", *fit_args]
+
+    def summary(self) -> dict[str, Any]:
         try:
-            if json.loads((self.output_dir / "summary.json").read_text()).get("complete"):
-                return "done"
+            return json.loads((self.output_dir / "summary.json").read_text())
         except (OSError, ValueError):
-            pass
+            return {}
+
+    def state(self, fit_args: list[str]) -> str:
+        """``done`` (complete, with this recipe and these arguments), ``changed`` (complete, but the recipe or
+        the arguments changed since: ``flrun fit`` extends it or refuses), ``resume`` (a checkpoint to
+        continue) or ``new``."""
+        if self.summary().get("complete"):
+            return "done" if self._same_experiment(fit_args) else "changed"
         return "resume" if (self.output_dir / "checkpoints" / "last.ckpt").is_file() else "new"
 
-    def command(self, fit_args: list[str]) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "fl_lightning",
-            "fit",
-            "--config",
-            str(self.recipe),
-            "--seed",
-            str(self.seed),
-            "--output_dir",
-            str(self.output_dir),
-            "--runtime.progress",
-            "false",
-            "--resume",
-            "auto",
-            *fit_args,
-        ]
+    def _same_experiment(self, fit_args: list[str]) -> bool:
+        from .fit_args import parse_fit
+        from .run_state import SAFE_TO_CHANGE, _changed_keys
+
+        try:
+            saved = yaml.safe_load((self.output_dir / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return False
+        _, _, resolved = parse_fit(self.fit_argv(fit_args))
+        changed = _changed_keys(saved, yaml.safe_load(resolved) or {})
+        ignored = [k for k in SAFE_TO_CHANGE if k != "rounds"] + ["resume"]  # labels and progress, not the numbers
+        return all(any(key == k or key.startswith(k + ".") for k in ignored) for key in changed)
+
+
+def check_fit_args(fit_args: list[str]) -> None:
+    """Refuses the ``flrun fit`` arguments the table sets per run itself."""
+    given = sorted({a.split("=", 1)[0] for a in fit_args if a.split("=", 1)[0] in RESERVED})
+    if given:
+        raise ConfigError(
+            f"the arguments after -- may not set {', '.join(given)}: the table sets each run's recipe, seed, "
+            "directory and resume itself; use --seeds and --runs instead."
+        )
 
 
 def plan(table: str, seeds: list[int], runs_root: Path, recipes_dir: Path) -> list[TableRun]:
@@ -77,31 +101,31 @@ def plan(table: str, seeds: list[int], runs_root: Path, recipes_dir: Path) -> li
     if not wanted:
         known = sorted({f"{c['key'][0]}/{c['key'][1]}" for c in cells})
         raise ConfigError(f"no recipe in {recipes_dir} names the table {table!r}; known tables: {', '.join(known)}.")
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"--seeds must list distinct seeds, got {seeds}; e.g. --seeds 0 1 2.")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ConfigError(f"--seeds must list distinct seeds of 0 or more, got {seeds}; e.g. --seeds 0 1 2.")
     experiments = _experiments(cells)
+    own = {c["key"]: c["recipe"] for c in cells if c["same_as"] is None}  # recipes that are not base-only
     covered: set = set()
-    recipes = []
-    # a recipe of its own before a base-only one naming the same experiment
-    for cell in sorted(wanted, key=lambda c: (c["same_as"] is not None, c["recipe"])):
+    recipes = set()
+    for cell in sorted(wanted, key=lambda c: c["recipe"]):
+        group = experiments[cell["key"]]
         if cell["key"] not in covered:
-            covered |= experiments[cell["key"]]
-            recipes.append(recipes_dir / cell["recipe"])
-    folder = runs_root.joinpath(*table.split("/"))
-    return [TableRun(r, s, folder / r.stem / f"seed{s}") for r in sorted(recipes) for s in seeds]
+            covered |= group
+            recipes.add(min((own[k] for k in group if k in own), default=cell["recipe"]))
+    folder = runs_root / table.split("/")[0]
+    return [TableRun(recipes_dir / r, s, folder / Path(r).stem / f"seed{s}") for r in sorted(recipes) for s in seeds]
 
 
-def run_all(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO) -> list[tuple[TableRun, str]]:
-    """Runs every run not yet done, ``n_jobs`` at a time; returns the failed ones with their last error line.
+def run_all(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO) -> tuple[list, list]:
+    """Starts every run that is not done, ``n_jobs`` at a time; returns the runs that are done and the failed
+    ones with a reason.
 
-    Ctrl-C or SIGTERM ends the running processes (raising KeyboardInterrupt here); each resumes from its last
-    checkpoint next time.
+    Ctrl-C or SIGTERM (raising KeyboardInterrupt here) or any error ends the running processes, each to
+    resume from its last checkpoint next time; they also end if this process is killed (Linux).
     """
-    if n_jobs < 1:
-        raise ConfigError(f"--n_jobs must be at least 1, got {n_jobs}.")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` must not leave the runs going on alone
     try:
-        return _run_all(runs, fit_args, n_jobs, out)
+        return _Runner(runs, fit_args, n_jobs, out).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -110,74 +134,107 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _run_all(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO) -> list[tuple[TableRun, str]]:
-    pending = [run for run in runs if run.state() != "done"]
-    todo = len(pending)
-    print(f"{len(runs) - todo} of {len(runs)} runs done; {todo} to run", file=out, flush=True)
-    gpus = visible_gpus() if n_jobs > 1 else []
-    if gpus:
-        print(f"{n_jobs} at a time, each on one GPU of CUDA_VISIBLE_DEVICES {','.join(gpus)}", file=out, flush=True)
-    active: dict[subprocess.Popen, tuple[TableRun, str | None, float]] = {}
-    failed: list[tuple[TableRun, str]] = []
-    finished = 0
-    try:
-        while pending or active:
-            while pending and len(active) < n_jobs:
-                run = pending.pop(0)
-                gpu = least_used(gpus, (g for _, g, _ in active.values()))
-                run.output_dir.parent.mkdir(parents=True, exist_ok=True)
-                with run.log.open("a") as log:  # the child holds its own descriptor
-                    log.write(f"$ {' '.join(run.command(fit_args))}\n")
-                    log.flush()
-                    process = subprocess.Popen(
-                        run.command(fit_args),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=environment_for(gpu),
-                    )
-                active[process] = (run, gpu, time.monotonic())
-                where = f" on GPU {gpu}" if gpu is not None else ""
-                print(f"{run.name}: started ({run.state()}){where}", file=out, flush=True)
-            time.sleep(0.2)
-            for process in [p for p in active if p.poll() is not None]:
-                run, _, began = active.pop(process)
-                finished += 1
-                seconds = time.monotonic() - began
-                head = f"[{finished}/{todo}]"
-                if process.returncode == 0 and run.state() == "done":
-                    print(f"{head} {run.name}: done in {seconds:.0f} s{_headline(run)}", file=out, flush=True)
-                else:
-                    reason = _last_error(run.log) or f"exit status {process.returncode}"
-                    failed.append((run, reason))
-                    print(
-                        f"{head} {run.name}: failed in {seconds:.0f} s: {reason} (log {run.log})", file=out, flush=True
-                    )
-    except KeyboardInterrupt:
-        for process in active:
-            process.terminate()
-        for process in active:
+class _Runner:
+    def __init__(self, runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO):
+        self.fit_args, self.n_jobs, self.out = fit_args, n_jobs, out
+        states = {id(run): run.state(fit_args) for run in runs}
+        self.done = [run for run in runs if states[id(run)] == "done"]
+        self.pending = [(run, states[id(run)]) for run in runs if states[id(run)] != "done"]
+        self.todo = len(self.pending)
+        self.say(f"{len(self.done)} of {len(runs)} runs done; {self.todo} to run")
+        self.gpus = visible_gpus() if n_jobs > 1 else []
+        if self.gpus:
+            self.say(f"{n_jobs} at a time, each on one GPU of CUDA_VISIBLE_DEVICES {','.join(self.gpus)}")
+        self.active: dict[subprocess.Popen, tuple[TableRun, str | None, float]] = {}
+        self.failed: list[tuple[TableRun, str]] = []
+        self.finished = 0
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def run(self) -> tuple[list[TableRun], list[tuple[TableRun, str]]]:
+        try:
+            while self.pending or self.active:
+                while self.pending and len(self.active) < self.n_jobs:
+                    self.start(*self.pending.pop(0))
+                time.sleep(0.2)
+                for process in [p for p in self.active if p.poll() is not None]:
+                    self.end(process)
+        finally:  # an interrupt or any error: no run goes on alone
+            for process in self.active:
+                process.terminate()
+            for process in self.active:
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        return self.done, self.failed
+
+    def start(self, run: TableRun, state: str) -> None:
+        gpu = least_used(self.gpus, (g for _, g, _ in self.active.values()))
+        run.output_dir.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "fl_lightning", "fit", *run.fit_argv(self.fit_args)]
+        with run.log.open("a") as log:  # the child's copy of it keeps the lock while it runs
             try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        raise
-    return failed
+                fcntl.flock(log, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.finished += 1
+                self.failed.append((run, "in use by another process (its log is locked)"))
+                self.say(f"[{self.finished}/{self.todo}] {run.name}: in use by another process; not started")
+                return
+            log.write(f"$ {shlex.join(command)}\n")
+            log.flush()
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=environment_for(gpu),
+                preexec_fn=_end_with_parent,  # noqa: PLW1509 - this process starts no threads
+            )
+            self.active[process] = (run, gpu, time.monotonic())
+        self.say(f"{run.name}: started ({state}){f' on GPU {gpu}' if gpu is not None else ''}")
+
+    def end(self, process: subprocess.Popen) -> None:
+        run, _, began = self.active.pop(process)
+        self.finished += 1
+        head = f"[{self.finished}/{self.todo}] {run.name}"
+        seconds = time.monotonic() - began
+        summary = run.summary()
+        if process.returncode == 0 and summary.get("complete"):
+            self.done.append(run)
+            value = summary.get("final", {}).get(summary.get("monitor"))
+            shown = f": {summary['monitor']} {value:.4f}" if isinstance(value, (int, float)) else ""
+            self.say(f"{head}: done in {seconds:.0f} s{shown}")
+            return
+        if process.returncode < 0:
+            reason = f"killed by {signal.Signals(-process.returncode).name}"
+        elif process.returncode == 0:
+            reason = f"stopped after round {summary.get('rounds')} of {summary.get('rounds_planned')}"
+        else:
+            reason = _last_error(run.log) or f"exit status {process.returncode}"
+        self.failed.append((run, reason))
+        self.say(f"{head}: failed in {seconds:.0f} s: {reason} (log {run.log})")
 
 
-def _headline(run: TableRun) -> str:
-    summary = json.loads((run.output_dir / "summary.json").read_text())
-    value = summary.get("final", {}).get(summary.get("monitor"))
-    return f": {summary['monitor']} {value:.4f}" if isinstance(value, (int, float)) else ""
+def _end_with_parent() -> None:
+    """In the child before it runs ``flrun fit``: Linux sends it SIGTERM when this process dies, even by
+    SIGKILL, so no run goes on alone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _last_error(log: Path) -> str:
-    """The last line of a failed run's log that says what went wrong (flrun's one-sentence error, or the
-    exception of a traceback)."""
+    """The line of the last attempt's output (after its ``$`` line) that says what went wrong: flrun's
+    one-sentence error, or the exception ending a traceback."""
     try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        text = log.read_text(errors="replace")
     except OSError:
         return ""
+    attempt = text.rsplit("\n$ ", 1)[-1].splitlines()[1:] if "\n$ " in text else text.splitlines()[1:]
+    lines = [line.strip() for line in attempt if line.strip()]
     for line in reversed(lines):
         if line.startswith("flrun fit: error:") or "Error" in line.split(":")[0]:
             return line[:300]

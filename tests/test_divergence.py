@@ -141,6 +141,9 @@ def test_all_finite_finds_one_bad_element_among_many(bad, dtype):
 def test_all_finite_takes_integer_complex_and_float8_tensors():
     assert all_finite([torch.arange(5), torch.tensor([True, False]), torch.tensor([3e38 + 3e38j])])
     assert not all_finite([torch.tensor([1 + 2j, complex(1.0, float("nan"))])])
+    assert all_finite([torch.tensor([1 + 1j]).conj()]) and not all_finite(
+        [torch.tensor([complex(1, float("inf"))]).conj()]
+    )
     assert not all_finite([torch.tensor([1.0, float("inf")]).to(torch.float8_e5m2)])
     assert all_finite([torch.tensor([1.0, -2.0]).to(torch.float8_e4m3fn)])
 

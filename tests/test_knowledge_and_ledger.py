@@ -42,6 +42,16 @@ def test_weighted_average_of_mixed_tensors_equals_the_float64_sum_tensor_by_tens
         expected = (mean if first.dtype.is_floating_point else mean.round()).to(first.dtype)
         assert out[key].dtype == first.dtype and out[key].shape == first.shape
         assert torch.equal(out[key], expected), key
+    # a later state with another dtype for one key: summed on its own, promoted exactly as before
+    mixed = [
+        {"n": torch.tensor(70_000), "m": torch.tensor(1)},
+        {"n": torch.tensor(70_000), "m": torch.tensor(3.0).half()},
+    ]
+    assert weighted_average(mixed, [1.0, 1.0]) == {"n": torch.tensor(70_000), "m": torch.tensor(2)}
+    doubles = weighted_average(
+        [{"a": torch.ones(2, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}], [1.0]
+    )
+    assert doubles["a"].untyped_storage().data_ptr() != doubles["b"].untyped_storage().data_ptr()
     complex_mean = weighted_average([{"z": torch.tensor([1 + 2j])}, {"z": torch.tensor([3 + 4j])}], [1.0, 1.0])
     assert torch.equal(complex_mean["z"], torch.tensor([2 + 3j]))
 

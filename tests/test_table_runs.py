@@ -52,9 +52,18 @@ def test_the_plan_runs_each_experiment_once_at_every_seed(recipes, tmp_path):
         ("mlp_b.yaml", 0),
         ("mlp_b.yaml", 3),
     ]
-    assert runs[1].output_dir == tmp_path / "runs" / "paper-9" / "table-1" / "mlp_a" / "seed3"
-    assert runs[1].log == tmp_path / "runs" / "paper-9" / "table-1" / "mlp_a" / "seed3.log"
-    assert {r.state() for r in runs} == {"new"}
+    assert runs[1].output_dir == tmp_path / "runs" / "paper-9" / "mlp_a" / "seed3"
+    assert runs[1].log == tmp_path / "runs" / "paper-9" / "mlp_a" / "seed3.log"
+    assert {r.state([]) for r in runs} == {"new"}
+    # a table whose cell is a base-only recipe of another table's: the recipe of its own runs, in the same place
+    (recipes / "again_t2.yaml").write_text(
+        yaml.safe_dump({"base": "mlp_b.yaml", "reference": {**reference("B"), "table": "Table 2"}})
+    )
+    other = plan("paper-9/table-2", [0], tmp_path / "runs", recipes)
+    assert [(r.recipe.name, r.output_dir.parent.name) for r in other] == [
+        ("mlp_b.yaml", "mlp_b"),
+        ("other_table.yaml", "other_table"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -62,6 +71,7 @@ def test_the_plan_runs_each_experiment_once_at_every_seed(recipes, tmp_path):
     [
         ("paper-9/table-7", [0], "no recipe in"),
         ("paper-9/table-1", [1, 1], "--seeds must list distinct seeds"),
+        ("paper-9/table-1", [-1], "--seeds must list distinct seeds of 0 or more"),
     ],
 )
 def test_an_unknown_table_or_repeated_seeds_are_refused(recipes, tmp_path, capsys, table, seeds, message):
@@ -76,19 +86,20 @@ def test_an_unknown_table_or_repeated_seeds_are_refused(recipes, tmp_path, capsy
 @pytest.mark.slow  # flrun fit processes, each importing the stack
 def test_runs_spread_over_the_gpus_finish_the_table_and_a_second_call_runs_nothing(recipes, tmp_path):
     runs = tmp_path / "runs"
-    # two "GPUs" (none here; the recipes train on the CPU): the two runs at a time must get one each
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+    # two "GPUs" by UUID, which CUDA finds nowhere (the recipes train on the CPU): the two runs at a time must be
+    # given one each (indices would be cut to the GPUs a GPU machine has)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="GPU-fake0,GPU-fake1")
     done = table_command(recipes, runs, "--seeds", "0", "1", "--n_jobs", "2", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 of 4 runs done; 4 to run" in done.stdout and "[4/4]" in done.stdout
-    folder = runs / "paper-9" / "table-1"
+    folder = runs / "paper-9"
     summaries = {(r, s): read_summary(folder / r / f"seed{s}") for r in ("mlp_a", "mlp_b") for s in (0, 1)}
     assert all(summary["complete"] and summary["rounds"] == 2 for summary in summaries.values())
     assert summaries["mlp_a", 0]["final"] != summaries["mlp_a", 1]["final"]  # seeds differ
     first_two = [summaries["mlp_a", 0], summaries["mlp_a", 1]]  # started together
-    assert sorted(s["hardware"]["cuda_visible_devices"] for s in first_two) == ["0", "1"]
+    assert sorted(s["hardware"]["cuda_visible_devices"] for s in first_two) == ["GPU-fake0", "GPU-fake1"]
     # cells A and A2 (one experiment) each count mlp_a's two runs
-    assert (folder / "table.html").is_file() and "3 cells, 6 runs" in done.stdout
+    assert (folder / "table-1.html").is_file() and "3 cells, 6 runs" in done.stdout
     again = table_command(recipes, runs, "--seeds", "0", "1", env=env)
     assert again.returncode == 0 and "4 of 4 runs done; 0 to run" in again.stdout and "started" not in again.stdout
     # the same runs as one at a time in this process would give
@@ -102,10 +113,10 @@ def test_runs_spread_over_the_gpus_finish_the_table_and_a_second_call_runs_nothi
 @pytest.mark.slow  # flrun fit processes
 def test_an_interrupted_run_resumes_and_a_failing_one_is_reported(recipes, tmp_path):
     runs = tmp_path / "runs"
-    seed0 = runs / "paper-9" / "table-1" / "mlp_a" / "seed0"
+    seed0 = runs / "paper-9" / "mlp_a" / "seed0"
     argv = ["fit", "--config", str(recipes / "mlp_a.yaml"), "--output_dir", str(seed0), "--stop_after", "1"]
     assert run_cli(*argv) == 0 and not read_summary(seed0)["complete"]
-    assert [r.state() for r in plan("paper-9/table-1", [0], runs, recipes)] == ["resume", "new"]
+    assert [r.state([]) for r in plan("paper-9/table-1", [0], runs, recipes)] == ["resume", "new"]
     done = table_command(recipes, runs, "--seeds", "0")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "mlp_a seed 0: started (resume)" in done.stdout
@@ -116,12 +127,12 @@ def test_an_interrupted_run_resumes_and_a_failing_one_is_reported(recipes, tmp_p
     failed = table_command(recipes, tmp_path / "bad", "--seeds", "0", "--", "--training.batch_size", "0")
     assert failed.returncode == 1
     assert failed.stderr.count("failed: flrun fit: error: training.batch_size must be at least 1") == 2
-    assert (tmp_path / "bad" / "paper-9" / "table-1" / "table.html").is_file()
-    assert [r.state() for r in plan("paper-9/table-1", [0], tmp_path / "bad", recipes)] == ["new", "new"]
+    assert (tmp_path / "bad" / "paper-9" / "table-1.html").is_file()
+    assert [r.state([]) for r in plan("paper-9/table-1", [0], tmp_path / "bad", recipes)] == ["new", "new"]
 
 
 @pytest.mark.slow  # flrun fit processes
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop):
     folder = tmp_path / "recipes"
     folder.mkdir()
@@ -130,7 +141,7 @@ def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop)
     runs = tmp_path / "runs"
     command = [sys.executable, "-m", "fl_lightning", "table", "paper-9/table-1", "--recipes", str(folder)]
     process = subprocess.Popen([*command, "--runs", str(runs), "--seeds", "0"], stdout=subprocess.PIPE, text=True)
-    checkpoint = runs / "paper-9" / "table-1" / "long" / "seed0" / "checkpoints" / "last.ckpt"
+    checkpoint = runs / "paper-9" / "long" / "seed0" / "checkpoints" / "last.ckpt"
     end = time.monotonic() + 120
     while not checkpoint.is_file() and time.monotonic() < end:
         time.sleep(0.2)
@@ -138,6 +149,42 @@ def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop)
     find_fit = ["pgrep", "-f", "--", f"--output_dir {checkpoint.parents[1]} "]
     assert subprocess.run(find_fit, capture_output=True, check=False).returncode == 0  # the run's process, found
     process.send_signal(stop)
-    assert process.wait(timeout=60) == 130
+    # SIGKILL leaves no clean-up to the command: the kernel ends its runs (PR_SET_PDEATHSIG)
+    assert process.wait(timeout=60) == (-9 if stop == signal.SIGKILL else 130)
+    end = time.monotonic() + 30
+    while subprocess.run(find_fit, capture_output=True, check=False).returncode == 0 and time.monotonic() < end:
+        time.sleep(0.2)
     assert subprocess.run(find_fit, capture_output=True, check=False).returncode == 1  # it ended with the command
-    assert [r.state() for r in plan("paper-9/table-1", [0], runs, folder)] == ["resume"]
+    assert [r.state([]) for r in plan("paper-9/table-1", [0], runs, folder)] == ["resume"]
+
+
+@pytest.mark.parametrize("argument", ["--seed", "--output_dir=x", "--resume", "--config"])
+def test_fit_arguments_that_would_merge_the_runs_are_refused(recipes, tmp_path, capsys, argument):
+    argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(tmp_path), "--", argument, "5"]
+    assert run_cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert f"may not set {argument.split('=')[0]}" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # flrun fit processes
+def test_a_complete_run_is_done_only_for_the_same_arguments_and_a_locked_one_is_left_alone(recipes, tmp_path):
+    runs = tmp_path / "runs"
+    short = table_command(recipes, runs, "--seeds", "0", "--", "--rounds", "1", "--eval_every", "1")
+    assert short.returncode == 0, short.stdout + short.stderr
+    assert [r.state(["--rounds", "1", "--eval_every", "1"]) for r in plan("paper-9/table-1", [0], runs, recipes)] == [
+        "done",
+        "done",
+    ]
+    # without the arguments the 1-round runs are not what the table asks for: not counted as done
+    assert [r.state([]) for r in plan("paper-9/table-1", [0], runs, recipes)] == ["changed", "changed"]
+    seed0 = plan("paper-9/table-1", [0], runs, recipes)[0]
+    with seed0.log.open("a") as held:  # as a run of another flrun table still going
+        import fcntl
+
+        fcntl.flock(held, fcntl.LOCK_EX)
+        full = table_command(recipes, runs, "--seeds", "0")
+    assert full.returncode == 1 and "mlp_a seed 0: in use by another process; not started" in full.stdout
+    # the other is started and flrun fit refuses to continue it with another eval_every: reported, not counted
+    assert "mlp_b seed 0: failed" in full.stdout and "the recipe changed eval_every (1 -> 2)" in full.stdout
+    assert read_summary(runs / "paper-9" / "mlp_b" / "seed0")["rounds"] == 1
+    assert full.stdout.splitlines()[-1].startswith("paper-9/table-1: 3 cells, 0 runs")

@@ -50,7 +50,12 @@ class WeightedAverage:
                         f"state's {tuple(self._shapes[wrong[0]])} (different architectures?)"
                     )
                 for group, keys in self._groups.items():  # promoted to the sum's dtype inside the add
-                    self._sum[group].add_(_flat(state, keys), alpha=weight)
+                    if all((state[k].device, state[k].dtype) == group for k in keys):
+                        self._sum[group].add_(_flat(state, keys), alpha=weight)
+                    else:  # a tensor of another dtype or device than the first state's: each on its own
+                        sizes = [self._shapes[k].numel() for k in keys]
+                        for k, part in zip(keys, self._sum[group].split(sizes), strict=True):
+                            part.add_(state[k].reshape(-1), alpha=weight)
         self.total_weight += weight
         self.count += 1
 
@@ -63,7 +68,8 @@ class WeightedAverage:
             for k, flat in zip(keys, (self._sum[group] / self.total_weight).split(sizes), strict=True):
                 dtype = self._dtypes[k]
                 mean = flat.view(self._shapes[k])
-                out[k] = (mean if dtype.is_floating_point or dtype.is_complex else mean.round()).to(dtype)
+                # a copy even where the dtype is the sum's: results must not share the sums' storage
+                out[k] = (mean if dtype.is_floating_point or dtype.is_complex else mean.round()).to(dtype, copy=True)
         return {k: out[k] for k in self._dtypes}  # the state dict's key order
 
 
