@@ -128,6 +128,7 @@ def test_best_recipe_is_the_base_recipe_with_the_best_parameters(tmp_path, monke
         ),
         ({"parameters": {"runtime.devices": {"type": "categorical", "choices": [1, 2]}}}, "runtime.devices 2, but"),
         ({"parameters": {"runtime.devices": {"type": "int", "low": 1, "high": 3}}}, "runtime.devices 3, but"),
+        ({"parameters": {"runtime.devices": {"type": "categorical", "choices": [2, "x"]}}}, "runtime.devices 2, but"),
     ],
 )
 def test_malformed_sweeps_fail_before_any_trial(tmp_path, capsys, change, message):
