@@ -1,10 +1,12 @@
 """flrun table: the runs of a paper table from its recipes, on tiny digits recipes of a made-up table."""
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -131,6 +133,20 @@ def test_an_interrupted_run_resumes_and_a_failing_one_is_reported(recipes, tmp_p
     assert [r.state([]) for r in plan("paper-9/table-1", [0], tmp_path / "bad", recipes)] == ["new", "new"]
 
 
+def fit_processes(run_dir: str) -> list[int]:
+    """Live processes whose command line holds ``--output_dir run_dir`` (read from /proc: no pgrep needed)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if state != "Z" and any(a == b"--output_dir" and b == run_dir.encode() for a, b in itertools.pairwise(argv)):
+            found.append(int(entry.name))
+    return found
+
+
 @pytest.mark.slow  # flrun fit processes
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop):
@@ -146,15 +162,15 @@ def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop)
     while not checkpoint.is_file() and time.monotonic() < end:
         time.sleep(0.2)
     assert checkpoint.is_file()
-    find_fit = ["pgrep", "-f", "--", f"--output_dir {checkpoint.parents[1]} "]
-    assert subprocess.run(find_fit, capture_output=True, check=False).returncode == 0  # the run's process, found
+    run_dir = str(checkpoint.parents[1])
+    assert fit_processes(run_dir)  # the run's flrun fit, found
     process.send_signal(stop)
     # SIGKILL leaves no clean-up to the command: the kernel ends its runs (PR_SET_PDEATHSIG)
     assert process.wait(timeout=60) == (-9 if stop == signal.SIGKILL else 130)
     end = time.monotonic() + 30
-    while subprocess.run(find_fit, capture_output=True, check=False).returncode == 0 and time.monotonic() < end:
+    while fit_processes(run_dir) and time.monotonic() < end:
         time.sleep(0.2)
-    assert subprocess.run(find_fit, capture_output=True, check=False).returncode == 1  # it ended with the command
+    assert not fit_processes(run_dir)  # it ended with the command
     assert [r.state([]) for r in plan("paper-9/table-1", [0], runs, folder)] == ["resume"]
 
 
