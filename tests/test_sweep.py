@@ -186,17 +186,18 @@ def by_state(study):
 @pytest.mark.slow  # worker processes, each importing the stack
 def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=4, parameters=LR)
-    # two "GPUs" (this machine has none, and the CPU recipe uses none): each worker must be given its own
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+    # two "GPUs" by UUID, which CUDA finds nowhere (the CPU recipe uses none): each worker must be given its own
+    # (indices would be cut to the GPUs a GPU machine has)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="GPU-fake0,GPU-fake1")
     code, out, err = finish(sweep_command(sweep, "--n_jobs", "2", "--storage", storage, env=env))
     assert code == 0, err
-    assert "each on one GPU of CUDA_VISIBLE_DEVICES 0,1" in out
+    assert "each on one GPU of CUDA_VISIBLE_DEVICES GPU-fake0,GPU-fake1" in out
     study = load(storage)
     gpu_of = {
         t.user_attrs["process"]: read_summary(Path(t.user_attrs["output_dir"]))["hardware"]["cuda_visible_devices"]
         for t in study.trials
     }
-    assert sorted(gpu_of.values()) == ["0", "1"]  # one GPU per worker process, a different one each
+    assert sorted(gpu_of.values()) == ["GPU-fake0", "GPU-fake1"]  # one GPU per worker process, a different one each
     assert sorted(t.number for t in study.trials) == list(range(4))
     assert all(t.state.name == "COMPLETE" for t in study.trials)
     # each worker seeds its sampler differently (equal seeds drew trial 0 = trial 1)
