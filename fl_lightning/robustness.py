@@ -168,10 +168,8 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
             t = t._values()  # the stored values (duplicates unsummed: a sum that overflows is not seen)
         elif t.layout != torch.strided:
             t = t.values()
-        if t.is_complex():
-            t = torch.view_as_real(
-                t.resolve_conj()
-            )  # each part's magnitude: |z| itself could overflow while both are finite
+        if t.is_complex():  # each part's magnitude: |z| itself could overflow while both parts are finite
+            t = torch.view_as_real(t.resolve_conj())
         if not t.is_floating_point() or not t.numel():  # integers are finite; an empty tensor has no maximum
             continue
         if t.dtype not in _NORM_DTYPES:  # float8 and the like: _foreach_norm has no kernel for them

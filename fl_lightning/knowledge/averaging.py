@@ -24,6 +24,7 @@ class WeightedAverage:
         self._groups: dict[tuple, list[str]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self._shapes: dict[str, torch.Size] = {}
+        self._sizes: dict[tuple, list[int]] = {}  # each group's tensors' lengths in its flat sum
         self.total_weight = 0.0
         self.count = 0
 
@@ -36,6 +37,7 @@ class WeightedAverage:
                 self._shapes = {k: v.shape for k, v in state.items()}
                 for k, v in state.items():
                     self._groups.setdefault((v.device, v.dtype), []).append(k)
+                self._sizes = {group: [self._shapes[k].numel() for k in keys] for group, keys in self._groups.items()}
                 self._sum = {
                     group: _flat(state, keys).to(torch.promote_types(group[1], torch.float64)) * weight
                     for group, keys in self._groups.items()
@@ -53,8 +55,7 @@ class WeightedAverage:
                     if all((state[k].device, state[k].dtype) == group for k in keys):
                         self._sum[group].add_(_flat(state, keys), alpha=weight)
                     else:  # a tensor of another dtype or device than the first state's: each on its own
-                        sizes = [self._shapes[k].numel() for k in keys]
-                        for k, part in zip(keys, self._sum[group].split(sizes), strict=True):
+                        for k, part in zip(keys, self._sum[group].split(self._sizes[group]), strict=True):
                             part.add_(state[k].reshape(-1), alpha=weight)
         self.total_weight += weight
         self.count += 1
@@ -64,8 +65,7 @@ class WeightedAverage:
             raise ValueError("no state dict was added")
         out = {}
         for group, keys in self._groups.items():
-            sizes = [self._shapes[k].numel() for k in keys]
-            for k, flat in zip(keys, (self._sum[group] / self.total_weight).split(sizes), strict=True):
+            for k, flat in zip(keys, (self._sum[group] / self.total_weight).split(self._sizes[group]), strict=True):
                 dtype = self._dtypes[k]
                 mean = flat.view(self._shapes[k])
                 # a copy even where the dtype is the sum's: results must not share the sums' storage
