@@ -1,4 +1,5 @@
-"""Several processes on one machine's GPUs: each is given one GPU through ``CUDA_VISIBLE_DEVICES``.
+"""The child processes of one command on one machine: each is given one GPU through ``CUDA_VISIBLE_DEVICES``,
+and none outlives the command.
 
 Used by ``flrun sweep --n_jobs K`` (its worker processes) and ``flrun table --n_jobs K`` (its runs), so that K
 processes on a machine with G GPUs spread over them instead of all training on the first.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -64,3 +67,17 @@ def environment_for(gpu: str | None, environ: dict[str, str] | None = None) -> d
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
+
+
+def end_with_parent() -> None:
+    """Asks Linux to send this process SIGTERM when its parent dies, even by SIGKILL (run in the child: a
+    worker at its start, or as ``preexec_fn`` before a run's ``flrun fit``)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def raise_interrupt(signum, frame):
+    """A SIGTERM handler: ``kill PID`` interrupts like Ctrl-C, so the command ends its children first."""
+    raise KeyboardInterrupt

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .gpu_share import environment_for, least_used
+from .gpu_share import end_with_parent, environment_for, least_used, raise_interrupt
 from .sweep import PROCESS, SweepSpec, open_slots, open_study, requeue, run_trial, tally
 
 
@@ -118,14 +118,6 @@ def wait_for_stale(spec: SweepSpec, study, deadline: float | None, progress) -> 
             return False
         time.sleep(1.0)
     return False
-
-
-def _end_with_parent() -> None:
-    """Linux sends this worker SIGTERM when its coordinator dies (the caller then checks it is still there)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 class _Worker:
@@ -298,14 +290,10 @@ class Coordinator:
         self.workers = []
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def coordinate(
     spec: SweepSpec, study, n_jobs: int, sweep_file: str, epoch: int, deadline, progress, gpus: Sequence[str] = ()
 ) -> int:
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill PID` ends the workers too
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)  # `kill PID` ends the workers too
     try:
         return Coordinator(spec, study, n_jobs, sweep_file, epoch, deadline, progress, gpus).run()
     finally:
@@ -349,7 +337,7 @@ def _follow_parent(parent: int, interrupts: Interrupts) -> None:
 
 def run_worker(spec: SweepSpec, info: dict) -> int:
     """A worker process: trials while its coordinator allows, with its own sampler seed."""
-    _end_with_parent()
+    end_with_parent()  # SIGTERM when the coordinator dies (checked next that it is still there)
     if os.getppid() != info["parent"]:  # the coordinator died before this process could follow it
         return 0
     channel = _Channel(*info["fds"])

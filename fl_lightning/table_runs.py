@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import yaml
 
 from .errors import ConfigError
-from .gpu_share import environment_for, least_used, visible_gpus
+from .gpu_share import end_with_parent, environment_for, least_used, raise_interrupt, visible_gpus
 from .report_table import _experiments, recipe_cells
 
 # set per run by the table itself: from the fit arguments they would make every seed one run
@@ -123,15 +123,11 @@ def run_all(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO)
     Ctrl-C or SIGTERM (raising KeyboardInterrupt here) or any error ends the running processes, each to
     resume from its last checkpoint next time; they also end if this process is killed (Linux).
     """
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` must not leave the runs going on alone
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)  # `kill PID` must not leave the runs going on alone
     try:
         return _Runner(runs, fit_args, n_jobs, out).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 class _Runner:
@@ -190,7 +186,7 @@ class _Runner:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=environment_for(gpu),
-                preexec_fn=_end_with_parent,  # noqa: PLW1509 - this process starts no threads
+                preexec_fn=end_with_parent,  # noqa: PLW1509 - this process starts no threads
             )
             self.active[process] = (run, gpu, time.monotonic())
         self.say(f"{run.name}: started ({state}){f' on GPU {gpu}' if gpu is not None else ''}")
@@ -215,15 +211,6 @@ class _Runner:
             reason = _last_error(run.log) or f"exit status {process.returncode}"
         self.failed.append((run, reason))
         self.say(f"{head}: failed in {seconds:.0f} s: {reason} (log {run.log})")
-
-
-def _end_with_parent() -> None:
-    """In the child before it runs ``flrun fit``: Linux sends it SIGTERM when this process dies, even by
-    SIGKILL, so no run goes on alone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _last_error(log: Path) -> str:
