@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -281,6 +282,10 @@ def fit(
         resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
         if resumes:
             run_info["resumed_with"] = resumes
+        if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
+            print(_resuming_line(checkpoint, rounds, resume, files), file=sys.stderr, flush=True)
+    elif resume == "auto" and ranks.writes:
+        print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
     executor, sequential_why = resolve_executor(runtime, fabric.device, training)
     orchestrator = FederationOrchestrator(
         strategy,
@@ -368,6 +373,14 @@ def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | No
     if resume == "auto":
         return load_checkpoint(files.last_checkpoint) if files.last_checkpoint.exists() else None
     return load_checkpoint(Path(resume))
+
+
+def _resuming_line(checkpoint: dict[str, Any], rounds: int, resume: str | None, files: RunFiles) -> str:
+    done = checkpoint["rounds_done"]
+    source = files.last_checkpoint if resume == "auto" else Path(str(resume))
+    if done >= rounds:
+        return f"resuming {files.root} from {source}: all {rounds} rounds are done; only the summary is rewritten."
+    return f"resuming {files.root} from {source}: {done} of {rounds} rounds done, continuing with round {done + 1}."
 
 
 def _config_dict(resolved_config: str | None) -> dict[str, Any]:

@@ -113,6 +113,20 @@ def test_resume_gives_exactly_the_uninterrupted_result(tmp_path, optimizer_state
     )
 
 
+def test_resume_says_where_it_continues(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=3)
+    out = tmp_path / "x"
+    common = ("fit", "--config", str(recipe), "--output_dir", str(out), "--resume", "auto")
+    assert run_cli(*common, "--stop_after", "1") == 0
+    assert f"no checkpoint in {out}; starting a new run" in capsys.readouterr().err
+    assert run_cli(*common) == 0
+    assert f"resuming {out} from {out}/checkpoints/last.ckpt: 1 of 3 rounds done, continuing with round 2" in (
+        capsys.readouterr().err
+    )
+    assert run_cli(*common) == 0
+    assert "all 3 rounds are done; only the summary is rewritten" in capsys.readouterr().err
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
