@@ -27,7 +27,7 @@ from gpu_flagship import write_random_cifar10
 
 def count_calls(rounds: int) -> dict:
     from fl_lightning.cli import fit_from_argv
-    from fl_lightning.client import batched
+    from fl_lightning.client import group_training
 
     calls: collections.Counter = collections.Counter()
 
@@ -35,8 +35,8 @@ def count_calls(rounds: int) -> dict:
         consecutive = members[-1] - members[0] + 1 == len(members)
         calls[(self.role, len(members), self.clients, consecutive)] += 1
 
-    real = batched._GroupTraining._step
-    batched._GroupTraining._step = stub
+    real = group_training.GroupTraining._step
+    group_training.GroupTraining._step = stub
     try:
         with tempfile.TemporaryDirectory() as tmp:
             write_random_cifar10(Path(tmp) / "data", 10_000)
@@ -47,7 +47,7 @@ def count_calls(rounds: int) -> dict:
             argv += ["--training.optimizer_state", "shared_per_phase", "--runtime.accelerator", "cpu"]
             fit_from_argv(argv)
     finally:
-        batched._GroupTraining._step = real
+        group_training.GroupTraining._step = real
     by_size: collections.Counter = collections.Counter()
     for (role, members, _, _), n in calls.items():
         by_size[f"{role}/{members}"] += n

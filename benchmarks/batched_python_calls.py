@@ -43,7 +43,7 @@ def _calls(profile: cProfile.Profile, steps: int) -> int | None:
 
 def count(rounds: int, local_steps: int) -> dict:
     from fl_lightning import cli
-    from fl_lightning.client import batched, graphs, loop
+    from fl_lightning.client import graphs, group_training, loop
 
     real_fit = cli.fit_from_argv
 
@@ -53,7 +53,7 @@ def count(rounds: int, local_steps: int) -> dict:
 
     profiles = {kind: cProfile.Profile() for kind in ("group", "shared", "lone", "sequential", "replayed")}
     steps = dict.fromkeys(profiles, 0)
-    real_run, real_step = batched._GroupTraining.run, batched._GroupTraining._step
+    real_run, real_step = group_training.GroupTraining.run, group_training.GroupTraining._step
     real_run_steps = loop.LocalLoop.run_steps
 
     def run(self):
@@ -107,7 +107,7 @@ def count(rounds: int, local_steps: int) -> dict:
 
         return call
 
-    batched._GroupTraining.run, batched._GroupTraining._step = run, step
+    group_training.GroupTraining.run, group_training.GroupTraining._step = run, step
     loop.LocalLoop.run_steps = run_steps
     cli.fit_from_argv = fit_with_more_steps
     graphs.StepGraphs.run_steps, graphs._step = graphed_fit, uncounted(real_eager_step)
@@ -122,7 +122,7 @@ def count(rounds: int, local_steps: int) -> dict:
             run_flagship(Path(tmp) / "data", "32-true", "sequential", rounds, True, Path(tmp) / "out_sequential")
             graphed = run_flagship(Path(tmp) / "data", "32-true", "graphs", rounds, True, Path(tmp) / "out_graphs")
     finally:
-        batched._GroupTraining.run, batched._GroupTraining._step = real_run, real_step
+        group_training.GroupTraining.run, group_training.GroupTraining._step = real_run, real_step
         loop.LocalLoop.run_steps = real_run_steps
         cli.fit_from_argv = real_fit
         graphs.StepGraphs.run_steps, graphs._step = real_graphed_fit, real_eager_step

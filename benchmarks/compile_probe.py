@@ -1,7 +1,7 @@
 """Probe: the batched executor's vmapped gradient step under ``torch.compile``, against the eager executor.
 
 Not an option of the framework (docs/performance.md, "CUDA graphs and torch.compile": tried, not kept).
-This script swaps ``_GroupTraining._gradients`` for a compiled version and runs the flagship recipe
+This script swaps ``GroupTraining._gradients`` for a compiled version and runs the flagship recipe
 (``recipes/ondevice_kd_cifar10.yaml``, random-pixel CIFAR-10 in the real pickle format, batched executor,
 ``shared_per_phase``) shrunk to ``--clients`` clients, 8 per round, with and without it. Per mode it prints
 the seconds of each round, how many vmapped steps ran compiled or eagerly, the groups whose compilation
@@ -34,17 +34,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_flagship import RoundClock, write_random_cifar10
 
-from fl_lightning.client import batched
+from fl_lightning.client import group_training, step_closures
 
 
 class CompiledGradients:
-    """``_GroupTraining._gradients`` compiled (see the module docstring), with counts of what ran how."""
+    """``GroupTraining._gradients`` compiled (see the module docstring), with counts of what ran how."""
 
     def __init__(self, mode: str):
         self.function = torch.compile(_vmapped_gradients, mode=None if mode == "default" else mode, fullgraph=True)
         self.failed: dict[str, str] = {}
         self.counts = {"compiled_steps": 0, "eager_steps": 0}
-        self.eager = batched._GroupTraining._gradients
+        self.eager = group_training.GroupTraining._gradients
 
     def __call__(self, training, params, frozen, buffers, cells, batch, unbatched=False):
         step_fn = training.group[0].step_fn
@@ -52,11 +52,11 @@ class CompiledGradients:
         if training.tensor_cells or key in self.failed or unbatched:  # a lone client's step runs without vmap
             self.counts["eager_steps"] += 1
             return self.eager(training, params, frozen, buffers, cells, batch, unbatched)
-        values = batched._closure_values(step_fn)
+        values = step_closures.closure_values(step_fn)
         if any(type(v) is float for v in values):
             device = training.loop.fabric.device
             lifted = [torch.tensor(v, dtype=torch.float64, device=device) if type(v) is float else v for v in values]
-            step_fn = batched._rebuild(step_fn, lifted)
+            step_fn = step_closures.rebuild(step_fn, lifted)
         from torch._dynamo import config, exc
 
         try:
@@ -88,11 +88,11 @@ def _vmapped_gradients(training, step_fn, params, frozen, buffers, batch, step):
 def run(mode: str, args, data_dir: Path, out: Path) -> dict:
     from fl_lightning.cli import fit_from_argv
 
-    eager = batched._GroupTraining._gradients
+    eager = group_training.GroupTraining._gradients
     probe = None
     if mode != "eager":
         probe = CompiledGradients(mode)
-        batched._GroupTraining._gradients = lambda self, *a, **k: probe(self, *a, **k)
+        group_training.GroupTraining._gradients = lambda self, *a, **k: probe(self, *a, **k)
     tiers = f"[{{name: strong, roles: [aux, target], count: {args.clients // 2}}}, {{name: weak, roles: [aux]}}]"
     argv = ["--config", str(ROOT / "recipes" / "ondevice_kd_cifar10.yaml"), "--rounds", str(args.rounds)]
     argv += ["--eval_every", str(args.rounds), "--checkpoint_every", str(args.rounds), "--runtime.progress", "false"]
@@ -105,7 +105,7 @@ def run(mode: str, args, data_dir: Path, out: Path) -> dict:
     try:
         summary = fit_from_argv(argv, extra_loggers=[clock])
     finally:
-        batched._GroupTraining._gradients = eager
+        group_training.GroupTraining._gradients = eager
     return {
         "mode": mode,
         "round_s": [round(s, 2) for s in np.diff(clock.stamps)],

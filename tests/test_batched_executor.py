@@ -329,7 +329,7 @@ def test_a_client_error_inside_a_batched_chunk_stops_the_run_as_sequentially(tmp
 def test_gathered_and_augmented_at_once_equals_client_by_client(per_example):
     """The batched executor gathers every client's batch in one indexing call and crops / flips them in one
     call with each client's own draws: bit for bit what each client's own stream gives, in the same order."""
-    from fl_lightning.client.batched import _gather, _gatherable
+    from fl_lightning.client.group_training import gather, gatherable
     from fl_lightning.client.loop import batch_stream
     from fl_lightning.data.transforms import CropFlip
 
@@ -342,12 +342,12 @@ def test_gathered_and_augmented_at_once_equals_client_by_client(per_example):
 
     expected = [list(s) for s in streams()]
     together = streams()
-    assert _gatherable(together)
+    assert gatherable(together)
     for step in range(6):
         parts = [s.next_parts() for s in together]
         for size in {len(chosen) for chosen, _ in parts}:  # one shape at a time, as the executor groups them
             members = [k for k, (chosen, _) in enumerate(parts) if len(chosen) == size]
-            xb, yb = _gather(together[0], [parts[k] for k in members])
+            xb, yb = gather(together[0], [parts[k] for k in members])
             for j, k in enumerate(members):
                 assert torch.equal(xb[j], expected[k][step][0]) and torch.equal(yb[j], expected[k][step][1])
     assert all(s.next_parts() is None for s in together)
@@ -369,8 +369,8 @@ def test_a_step_drawing_a_second_stream_runs_in_both_executors(tmp_path):
 
 def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
     """A chunk that stops (another client failed) cancels its clients; none may be left waiting."""
-    from fl_lightning.client.batched import FitRequest
     from fl_lightning.client.executor import _Coroutine
+    from fl_lightning.client.fit_request import FitRequest
 
     reached = []
 
@@ -392,12 +392,12 @@ def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
 def test_a_tensor_two_roles_share_is_reparametrized_once_and_given_back():
     """Two roles that share a submodule (and a module with tied weights): one name reaches every place the
     tensor is held, and after the step the module holds its original Parameter again."""
-    from fl_lightning.client.batched import _Reparametrization
+    from fl_lightning.client.reparametrize import Reparametrization
 
     shared = torch.nn.Linear(2, 2)
     roles = torch.nn.ModuleDict({"role0": torch.nn.Sequential(shared), "role1": torch.nn.Sequential(shared)})
     original = shared.weight
-    reparametrize = _Reparametrization(roles)
+    reparametrize = Reparametrization(roles)
     with reparametrize({"role1.0.weight": torch.ones(2, 2)}):
         assert torch.equal(roles["role0"][0].weight, torch.ones(2, 2))  # the other role sees it too
     assert shared.weight is original
@@ -415,14 +415,14 @@ def test_the_flat_store_gives_views_and_moves_only_the_chosen_clients(contiguous
     """Stacked tensors of several dtypes live in one flat buffer per label and dtype: views equal the tensors
     put in (contiguous where asked: vmap's batch norm needs it), a write through a view reaches the buffer,
     and a gather / scatter of clients 0 and 2 leaves client 1 alone."""
-    from fl_lightning.client.batched import _FlatStore
+    from fl_lightning.client.flat_store import FlatStore
 
     tensors = {
         ("w",): torch.arange(24.0).view(3, 2, 4),
         ("b",): torch.tensor([1.0, 2.0, 3.0]),  # one number per client: a [3] tensor
         ("count",): torch.tensor([5, 6, 7]),  # int64 (batch norm's num_batches_tracked): a buffer of its own
     }
-    store = _FlatStore(tensors, lambda key: "blocks" if key in contiguous else "rows")
+    store = FlatStore(tensors, lambda key: "blocks" if key in contiguous else "rows")
     assert len(store.flats) == 2 + (0 < len(contiguous) < 3)  # float32 rows and / or blocks, int64
     views = store.views()
     index = torch.tensor([0, 2])
@@ -450,7 +450,7 @@ def test_the_flat_store_gives_views_and_moves_only_the_chosen_clients(contiguous
 def test_parameter_and_moment_rows_line_up_so_a_rule_runs_on_whole_rows():
     """The trained parameters and a moment in rows of one layout: an update of the whole rows is the update of
     every tensor, and split gives each tensor's view of a row (as inside vmap) or of the rows."""
-    from fl_lightning.client.batched import _FlatStore
+    from fl_lightning.client.flat_store import FlatStore
 
     tensors = {
         ("p", "a"): torch.randn(4, 3, 2),
@@ -458,7 +458,7 @@ def test_parameter_and_moment_rows_line_up_so_a_rule_runs_on_whole_rows():
         ("m", "a"): torch.ones(4, 3, 2),
         ("m", "b"): torch.full((4, 5), 2.0),
     }
-    store = _FlatStore(tensors, lambda key: "params" if key[0] == "p" else "moment")
+    store = FlatStore(tensors, lambda key: "params" if key[0] == "p" else "moment")
     selection = store.gather(torch.tensor([1, 3]))
     params, moments = store.rows(selection, "params"), store.rows(selection, "moment")
     (kind,) = params

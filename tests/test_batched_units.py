@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.client import batched as B
+from fl_lightning.client import fit_request, group_training, stacked_optim
 from fl_lightning.client.loop import LocalLoop, ModelSlot, batch_stream
 from fl_lightning.client.training import LocalTraining
 
@@ -33,27 +34,29 @@ def _loop(modules: dict, optimizer) -> LocalLoop:
     return loop
 
 
-def _request(loop, role, batches, step=_cross_entropy, weights=None, state=None, on_record=None) -> B.FitRequest:
+def _request(
+    loop, role, batches, step=_cross_entropy, weights=None, state=None, on_record=None
+) -> fit_request.FitRequest:
     if weights:  # this client's own starting weights, put into the shared instances before the snapshot
         with torch.no_grad():
             for r, named in weights.items():
                 live = dict([*loop.slots[r].module.named_parameters(), *loop.slots[r].module.named_buffers()])
                 for n, v in named.items():
                     live[n].copy_(v)
-    return B.FitRequest(
+    return fit_request.FitRequest(
         role=role,
         batches=batches,
         step_fn=step,
         on_record=on_record,
         rnd=0,
-        slots=B.snapshot_slots(loop),
-        modes=B.training_modes(loop),
-        optimizer_state=copy.deepcopy(state) if state is not None else B.snapshot_optimizer(loop.slots[role]),
-        rng_state=B.random_state(),
+        slots=fit_request.snapshot_slots(loop),
+        modes=fit_request.training_modes(loop),
+        optimizer_state=copy.deepcopy(state) if state is not None else fit_request.snapshot_optimizer(loop.slots[role]),
+        rng_state=fit_request.random_state(),
     )
 
 
-def _copy(request: B.FitRequest) -> B.FitRequest:
+def _copy(request: fit_request.FitRequest) -> fit_request.FitRequest:
     twin = copy.copy(request)
     twin.slots, twin.optimizer_state = copy.deepcopy(request.slots), copy.deepcopy(request.optimizer_state)
     twin.batches = list(request.batches)
@@ -181,7 +184,7 @@ def test_adam_on_rows_of_two_dtypes_takes_each_dtypes_own_bias_correction():
         k: {"step": torch.zeros(2), "exp_avg": torch.zeros_like(params[k]), "exp_avg_sq": torch.zeros_like(params[k])}
         for k in kinds
     }
-    B._adam(params, grads, state, options)
+    stacked_optim.adam(params, grads, state, options)
     reference = torch.nn.Parameter(torch.ones(6))
     optimizer = torch.optim.Adam([reference], lr=0.01)
     reference.grad = torch.full((6,), 0.5)
@@ -191,8 +194,10 @@ def test_adam_on_rows_of_two_dtypes_takes_each_dtypes_own_bias_correction():
 
 def test_each_parameter_gets_its_own_step_count_and_batches_are_gathered_at_once(monkeypatch):
     gathered = []
-    real_gather = B._gather
-    monkeypatch.setattr(B, "_gather", lambda stream, parts: gathered.append(len(parts)) or real_gather(stream, parts))
+    real_gather = group_training.gather
+    monkeypatch.setattr(
+        group_training, "gather", lambda stream, parts: gathered.append(len(parts)) or real_gather(stream, parts)
+    )
     torch.manual_seed(0)
     loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.Adam(p, lr=0.01))
     x, y = torch.randn(40, 3), torch.randint(0, 2, (40,))
@@ -243,7 +248,7 @@ def test_a_teachers_batch_norm_statistics_sit_in_rows_and_train_as_in_the_sequen
         return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())
 
     requests = _requests_with_own_teachers(loop, kd)
-    in_rows, eval_norms = B._norm_buffers_for_rows(loop, "s", requests[0].modes)
+    in_rows, eval_norms = group_training._norm_buffers_for_rows(loop, "s", requests[0].modes)
     assert in_rows == {
         ("slot", "t", "1.running_mean"),
         ("slot", "t", "1.running_var"),
@@ -280,7 +285,7 @@ def test_a_batch_norm_the_trained_role_shares_with_an_evaluated_role_counts_as_t
     modules = {r: torch.nn.Sequential(torch.nn.Linear(3, 4), shared, torch.nn.Linear(4, 2)) for r in "ts"}
     loop = _loop(modules, lambda p: torch.optim.SGD(p, lr=0.1))
     modes = ((True, True, False, True), (True, True, True, True))  # "t" holds the shared norm in evaluation mode
-    in_rows, eval_norms = B._norm_buffers_for_rows(loop, "s", modes)
+    in_rows, eval_norms = group_training._norm_buffers_for_rows(loop, "s", modes)
     assert eval_norms == [] and ("slot", "t", "1.running_mean") not in in_rows
 
 
@@ -347,7 +352,7 @@ def _out_of_memory_beyond(monkeypatch, where: str, most: int):
     clients, as a GPU would; returns the sizes of the groups that were tried."""
     tried = []
     if where == "init":
-        real = B._GroupTraining.__init__
+        real = group_training.GroupTraining.__init__
 
         def init(self, loop, group):
             tried.append(len(group))
@@ -355,9 +360,9 @@ def _out_of_memory_beyond(monkeypatch, where: str, most: int):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             real(self, loop, group)
 
-        monkeypatch.setattr(B._GroupTraining, "__init__", init)
+        monkeypatch.setattr(group_training.GroupTraining, "__init__", init)
     else:
-        real = B._GroupTraining._gradients
+        real = group_training.GroupTraining._gradients
 
         def gradients(self, params, *args, **kwargs):
             clients = len(next(iter(params.values())))
@@ -366,7 +371,7 @@ def _out_of_memory_beyond(monkeypatch, where: str, most: int):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             return real(self, params, *args, **kwargs)
 
-        monkeypatch.setattr(B._GroupTraining, "_gradients", gradients)
+        monkeypatch.setattr(group_training.GroupTraining, "_gradients", gradients)
     return tried
 
 
@@ -408,14 +413,14 @@ def test_a_group_the_device_cannot_hold_is_halved_until_it_fits_with_the_same_nu
 
 def test_running_out_of_memory_after_the_first_step_stops_with_what_to_change(monkeypatch):
     loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
-    real = B._GroupTraining._gradients
+    real = group_training.GroupTraining._gradients
 
     def gradients(self, *args, **kwargs):
         if self.step_index == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(B._GroupTraining, "_gradients", gradients)
+    monkeypatch.setattr(group_training.GroupTraining, "_gradients", gradients)
     with pytest.raises(RuntimeError, match="ran out of memory in step 1 of 2 clients batched.*runtime.batch_clients"):
         B.BatchedFit(loop).run([_request(loop, "r", _batches(2)) for _ in range(2)])
 
@@ -426,7 +431,7 @@ def _noisy_stream(steps: int = 3):
         yield torch.randn(4, 3), torch.randint(0, 2, (4,))
 
 
-def _requests(loop) -> list[B.FitRequest]:
+def _requests(loop) -> list[fit_request.FitRequest]:
     made = []
     for k in range(2):
         torch.manual_seed(k)  # each client its own generator state
@@ -445,14 +450,14 @@ def test_a_group_that_falls_back_after_running_out_of_memory_draws_the_sequentia
         fit._sequential(request)
     B.BatchedFit(loop).run(batched)
     _assert_same(sequential, batched, atol=1e-5)  # batched, each client's batches under its own generator: equal
-    real = B._GroupTraining._gradients
+    real = group_training.GroupTraining._gradients
 
     def gradients(self, params, *args, **kwargs):
         if len(next(iter(params.values()))) > 1:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(self, params, *args, **kwargs)
 
-    monkeypatch.setattr(B._GroupTraining, "_gradients", gradients)
+    monkeypatch.setattr(group_training.GroupTraining, "_gradients", gradients)
     fit = B.BatchedFit(loop)
     fit.run(halved)
     assert fit.counts == {"batched_fits": 0, "sequential_fits": 2}  # [2] ran out -> [1], [1]
@@ -469,7 +474,7 @@ def test_running_out_of_memory_while_gathering_a_later_batch_names_what_to_chang
         request = _request(loop, "r", None)
         request.batches = batch_stream(x, y, torch.arange(k * 12, k * 12 + 12), 4, 3, torch.Generator().manual_seed(k))
         requests.append(request)
-    real, calls = B._gather, []
+    real, calls = group_training.gather, []
 
     def gather(stream, parts):
         calls.append(len(parts))
@@ -477,7 +482,7 @@ def test_running_out_of_memory_while_gathering_a_later_batch_names_what_to_chang
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(stream, parts)
 
-    monkeypatch.setattr(B, "_gather", gather)
+    monkeypatch.setattr(group_training, "gather", gather)
     try:
         B.BatchedFit(loop).run(requests)
     except RuntimeError as err:

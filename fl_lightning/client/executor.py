@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batched import (
-    BatchedFit,
+from .batched import BatchedFit
+from .fit_request import (
     FitRequest,
     random_state,
     restore,
