@@ -94,6 +94,20 @@ def check_fit_args(fit_args: list[str]) -> None:
         )
 
 
+def _refuse_several_devices(runs, fit_args: list[str], n_jobs: int) -> None:
+    """Refuses runs of several ranks when each run is given one GPU: all their ranks would share it."""
+    from .fit_args import parse_fit
+
+    for run in runs:  # one run per recipe: the seed does not change the devices
+        devices = parse_fit(run.fit_argv(fit_args))[1].runtime.devices
+        if devices > 1:
+            raise ConfigError(
+                f"{run.recipe.name} runs with runtime.devices {devices}, but with --n_jobs {n_jobs} each run is "
+                "given one GPU, which its ranks would share; use --n_jobs 1 (each run then has every GPU of "
+                "CUDA_VISIBLE_DEVICES) or -- --runtime.devices 1."
+            )
+
+
 def plan(table: str, seeds: list[int], runs_root: Path, recipes_dir: Path) -> list[TableRun]:
     """The runs the table ``table`` needs: one recipe per experiment of its cells, at every seed."""
     cells = recipe_cells(recipes_dir)
@@ -140,6 +154,7 @@ class _Runner:
         self.say(f"{len(self.done)} of {len(runs)} runs done; {self.todo} to run")
         self.gpus = visible_gpus() if n_jobs > 1 else []
         if self.gpus:
+            _refuse_several_devices({run.recipe: run for run, _ in self.pending}.values(), fit_args, n_jobs)
             self.say(f"{n_jobs} at a time, each on one GPU of CUDA_VISIBLE_DEVICES {','.join(self.gpus)}")
         self.active: dict[subprocess.Popen, tuple[TableRun, str | None, float]] = {}
         self.failed: list[tuple[TableRun, str]] = []

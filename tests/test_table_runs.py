@@ -182,6 +182,15 @@ def test_fit_arguments_that_would_merge_the_runs_are_refused(recipes, tmp_path, 
     assert f"may not set {argument.split('=')[0]}" in err and len(err.strip().splitlines()) == 1
 
 
+def test_runs_of_several_ranks_are_refused_when_each_run_gets_one_gpu(recipes, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-fake0,GPU-fake1")
+    argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(tmp_path / "runs"), "--n_jobs", "2"]
+    assert run_cli(*argv, "--", "--runtime.devices", "2") == 2
+    err = capsys.readouterr().err
+    assert "mlp_a.yaml runs with runtime.devices 2, but with --n_jobs 2 each run is given one GPU" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()  # nothing was started
+
+
 @pytest.mark.slow  # flrun fit processes
 def test_a_complete_run_is_done_only_for_the_same_arguments_and_a_locked_one_is_left_alone(recipes, tmp_path):
     runs = tmp_path / "runs"
