@@ -192,17 +192,7 @@ class ClientStateStore:
             self._path(client_id, version).unlink(missing_ok=True)
 
     def _read(self, client_id: int, version: _Version) -> dict:
-        path = self._path(client_id, version)
-        fallback = f"resume from {self.directory.parent / PREVIOUS} or start a new --output_dir"
-        try:
-            data = path.read_bytes()
-        except OSError:
-            raise ConfigError(f"client state file {path}, named by the checkpoint, is missing; {fallback}.") from None
-        if hashlib.sha256(data).digest() != version.sha256:
-            raise ConfigError(
-                f"client state file {path} is damaged (its content does not match the SHA-256 in the checkpoint); "
-                f"{fallback}."
-            )
+        data = _verified_bytes(self._path(client_id, version), version.sha256)
         return torch.load(io.BytesIO(data), map_location=self.map_location, weights_only=True)
 
     # ------------------------------------------------------------------ checkpoints
@@ -256,11 +246,9 @@ class ClientStateStore:
         self._files = _versions(manifest)
         for client_id, version in self._files.items():
             name = version.name(client_id)
-            if not (source / name).is_file():
-                raise ConfigError(
-                    f"client state file {source / name}, named by the checkpoint, is missing; resume from "
-                    f"{source.parent / PREVIOUS} or start a new --output_dir."
-                )
+            # every file checked now, before the resumed run writes a checkpoint: a damaged file found later
+            # (when its client is next sampled) would be named by every newer checkpoint, previous.ckpt too
+            _verified_bytes(source / name, version.sha256)
             if source.resolve() != self.directory.resolve():
                 self._import(source / name)
         self._sweep({v.name(c) for c, v in self._files.items()})
@@ -292,6 +280,21 @@ class ClientStateStore:
         for entry in os.scandir(self.directory):
             if (_FILE.match(entry.name) or entry.name.endswith(".tmp")) and entry.name not in keep:
                 os.unlink(entry.path)
+
+
+def _verified_bytes(path: Path, sha256: bytes) -> bytes:
+    """The content of a client state file a checkpoint names, refused when missing or not the checkpointed one."""
+    fallback = f"resume from {path.parent.parent / PREVIOUS} or start a new --output_dir"
+    try:
+        data = path.read_bytes()
+    except OSError:
+        raise ConfigError(f"client state file {path}, named by the checkpoint, is missing; {fallback}.") from None
+    if hashlib.sha256(data).digest() != sha256:
+        raise ConfigError(
+            f"client state file {path} is damaged (its content does not match the SHA-256 in the checkpoint); "
+            f"{fallback}."
+        )
+    return data
 
 
 def _versions(manifest: dict[str, Any]) -> dict[int, _Version]:

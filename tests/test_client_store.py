@@ -123,13 +123,18 @@ def test_a_damaged_or_missing_client_file_is_refused_in_one_sentence(tmp_path):
     _checkpoint(store, ckpt)
     four, five = sorted(_named(ckpt))
     path = tmp_path / "checkpoints/clients" / four
-    data = bytearray(path.read_bytes())
+    good = path.read_bytes()
+    data = bytearray(good)
     data[-200] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match=r"client state file .*4-.* is damaged .* resume from .*previous\.ckpt"):
         store.get(4)
     (tmp_path / "checkpoints/clients" / five).unlink()
     fresh = ClientStateStore(tmp_path / "checkpoints/clients")
+    # a resume checks every file it names at once, not when the client is next read
+    with pytest.raises(ConfigError, match=r"4-.* is damaged"):
+        fresh.restore(load_checkpoint(ckpt)["client_states"], str(ckpt))
+    path.write_bytes(good)
     with pytest.raises(ConfigError, match=r"5-.* named by the checkpoint, is missing"):
         fresh.restore(load_checkpoint(ckpt)["client_states"], str(ckpt))
 
@@ -247,6 +252,32 @@ def test_a_run_killed_while_writing_client_state_resumes_bit_identical(tmp_path,
     assert resumed.keys() == states.keys() and all(_states_equal(resumed[c], states[c]) for c in states)
     kept = _named(run / "checkpoints/last.ckpt") | _named(run / "checkpoints/previous.ckpt")
     assert _files(run / "checkpoints/clients") == kept  # the half-written file and other leftovers are gone
+
+
+def test_a_damaged_client_file_is_refused_at_resume_while_previous_ckpt_can_still_resume(
+    tmp_path, uninterrupted, capsys
+):
+    recipe = _fedhe_recipe(tmp_path / "r.yaml")
+    run = tmp_path / "run"
+    for rounds_done in (1, 2):
+        argv = ["--output_dir", str(run), "--stop_after", str(rounds_done)] + (["--resume", "auto"] * (rounds_done > 1))
+        assert run_cli("fit", "--config", str(recipe), *argv) == 0
+    checkpoints = run / "checkpoints"
+    # a file of a client trained in round 2 only: the round-1 checkpoint (previous.ckpt) does not need it
+    damaged = checkpoints / "clients" / min(_named(checkpoints / "last.ckpt") - _named(checkpoints / "previous.ckpt"))
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    kept = {name: (checkpoints / name).read_bytes() for name in ("last.ckpt", "previous.ckpt")}
+    # refused before a round is trained: a checkpoint written now would name the damaged file, and replace previous.ckpt
+    capsys.readouterr()
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert f"client state file {damaged} is damaged" in err and f"resume from {checkpoints / 'previous.ckpt'}" in err
+    assert {name: (checkpoints / name).read_bytes() for name in kept} == kept
+    previous = ["--resume", str(checkpoints / "previous.ckpt"), "--output_dir", str(tmp_path / "from_previous")]
+    assert run_cli("fit", "--config", str(recipe), *previous) == 0
+    assert read_summary(tmp_path / "from_previous")["final"] == uninterrupted[0]["final"]
 
 
 def test_the_checkpoint_grows_by_its_manifest_only_and_a_resume_elsewhere_links_the_files(tmp_path, uninterrupted):
