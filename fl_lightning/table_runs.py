@@ -15,6 +15,7 @@ planned runs that are complete.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import shlex
 import signal
@@ -66,9 +67,18 @@ class TableRun:
         """``done`` (complete, with this recipe and these arguments), ``changed`` (complete, but the recipe or
         the arguments changed since: ``flrun fit`` extends it or refuses), ``resume`` (a checkpoint to
         continue) or ``new``."""
-        if self.summary().get("complete"):
+        summary = self.summary()
+        if summary.get("complete") and summary.get("config_sha256") == self._config_sha256():
             return "done" if self._same_experiment(fit_args) else "changed"
+        # no summary, an unfinished one, or one of an earlier invocation (its recipe is not config.yaml's: a later
+        # invocation, e.g. one extending the rounds, started and has not finished)
         return "resume" if (self.output_dir / "checkpoints" / "last.ckpt").is_file() else "new"
+
+    def _config_sha256(self) -> str | None:
+        try:
+            return hashlib.sha256((self.output_dir / "config.yaml").read_bytes()).hexdigest()
+        except OSError:
+            return None
 
     def _same_experiment(self, fit_args: list[str]) -> bool:
         from .fit_args import parse_fit

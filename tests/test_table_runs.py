@@ -174,6 +174,23 @@ def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop)
     assert [r.state([]) for r in plan("paper-9/table-1", [0], runs, folder)] == ["resume"]
 
 
+def test_a_complete_run_whose_extension_was_killed_is_resumed_not_counted(recipes, tmp_path, monkeypatch):
+    from fl_lightning.orchestrator import FederationOrchestrator
+
+    run = plan("paper-9/table-1", [0], tmp_path / "runs", recipes)[0]
+    assert run_cli("fit", *run.fit_argv([])) == 0
+    assert run.state([]) == "done" and run.state(["--rounds", "6"]) == "changed"
+
+    def killed(self, checkpoint=None):  # as if killed once the extension started: config.yaml says 6 rounds
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FederationOrchestrator, "run", killed)
+    assert run_cli("fit", *run.fit_argv(["--rounds", "6"])) != 0
+    assert "rounds: 6" in (run.output_dir / "config.yaml").read_text() and read_summary(run.output_dir)["complete"]
+    # summary.json is the 2-round invocation's: not this recipe's result
+    assert run.state(["--rounds", "6"]) == "resume"
+
+
 @pytest.mark.parametrize("argument", ["--seed", "--output_dir=x", "--resume", "--config"])
 def test_fit_arguments_that_would_merge_the_runs_are_refused(recipes, tmp_path, capsys, argument):
     argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(tmp_path), "--", argument, "5"]
