@@ -145,6 +145,7 @@ class FederationOrchestrator:
         state = self.state
         if checkpoint is not None:
             state.restore(checkpoint, self.strategy, self.loop, self.schedule)
+            state.use_monitor(self.monitor)
         else:
             state.client_states.start()  # client files a killed start left behind go
         progress = RoundProgress(

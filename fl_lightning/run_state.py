@@ -32,8 +32,21 @@ SAFE_TO_CHANGE = (
     "checkpoint_every",
     "name",
     "reference",
+    "monitor",
 )
 """Recipe keys a resume may change (``rounds`` only upward); docs/usage.md says why each is safe."""
+
+_LOWER_IS_BETTER = ("loss", "_std", "top_class_share")
+
+
+def lower_is_better(monitor: str) -> bool:
+    """Whether the best round of ``monitor`` is its lowest: losses, spreads (``*_std``) and the collapse
+    indicator ``*top_class_share``; every other metric (accuracies) is best at its highest."""
+    return monitor.endswith(_LOWER_IS_BETTER)
+
+
+def _better(value: float, best: float, monitor: str) -> bool:
+    return value < best if lower_is_better(monitor) else value > best
 
 
 class RunState:
@@ -70,13 +83,28 @@ class RunState:
     def record_evaluation(self, rnd: int, metrics: dict[str, float], monitor: str) -> None:
         if monitor not in metrics:
             raise ConfigError(
-                f"monitor metric {monitor!r} is not among the evaluation metrics "
-                f"{sorted(metrics)}; set --monitor to one of them."
+                f"monitor metric {monitor!r} is not among the evaluation metrics {sorted(metrics)}; continue "
+                "with --resume auto and --monitor set to one of them (a resume may change the monitor)."
             )
         value = metrics[monitor]  # NaN (no client evaluated) never becomes the best
-        if not math.isnan(value) and (self.best is None or value > self.best["metrics"][monitor]):
-            self.best = {"round": rnd, "metrics": dict(metrics)}
+        if not math.isnan(value) and (self.best is None or _better(value, self.best["metrics"][monitor], monitor)):
+            self.best = {"round": rnd, "metrics": dict(metrics), "monitor": monitor}
         self.last_eval = {"round": rnd, "metrics": dict(metrics)}
+
+    def use_monitor(self, monitor: str) -> None:
+        """A resumed run's best round by ``monitor``: the checkpoint's if it was chosen by the same metric, else
+        found again among the evaluations so far (a resume may change the monitor)."""
+        if self.best is None or self.best.get("monitor") == monitor:
+            return
+        keys = set(self.last_eval["metrics"]) if self.last_eval else set()
+        self.best = None
+        for row in self.history:  # every evaluated round, in order: the first of equal values stays the best
+            value = row.get(monitor)
+            if value is None or math.isnan(value):
+                continue
+            if self.best is None or _better(value, self.best["metrics"][monitor], monitor):
+                metrics = {k: v for k, v in row.items() if k in keys}
+                self.best = {"round": row["round"], "metrics": metrics, "monitor": monitor}
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(

@@ -127,6 +127,37 @@ def test_resume_says_where_it_continues(tmp_path, capsys):
     assert "all 3 rounds are done; only the summary is rewritten" in capsys.readouterr().err
 
 
+def test_a_loss_monitor_picks_the_lowest_loss_and_a_resume_may_change_the_monitor(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=4, eval_every=1)
+    common = ("fit", "--config", str(recipe))
+    loss = ("--monitor", "global/test_loss")
+    assert run_cli(*common, "--output_dir", str(tmp_path / "full"), *loss) == 0
+    rows = list(csv.DictReader((tmp_path / "full/metrics.csv").open()))
+    losses = {int(r["round"]): float(r["global/test_loss"]) for r in rows}
+    full = read_summary(tmp_path / "full")
+    assert full["best_round"] == min(losses, key=losses.get) and full["best"]["global/test_loss"] == min(
+        losses.values()
+    )
+    assert full["best_round"] != max(losses, key=losses.get)
+    # a run picking by accuracy, stopped, then continued picking by loss: the best round is found again
+    assert run_cli(*common, "--output_dir", str(tmp_path / "cut"), "--stop_after", "2") == 0
+    assert run_cli(*common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto", *loss) == 0
+    resumed = read_summary(tmp_path / "cut")
+    assert (resumed["best_round"], resumed["best"], resumed["final"]) == (
+        full["best_round"],
+        full["best"],
+        full["final"],
+    )
+    assert resumed["resumed_with"][0]["changed"]["monitor"] == [None, "global/test_loss"]
+    # a misspelled monitor stops the run at its first evaluation; the corrected one continues it
+    typo = tmp_path / "typo"
+    capsys.readouterr()
+    assert run_cli(*common, "--output_dir", str(typo), "--monitor", "global/test_los") == 2
+    assert "continue with --resume auto and --monitor set to one of them" in capsys.readouterr().err
+    assert run_cli(*common, "--output_dir", str(typo), "--resume", "auto", *loss) == 0
+    assert read_summary(typo)["best"] == full["best"]
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
