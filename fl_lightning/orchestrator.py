@@ -166,7 +166,7 @@ class FederationOrchestrator:
                 state.elapsed = time.perf_counter() - started
                 row["time/elapsed_s"] = state.elapsed
                 if metrics is not None:
-                    state.record_evaluation(rnd, metrics, self.monitor)
+                    state.record_evaluation(rnd, metrics, self.monitor, self.evaluator.per_client)
                     row.update(metrics)
                     state.history.append(row)
                     if self.ranks.writes:
@@ -188,7 +188,7 @@ class FederationOrchestrator:
 
     def _write_summary(self, extra: dict[str, Any]) -> dict[str, Any]:
         state = self.state
-        summary = state.summary(self.seed, self.rounds, self.monitor, self.evaluator.per_client, self.files.root)
+        summary = state.summary(self.seed, self.rounds, self.monitor, self.files.root)
         summary.update(extra)
         if self.batched is not None:  # how many local fits really ran batched (the rest could not)
             summary["executor"] = {"mode": "batched", **self.batched.fits.counts}

@@ -80,7 +80,11 @@ class RunState:
         self.ledger = CommunicationLedger()
         self.events: dict[str, int] = {}  # lost updates over the run, by cause (robustness.py)
 
-    def record_evaluation(self, rnd: int, metrics: dict[str, float], monitor: str) -> None:
+    def record_evaluation(
+        self, rnd: int, metrics: dict[str, float], monitor: str, per_client: dict[int, float] | None = None
+    ) -> None:
+        """Keeps the evaluation (``per_client``: each client's personal accuracy, for summary.json; kept in
+        checkpoints so that a resumed run's summary has them without evaluating again)."""
         if monitor not in metrics:
             raise ConfigError(
                 f"monitor metric {monitor!r} is not among the evaluation metrics {sorted(metrics)}; continue "
@@ -89,7 +93,7 @@ class RunState:
         value = metrics[monitor]  # NaN (no client evaluated) never becomes the best
         if not math.isnan(value) and (self.best is None or _better(value, self.best["metrics"][monitor], monitor)):
             self.best = {"round": rnd, "metrics": dict(metrics), "monitor": monitor}
-        self.last_eval = {"round": rnd, "metrics": dict(metrics)}
+        self.last_eval = {"round": rnd, "metrics": dict(metrics), "per_client": dict(per_client or {})}
 
     def use_monitor(self, monitor: str) -> None:
         """A resumed run's best round by ``monitor``: the checkpoint's if it was chosen by the same metric, else
@@ -166,11 +170,10 @@ class RunState:
         if schedule is not None:
             schedule.load_state_dict(state["schedule"])
 
-    def summary(
-        self, seed: int, rounds: int, monitor: str, per_client: dict[int, Any], output_dir: Path
-    ) -> dict[str, Any]:
+    def summary(self, seed: int, rounds: int, monitor: str, output_dir: Path) -> dict[str, Any]:
         """The content of summary.json."""
         last, best = self.last_eval, self.best
+        per_client = last.get("per_client", {}) if last else {}  # a checkpoint of before 2026-11-26 has none
         return {
             **self.run_info,
             "seed": seed,

@@ -158,6 +158,19 @@ def test_a_loss_monitor_picks_the_lowest_loss_and_a_resume_may_change_the_monito
     assert read_summary(typo)["best"] == full["best"]
 
 
+def test_a_resumed_personalized_run_keeps_each_clients_accuracy_in_its_summary(tmp_path):
+    common = ("fit", "--config", str(ROOT / "recipes/digits_fedgh.yaml"), "--rounds", "2", "--eval_every", "1")
+    assert run_cli(*common, "--output_dir", str(tmp_path / "full")) == 0
+    full = read_summary(tmp_path / "full")["per_client_acc"]
+    assert len(full) > 1 and all(0.0 <= acc <= 1.0 for acc in full.values())
+    # run again on the complete run (a job script's --resume auto), and stopped then resumed
+    assert run_cli(*common, "--output_dir", str(tmp_path / "full"), "--resume", "auto") == 0
+    assert read_summary(tmp_path / "full")["per_client_acc"] == full
+    assert run_cli(*common, "--output_dir", str(tmp_path / "cut"), "--stop_after", "1") == 0
+    assert run_cli(*common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto") == 0
+    assert read_summary(tmp_path / "cut")["per_client_acc"] == full
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
