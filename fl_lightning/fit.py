@@ -364,11 +364,17 @@ def check_output_dir(root: Path) -> None:
 
 def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:
     """The checkpoint to resume from (loaded, its checksum verified), None for a fresh start."""
+    if resume is None and files.last_checkpoint.exists():
+        raise ConfigError(
+            f"{files.root} already holds a run; pass --resume auto to continue it or choose another --output_dir."
+        )
+    if resume in (None, "auto") and not files.last_checkpoint.exists() and files.previous_checkpoint.exists():
+        # last.ckpt moved away or not copied: a fresh start here would replace previous.ckpt, the run's only state
+        raise ConfigError(
+            f"{files.root} holds {files.previous_checkpoint.name} but no last.ckpt; continue from it with --resume "
+            f"{files.previous_checkpoint}, or choose another --output_dir."
+        )
     if resume is None:
-        if files.last_checkpoint.exists():
-            raise ConfigError(
-                f"{files.root} already holds a run; pass --resume auto to continue it or choose another --output_dir."
-            )
         return None
     if resume == "auto":
         return load_checkpoint(files.last_checkpoint) if files.last_checkpoint.exists() else None

@@ -171,6 +171,25 @@ def test_a_resumed_personalized_run_keeps_each_clients_accuracy_in_its_summary(t
     assert read_summary(tmp_path / "cut")["per_client_acc"] == full
 
 
+def test_a_run_whose_last_checkpoint_is_gone_is_not_restarted_over_its_previous_one(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=4)
+    run = tmp_path / "x"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--stop_after", "2") == 0
+    previous = run / "checkpoints/previous.ckpt"
+    saved = previous.read_bytes()
+    (run / "checkpoints/last.ckpt").rename(tmp_path / "moved.ckpt")  # a partial copy of the directory
+    capsys.readouterr()
+    for resume in ([], ["--resume", "auto"]):
+        assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), *resume) == 2
+        assert (
+            f"holds previous.ckpt but no last.ckpt; continue from it with --resume {previous}"
+            in capsys.readouterr().err
+        )
+    assert previous.read_bytes() == saved
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", str(previous)) == 0
+    assert read_summary(run)["complete"]
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
