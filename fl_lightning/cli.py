@@ -221,7 +221,7 @@ def run_report(argv: list[str]) -> int:
     """``flrun report RUN_OR_SWEEP_DIR... --output report.html|report.md [--wandb] [--table PAPER/TABLE]``."""
     import argparse
 
-    from .report import build_report, headline
+    from .report import build_report, headline, report_output
     from .report_render import log_to_wandb, write_html, write_markdown
 
     parser = argparse.ArgumentParser(prog="flrun report", description="Reproducibility report against the papers.")
@@ -232,10 +232,12 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--table", help="render one paper table instead, e.g. paper-001/table-5 (docs/experiments.md)")
     parser.add_argument("--recipes", help="recipe folder whose reference blocks define the table (default: recipes/)")
     args = parser.parse_args(argv)
+    output = report_output(args.output)  # .html or .md, refused before anything is read
     if args.table is not None:
         return _report_table(args)
     report = build_report(args.paths)
-    output = Path(args.output)
+    for warning in report["warnings"]:
+        print(f"flrun report: warning: {warning}", file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
     (write_markdown if output.suffix == ".md" else write_html)(report, output)
     if args.wandb:

@@ -94,12 +94,12 @@ def load_run(root: Path) -> dict[str, Any]:
     return {"root": root, "summary": summary, "curve": read_curve(root / "metrics.csv")}
 
 
-def group_runs(runs: list[dict]) -> dict[str, list[dict]]:
-    """Runs of one recipe (its name) with different seeds form one group."""
-    groups: dict[str, list[dict]] = {}
-    for run in runs:
-        groups.setdefault(str(run["summary"].get("name") or run["root"].name), []).append(run)
-    return groups
+def report_output(text: str) -> Path:
+    """The report file ``--output`` names, refused unless it is ``.html`` or ``.md`` (what is written)."""
+    path = Path(text)
+    if path.suffix not in (".html", ".md"):
+        raise ConfigError(f"--output {text} must end in .html or .md: flrun report writes HTML or Markdown only.")
+    return path
 
 
 def _reference(summary: dict) -> dict:
@@ -206,8 +206,10 @@ def _spread(values: list[float]) -> tuple[float | None, float | None]:
     return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
 
 
-def compare(group: list[dict]) -> dict[str, Any]:
-    """Measured (final-round) mean and spread over seeds of every metric the paper reports for this recipe."""
+def compare(group: list[dict], duplicates: list[dict] | None = None) -> dict[str, Any]:
+    """Measured (final-round) mean and spread over seeds (``group``: one run per seed of one experiment) of
+    every metric the paper reports for this recipe, or of its monitor; ``duplicates`` (runs of a seed
+    already in ``group``) are listed in the provenance, not counted."""
     first = group[0]["summary"]
     reference = _reference(first)
     wanted = paper_values(reference) or {str(first.get("monitor")): (None, None)}
@@ -236,7 +238,8 @@ def compare(group: list[dict]) -> dict[str, Any]:
         "complete": all(r["summary"].get("complete", True) is True for r in group),
         "uplink_mb": _mib([number(c.get("uplink_bytes")) for c in comm]),
         "downlink_mb": _mib([number(c.get("downlink_bytes")) for c in comm]),
-        "provenance": [_provenance(r, rows[0]["metric"]) for r in group],
+        "provenance": [_provenance(r, rows[0]["metric"]) for r in group]
+        + [{**_provenance(r, rows[0]["metric"]), "counted": False} for r in duplicates or []],
     }
 
 
@@ -250,6 +253,7 @@ def _provenance(run: dict, metric: str) -> dict[str, Any]:
     versions = summary.get("versions") if isinstance(summary.get("versions"), dict) else {}
     return {
         "seed": summary.get("seed"),
+        "counted": True,
         "final": number(summary.get("final", {}).get(metric)),
         "best": number(summary.get("best", {}).get(metric)),
         "best_round": summary.get("best_round"),
@@ -349,23 +353,31 @@ def fmt(value, digits: int = 4) -> str:
 
 
 def build_report(paths: list[str]) -> dict[str, Any]:
+    """One section per experiment (report_groups.py: one name and recipe, one run per seed), the sweeps,
+    the number of runs found and the warnings (copies of a seed, differing reference blocks)."""
+    from .report_groups import group_experiments, group_warnings
     from .report_sweep import load_sweep_dir
 
     run_dirs, sweep_dirs = find_runs(paths)
     runs = [load_run(root) for root in run_dirs]
-    sections = []
-    for name, group in sorted(group_runs(runs).items()):
-        comparison = compare(group)
+    sections, warnings = [], []
+    for group in group_experiments(runs):
+        comparison = compare(group["runs"], group["duplicates"])
         row = comparison["rows"][0]
         sections.append(
             {
-                "name": name,
+                "name": group["label"],
+                "recipe": group["name"],
+                "experiment": group["experiment"],
+                "differs": group["differs"],
                 "comparison": comparison,
-                "curve": png(learning_curve_figure(group, row["metric"], row["paper"])),
-                "clients": png(client_histogram_figure(group)),
+                "curve": png(learning_curve_figure(group["runs"], row["metric"], row["paper"])),
+                "clients": png(client_histogram_figure(group["runs"])),
             }
         )
-    return {"sections": sections, "sweeps": [load_sweep_dir(root) for root in sweep_dirs], "runs": len(runs)}
+        warnings += group_warnings(group)
+    sweeps = [load_sweep_dir(root) for root in sweep_dirs]
+    return {"sections": sections, "sweeps": sweeps, "runs": len(runs), "warnings": warnings}
 
 
 def headline(report: dict) -> str:

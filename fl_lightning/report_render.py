@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from .report import MEASURED_NOTE, fmt, headline, plural
+from .report_groups import value_text
 
 STYLE = (
     "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
@@ -17,7 +18,7 @@ STYLE = (
     "th{background:#f3f3f3;text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}"
     ".note{color:#555;font-size:13px}figure{display:inline-block;margin:.5em 1.5em .5em 0;vertical-align:top}"
     "figcaption{font-size:12px;color:#555;text-align:center}tr.best td{background:#eaf5ea}"
-    "td.PRUNED{color:#a65e00}td.FAIL{color:#b00020}code{background:#f3f3f3;padding:0 3px}"
+    "td.PRUNED{color:#a65e00}td.FAIL{color:#b00020}code{background:#f3f3f3;padding:0 3px}p.warn{color:#b00020}"
 )
 
 
@@ -70,6 +71,33 @@ def _summary_cells(s: dict, row: dict) -> list[str]:
     ]
 
 
+def _runs_text(c: dict) -> str:
+    """``2 runs, seeds 0, 1 (1 copy of a seed not counted); communication per run: ...``."""
+    copies = sum(1 for p in c["provenance"] if not p["counted"])
+    not_counted = f" ({copies} {'copy' if copies == 1 else 'copies'} of a seed not counted)" if copies else ""
+    return (
+        f"{plural(len(c['seeds']), 'run')}, {'seed' if len(c['seeds']) == 1 else 'seeds'} "
+        f"{', '.join(map(str, c['seeds']))}{not_counted}"
+        f"{'' if c['complete'] else ' (some runs incomplete)'}; communication per run: "
+        f"{fmt(c['uplink_mb'], 2)} MiB up, {fmt(c['downlink_mb'], 2)} MiB down."
+    )
+
+
+def _experiment_text(s: dict) -> str:
+    """Where runs of this name have other recipes: this experiment's values of the keys they differ in."""
+    if not s["differs"]:
+        return ""
+    values = "; ".join(f"{key} = {value_text(value)}" for key, value in s["differs"].items())
+    return (
+        f"Runs named {s['recipe']} come from different recipes (config.yaml) and are reported apart; this "
+        f"experiment ({s['experiment']}) has {values}."
+    )
+
+
+def _seed_text(p: dict) -> str:
+    return str(p["seed"]) + ("" if p["counted"] else " (same seed again, not counted)")
+
+
 def _reference_text(ref: dict) -> str:
     parts = [str(ref[k]) for k in ("paper", "table", "row", "column") if ref.get(k) not in (None, "")]
     return ", ".join(parts)
@@ -82,6 +110,7 @@ def write_html(report: dict, path: Path) -> None:
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>fl-lightning reproducibility report</title><style>{STYLE}</style></head><body>",
         f"<h1>Reproducibility report</h1><p>{e(headline(report))}.</p>",
+        *(f"<p class='warn'>Warning: {e(warning)}</p>" for warning in report["warnings"]),
     ]
     if report["sections"]:
         rows = [
@@ -95,17 +124,15 @@ def write_html(report: dict, path: Path) -> None:
         parts.append(f"<h2>{e(s['name'])}</h2>")
         if c["reference"]:
             parts.append(f"<p>Paper: {e(_reference_text(c['reference']))}.</p>")
-        parts.append(
-            f"<p>{e(plural(len(c['seeds']), 'run'))}, seeds {e(', '.join(map(str, c['seeds'])))}"
-            f"{'' if c['complete'] else ' (some runs incomplete)'}; communication per run: "
-            f"{fmt(c['uplink_mb'], 2)} MiB up, {fmt(c['downlink_mb'], 2)} MiB down.</p>"
-        )
+        parts.append(f"<p>{e(_runs_text(c))}</p>")
+        if s["differs"]:
+            parts.append(f"<p>{e(_experiment_text(s))}</p>")
         parts.append(html_figure(s["curve"], f"learning curve ({c['rows'][0]['metric']})"))
         parts.append(html_figure(s["clients"], "personalized accuracy per client"))
         metric = c["rows"][0]["metric"]
         rows = [
             [
-                (e(p["seed"]), "num"),
+                (e(_seed_text(p)), "num"),
                 (fmt(p["final"]), "num"),
                 (f"{fmt(p['best'])} (round {e(p['best_round'])})", "num"),
                 (e(p["dir"]), ""),
@@ -138,6 +165,7 @@ def write_markdown(report: dict, path: Path) -> None:
     from .report_sweep import sweep_markdown
 
     lines = ["# Reproducibility report", "", f"{md(headline(report))}.", ""]
+    lines += [f"Warning: {md(warning)}" for warning in report["warnings"]] + ([""] if report["warnings"] else [])
     if report["sections"]:
         rows = [[md(c) for c in _summary_cells(s, row)] for s in report["sections"] for row in s["comparison"]["rows"]]
         lines += md_table(SUMMARY_HEADER, rows) + ["", md(MEASURED_NOTE)]
@@ -147,11 +175,9 @@ def write_markdown(report: dict, path: Path) -> None:
         lines += ["", f"## {md(s['name'])}", ""]
         if c["reference"]:
             lines += [f"Paper: {md(_reference_text(c['reference']))}.", ""]
-        lines.append(
-            f"{md(plural(len(c['seeds']), 'run'))}, seeds {md(', '.join(map(str, c['seeds'])))}"
-            f"{'' if c['complete'] else ' (some runs incomplete)'}; communication per run: "
-            f"{fmt(c['uplink_mb'], 2)} MiB up, {fmt(c['downlink_mb'], 2)} MiB down."
-        )
+        lines.append(md(_runs_text(c)))
+        if s["differs"]:
+            lines += ["", md(_experiment_text(s))]
         for kind, image in (("curve", s["curve"]), ("clients", s["clients"])):
             if image:
                 lines.append(f"![{kind}]({figures.name}/{save_figure(figures, s['name'], kind, image)})")
@@ -160,7 +186,7 @@ def write_markdown(report: dict, path: Path) -> None:
             ["seed", "final", "best", "config sha256", "git commit", "hardware"],
             [
                 [
-                    md(p["seed"]),
+                    md(_seed_text(p)),
                     fmt(p["final"]),
                     fmt(p["best"]),
                     md(p["config_sha256"]),

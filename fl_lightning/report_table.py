@@ -27,6 +27,7 @@ import yaml
 from .errors import ConfigError
 from .recipes import BASE_KEY, RECIPES_DIR, _read, load_recipe, natural_key, paper_recipes
 from .report import find_runs, load_run, measured_value, number
+from .report_groups import one_per_seed
 
 Key = tuple[str, str, str, str]  # (paper id, table id, row, column)
 
@@ -117,7 +118,7 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
     for cell in table:
         same = experiments[cell["key"]]
         matching = [r for r in runs if cell_key(r["summary"].get("reference") or {}) in same]
-        cell["runs"], cell["duplicates"] = _one_per_seed(matching)
+        cell["runs"], cell["duplicates"] = one_per_seed(matching)
         if cell["strategy"] is None and cell["runs"]:
             cell["strategy"] = _run_strategy(cell["runs"][0]["root"])
         cell["values"] = _values(cell)
@@ -134,19 +135,6 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         "ranking": ranking(table, method_axis),
         "runs": sum(len(c["runs"]) for c in table),
     }
-
-
-def _one_per_seed(runs: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The first run (by directory) of each seed counts; the same seed again is listed, not counted."""
-    kept: dict[Any, dict] = {}
-    duplicates = []
-    for run in sorted(runs, key=lambda r: str(r["root"])):
-        seed = run["summary"].get("seed")
-        if seed in kept:
-            duplicates.append(run)
-        else:
-            kept[seed] = run
-    return list(kept.values()), duplicates
 
 
 def _metrics(reference: Any) -> list[str]:
