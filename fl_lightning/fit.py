@@ -30,7 +30,7 @@ from .run_state import check_resume
 from .sampling import ClientSampler, UniformSampler
 from .strategies import Strategy
 from .strategies.base import roles_to_build
-from .tracking import RunFiles, RunLogger, resolve_loggers
+from .tracking import RunFiles, RunLock, RunLogger, resolve_loggers
 
 
 @dataclass
@@ -245,95 +245,99 @@ def fit(
         )
     files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
     check_output_dir(files.root)
-    checkpoint = _find_checkpoint(resume, files)
     ranks = join_ranks(runtime.devices, schedule, training.optimizer_state)  # several if launched as several
-    fabric = runtime.apply(ranks.local_rank)
-    connect_ranks(ranks, fabric.device)
+    with RunLock(files.root, enabled=ranks.writes) as lock:
+        if files.root.is_dir():  # before its checkpoint is read: another process may be writing the run
+            lock.acquire()
+        checkpoint = _find_checkpoint(resume, files)
+        fabric = runtime.apply(ranks.local_rank)
+        connect_ranks(ranks, fabric.device)
 
-    clients = population.build(seed)
-    data.setup(len(clients), seed)
-    data.to(fabric.device)
-    partition = data.partition_summary()
+        clients = population.build(seed)
+        data.setup(len(clients), seed)
+        data.to(fabric.device)
+        partition = data.partition_summary()
 
-    loop = LocalLoop(fabric, training, rounds)
-    loop.build_slots(
-        models,
-        roles_to_build(population.roles(), strategy),
-        seed,
-        num_classes=data.num_classes,
-        in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
-    )
-    if runtime.cuda_graphs:
-        from .client.graphs import StepGraphs, backend_for, prepare_optimizer
+        loop = LocalLoop(fabric, training, rounds)
+        loop.build_slots(
+            models,
+            roles_to_build(population.roles(), strategy),
+            seed,
+            num_classes=data.num_classes,
+            in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
+        )
+        if runtime.cuda_graphs:
+            from .client.graphs import StepGraphs, backend_for, prepare_optimizer
 
-        loop.graphs = StepGraphs(backend_for(fabric.device))
-        for slot in loop.slots.values():
-            prepare_optimizer(slot.optimizer)  # Adam: capturable, for eager steps and replays alike
-    loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
-    run_info = {
-        "name": name,
-        "config_sha256": hashlib.sha256((resolved_config or "").encode()).hexdigest() if resolved_config else None,
-        "partition_sha256": partition["sha256"],
-        "reference": reference,
-        "versions": _versions(),
-        "hardware": hardware(fabric.device, ranks.world),
-    }
-    if checkpoint is not None:
-        resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
-        if resumes:
-            run_info["resumed_with"] = resumes
-        if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
-            print(_resuming_line(checkpoint, rounds, resume, files), file=sys.stderr, flush=True)
-    elif resume == "auto" and ranks.writes:
-        print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
-    executor, sequential_why = resolve_executor(runtime, fabric.device, training)
-    orchestrator = FederationOrchestrator(
-        strategy,
-        clients,
-        sampler or UniformSampler(),
-        loop,
-        data,
-        files,
-        loggers,
-        rounds,
-        seed,
-        eval_every=eval_every,
-        checkpoint_every=checkpoint_every,
-        stop_after=stop_after,
-        monitor=monitor,
-        progress=runtime.progress and ranks.writes,
-        run_info=run_info,
-        schedule=schedule,
-        config=resolved_config,
-        evaluation=evaluation,
-        client_state_memory_mb=runtime.client_state_memory_mb,
-        executor=executor,
-        sequential_why=sequential_why,
-        batch_clients=runtime.batch_clients,
-        faults=faults,
-        divergence=divergence,
-    )
-    # every check has passed: only now is the run directory written (a refused start changes nothing)
-    if ranks.writes:  # rank 0 alone writes it
-        files.write_json(files.partition, partition)
-        if resolved_config is not None:
-            files.write_text(files.config, resolved_config)
-    config_dict = _config_dict(resolved_config)
-    for i, run_logger in enumerate(loggers):
-        previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
-        run_logger.start(files.root, name, config_dict, previous)
-    if any(run_logger.wants_images for run_logger in loggers):
-        from .data_inspect import bubble_chart
+            loop.graphs = StepGraphs(backend_for(fabric.device))
+            for slot in loop.slots.values():
+                prepare_optimizer(slot.optimizer)  # Adam: capturable, for eager steps and replays alike
+        loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
+        run_info = {
+            "name": name,
+            "config_sha256": hashlib.sha256((resolved_config or "").encode()).hexdigest() if resolved_config else None,
+            "partition_sha256": partition["sha256"],
+            "reference": reference,
+            "versions": _versions(),
+            "hardware": hardware(fabric.device, ranks.world),
+        }
+        if checkpoint is not None:
+            resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
+            if resumes:
+                run_info["resumed_with"] = resumes
+            if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
+                print(_resuming_line(checkpoint, rounds, resume, files), file=sys.stderr, flush=True)
+        elif resume == "auto" and ranks.writes:
+            print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
+        executor, sequential_why = resolve_executor(runtime, fabric.device, training)
+        orchestrator = FederationOrchestrator(
+            strategy,
+            clients,
+            sampler or UniformSampler(),
+            loop,
+            data,
+            files,
+            loggers,
+            rounds,
+            seed,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+            stop_after=stop_after,
+            monitor=monitor,
+            progress=runtime.progress and ranks.writes,
+            run_info=run_info,
+            schedule=schedule,
+            config=resolved_config,
+            evaluation=evaluation,
+            client_state_memory_mb=runtime.client_state_memory_mb,
+            executor=executor,
+            sequential_why=sequential_why,
+            batch_clients=runtime.batch_clients,
+            faults=faults,
+            divergence=divergence,
+        )
+        # every check has passed: only now is the run directory written (a refused start changes nothing)
+        if ranks.writes:  # rank 0 alone writes it
+            lock.acquire()  # a new directory: created here, locked before its first file
+            files.write_json(files.partition, partition)
+            if resolved_config is not None:
+                files.write_text(files.config, resolved_config)
+        config_dict = _config_dict(resolved_config)
+        for i, run_logger in enumerate(loggers):
+            previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
+            run_logger.start(files.root, name, config_dict, previous)
+        if any(run_logger.wants_images for run_logger in loggers):
+            from .data_inspect import bubble_chart
 
-        chart = bubble_chart(data, files.root / "partition.png")
+            chart = bubble_chart(data, files.root / "partition.png")
+            for run_logger in loggers:
+                run_logger.log_image("partition/client_by_class", chart)
+        summary = orchestrator.run(checkpoint)
+        leave_ranks()
         for run_logger in loggers:
-            run_logger.log_image("partition/client_by_class", chart)
-    summary = orchestrator.run(checkpoint)
-    leave_ranks()
-    for run_logger in loggers:
-        run_logger.log_files([files.last_checkpoint])
-        run_logger.finish(summary)
-    return summary
+            run_logger.log_files([files.last_checkpoint])
+            run_logger.finish(summary)
+        return summary
 
 
 def _check_counts(**counts: int | None) -> None:

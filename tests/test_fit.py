@@ -190,6 +190,23 @@ def test_a_run_whose_last_checkpoint_is_gone_is_not_restarted_over_its_previous_
     assert read_summary(run)["complete"]
 
 
+def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys):
+    import fcntl
+
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=2)
+    run = tmp_path / "x"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--stop_after", "1") == 0
+    saved = (run / "checkpoints/last.ckpt").read_bytes()
+    with open(run / "run.lock", "ab") as held:  # as another flrun fit writing this run holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        capsys.readouterr()
+        assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 2
+        assert f"{run} is in use by another flrun process" in capsys.readouterr().err
+        assert (run / "checkpoints/last.ckpt").read_bytes() == saved
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 0
+    assert read_summary(run)["complete"]
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0

@@ -2,6 +2,6 @@
 
 from .loggers import RunLogger, TensorBoardLogger, WandbLogger, resolve_loggers
 from .progress import RoundProgress
-from .run_files import RunFiles
+from .run_files import RunFiles, RunLock
 
-__all__ = ["RoundProgress", "RunFiles", "RunLogger", "TensorBoardLogger", "WandbLogger", "resolve_loggers"]
+__all__ = ["RoundProgress", "RunFiles", "RunLock", "RunLogger", "TensorBoardLogger", "WandbLogger", "resolve_loggers"]

@@ -8,6 +8,7 @@ new one, never a part of one.
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import json
 import math
@@ -15,6 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from ..errors import ConfigError
 
 
 class RunFiles:
@@ -49,6 +52,44 @@ class RunFiles:
 
     def write_text(self, path: Path, text: str) -> None:
         replace_file(path, lambda f: f.write(text.encode()))
+
+
+class RunLock:
+    """An exclusive lock on ``<run>/run.lock``, held by the one process that writes the run (rank 0) until it
+    ends: a second ``flrun fit`` on the same directory (a duplicate job, a resume while it runs) would delete
+    client files the first still needs and interleave checkpoints. ``flock``: released when the process dies.
+    """
+
+    def __init__(self, root: Path, enabled: bool = True):
+        self.root, self.enabled = Path(root), enabled
+        self._file: IO[bytes] | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock (creating the directory) unless held; refuses a directory another process holds."""
+        if not self.enabled or self._file is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = open(self.root / "run.lock", "ab")  # noqa: SIM115 - held open until release
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise ConfigError(
+                f"{self.root} is in use by another flrun process (it holds run.lock there); wait for it to end "
+                "or choose another --output_dir."
+            ) from None
+        self._file = lock
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> RunLock:  # noqa: PYI034 - typing.Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def write_synced(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
