@@ -92,6 +92,17 @@ class Codistillation:
     ):
         if mixup is not None and mixup < 0:
             raise ConfigError(f"Codistillation mixup is a Beta concentration and must be positive, got {mixup}.")
+        rates = lr.values() if isinstance(lr, dict) else [lr]
+        temperatures = temperature.values() if isinstance(temperature, dict) else [temperature]
+        if not (steps >= 0 and batch_size >= 1 and lr_final >= 0 and 0 <= student_reg <= 1):
+            raise ConfigError(
+                f"Codistillation needs steps >= 0, batch_size >= 1, lr_final >= 0 and 0 <= student_reg <= 1; got "
+                f"steps={steps}, batch_size={batch_size}, lr_final={lr_final}, student_reg={student_reg}."
+            )
+        if not (all(rate > 0 for rate in rates) and all(t > 0 for t in temperatures)):
+            raise ConfigError(
+                f"Codistillation needs lr > 0 and temperature > 0; got lr={lr}, temperature={temperature}."
+            )
         self.steps, self.batch_size, self.lr, self.lr_final = steps, batch_size, lr, lr_final
         self.temperature, self.student_reg = temperature, student_reg
         self.augment, self.mixup, self.flips, self.data_augmentation = augment, mixup, flips, data_augmentation

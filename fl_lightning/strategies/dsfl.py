@@ -89,6 +89,10 @@ class DSFL(PersonalModels, Strategy):
                 f"DS-FL needs era_temperature > 0 and distill_steps >= 0 (or null); got {era_temperature}, "
                 f"{distill_steps}."
             )
+        if distill_batch_size is not None and not distill_batch_size >= 1:
+            raise ConfigError(
+                f"DS-FL distill_batch_size must be at least 1 (or null: the training batch size), got {distill_batch_size}."
+            )
         self.open_size, self.aggregation, self.era_temperature = open_size, aggregation, era_temperature
         self.distill_steps, self.distill_batch_size, self.split = distill_steps, distill_batch_size, split
         self.upload = upload

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..client.batched import vmappable
 from ..client.context import ClientContext
+from ..errors import ConfigError
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import masked_row_mean
 from ..types import ClientSpec, ClientTask, ClientUpdate
@@ -42,6 +43,8 @@ class FD(PersonalModels, Strategy):
     state_attributes = ("round_sums", "round_counts", "last_uploads")
 
     def __init__(self, lam: float = 1.0, temperature: float = 1.0, exclude_own: bool = True, split: str = "global"):
+        if not (lam >= 0 and temperature > 0):
+            raise ConfigError(f"FD needs lam >= 0 and temperature > 0; got lam={lam}, temperature={temperature}.")
         self.lam, self.temperature, self.exclude_own, self.split = lam, temperature, exclude_own, split
 
     def setup(self, server: ServerContext) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..errors import ConfigError
 from ..knowledge import WeightedAverage
 from ..knowledge.server_optim import ServerAdam
 from ..schedules import linear_decay
@@ -41,11 +42,28 @@ class FedAdam(FedAvg):
         clients_per_round: dict[str, int] | None = None,
     ):
         super().__init__(roles, weighted, clients_per_round)
+        name = type(self).__name__  # MergedCodist and PeriodicCodist take these options through **kwargs
+        rates = server_lr.values() if isinstance(server_lr, dict) else [server_lr]
+        if not all(rate > 0 for rate in rates) or not server_lr_final >= 0:
+            raise ConfigError(
+                f"{name} needs server_lr > 0 and server_lr_final >= 0; got server_lr={server_lr}, "
+                f"server_lr_final={server_lr_final}."
+            )
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1 and eps > 0):
+            raise ConfigError(
+                f"{name} needs 0 <= beta1 < 1, 0 <= beta2 < 1 and eps > 0; got beta1={beta1}, beta2={beta2}, eps={eps}."
+            )
         self.server_lr, self.server_lr_final = server_lr, server_lr_final
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
+        missing = [r for r in self.roles if isinstance(self.server_lr, dict) and r not in self.server_lr]
+        if missing:
+            raise ConfigError(
+                f"{type(self).__name__} server_lr gives no rate for role(s) {missing}; give one per role "
+                f"({', '.join(self.roles)}) or a single number."
+            )
         self.server_optimizers = {r: ServerAdam(self.beta1, self.beta2, self.eps) for r in self.roles}
         self.param_keys = {r: server.parameter_names(r) for r in self.roles}
 

@@ -45,6 +45,8 @@ class FedGH(Strategy):
             raise ConfigError(f"FedGH header_update must be per_lar or per_client, got {header_update!r}.")
         if evaluate_with not in ("local", "global_header"):
             raise ConfigError(f"FedGH evaluate_with must be local or global_header, got {evaluate_with!r}.")
+        if not header_lr >= 0:  # 0 is allowed: the global header stays as initialised (a test isolates the LARs so)
+            raise ConfigError(f"FedGH header_lr must be >= 0, got {header_lr}.")
         self.header_lr, self.header_update, self.evaluate_with = header_lr, header_update, evaluate_with
 
     def setup(self, server: ServerContext) -> None:

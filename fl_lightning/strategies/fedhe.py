@@ -60,6 +60,10 @@ class FedHe(PersonalModels, Strategy):
             raise ConfigError(f"FedHe logit_loss must be mse or kl, got {logit_loss!r}.")
         if logit_average not in ("batch", "available"):
             raise ConfigError(f"FedHe logit_average must be batch or available, got {logit_average!r}.")
+        if not (alpha >= 0 and warmup_rounds >= 0):
+            raise ConfigError(
+                f"FedHe needs alpha >= 0 and warmup_rounds >= 0; got alpha={alpha}, warmup_rounds={warmup_rounds}."
+            )
         if reset_every is not None and reset_every < 1:
             raise ConfigError(f"FedHe reset_every must be at least 1 (or null: never), got {reset_every}.")
         self.alpha, self.plus_one, self.logit_loss = alpha, plus_one, logit_loss

@@ -82,6 +82,10 @@ class FedMD(PersonalModels, Strategy):
         counts.update({"digest_steps": digest_steps or 0, "revisit_steps": revisit_steps or 0})
         if min(counts.values()) < 0 or temperature <= 0:
             raise ConfigError(f"FedMD needs non-negative epoch and step counts and temperature > 0; got {counts}.")
+        if digest_batch_size is not None and not digest_batch_size >= 1:
+            raise ConfigError(
+                f"FedMD digest_batch_size must be at least 1 (or null: the training batch size), got {digest_batch_size}."
+            )
         self.public_size, self.public_epochs, self.private_epochs = public_size, public_epochs, private_epochs
         self.digest_loss, self.temperature, self.split = digest_loss, temperature, split
         self.digest_steps, self.digest_batch_size, self.revisit_steps = digest_steps, digest_batch_size, revisit_steps

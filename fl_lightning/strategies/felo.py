@@ -69,6 +69,11 @@ class Felo(Strategy):
             raise ConfigError(f"{type(self).__name__} logit_loss must be kl or mse, got {logit_loss!r}.")
         if loss_average not in ("batch", "available"):
             raise ConfigError(f"{type(self).__name__} loss_average must be batch or available, got {loss_average!r}.")
+        if not (alpha >= 0 and warmup_rounds >= 0 and 0 <= forget <= 1):
+            raise ConfigError(
+                f"{type(self).__name__} needs alpha >= 0, warmup_rounds >= 0 and 0 <= forget <= 1; got alpha={alpha}, "
+                f"warmup_rounds={warmup_rounds}, forget={forget}."
+            )
         self.alpha, self.logit_loss, self.average_weights = alpha, logit_loss, average_weights
         self.warmup_rounds, self.forget, self.loss_average = warmup_rounds, forget, loss_average
 

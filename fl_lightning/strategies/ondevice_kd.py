@@ -61,6 +61,11 @@ class OnDeviceKD(Strategy):
     ):
         if kd_mode not in ("sequential", "joint") or teacher_mode not in ("train", "eval"):
             raise ConfigError("OnDeviceKD kd_mode must be sequential or joint and teacher_mode train or eval.")
+        if not (temperature > 0 and kd_weight >= 0 and ramp_rounds >= 0):
+            raise ConfigError(
+                f"OnDeviceKD needs temperature > 0, kd_weight >= 0 and ramp_rounds >= 0; got temperature={temperature}, "
+                f"kd_weight={kd_weight}, ramp_rounds={ramp_rounds}."
+            )
         self.aux_role, self.target_role = aux_role, target_role
         self.temperature, self.kd_weight, self.ramp_rounds = temperature, kd_weight, ramp_rounds
         self.kd_mode, self.teacher_mode = kd_mode, teacher_mode

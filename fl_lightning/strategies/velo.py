@@ -47,6 +47,19 @@ class Velo(Felo):
         super().__init__(**kwargs)  # Felo's options
         if cvae_interval < 1:
             raise ConfigError(f"Velo cvae_interval must be at least 1, got {cvae_interval}.")
+        sizes = {"cvae_hidden": cvae_hidden, "cvae_latent": cvae_latent}
+        if not (cvae_epochs >= 0 and cvae_batch_size >= 1 and cvae_lr > 0 and kl_weight >= 0) or any(
+            size is not None and size < 1 for size in sizes.values()
+        ):
+            raise ConfigError(
+                f"Velo needs cvae_epochs >= 0, cvae_batch_size >= 1, cvae_lr > 0, kl_weight >= 0 and cvae_hidden, "
+                f"cvae_latent >= 1 (or null); got cvae_epochs={cvae_epochs}, cvae_batch_size={cvae_batch_size}, "
+                f"cvae_lr={cvae_lr}, kl_weight={kl_weight}, {sizes}."
+            )
+        if not max_features >= 2:  # fewer stored features than two never trains the CVAE; 0 would keep them all
+            raise ConfigError(
+                f"Velo max_features must be at least 2 (the CVAE trains on two or more), got {max_features}."
+            )
         self.cvae_interval, self.cvae_epochs, self.cvae_batch_size = cvae_interval, cvae_epochs, cvae_batch_size
         self.cvae_lr, self.max_features, self.kl_weight = cvae_lr, max_features, kl_weight
         self.cvae_hidden, self.cvae_latent = cvae_hidden, cvae_latent

@@ -1,0 +1,62 @@
+"""Impossible strategy hyperparameters are refused when the strategy is built: exit 2 and one sentence on
+stderr naming the option, before any round runs (no run directory is written)."""
+
+import pytest
+from conftest import ROOT, run_cli
+
+S = "--strategy.init_args."
+CODIST = "--strategy.init_args.distillation.init_args."
+
+CASES = [
+    ("digits_fedadam", [S + "server_lr", "-0.01"], "FedAdam needs server_lr > 0 and server_lr_final >= 0"),
+    ("digits_fedadam", [S + "server_lr", "0"], "got server_lr=0.0"),
+    ("digits_fedadam", [S + "server_lr_final", "-1"], "server_lr_final=-1.0"),
+    ("digits_fedadam", [S + "beta1", "1"], "FedAdam needs 0 <= beta1 < 1, 0 <= beta2 < 1 and eps > 0"),
+    ("digits_fedadam", [S + "beta2", "-0.1"], "beta2=-0.1"),
+    ("digits_fedadam", [S + "eps", "0"], "eps=0.0"),
+    ("digits_merged_codist", [S + "server_lr", "-1"], "MergedCodist needs server_lr > 0"),
+    ("digits_merged_codist", [CODIST + "temperature", "0"], "Codistillation needs lr > 0 and temperature > 0"),
+    ("digits_merged_codist", [CODIST + "lr", "-0.001"], "Codistillation needs lr > 0"),
+    ("digits_periodic_codist", [CODIST + "student_reg", "1.5"], "0 <= student_reg <= 1; got"),
+    ("digits_periodic_codist", [CODIST + "batch_size", "0"], "batch_size=0"),
+    ("digits_ondevice_kd", [S + "temperature", "0"], "OnDeviceKD needs temperature > 0, kd_weight >= 0"),
+    ("digits_ondevice_kd", [S + "kd_weight", "-0.5"], "kd_weight=-0.5"),
+    ("digits_ondevice_kd", [S + "ramp_rounds", "-3"], "ramp_rounds=-3"),
+    ("digits_fedhe", [S + "alpha", "-1"], "FedHe needs alpha >= 0 and warmup_rounds >= 0; got alpha=-1.0"),
+    ("digits_fedhe", [S + "warmup_rounds", "-1"], "warmup_rounds=-1"),
+    ("digits_fd", [S + "temperature", "0"], "FD needs lam >= 0 and temperature > 0; got lam=1.0, temperature=0.0"),
+    ("digits_fd", [S + "lam", "-0.1"], "got lam=-0.1"),
+    ("digits_felo", [S + "forget", "1.5"], "Felo needs alpha >= 0, warmup_rounds >= 0 and 0 <= forget <= 1"),
+    ("digits_felo", [S + "alpha", "-0.5"], "alpha=-0.5"),
+    ("digits_velo", [S + "cvae_lr", "0"], "Velo needs cvae_epochs >= 0, cvae_batch_size >= 1, cvae_lr > 0"),
+    ("digits_velo", [S + "max_features", "0"], "Velo max_features must be at least 2"),
+    ("digits_velo", [S + "forget", "-0.1"], "Velo needs alpha >= 0"),
+    ("digits_fedgh", [S + "header_lr", "-0.01"], "FedGH header_lr must be >= 0, got -0.01"),
+    ("digits_dsfl", [S + "distill_batch_size", "0"], "DS-FL distill_batch_size must be at least 1"),
+    ("digits_fedmd", [S + "digest_batch_size", "0"], "FedMD digest_batch_size must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("recipe, args, expected", CASES, ids=[f"{r}-{a[0].rsplit('.', 1)[1]}" for r, a, _ in CASES])
+def test_impossible_option_is_refused_before_training(tmp_path, capsys, recipe, args, expected):
+    out = tmp_path / "out"
+    code = run_cli("fit", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), *args, "--output_dir", str(out))
+    stderr = capsys.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert code == 2, stderr
+    assert len(lines) == 1 and expected in lines[0], stderr
+    assert "Traceback" not in stderr and not out.exists()  # refused before the run wrote anything
+
+
+def test_fedadam_per_role_rates_must_name_every_role(tmp_path, capsys):
+    code = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "recipes/digits_fedadam.yaml"),
+        "--strategy.init_args.server_lr",
+        "{small: 0.01}",
+        "--output_dir",
+        str(tmp_path / "out"),
+    )
+    stderr = capsys.readouterr().err
+    assert code == 2 and "FedAdam server_lr gives no rate for role(s) ['large']" in stderr, stderr
