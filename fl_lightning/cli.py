@@ -13,10 +13,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .fit_args import DEFAULTS, UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
+from .fit_args import UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
 
 _UserError, _recipe_name = UserError, recipe_name  # the names other modules and tests knew
-__all__ = ["DEFAULTS", "fit_from_argv", "fit_parser", "main", "parse_fit"]
+__all__ = ["fit_from_argv", "fit_parser", "main", "parse_fit"]
 
 USAGE = """usage: flrun COMMAND [options]
 

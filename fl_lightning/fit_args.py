@@ -15,7 +15,9 @@ class UserError(Exception):
     """A mistake in what the user gave (a recipe, an option): one sentence, exit status 2."""
 
 
-DEFAULTS = {"training.optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}}}
+# the optimizer of a recipe that names none, filled in after parsing: as a parser default, its lr would be
+# carried into any class a recipe names without one (jsonargparse keeps init_args the new class accepts)
+DEFAULT_OPTIMIZER = "{class_path: torch.optim.SGD, init_args: {lr: 0.05}}"
 
 
 def fit_parser(prog: str = "flrun fit"):
@@ -36,7 +38,6 @@ def fit_parser(prog: str = "flrun fit"):
         "--config", action=RecipeConfigFile, help="recipe YAML file (may be given more than once; `base:` inherits)"
     )
     parser.add_function_arguments(fit, skip={"resolved_config"})
-    parser.set_defaults(DEFAULTS)
     return parser
 
 
@@ -52,6 +53,8 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     for path in config_paths(argv):
         check_config_file(path)
     parser = fit_parser(prog)
+    if not _optimizer_given(argv):  # first, so that --training.optimizer.init_args.lr 0.01 can change it
+        argv = ["--training.optimizer", DEFAULT_OPTIMIZER, *argv]
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as err:
@@ -64,6 +67,24 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     except Exception as err:  # noqa: BLE001 - a component's own validation, wrapped by jsonargparse in any type
         raise UserError(root_cause(err, parser)) from None
     return cfg, init, resolved
+
+
+def _optimizer_given(argv: list[str]) -> bool:
+    """Whether a recipe (its bases included) or an option names the clients' optimizer (or may: a whole
+    ``--training`` mapping)."""
+    from .recipes import load_recipe
+
+    for arg in argv:
+        if arg.split("=", 1)[0] in ("--training.optimizer", "--training"):
+            return True
+    for path in config_paths(argv):
+        try:
+            training = load_recipe(Path(path)).get("training")
+        except Exception:  # noqa: BLE001 - a broken recipe is reported by the parse itself, in its own words
+            return True
+        if isinstance(training, dict) and "optimizer" in training:
+            return True
+    return False
 
 
 def fit_from_argv(argv: list[str], extra_loggers: list | None = None) -> dict:

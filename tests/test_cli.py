@@ -46,6 +46,29 @@ def test_print_config_shows_overrides(tmp_path):
     assert config["strategy"]["class_path"] == "fl_lightning.strategies.FedAvg"
 
 
+def test_an_optimizer_named_without_lr_gets_its_own_default_and_none_named_gets_sgd(tmp_path):
+    from fl_lightning.fit_args import parse_fit
+
+    recipe = yaml.safe_load((ROOT / "recipes/quickstart.yaml").read_text())
+    recipe["training"]["optimizer"] = {"class_path": "torch.optim.Adam"}
+    (tmp_path / "adam.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "child.yaml").write_text(yaml.safe_dump({"base": "adam.yaml", "rounds": 2}))
+    del recipe["training"]["optimizer"]
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(recipe))
+
+    def optimizer(*argv):
+        training = yaml.safe_load(parse_fit(list(argv))[2])["training"]
+        return training["optimizer"]["class_path"], training["optimizer"]["init_args"]["lr"]
+
+    for name in ("adam.yaml", "child.yaml"):  # the framework's SGD default lr (0.05) must not leak into Adam
+        assert optimizer("--config", str(tmp_path / name)) == ("torch.optim.Adam", 0.001)
+    assert optimizer("--config", str(tmp_path / "none.yaml")) == ("torch.optim.SGD", 0.05)
+    assert optimizer("--config", str(tmp_path / "none.yaml"), "--training.optimizer.init_args.lr", "0.01") == (
+        "torch.optim.SGD",
+        0.01,
+    )
+
+
 def test_help_documents_knobs():
     result = flrun("fit", "--help")
     assert result.returncode == 0
