@@ -355,10 +355,16 @@ def _main(argv: list[str]) -> int:
         print(f"flrun {command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(
-            f"flrun {command}: interrupted; the last checkpoint is kept, continue with --resume auto.", file=sys.stderr
-        )
+        print(f"flrun {command}: interrupted{_AFTER_INTERRUPT.get(command, '.')}", file=sys.stderr)
         return 130
+
+
+# what an interrupted command leaves, for its message (sweep and table say it themselves while they run)
+_AFTER_INTERRUPT = {
+    "fit": "; run the same command with --resume auto to continue from the last checkpoint, if one was written.",
+    "sweep": "; run the same command again to finish the study.",
+    "table": "; run the same command again to resume the runs.",
+}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -69,6 +69,23 @@ def test_an_optimizer_named_without_lr_gets_its_own_default_and_none_named_gets_
     )
 
 
+@pytest.mark.parametrize(
+    ("command", "advice"),
+    [("fit", "with --resume auto"), ("sweep", "to finish the study"), ("models", "interrupted.")],
+)
+def test_an_interrupt_says_what_continues_the_command(monkeypatch, capsys, command, advice):
+    from fl_lightning import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, command, interrupted)
+    assert cli.main([command]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith(f"flrun {command}: interrupted") and advice in err
+    assert command == "fit" or "--resume" not in err  # only fit has --resume
+
+
 def test_help_documents_knobs():
     result = flrun("fit", "--help")
     assert result.returncode == 0
