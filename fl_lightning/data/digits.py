@@ -58,6 +58,11 @@ class DigitsData(FederatedData):
         images = torch.tensor(flat.reshape(-1, 8, 8), dtype=torch.float32).unsqueeze(1) / 16.0  # [1797, 1, 8, 8]
         labels = torch.tensor(target, dtype=torch.long)
         test = np.sort(_stratified_take(target, self.test_fraction, np.random.default_rng(self.test_seed)))
+        if len(test) == 0:  # each class's share rounds to zero: accuracy and loss would read 0.0 on nothing
+            raise ConfigError(
+                f"test_fraction {self.test_fraction} leaves no test examples of the {len(labels):,}; raise it, "
+                "e.g. 0.2."
+            )
         train = np.setdiff1d(np.arange(len(labels)), test)
         return DataArrays(images[train], labels[train], images[test], labels[test], num_classes=10)
 

@@ -125,6 +125,11 @@ class FederatedData:
         arrays = self.load()
         self.x, self.y = arrays.x, arrays.y.long()
         self.test_x, self.test_y = arrays.test_x, arrays.test_y.long()
+        if len(self.test_y) == 0:  # every global metric would be computed on nothing and read 0.0
+            raise ConfigError(
+                f"{type(self).__name__} has no global test examples (of {len(self.y):,} loaded); check its "
+                "files and its test share or size."
+            )
         self.num_classes = arrays.num_classes or int(torch.cat([self.y, self.test_y]).max()) + 1
         self.groups = arrays.groups
         rng = np.random.default_rng(self.partition_seed if self.partition_seed is not None else seed)
@@ -138,6 +143,11 @@ class FederatedData:
                 server = _stratified_take(labels, self.server_fraction, rng)
             else:  # sequences have no class to stratify by
                 server = rng.choice(len(labels), int(round(len(labels) * self.server_fraction)), replace=False)
+            if len(server) == 0:
+                raise ConfigError(
+                    f"server_fraction {self.server_fraction} leaves no server examples of the {len(labels):,}; "
+                    "raise it, e.g. 0.1."
+                )
             self.server_idx = torch.from_numpy(np.sort(server))
             pool = np.setdiff1d(pool, server)
         if self.server_dataset is not None:
@@ -153,6 +163,7 @@ class FederatedData:
         groups = arrays.groups[pool] if arrays.groups is not None else None
         parts = self.partitioner(labels[pool], num_clients, rng, groups=groups)
         self.clients = [self._split_client(pool[part], rng) for part in parts]
+        self._require_requested_splits()
         if self.server_examples is not None:  # drawn after the clients, who are then as without a server set
             self.server_idx = self._draw_unassigned(pool, parts, rng)
         if arrays.unlabeled_x is not None:  # appended to the pool, shared IID as every client's unlabeled data
@@ -162,6 +173,24 @@ class FederatedData:
             extra = np.array_split(rng.permutation(np.arange(start, len(self.x))), len(self.clients))
             for client, more in zip(self.clients, extra):
                 client.unlabeled = torch.cat([client.unlabeled, torch.from_numpy(np.sort(more)).long()])
+
+    def _require_requested_splits(self) -> None:
+        """A local val / test share or an unlabeled share that rounds to no example at all is refused: the
+        personalized evaluation would fail after training, the unlabeled losses would silently never run."""
+        for name, share in (("val", self.local_split[1]), ("test", self.local_split[2])):
+            sizes = [len(getattr(client, name)) for client in self.clients]
+            if share > 0 and min(sizes) == 0:
+                empty = sizes.index(0)
+                held = sum(len(getattr(self.clients[empty], f)) for f in ("train", "unlabeled", "val", "test"))
+                raise ConfigError(
+                    f"local_split {list(self.local_split)} leaves client {empty} ({held} examples) no local {name} "
+                    f"examples; raise the {name} share (e.g. [0.8, 0.1, 0.1]) or give every client more examples."
+                )
+        if self.unlabeled_fraction > 0 and not any(len(client.unlabeled) for client in self.clients):
+            raise ConfigError(
+                f"unlabeled_fraction {self.unlabeled_fraction} leaves no client an unlabeled example; raise it, "
+                "e.g. 0.5."
+            )
 
     def _draw_unassigned(self, pool: np.ndarray, parts: list[np.ndarray], rng: np.random.Generator) -> Tensor:
         """``server_examples`` indices drawn at random from the pool examples that no client holds."""

@@ -53,6 +53,8 @@ class FemnistData(FederatedData):
                 f"hub_id {hub_id!r} is not supported: FEMNIST is read from flwrlabs/femnist (hub_id: "
                 "flwrlabs/femnist) or from LEAF's JSON files (hub_id: null)."
             )
+        if not 0.0 < test_fraction < 1.0:
+            raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}.")
         self.data_dir, self.hub_id, self.hub_revision, self.download = Path(data_dir), hub_id, hub_revision, download
         self.test_fraction, self.split_seed = test_fraction, split_seed
 
@@ -74,6 +76,11 @@ class FemnistData(FederatedData):
         for writer in np.unique(writers):
             idx = rng.permutation(np.flatnonzero(writers == writer))
             test[idx[: round(len(idx) * self.test_fraction)]] = True
+        if not test.any():  # every writer's share rounds to zero
+            raise ConfigError(
+                f"test_fraction {self.test_fraction} leaves no test examples of the {len(labels):,}; raise it, "
+                "e.g. 0.1."
+            )
         x = torch.from_numpy(images).float().view(-1, 1, 28, 28)
         y = torch.from_numpy(labels).long()
         return DataArrays(x[~test], y[~test], x[test], y[test], groups=writers[~test], num_classes=62)

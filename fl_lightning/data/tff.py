@@ -172,6 +172,8 @@ class StackOverflowData(FederatedData):
                 f"max_examples_per_client must be a positive number of posts or null (all of them), "
                 f"got {max_examples_per_client}."
             )
+        if test_examples < 1:
+            raise ConfigError(f"test_examples must be at least 1 (the global test set's posts), got {test_examples}.")
         if distillation_texts is not None and (
             self.server_fraction > 0 or self.server_examples is not None or self.server_dataset is not None
         ):
