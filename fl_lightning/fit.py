@@ -283,6 +283,12 @@ def fit(
         }
         if checkpoint is not None:
             resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
+            done = checkpoint["rounds_done"]
+            if stop_after is not None and stop_after <= done < rounds:  # it would train a round, then stop
+                raise ConfigError(
+                    f"--stop_after {stop_after}: {files.root} has already run {done} rounds; give a later round "
+                    f"(e.g. --stop_after {done + 1}) or leave it out to run to round {rounds}."
+                )
             if resumes:
                 run_info["resumed_with"] = resumes
             if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run

@@ -211,9 +211,14 @@ def check_resume(
     saved_info = checkpoint["run_info"]
     saved_hash = saved_info.get("partition_sha256")
     if saved_hash and saved_hash != run_info.get("partition_sha256"):
+        named = ""
+        if config is not None and checkpoint.get("config") is not None:
+            changed = _changed_keys(_load_yaml(checkpoint["config"]), _load_yaml(config))
+            keys = [k for k in changed if k.split(".")[0] in ("data", "seed", "population")]
+            named = "".join(f", {k} ({changed[k][0]!r} -> {changed[k][1]!r})" for k in keys[:4])
         raise ConfigError(
             f"cannot resume {where}: the checkpoint was made with a different data partition (data, seed or "
-            "population changed); resume with the original recipe or start a new --output_dir."
+            f"population changed{named}); resume with the original recipe or start a new --output_dir."
         )
     done = checkpoint["rounds_done"]
     if rounds < done:

@@ -207,6 +207,18 @@ def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys):
     assert read_summary(run)["complete"]
 
 
+def test_a_stop_round_already_passed_is_refused(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=4)
+    common = ("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x"))
+    assert run_cli(*common, "--stop_after", "2") == 0
+    capsys.readouterr()
+    assert run_cli(*common, "--resume", "auto", "--stop_after", "1") == 2
+    assert "--stop_after 1: " in capsys.readouterr().err
+    assert read_summary(tmp_path / "x")["rounds"] == 2  # nothing trained
+    assert run_cli(*common, "--resume", "auto", "--stop_after", "3") == 0
+    assert read_summary(tmp_path / "x")["rounds"] == 3
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
@@ -231,7 +243,9 @@ def test_resume_refuses_a_different_partition(tmp_path, capsys):
         )
         == 2
     )
-    assert "different data partition" in capsys.readouterr().err
+    assert "different data partition (data, seed or population changed, population.num_clients (8 -> 6))" in (
+        capsys.readouterr().err
+    )
 
 
 def test_wandb_offline_and_tensorboard_write_their_files(tmp_path, monkeypatch):
