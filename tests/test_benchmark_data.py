@@ -115,16 +115,17 @@ def test_stackoverflow_h5_next_word_sequences_and_post_types(tmp_path):
     (root / "stackoverflow.word_count").write_text("the 100\nto 50\ncode 20\n")
     posts = {"u1": ([b"the code", b"to the the"], [b"question", b"answer"]), "u2": ([b"unknown to"], [b"answer"])}
     write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
-    write_tff(root / "stackoverflow_test.h5", {"u3": ([b"code"], [b"question"])}, ("tokens", "type"))
+    test_posts = {"u3": ([b"code"], [b"question"]), "u4": ([b"to"], [b"answer"])}  # answers-only needs a test answer
+    write_tff(root / "stackoverflow_test.h5", test_posts, ("tokens", "type"))
     data = StackOverflowData(data_dir=str(tmp_path), vocab_size=3, sequence_length=4)
     data.setup(num_clients=2, seed=0)
     # ids: pad 0, the 1, to 2, code 3, oov 4, bos 5, eos 6
     assert data.x[0].tolist() == [5, 1, 3, 6] and data.y[0].tolist() == [1, 3, 6, -100]
     assert data.x[2].tolist() == [5, 4, 2, 6]
-    assert data.test_x.tolist() == [[5, 3, 6, 0]]
+    assert data.test_x.tolist() == [[5, 3, 6, 0], [5, 2, 6, 0]]
     answers = StackOverflowData(data_dir=str(tmp_path), vocab_size=3, sequence_length=4, post_type="answer")
     answers.setup(num_clients=2, seed=0)
-    assert len(answers.x) == 2
+    assert len(answers.x) == 2 and answers.test_x.tolist() == [[5, 2, 6, 0]]
 
 
 def test_out_of_domain_server_set_comes_from_another_data_set(tmp_path):
