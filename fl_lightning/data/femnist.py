@@ -85,35 +85,36 @@ class FemnistData(FederatedData):
         y = torch.from_numpy(labels).long()
         return DataArrays(x[~test], y[~test], x[test], y[test], groups=writers[~test], num_classes=62)
 
-    @staticmethod
-    def _read_leaf(files: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _read_leaf(self, files: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         images, labels, writers = [], [], []
-        for path in files:
-            blob = json.loads(path.read_text())
-            for user in blob["users"]:
-                data = blob["user_data"][user]
-                images.append(np.asarray(data["x"], dtype=np.float32))
-                labels.append(np.asarray(data["y"], dtype=np.int64))
-                writers += [user] * len(data["y"])
+        for path in files:  # LEAF's files are made by its preprocess.sh, not fetched: no fetch command (None)
+            with sources.reading(path, "a LEAF FEMNIST JSON file", None, self.data_dir):
+                blob = json.loads(path.read_text())
+                for user in blob["users"]:
+                    data = blob["user_data"][user]
+                    images.append(np.asarray(data["x"], dtype=np.float32).reshape(-1, 784))
+                    labels.append(np.asarray(data["y"], dtype=np.int64).reshape(-1))
+                    if len(images[-1]) != len(labels[-1]):
+                        raise ValueError(f"writer {user} has {len(images[-1])} images but {len(labels[-1])} labels")
+                    writers += [user] * len(labels[-1])
         return np.concatenate(images), np.concatenate(labels), np.asarray(writers)
 
     def _read_hub(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The Hub's parquet files: ``image`` is stored as ``{bytes, path}`` (PNG), as ``datasets`` writes it."""
         import pandas as pd
-        from PIL import Image
 
-        table = pd.concat(
-            [pd.read_parquet(f) for f in sorted((self.data_dir / "femnist" / "hub").glob("*.parquet"))],
-            ignore_index=True,
-        )
+        parts = []
+        for path in sorted((self.data_dir / "femnist" / "hub").glob("*.parquet")):
+            with sources.reading(path, "a FEMNIST parquet file", "femnist", self.data_dir):
+                table = pd.read_parquet(path, columns=["image", "writer_id", "character"])
+                images = np.stack([_pixels(cell) for cell in table["image"]]).reshape(len(table), 784)
+                parts.append((images, np.array(table["character"], dtype=np.int64), table["writer_id"].astype(str)))
+        return tuple(np.concatenate([np.asarray(part[i]) for part in parts]) for i in range(3))
 
-        def pixels(cell) -> np.ndarray:
-            data = cell["bytes"] if isinstance(cell, dict) else cell
-            return np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float32) / 255.0
 
-        images = np.stack([pixels(cell) for cell in table["image"]])
-        return (
-            images.reshape(len(images), -1),
-            np.array(table["character"], dtype=np.int64),
-            table["writer_id"].astype(str).to_numpy(),
-        )
+def _pixels(cell) -> np.ndarray:
+    """A 28x28 image in [0, 1] from the Hub's ``{bytes, path}`` PNG cell."""
+    from PIL import Image
+
+    data = cell["bytes"] if isinstance(cell, dict) else cell
+    return np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float32) / 255.0

@@ -66,8 +66,15 @@ class ImdbData(FederatedData):
     def _split(self, name: str):
         import pandas as pd
 
-        files = sorted((self.data_dir / "imdb").glob(f"{name}-*.parquet"))
-        return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+        tables = []
+        for path in sorted((self.data_dir / "imdb").glob(f"{name}-*.parquet")):
+            with sources.reading(path, "an IMDB parquet file", "imdb", self.data_dir):
+                tables.append(pd.read_parquet(path, columns=["text", "label"]))
+                if not all(isinstance(text, str) for text in tables[-1]["text"]):
+                    raise TypeError("its text column holds values that are not strings")
+                if not pd.api.types.is_integer_dtype(tables[-1]["label"]):
+                    raise TypeError(f"its label column is {tables[-1]['label'].dtype}, not integers")
+        return pd.concat(tables, ignore_index=True)
 
     def load(self) -> DataArrays:
         sources.ensure("imdb", self.data_dir, self.download)

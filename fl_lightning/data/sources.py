@@ -9,8 +9,11 @@ SHA-256 the Hub lists for that commit. See docs/benchmarks.md for the table.
 from __future__ import annotations
 
 import fnmatch
+import pickle
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,6 +276,48 @@ def missing(name: str, data_dir: Path | str, failure: BaseException | None = Non
         f"{fetch_command(name, data_dir)} on a machine with internet to download and verify them and copy "
         f"{data_dir} to this machine{hint}."
     )
+
+
+# What a damaged, cut-short or foreign file raises in the readers: pickle, json, gzip (BadGzipFile is an OSError),
+# PIL (UnidentifiedImageError), h5py (OSError "file signature not found", KeyError for a missing group), soundfile
+# (LibsndfileError, a RuntimeError), pyarrow (ArrowInvalid, a ValueError) and numpy's reshapes (ValueError).
+MALFORMED = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, OSError, RuntimeError)
+
+
+def damaged(path: Path | str, what: str, err: BaseException, name: str | None, data_dir: Path | str) -> ConfigError:
+    """The one sentence for a file that is there but cannot be read as ``what`` (with its article: "a CIFAR
+    batch file"): the file, why, the fix.
+
+    Args:
+        name: the data set whose ``flrun data fetch`` restores the file; ``None`` for a file the user gave.
+    """
+    if isinstance(err, PermissionError):
+        return ConfigError(f"{path} cannot be read ({err.strerror}); check its permissions.")
+    key = err.args[0] if isinstance(err, KeyError) and err.args else None
+    if isinstance(err, KeyError) and not (isinstance(key, str) and " " in key):  # a dict's missing key
+        reason = f"it has no {key!r}" if key is not None else "an entry is missing"
+    elif isinstance(err, EOFError):  # pickle's "Ran out of input", gzip's "Compressed file ended before ..."
+        reason = "it is empty or cut short"
+    else:  # h5py's KeyError carries a sentence, as the other errors do: its first line
+        lines = (key if isinstance(key, str) else str(err)).strip().splitlines()
+        reason = (lines[0] if lines else type(err).__name__).rstrip(".")[:200]
+    fix = (
+        f"replace it with the published archive's file, e.g. by deleting it and running {fetch_command(name, data_dir)}"
+        if name is not None
+        else "check the file or give another one"
+    )
+    return ConfigError(f"{path} is not {what} ({reason}); {fix}.")
+
+
+@contextmanager
+def reading(path: Path | str, what: str, name: str | None, data_dir: Path | str) -> Iterator[None]:
+    """Turns any error a malformed ``path`` raises while it is read into :func:`damaged`'s sentence."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except MALFORMED as err:
+        raise damaged(path, what, err, name, data_dir) from None
 
 
 def ensure(name: str, data_dir: Path | str, download: bool, revision: str | None = None) -> None:

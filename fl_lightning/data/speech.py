@@ -58,12 +58,16 @@ class SpeechCommandsData(FederatedData):
         listing = root / "testing_list.txt"
         if not listing.is_file():
             sources.ensure("speech_commands", self.data_dir, self.download)
-        test_set = set(listing.read_text().split())
+        with sources.reading(listing, "a text file of test clips", "speech_commands", self.data_dir):
+            test_set = set(listing.read_text().split())
         words = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_"))
         waves, labels, speakers, is_test = [], [], [], []
         for label, word in enumerate(words):
             for wav in sorted((root / word).glob("*.wav")):
-                audio, rate = soundfile.read(wav, dtype="float32")
+                with sources.reading(wav, "a WAV file", "speech_commands", self.data_dir):
+                    audio, rate = soundfile.read(wav, dtype="float32")
+                if audio.ndim != 1:
+                    raise ConfigError(f"{wav} has {audio.shape[1]} channels, expected one (mono).")
                 if rate != SAMPLE_RATE:
                     raise ConfigError(f"{wav} has sample rate {rate}, expected {SAMPLE_RATE}.")
                 waves.append(np.pad(audio, (0, max(0, SAMPLE_RATE - len(audio))))[:SAMPLE_RATE])

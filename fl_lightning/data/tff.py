@@ -62,12 +62,17 @@ class FedCifar100Data(FederatedData):
         parts = []
         for split in ("train", "test"):
             path = require(self.root / f"fed_cifar100_{split}.h5", self.download, "fed_cifar100")
-            with h5py.File(path, "r") as f:
-                clients = sorted(f["examples"])
-                images = [f["examples"][c]["image"][()] for c in clients]
-                labels = [f["examples"][c]["label"][()] for c in clients]
+            with sources.reading(path, "a TFF h5 file", "fed_cifar100", self.root.parent):
+                with h5py.File(path, "r") as f:
+                    clients = sorted(f["examples"])
+                    images = [f["examples"][c]["image"][()] for c in clients]
+                    labels = [f["examples"][c]["label"][()] for c in clients]
+                images = np.concatenate(images)
+                labels = [np.asarray(label, dtype=np.int64).reshape(-1) for label in labels]
+                if images.shape[1:] != (32, 32, 3) or len(images) != sum(len(label) for label in labels):
+                    raise ValueError(f"images {images.shape}, not [N, 32, 32, 3] with one label each")
+            x = torch.from_numpy(images).float().div_(255).permute(0, 3, 1, 2)
             groups = np.concatenate([[c] * len(l) for c, l in zip(clients, labels)])
-            x = torch.from_numpy(np.concatenate(images)).float().div_(255).permute(0, 3, 1, 2)
             m, s = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
             parts.append(((x - m) / s, torch.from_numpy(np.concatenate(labels)).long().flatten(), groups))
         (x, y, groups), (tx, ty, _) = parts
@@ -193,7 +198,7 @@ class StackOverflowData(FederatedData):
     def load_vocab(self) -> dict[str, int]:
         path = require(self.root / "stackoverflow.word_count", self.download, "stackoverflow")
         words = []
-        with path.open() as f:
+        with sources.reading(path, "a word count file", "stackoverflow", self.root.parent), path.open() as f:
             for line in f:
                 words.append(line.split()[0])
                 if len(words) == self.vocab_size:
@@ -218,7 +223,7 @@ class StackOverflowData(FederatedData):
         import h5py
 
         posts, owners, types = [], [], []
-        with h5py.File(path, "r") as f:
+        with sources.reading(path, "a TFF h5 file", "stackoverflow", self.root.parent), h5py.File(path, "r") as f:
             names = clients if clients is not None else sorted(f["examples"])
             for name in names:
                 if total is not None and len(posts) >= total:
@@ -238,7 +243,10 @@ class StackOverflowData(FederatedData):
 
         self.vocab = self.load_vocab()
         train_path = require(self.root / "stackoverflow_train.h5", self.download, "stackoverflow")
-        with h5py.File(train_path, "r") as f:
+        with (
+            sources.reading(train_path, "a TFF h5 file", "stackoverflow", self.root.parent),
+            h5py.File(train_path, "r") as f,
+        ):
             clients, outside = self.pool_and_outside_users(sorted(f["examples"]))
         posts, owners, self.post_types = self._read(train_path, clients, self.max_examples_per_client)
         test_posts, _, test_types = self._read(
@@ -294,6 +302,13 @@ class StackOverflowData(FederatedData):
                 f"distillation_texts file {path} not found; download a C4 shard "
                 "(e.g. c4-validation.00000-of-00008.json.gz) and give its path."
             )
+        fetched = "c4" if self.distillation_texts == "hub" else None  # a file the user gave has no fetch command
+        with sources.reading(path, "a C4 text file", fetched, self.root.parent):
+            return self._read_documents(path, n)
+
+    @staticmethod
+    def _read_documents(path: Path, n: int) -> list[str]:
+        """The first ``n`` documents' lower-cased text of a C4 parquet or JSON-lines (optionally gzipped) file."""
         if path.suffix == ".parquet":
             import pandas as pd
 

@@ -112,15 +112,20 @@ class _ArraysOnly(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _unpickle(path: Path) -> dict:
-    with path.open("rb") as f:
-        try:
-            return _ArraysOnly(f, encoding="latin1").load()
-        except pickle.UnpicklingError as err:
-            raise ConfigError(
-                f"{path} is not a CIFAR batch file ({err}); replace it with the published archive's file, "
-                "e.g. by deleting it and running `flrun data fetch`."
-            ) from None
+def read_cifar_batch(path: Path, label_key: str, num_classes: int, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """Images ``[N, 32, 32, 3]`` uint8 and labels ``[N]`` of one CIFAR python batch file; a file that is not
+    one (text, cut short, another pickle) is one sentence naming it and ``flrun data fetch``, never a traceback."""
+    with sources.reading(path, "a CIFAR batch file", source, path.parent.parent), path.open("rb") as f:
+        batch = _ArraysOnly(f, encoding="latin1").load()
+        if not isinstance(batch, dict):
+            raise TypeError(f"it holds a {type(batch).__name__}, not a dict of data and {label_key}")
+        images = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        labels = np.asarray(batch[label_key], dtype=np.int64).reshape(-1)
+        if len(labels) != len(images):
+            raise ValueError(f"{len(images)} images but {len(labels)} {label_key}")
+        if len(labels) and not 0 <= labels.min() <= labels.max() < num_classes:
+            raise ValueError(f"{label_key} outside 0..{num_classes - 1}: {labels.min()} to {labels.max()}")
+    return images, labels
 
 
 class Cifar10Data(ImageData):
@@ -139,12 +144,8 @@ class Cifar10Data(ImageData):
         root = self.data_dir / self.folder
         parts = []
         for names in self.files:
-            xs, ys = [], []
-            for name in names:
-                batch = _unpickle(root / name)
-                xs.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-                ys.extend(batch[self.label_key])
-            parts.append((np.concatenate(xs), ys))
+            batches = [read_cifar_batch(root / name, self.label_key, self.num_classes, self.source) for name in names]
+            parts.append((np.concatenate([x for x, _ in batches]), np.concatenate([y for _, y in batches])))
         (x, y), (tx, ty) = parts
         return self._finish(x, y, tx, ty, self.num_classes)
 
@@ -182,8 +183,18 @@ class MnistData(ImageData):
         root = self.data_dir / "MNIST" / "raw"
         if not all(self._find(root, name) for name in self.files):  # unpacked idx files count too
             self.ensure_files("mnist")
-        arrays = [read_idx(self._find(root, name)) for name in self.files]
+        arrays = []
+        for name in self.files:
+            path = self._find(root, name)
+            with sources.reading(path, "an MNIST idx file", "mnist", self.data_dir):
+                arrays.append(read_idx(path))
         x, y, tx, ty = arrays
+        for images, labels, split in ((x, y, "train"), (tx, ty, "t10k")):
+            if len(images) != len(labels) or images.ndim != 3:
+                raise ConfigError(
+                    f"MNIST's {split} files in {root} do not match ({images.shape} images, {len(labels)} labels); "
+                    f"replace them, e.g. by deleting them and running {sources.fetch_command('mnist', self.data_dir)}."
+                )
         return self._finish(x, y, tx, ty, 10, mean=(0.1307,), std=(0.3081,))
 
     @staticmethod
@@ -195,12 +206,15 @@ class MnistData(ImageData):
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """An idx file (big-endian header: zero, zero, type 0x08 = uint8, number of dimensions, sizes)."""
+    """An idx file (big-endian header: zero, zero, type 0x08 = uint8, number of dimensions, sizes).
+
+    Raises ValueError (or gzip's OSError, EOFError) for a file that is not one; the loader words it.
+    """
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         data = f.read()
-    if data[:2] != b"\x00\x00" or data[2] != 0x08:
-        raise ConfigError(f"{path} is not a uint8 idx file.")
+    if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] != 0x08:
+        raise ValueError("no uint8 idx header")
     ndim = data[3]
     shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
@@ -230,7 +244,11 @@ class Cinic10Data(ImageData):
         images, labels = [], []
         for label, name in enumerate(self.classes):
             for png in sorted((folder / name).glob("*.png")):
-                images.append(np.asarray(Image.open(png).convert("RGB"), dtype=np.uint8))
+                with sources.reading(png, "a CINIC-10 image", "cinic10", self.data_dir), Image.open(png) as image:
+                    pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+                    if pixels.shape != (32, 32, 3):
+                        raise ValueError(f"a {pixels.shape[1]}x{pixels.shape[0]} image, not 32x32")
+                images.append(pixels)
                 labels.append(label)
         if not images:
             raise sources.missing("cinic10", self.data_dir)
