@@ -2,13 +2,14 @@
 
 A sweep file names the base recipe, the search space (dotted recipe keys, as on the command line), the
 objective and the sampler / pruner. Each trial is an ordinary run directory under the sweep's directory,
-run through ``flrun fit``; a pruning logger reports the monitored metric every evaluation round so bad
-trials stop early. The study lives in an RDB storage (SQLite file in the sweep directory by default, or
-any Optuna URL such as PostgreSQL), so re-running the command resumes it and several processes or
-machines can work on one study.
+run through ``flrun fit`` (:mod:`fl_lightning.sweep_trial`); a pruning logger reports the monitored metric
+every evaluation round so bad trials stop early. The study lives in an RDB storage (SQLite file in the
+sweep directory by default, or any Optuna URL such as PostgreSQL), so re-running the command resumes it
+and several processes or machines can work on one study; a re-run that changes what a trial means is
+refused (:mod:`fl_lightning.sweep_study`).
 
-``n_trials`` is the study's total: trials that completed, were pruned or failed on their own count; a
-trial whose process died (a heartbeat that stopped, a killed worker, an interrupt) is failed and queued
+``n_trials`` is the study's total: trials that completed, were pruned or failed on their own count (not
+those whose run lacked the sweep's metric: the sweep stops at the first); a trial whose process died (a heartbeat that stopped, a killed worker, an interrupt) is failed and queued
 again with the same parameters, and only its retry counts. Worker processes (``--n_jobs``) ask the
 command for permission before each trial (:mod:`fl_lightning.sweep_workers`), so the total is exact.
 """
@@ -16,8 +17,6 @@ command for permission before each trial (:mod:`fl_lightning.sweep_workers`), so
 from __future__ import annotations
 
 import json
-import os
-import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .tracking import RunLogger
+from .sweep_study import check_metric, flatten, overlap
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "hyperband", "none")
@@ -159,11 +158,13 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
                 raise ConfigError(f"parameter {name!r}: categorical needs a non-empty `choices` list.")
         else:
             raise ConfigError(f"parameter {name!r}: type must be float, int or categorical, got {kind!r}.")
+    _check_overrides(spec)
     if not check_recipe:
         return
     # every parameter path must be an option of the base recipe: parse it once with a sample value
     from .fit_args import UserError, parse_fit
 
+    init = None
     for name, p in spec.parameters.items():
         sample = p["choices"][0] if p["type"] == "categorical" else p["low"]
         try:
@@ -180,6 +181,17 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
                 "set `runtime.devices: 1` (in the sweep's overrides, not as a parameter) and run trials side by "
                 "side with --n_jobs (one GPU each)."
             )
+    check_metric(spec, init)
+
+
+def _check_overrides(spec: SweepSpec) -> None:
+    if not isinstance(spec.overrides, dict):
+        raise ConfigError(f"overrides must be a mapping of recipe keys, e.g. {{rounds: 20}}, got {spec.overrides!r}.")
+    fixed = [key for key in flatten(spec.overrides) for name in spec.parameters if overlap(key, name)]
+    if fixed:  # a trial applies the parameter last, best_recipe.yaml's command the override: they would differ
+        raise ConfigError(
+            f"the sweep both fixes and searches {fixed[0]} (overrides and parameters); remove it from `overrides`."
+        )
 
 
 def _as_args(values: dict[str, Any]) -> list[str]:
@@ -187,21 +199,6 @@ def _as_args(values: dict[str, Any]) -> list[str]:
     for key, value in values.items():
         args += [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
     return args
-
-
-class PruningLogger(RunLogger):
-    """Reports the objective at every evaluation round; stops the run when Optuna's pruner says so."""
-
-    def __init__(self, trial, metric: str):
-        self.trial, self.metric = trial, metric
-
-    def log_metrics(self, metrics, step):
-        if self.metric in metrics:
-            import optuna
-
-            self.trial.report(float(metrics[self.metric]), step)
-            if self.trial.should_prune():
-                raise optuna.TrialPruned(f"pruned at round {step}")
 
 
 def sampler_seed(seed: int | None, epoch: int, worker: int) -> int | None:
@@ -288,76 +285,19 @@ def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
     )
 
 
-def _suggest(trial, name: str, p: dict[str, Any]):
-    if p["type"] == "float":
-        return trial.suggest_float(name, p["low"], p["high"], log=bool(p.get("log")), step=p.get("step"))
-    if p["type"] == "int":
-        return trial.suggest_int(name, p["low"], p["high"], log=bool(p.get("log")), step=p.get("step", 1))
-    return trial.suggest_categorical(name, p["choices"])
-
-
-PROCESS = f"{socket.gethostname()}:{os.getpid()}"
-
-
-def run_trial(spec: SweepSpec, trial, notify) -> float:
-    """The objective: one ``flrun fit`` run in ``trial_NNNN/`` with the trial's parameters."""
-    import optuna
-
-    from .fit_args import fit_from_argv
-
-    values = {name: _suggest(trial, name, p) for name, p in spec.parameters.items()}
-    run_dir = Path(spec.output_dir) / f"trial_{trial.number:04d}"
-    # a retry inherits its dead predecessor's attributes: each is set afresh
-    for key, value in (("output_dir", str(run_dir)), ("process", PROCESS), ("error", "")):
-        trial.set_user_attr(key, value)
-    notify("started", trial.number)
-    logger = spec.logger
-    if logger == "wandb" or (isinstance(logger, list) and "wandb" in logger):
-        logger = [
-            {
-                "class_path": "fl_lightning.tracking.WandbLogger",
-                "init_args": {"group": spec.study_name, "tags": ["sweep", spec.study_name]},
-            }
-        ]
-    argv = [
-        "--config",
-        spec.base,
-        *_as_args(spec.overrides),
-        *_as_args(values),
-        "--output_dir",
-        str(run_dir),
-        "--name",
-        f"{spec.study_name}/trial_{trial.number:04d}",
-        "--runtime.progress",
-        "false",
-        *_as_args({"logger": logger}),
-    ]
-    try:
-        summary = fit_from_argv(argv, [PruningLogger(trial, spec.metric)])
-        value = summary[spec.use].get(spec.metric)
-        if value is None:
-            raise ConfigError(f"the run has no metric {spec.metric!r}; it reports {sorted(summary[spec.use])}.")
-    except optuna.TrialPruned:
-        raise
-    except KeyboardInterrupt:
-        trial.set_user_attr("error", "interrupted; its parameters are queued again")
-        raise
-    except Exception as err:  # recorded as a failed trial; the study goes on
-        from .fit_args import UserError
-
-        message = str(err) if isinstance(err, (UserError, ConfigError)) else f"{type(err).__name__}: {err}"
-        trial.set_user_attr("error", (message.splitlines() or [""])[0][:300])
-        raise
-    return float(value)
-
-
 def tally(trials) -> dict[str, int]:
-    """Counts by state. A failed trial that was queued again (a retry exists) is ``retried`` and does not
-    count towards ``n_trials``; ``finished`` = complete + pruned + failed."""
+    """Counts by state. A failed trial that was queued again (a retry exists) is ``retried``, one that failed
+    because its run lacks the sweep's metric is ``wrong_metric``; neither counts towards ``n_trials``;
+    ``finished`` = complete + pruned + failed."""
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
-    counts = dict.fromkeys(("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING", "retried"), 0)
+    counts = dict.fromkeys(("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING", "retried", "wrong_metric"), 0)
     for t in trials:
-        counts["retried" if t.state.name == "FAIL" and t.number in retried else t.state.name] += 1
+        state = t.state.name
+        if state == "FAIL" and t.number in retried:
+            state = "retried"
+        elif state == "FAIL" and t.user_attrs.get("wrong_metric"):
+            state = "wrong_metric"
+        counts[state] += 1
     counts["finished"] = counts["COMPLETE"] + counts["PRUNED"] + counts["FAIL"]
     return counts
 
@@ -389,18 +329,35 @@ def requeue(study, spec: SweepSpec, trial_id: int, reason: str) -> int | None:
     return trial.number
 
 
+def check_own_directory(root: Path, spec: SweepSpec) -> None:
+    """Refuses a sweep directory that holds another study's results: their trial directories and files
+    (trials.csv, sweep.json, best_recipe.yaml) would be mixed up."""
+    try:
+        other = json.loads((root / "sweep.json").read_text()).get("study")
+    except (OSError, ValueError, AttributeError):
+        return
+    if other is not None and other != spec.study_name:
+        raise ConfigError(
+            f"{root} holds the trials of sweep study {other!r}; give study {spec.study_name!r} an output_dir of "
+            "its own."
+        )
+
+
 def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, out=None) -> tuple[dict, int]:
     """Runs trials until the study holds ``n_trials`` (or ``timeout`` passes), printing progress.
 
     With ``n_jobs`` > 1 the trials run in that many worker processes that ask this one before each
     trial. Returns the results (also in ``sweep.json``) and the exit status: 0 when the study is full
-    or the timeout ended it, 1 when trials are missing (workers kept dying), 130 when interrupted.
+    or the timeout ended it, 1 when trials are missing (workers kept dying) or every trial this command
+    ran failed, 2 when a run lacked the sweep's metric (the sweep stops at once), 130 when interrupted.
+    Refuses (ConfigError) a study whose recorded definition differs from ``spec``'s.
     """
     import sys
     import time
 
     from .gpu_share import visible_gpus
     from .sweep_results import Progress, write_results
+    from .sweep_study import check_definition, definition
     from .sweep_workers import coordinate, run_in_process, wait_for_stale
 
     if n_jobs < 1:
@@ -408,11 +365,14 @@ def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, o
     if n_jobs > 1 and not sweep_file:
         raise ConfigError("worker processes load the sweep file: give sweep_file with n_jobs > 1.")
     root = Path(spec.output_dir)
+    check_own_directory(root, spec)
+    current = definition(spec)
     root.mkdir(parents=True, exist_ok=True)
     study = open_study(spec)
+    progress = Progress(spec, study, out or sys.stdout)
+    check_definition(study, spec, current, progress.note)
     epoch = len(study.get_trials(deepcopy=False))
     study.sampler = _sampler(spec, epoch, worker=0)
-    progress = Progress(spec, study, out or sys.stdout)
     gpus = visible_gpus() if n_jobs > 1 else []  # one process alone keeps the GPUs it was given
     progress.header(n_jobs, gpus)
     deadline = time.monotonic() + spec.timeout if spec.timeout else None
@@ -422,9 +382,13 @@ def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, o
             status = coordinate(spec, study, n_jobs, sweep_file, epoch, deadline, progress, gpus)
         else:
             status = run_in_process(spec, study, deadline, progress)
-        if status or not wait_for_stale(spec, study, deadline, progress):
+        if status or progress.stopped or not wait_for_stale(spec, study, deadline, progress):
             break
-    if status == 0 and open_slots(study, spec.n_trials) > 0 and not (deadline and time.monotonic() > deadline):
+    all_failed = bool(progress.ended) and all(state == "FAIL" for state in progress.ended)
+    short = open_slots(study, spec.n_trials) > 0 and not (deadline and time.monotonic() > deadline)
+    if status == 0 and progress.stopped:
+        status = 2  # the sweep file's metric is wrong: a user error, found by the first trial
+    elif status == 0 and (all_failed or short):
         status = 1
     result = write_results(study, spec, root)
     progress.final(result, status)

@@ -37,11 +37,35 @@ def _value(value) -> str:
     return str(value)
 
 
-def _best(trials, direction: str):
-    complete = [t for t in trials if t.state.name == "COMPLETE"]
+def search_space(spec: SweepSpec) -> dict[str, Any]:
+    """The sweep's parameters as the Optuna distributions its trials record."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    space: dict[str, Any] = {}
+    for name, p in spec.parameters.items():
+        if p["type"] == "float":
+            space[name] = FloatDistribution(p["low"], p["high"], log=bool(p.get("log")), step=p.get("step"))
+        elif p["type"] == "int":
+            space[name] = IntDistribution(p["low"], p["high"], log=bool(p.get("log")), step=p.get("step", 1))
+        else:
+            space[name] = CategoricalDistribution(p["choices"])
+    return space
+
+
+def outside_space(trials, spec: SweepSpec) -> list[int]:
+    """Completed trials drawn from another search space (a study run before it recorded its definition):
+    their parameters are not the sweep's, so none of them is reported as its best."""
+    space = search_space(spec)
+    return [t.number for t in trials if t.state.name == "COMPLETE" and t.distributions != space]
+
+
+def _best(trials, spec: SweepSpec):
+    """The best completed trial of the sweep's search space, or None."""
+    foreign = set(outside_space(trials, spec))
+    complete = [t for t in trials if t.state.name == "COMPLETE" and t.number not in foreign]
     if not complete:
         return None
-    return (max if direction == "maximize" else min)(complete, key=lambda t: t.value)
+    return (max if spec.direction == "maximize" else min)(complete, key=lambda t: t.value)
 
 
 def _seconds(trial) -> float | None:
@@ -56,6 +80,8 @@ class Progress:
     def __init__(self, spec: SweepSpec, study, out=None):
         self.spec, self.study, self.out = spec, study, out or sys.stdout
         self.names = short_names(list(spec.parameters))
+        self.ended: list[str] = []  # the state of each trial this command ran to its end
+        self.stopped: str | None = None  # why the sweep stops early: a run without the sweep's metric
 
     def print(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -99,8 +125,11 @@ class Progress:
             return
         else:
             outcome = f"{state}: {trial.user_attrs.get('error') or 'see the messages above'}"
+        self.ended.append(state)
+        if state == "FAIL" and trial.user_attrs.get("wrong_metric") and self.stopped is None:
+            self.stopped = f"trial {number}: {trial.user_attrs.get('error')}"
         seconds = _seconds(trial)
-        best = _best(trials, self.spec.direction)
+        best = _best(trials, self.spec)
         self.print(
             f"[{counts['finished']}/{self.spec.n_trials}] trial {number} {outcome}"
             + (f" in {seconds:.{0 if seconds >= 10 else 1}f} s" if seconds is not None else "")
@@ -117,11 +146,27 @@ class Progress:
                 f"best: trial {result['best_trial']}, {self.spec.metric} ({self.spec.use}) {result['best_value']:.4f}; "
                 f"best recipe: {result['best_recipe']}"
             )
+        wrong = f", {result['wrong_metric']} without the metric (not counted)" if result["wrong_metric"] else ""
         self.print(
             f"{result['trials']} of {self.spec.n_trials} trials: {result['complete']} complete, {result['pruned']} "
-            f"pruned, {result['failed']} failed; all trials: {Path(self.spec.output_dir) / 'trials.csv'}"
+            f"pruned, {result['failed']} failed{wrong}; all trials: {Path(self.spec.output_dir) / 'trials.csv'}"
         )
-        if status == 1:
+        if result.get("outside_space"):
+            self.note(
+                f"trials {result['outside_space']} were drawn from another search space (the study predates "
+                "recorded definitions) and are not taken as the best."
+            )
+        if self.stopped:
+            self.note(
+                f"stopped after {self.stopped} No trial of this sweep can have a value: fix `metric` in the sweep "
+                "file and re-run the same command."
+            )
+        elif status == 1 and self.ended and all(state == "FAIL" for state in self.ended):
+            self.note(
+                f"every trial this command ran failed ({len(self.ended)}); their errors are above and in "
+                f"{Path(self.spec.output_dir) / 'trials.csv'}."
+            )
+        elif status == 1:
             self.note(
                 f"the study holds {result['trials']} of {self.spec.n_trials} trials; re-run the same command to "
                 "finish it."
@@ -206,13 +251,17 @@ def write_results(study, spec: SweepSpec, root: Path) -> dict[str, Any]:
         "pruned": counts["PRUNED"],
         "failed": counts["FAIL"],
         "retried": counts["retried"],
+        "wrong_metric": counts["wrong_metric"],
         "running": counts["RUNNING"],
         "parameters": spec.parameters,
         "overrides": spec.overrides,
         "base": str(spec.base),
         "importances": importances(study),
     }
-    best = _best(trials, spec.direction)
+    foreign = outside_space(trials, spec)
+    if foreign:
+        result["outside_space"] = foreign
+    best = _best(trials, spec)
     if best is not None:
         path = root / "best_recipe.yaml"
         path.write_text(best_recipe(spec, best, path))
@@ -240,9 +289,12 @@ def _set_dotted(recipe: dict, key: str, value: Any) -> None:
 
 
 def best_recipe(spec: SweepSpec, best, path: Path) -> str:
-    """The base recipe with the best trial's parameters and a name of its own; the sweep's fixed
-    overrides (fewer rounds, no progress bar) are left out and named in the header."""
-    recipe = yaml.safe_load(Path(spec.base).read_text()) or {}
+    """The base recipe (merged with its ``base:`` files) with the best trial's parameters and a name of its
+    own; the sweep's fixed overrides (fewer rounds, no progress bar) are left out and named in the header."""
+    from .recipes import load_recipe
+
+    # merged with its `base:` files: their paths are relative to the base recipe, not to this file
+    recipe = load_recipe(spec.base)
     for key, value in best.params.items():
         _set_dotted(recipe, key, value)
     recipe["name"] = f"{spec.study_name}_best"

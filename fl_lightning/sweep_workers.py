@@ -29,7 +29,8 @@ import time
 from collections.abc import Sequence
 
 from .gpu_share import end_with_parent, environment_for, least_used, raise_interrupt
-from .sweep import PROCESS, SweepSpec, open_slots, open_study, requeue, run_trial, tally
+from .sweep import SweepSpec, open_slots, open_study, requeue, tally
+from .sweep_trial import PROCESS, run_trial
 
 
 class Interrupts:
@@ -89,7 +90,7 @@ def _may_start(spec: SweepSpec, study, deadline: float | None) -> bool:
 def run_in_process(spec: SweepSpec, study, deadline: float | None, progress) -> int:
     with interruptible() as interrupts:
         try:
-            work(spec, study, lambda: _may_start(spec, study, deadline), progress, interrupts)
+            work(spec, study, lambda: not progress.stopped and _may_start(spec, study, deadline), progress, interrupts)
         except KeyboardInterrupt:
             progress.note("interrupted: the running trial is queued again; re-run the same command to finish.")
             return 130
@@ -223,10 +224,11 @@ class Coordinator:
         for worker in [w for w in self.workers if w.asking]:
             pending = sum(w.granted for w in self.workers)
             slots = open_slots(self.study, self.spec.n_trials) - pending
-            if slots > 0 and not _deadline_passed(self.deadline):
+            ending = _deadline_passed(self.deadline) or self.progress.stopped  # a wrong metric stops every worker
+            if slots > 0 and not ending:
                 worker.send("go")
                 worker.asking, worker.granted = False, True
-            elif pending == 0 or _deadline_passed(self.deadline):
+            elif pending == 0 or ending:
                 worker.send("stop")
                 worker.asking = False
 
@@ -261,7 +263,7 @@ class Coordinator:
 
     def top_up(self) -> None:
         """Starts workers while trials are unclaimed (at the start, and to replace dead workers)."""
-        if _deadline_passed(self.deadline):
+        if _deadline_passed(self.deadline) or self.progress.stopped:
             return
         claimed = sum(w.granted or w.asking for w in self.workers)
         unclaimed = open_slots(self.study, self.spec.n_trials) - claimed
