@@ -85,7 +85,7 @@ def readable(message: str, parser: Any = None) -> str:
         sentence = explain(text, keys, parser)
         if sentence:
             return sentence
-    for explain in (_unknown_class, _bad_value):
+    for explain in (_unknown_class, _dotted_mapping, _bad_value):
         sentence = explain(text, key, keys, parser)
         if sentence:
             return sentence
@@ -137,10 +137,17 @@ def _unknown_init_option(text: str, keys: list[str], parser: Any) -> str | None:
     match = re.search(
         r"Problem with given class_path '([^']+)': (?:Option|Key) '([^']+)' is not (?:accepted|expected)", text
     ) or re.search(r"Problem with given class_path '([^']+)': Group '[^']*' does not accept \w+ '([^']+)'", text)
-    if not match:
+    # a class behind a callable type (training.optimizer: Callable[[Iterable], Optimizer]): the code gives the
+    # callable's argument (an optimizer's params), so it is no option of the recipe's
+    behind_callable = re.search(
+        r"callable class: (?:Option|Key) '([^']+)' is not (?:accepted|expected)\. "
+        r"Got value: Namespace\(class_path='([^']+)'",
+        text,
+    )
+    if not (match or behind_callable):
         return None
-    class_path, option = match.groups()
-    params = _init_params(class_path)
+    class_path, option = match.groups() if match else behind_callable.group(2, 1)
+    params = _init_params(class_path)[0 if match else 1 :]
     hint = _did_you_mean(option, params, quote=True)
     where = f" ({'.'.join(keys)})" if keys else ""
     takes = f"; its options: {', '.join(params)}" if params else ""
@@ -189,6 +196,41 @@ def _unknown_class(text: str, key: str, keys: list[str], parser: Any) -> str | N
     return f"{reason}{where}{hint}{available} (or give the dotted class_path of your own {kind})."
 
 
+def _dotted_mapping(text: str, key: str, keys: list[str], parser: Any) -> str | None:
+    """A mapping option given one key at a time (``--models.global.args.width 0.5``), which jsonargparse passes
+    on as a Namespace instead of merging it into the mapping: name the option and show the mapping to give."""
+    match = re.search(r"Expected a <class 'dict'>\. Got value: Namespace\((.*?)\)(?: - |$)", text)
+    if not match or not keys:
+        return None
+    argv = list(getattr(parser, "args", None) or [])
+    given: dict[str, dict[str, str]] = {}
+    for i, arg in enumerate(argv):
+        found = _typed_option(keys, r"\.(\w+)(?:=(.*))?$").match(arg)
+        if found:
+            value = found.group(3) if found.group(3) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+            given.setdefault(found.group(1), {})[found.group(2)] = value
+    option, pairs = next(iter(given.items()), (key, {}))
+    if not pairs:  # not typed here (a sweep's trial): the keys jsonargparse reports
+        pairs = {k: v.strip("'") for k, v in re.findall(r"(\w+)=('(?:[^'\\]|\\.)*'|[^,]+)", match.group(1))}
+    mapping = "{" + ", ".join(f"{name}: {value}" for name, value in pairs.items()) + "}"
+    return f"{option} takes a mapping, not one key at a time: give --{option} '{mapping}' (or set it in the recipe)."
+
+
+def _typed_option(keys: list[str], tail: str) -> re.Pattern:
+    """``--<first key>[.<middle>...].<last key><tail>``: jsonargparse's error names ``models`` and ``args`` but
+    not the role between them (``models.global.args``), which the option as typed has."""
+    return re.compile(rf"--({re.escape(keys[0])}(?:\.[\w-]+)*\.{re.escape(keys[-1])}){tail}")
+
+
+def _typed_key(key: str, keys: list[str], parser: Any) -> str:
+    """``key`` with the middle part the user typed (``models.global.args`` for ``models.args``), if typed."""
+    if len(keys) < 2:
+        return key
+    pattern = _typed_option(keys, r"(?:=|$)")
+    typed = [m.group(1) for m in (pattern.match(arg) for arg in getattr(parser, "args", None) or []) if m]
+    return typed[0] if typed else key
+
+
 def _bad_value(text: str, key: str, keys: list[str], parser: Any) -> str | None:
     literal = re.search(r"Expected a typing\.Literal\[(.*?)\]\. Got value: (\S+)", text)
     if literal:
@@ -202,6 +244,7 @@ def _bad_value(text: str, key: str, keys: list[str], parser: Any) -> str | None:
     if not (given and expected):
         return None
     value = given.group(1).strip()
+    key = _typed_key(key, keys, parser)
     kinds = " or ".join(dict.fromkeys({"dict": "a mapping (key: value)"}.get(t, t) for t in expected))
     return f"bad value {value!r} for {key or 'an option'}: expected {kinds}; fix it in the recipe or the command line."
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, write_recipe
+from conftest import ROOT, TINY, write_recipe
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
@@ -115,6 +115,25 @@ def test_help_documents_knobs():
         (["--data.init_args.partitioner.init_args.alpha", "0.0001"], "raise alpha"),
         (["--models", "{global: {builder: digits_cnnn}}"], "unknown model builder 'digits_cnnn'"),
         (["--sampler.init_args.fraction", "2"], "sampler fraction must be in (0, 1]"),
+        (
+            ["--training.optimizer.init_args.momentun", "0.9"],
+            (
+                "torch.optim.SGD (training.optimizer) has no option 'momentun' (did you mean 'momentum'?); its "
+                "options: lr, momentum, dampening,"
+            ),
+        ),
+        (
+            ["--training.optimizer", "torch.optim.Adam", "--training.optimizer.init_args.momentum", "0.9"],
+            "torch.optim.Adam (training.optimizer) has no option 'momentum'; its options: lr, betas, eps,",
+        ),
+        (
+            ["--models.global.args.hidden", "8", "--models.global.args.depth=2"],
+            (
+                "models.global.args takes a mapping, not one key at a time: give --models.global.args "
+                "'{hidden: 8, depth: 2}' (or set it in the recipe)."
+            ),
+        ),
+        (["--models.global.args", "5"], "bad value '5' for models.global.args: expected a mapping"),
     ],
 )
 def test_errors_are_one_line_without_traceback(tmp_path, args, expected):
@@ -128,6 +147,13 @@ def test_errors_are_one_line_without_traceback(tmp_path, args, expected):
     ]
     assert len(lines) == 1, result.stderr
     assert expected in lines[0] and "Traceback" not in result.stderr
+
+
+def test_unknown_optimizer_option_in_recipe(tmp_path):
+    training = {**TINY["training"], "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"momentun": 0.9}}}
+    result = flrun("fit", "--config", str(write_recipe(tmp_path / "r.yaml", training=training)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "torch.optim.SGD (training.optimizer) has no option 'momentun' (did you mean 'momentum'?)" in result.stderr
 
 
 def test_unknown_key_in_recipe(tmp_path):
