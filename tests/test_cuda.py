@@ -49,7 +49,7 @@ def test_a_run_resumed_on_cuda_equals_the_uninterrupted_one(tmp_path, method):
     assert full and resumed == full
 
 
-ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.003}}"]
+ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.003, weight_decay: 0.0}}"]
 
 
 @pytest.mark.parametrize(

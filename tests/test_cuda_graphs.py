@@ -52,7 +52,7 @@ def _run(tmp_path, name, recipe, *extra, graphs_on=False):
 SGD = ["--training.optimizer", "{class_path: torch.optim.SGD, init_args: {lr: 0.05, momentum: 0.9}}"]
 # the eager twin of a graphed Adam run: graphs switch Adam to capturable mode, which rounds differently
 CAPTURABLE = ["--training.optimizer.init_args.capturable", "true"]
-ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.003}}"]
+ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.003, weight_decay: 0.0}}"]
 
 
 @pytest.mark.parametrize(
