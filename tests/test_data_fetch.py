@@ -64,6 +64,28 @@ def test_a_corrupted_download_is_refused_and_deleted(tmp_path, monkeypatch):
         download.download(url, tmp_path / "other.bin", md5=hashlib.md5(b"something else").hexdigest())
 
 
+def test_a_file_another_process_is_downloading_is_waited_for_and_not_fetched_again(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    good = b"the published bytes"
+    url, target = "https://example.org/file.bin", tmp_path / "file.bin"
+    asked = serve(monkeypatch, {url: good})
+    lock = (tmp_path / "file.bin.lock").open("ab")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another run (flrun table --n_jobs) is fetching it
+    result = []
+    waiting = threading.Thread(
+        target=lambda: result.append(download.download(url, target, sha256=hashlib.sha256(good).hexdigest()))
+    )
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive() and not asked  # waits instead of writing the same .part file
+    target.write_bytes(good)  # the other run's download lands
+    lock.close()
+    waiting.join(timeout=10)
+    assert result == [target] and not asked
+
+
 def test_downloads_need_https_and_a_checksum(tmp_path, monkeypatch):
     asked = serve(monkeypatch, {"http://example.org/a": b"x", "https://example.org/a": b"x"})
     with pytest.raises(ConfigError, match="only https"):

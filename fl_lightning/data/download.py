@@ -7,6 +7,7 @@ set's own message, see :mod:`fl_lightning.data.sources`) instead of a page of re
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import sys
@@ -86,6 +87,15 @@ def download(
     if path.is_file() and file_digest(path, algorithm) == expected:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    # runs started together (flrun table / sweep --n_jobs) fetch a file once: the others wait, then find it
+    with path.with_name(path.name + ".lock").open("ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file() and file_digest(path, algorithm) == expected:
+            return path
+        return _fetch(url, path, algorithm, expected)
+
+
+def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:
     part = path.with_name(path.name + ".part")
     try:
         with _open(url) as response, part.open("wb") as out:
