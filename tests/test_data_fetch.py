@@ -192,6 +192,30 @@ def test_fetch_downloads_verifies_unpacks_and_the_loader_reads_it(tmp_path, monk
     assert "already in" in capsys.readouterr().out and asked == [url]  # present: not downloaded again
 
 
+def test_runs_fetching_one_data_set_together_download_and_unpack_it_once(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    blob = cifar_archive(tmp_path / "archive.tar.gz")
+    real = sources.source("cifar10")
+    url = "https://example.org/cifar-10-python.tar.gz"
+    remote = dataclasses.replace(real.remotes[0], url=url, md5=hashlib.md5(blob).hexdigest())
+    monkeypatch.setitem(sources.NAMES, "cifar10", dataclasses.replace(real, remotes=(remote,)))
+    asked = serve(monkeypatch, {url: blob})
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    lock = (data_dir / ".cifar10.fetch.lock").open("ab")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another run is fetching it
+    second = threading.Thread(target=lambda: sources.fetch("cifar10", data_dir))
+    second.start()
+    second.join(timeout=0.5)
+    assert second.is_alive() and not asked
+    sources._fetch_files(sources.source("cifar10"), data_dir, None)  # the other run's work under its lock
+    lock.close()
+    second.join(timeout=10)
+    assert not second.is_alive() and asked == [url]  # the waiting run found the files: fetched once
+
+
 def png(value: int) -> bytes:
     out = io.BytesIO()
     Image.fromarray(np.full((28, 28), value, dtype=np.uint8)).save(out, format="PNG")

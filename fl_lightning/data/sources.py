@@ -8,6 +8,7 @@ SHA-256 the Hub lists for that commit. See docs/benchmarks.md for the table.
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import pickle
 import shutil
@@ -357,21 +358,30 @@ def fetch(name: str, data_dir: Path | str = "data", revision: str | None = None,
     """
     src, data_dir = source(name), Path(data_dir)
     if force or not present(src, data_dir):
-        for remote in src.remotes:
-            target = data_dir / remote.name
-            download(remote.url, target, sha256=remote.sha256, md5=remote.md5, git_sha1=remote.git_sha1)
-            if remote.extract_to is not None:
-                print(f"unpacking {target.name} into {data_dir / remote.extract_to}", file=sys.stderr, flush=True)
-                safe_extract(target, data_dir / remote.extract_to)
-                target.unlink()
-        if src.hub is not None:
-            _fetch_hub(src.hub, data_dir, revision)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        # runs started together (flrun table / sweep --n_jobs) fetch a data set once: the others wait for it
+        with (data_dir / f".{src.name}.fetch.lock").open("ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if force or not present(src, data_dir):
+                _fetch_files(src, data_dir, revision)
     if not present(src, data_dir):
         raise ConfigError(
             f"{src.title}: the download finished but {data_dir / src.layout} is still incomplete; delete the "
             f"partial files and run {fetch_command(name, data_dir)} again."
         )
     return sorted(p for pattern in src.expected for p in data_dir.glob(pattern))
+
+
+def _fetch_files(src: Source, data_dir: Path, revision: str | None) -> None:
+    for remote in src.remotes:
+        target = data_dir / remote.name
+        download(remote.url, target, sha256=remote.sha256, md5=remote.md5, git_sha1=remote.git_sha1)
+        if remote.extract_to is not None:
+            print(f"unpacking {target.name} into {data_dir / remote.extract_to}", file=sys.stderr, flush=True)
+            safe_extract(target, data_dir / remote.extract_to)
+            target.unlink()
+    if src.hub is not None:
+        _fetch_hub(src.hub, data_dir, revision)
 
 
 def _fetch_hub(hub: HubFiles, data_dir: Path, revision: str | None) -> None:
