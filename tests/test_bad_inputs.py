@@ -258,6 +258,33 @@ CASES = [
     Case("resume file missing", ["--resume", "{tmp}/nothing.ckpt"], ["nothing.ckpt", "resume"]),
     Case("resume not a checkpoint", ["--resume", "{tmp}/fake.ckpt"], ["fake.ckpt"], files={"fake.ckpt": b"garbage"}),
     Case("monitor unknown", ["--monitor", "global/test_acc_typo"], ["global/test_acc_typo", "monitor"]),
+    Case(
+        "strategy server_lr negative",
+        ["--config", "recipes/digits_fedadam.yaml", "--strategy.init_args.server_lr", "-0.01"],
+        ["FedAdam", "server_lr > 0"],
+        no_recipe=True,
+    ),
+    Case(
+        "KD temperature zero",
+        ["--config", "recipes/digits_ondevice_kd.yaml", "--strategy.init_args.temperature", "0"],
+        ["OnDeviceKD", "temperature > 0"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedHe alpha negative",
+        ["--config", "recipes/digits_fedhe.yaml", "--strategy.init_args.alpha", "-1"],
+        ["FedHe", "alpha >= 0"],
+        no_recipe=True,
+    ),
+    Case(
+        "FD temperature negative",
+        ["--config", "recipes/digits_fd.yaml", "--strategy.init_args.temperature", "-1"],
+        ["FD", "temperature > 0"],
+        no_recipe=True,
+    ),
+    Case("test share leaves no example", ["--data.init_args.test_fraction", "0.001"], ["test_fraction 0.001", "raise"]),
+    Case("optimizer option misspelled", ["--training.optimizer.init_args.momentun", "0.9"], ["'momentun'", "momentum"]),
+    Case("model option one key at a time", ["--models.global.args.width", "0.5"], ["models.global.args", "mapping"]),
     Case("reference not a mapping", ["--reference", "paper"], ["reference"]),
     # ---------------------------------------------------------------- sweep files (flrun sweep)
     Case(
