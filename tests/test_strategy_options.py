@@ -60,3 +60,13 @@ def test_fedadam_per_role_rates_must_name_every_role(tmp_path, capsys):
     )
     stderr = capsys.readouterr().err
     assert code == 2 and "FedAdam server_lr gives no rate for role(s) ['large']" in stderr, stderr
+
+
+@pytest.mark.parametrize("recipe", ["digits_merged_codist", "digits_periodic_codist"])
+@pytest.mark.parametrize("option", ["lr", "temperature"])
+def test_codistillation_per_role_options_must_name_every_role(tmp_path, capsys, recipe, option):
+    argv = ["--config", str(ROOT / "recipes" / f"{recipe}.yaml"), CODIST + option, "{small: 0.5}"]
+    assert run_cli("fit", *argv, "--output_dir", str(tmp_path / "out")) == 2
+    stderr = capsys.readouterr().err
+    assert f"distillation {option} gives no value for role(s) ['large']" in stderr, stderr
+    assert not (tmp_path / "out").exists()  # at setup, not in the first codistillation round

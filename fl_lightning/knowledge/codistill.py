@@ -111,6 +111,17 @@ class Codistillation:
     def _per_role(value, role):
         return value[role] if isinstance(value, dict) else value
 
+    def check_roles(self, method: str, roles) -> None:
+        """Refuses a per-role ``lr`` or ``temperature`` that misses one of the pools' roles (found at setup,
+        not in the first codistillation round)."""
+        for option, value in (("lr", self.lr), ("temperature", self.temperature)):
+            missing = [role for role in roles if isinstance(value, dict) and role not in value]
+            if missing:
+                raise ConfigError(
+                    f"{method}'s distillation {option} gives no value for role(s) {missing}; give one per role "
+                    f"({', '.join(roles)}) or a single number."
+                )
+
     def run(
         self,
         server: ServerContext,

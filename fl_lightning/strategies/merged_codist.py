@@ -43,6 +43,7 @@ class MergedCodist(FedAdam):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
+        self.distillation.check_roles(type(self).__name__, tuple(self.roles))
         self.server_x = server.server_inputs(type(self).__name__)
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
