@@ -70,3 +70,17 @@ def test_codistillation_per_role_options_must_name_every_role(tmp_path, capsys, 
     stderr = capsys.readouterr().err
     assert f"distillation {option} gives no value for role(s) ['large']" in stderr, stderr
     assert not (tmp_path / "out").exists()  # at setup, not in the first codistillation round
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([S + "split", "tset"], "FML split must be global, test or val, got 'tset'."),
+        (["--data.init_args.local_split", "[1.0, 0.0, 0.0]"], "FML evaluates each client on its local test split"),
+    ],
+)
+def test_an_evaluation_split_the_clients_lack_is_refused_before_training(tmp_path, capsys, args, expected):
+    argv = ["--config", str(ROOT / "recipes/digits_fml.yaml"), *args, "--output_dir", str(tmp_path / "out")]
+    assert run_cli("fit", *argv) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # before the first round, not at the first evaluation after it

@@ -182,6 +182,7 @@ class Strategy:
     def setup(self, server: ServerContext) -> None:
         """Called once before the first round (and before a checkpoint is restored)."""
         self.server = server
+        _check_evaluation_split(type(self).__name__, getattr(self, "split", None), server)
 
     def server_roles(self) -> tuple[str, ...]:
         """Model roles that only the server trains (FedGKT's and FedGEMS's large model): built with the
@@ -244,6 +245,22 @@ class PersonalModels:
     @property
     def monitor(self) -> str:
         return "personal/test_acc"
+
+
+def _check_evaluation_split(method: str, split: Any, server: ServerContext) -> None:
+    """A personalized method's ``split`` names a set every client has: checked before training rather than
+    at the first evaluation after it."""
+    if split is None:
+        return
+    if split not in ("global", "test", "val"):
+        raise ConfigError(f"{method} split must be global, test or val, got {split!r}.")
+    if split != "global":
+        empty = [c.id for c in server.clients if not len(getattr(server.data.clients[c.id], split))]
+        if empty:
+            raise ConfigError(
+                f"{method} evaluates each client on its local {split} split, but client(s) {empty[:5]} have none; "
+                f"set data.local_split (train, val, test shares), e.g. [0.8, 0.1, 0.1], or the strategy's split: global."
+            )
 
 
 def _export(value: Any) -> Any:
