@@ -260,6 +260,8 @@ def _report_table(args) -> int:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     (write_table_markdown if output.suffix == ".md" else write_table_html)(table, output)
+    for warning in table["warnings"]:
+        print(f"flrun report: warning: {warning}", file=sys.stderr)
     print(f"{table['id']}: {len(table['cells'])} cells, {table['runs']} runs: {output}")
     return 0
 
@@ -269,6 +271,7 @@ def run_table(argv: list[str]) -> int:
     import argparse
 
     from .recipes import RECIPES_DIR
+    from .report import report_output
     from .report_table import build_table, write_table_html, write_table_markdown
     from .table_runs import check_fit_args, plan, run_all
 
@@ -297,6 +300,8 @@ def run_table(argv: list[str]) -> int:
     if args.n_jobs < 1:
         raise _UserError(f"--n_jobs must be at least 1, got {args.n_jobs}.")
     check_fit_args(fit_args)
+    if args.output:
+        report_output(args.output)  # .html or .md, refused before any run starts
     runs = plan(args.table, args.seeds, Path(args.runs), recipes)
     if args.dry_run:
         for run in runs:
@@ -308,10 +313,12 @@ def run_table(argv: list[str]) -> int:
         print("flrun table: interrupted; run the same command again to resume the runs.", file=sys.stderr)
         return 130
     paper, _, name = args.table.partition("/")
-    output = Path(args.output) if args.output else Path(args.runs) / paper / f"{name}.html"
+    output = report_output(args.output) if args.output else Path(args.runs) / paper / f"{name}.html"
     table = build_table([str(run.output_dir) for run in done], args.table, recipes)  # this plan's complete runs
     output.parent.mkdir(parents=True, exist_ok=True)
     (write_table_markdown if output.suffix == ".md" else write_table_html)(table, output)
+    for warning in table["warnings"]:
+        print(f"flrun table: warning: {warning}", file=sys.stderr)
     print(f"{table['id']}: {len(table['cells'])} cells, {table['runs']} runs: {output}")
     for run, reason in failed:
         print(f"flrun table: {run.name} failed: {reason} (log {run.log})", file=sys.stderr)

@@ -75,6 +75,19 @@ def _digest(recipe: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
+def experiment_digest(run: dict) -> str:
+    """A short hash of the run's experiment-defining recipe (its name aside: a base-only recipe is its base's
+    experiment)."""
+    recipe = recipe_of(run, ignored_keys())
+    recipe.pop("name", None)
+    return _digest(recipe)
+
+
+def differing_keys(runs: list[dict]) -> list[str]:
+    """The recipe keys in which the experiments of ``runs`` (one run each) differ."""
+    return _differences([recipe_of(run, ignored_keys()) for run in runs])
+
+
 def value_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 

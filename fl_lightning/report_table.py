@@ -27,7 +27,7 @@ import yaml
 from .errors import ConfigError
 from .recipes import BASE_KEY, RECIPES_DIR, _read, load_recipe, natural_key, paper_recipes
 from .report import find_runs, load_run, measured_value, number
-from .report_groups import one_per_seed
+from .report_groups import differing_keys, experiment_digest, one_per_seed
 
 Key = tuple[str, str, str, str]  # (paper id, table id, row, column)
 
@@ -115,9 +115,12 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         raise ConfigError(f"no recipe or run names the table {wanted!r}; known tables: {', '.join(known)}.")
     experiments = _experiments(cells)
     table = [c for c in cells if f"{c['key'][0]}/{c['key'][1]}" == wanted]
+    warnings = []
     for cell in table:
         same = experiments[cell["key"]]
         matching = [r for r in runs if cell_key(r["summary"].get("reference") or {}) in same]
+        matching, warning = _one_experiment(matching, ", ".join(x for x in cell["key"][2:] if x))
+        warnings += [warning] if warning else []
         cell["runs"], cell["duplicates"] = one_per_seed(matching)
         if cell["strategy"] is None and cell["runs"]:
             cell["strategy"] = _run_strategy(cell["runs"][0]["root"])
@@ -134,7 +137,31 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         "method_axis": method_axis,
         "ranking": ranking(table, method_axis),
         "runs": sum(len(c["runs"]) for c in table),
+        "warnings": warnings,
     }
+
+
+def _one_experiment(runs: list[dict], cell: str) -> tuple[list[dict], str | None]:
+    """The runs of one experiment among those naming a cell: all of them, or (when they ran different recipes,
+    e.g. a 2-round smoke test next to the full run) those of the recipe with the most runs, then the most
+    rounds, with a warning naming what differs and the runs left out; a cell never averages two experiments."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(experiment_digest(run), []).append(run)
+    if len(groups) < 2:
+        return runs, None
+    ranked = sorted(
+        groups.values(),
+        key=lambda g: (len(g), max(float(r["summary"].get("rounds_planned") or 0) for r in g)),
+        reverse=True,
+    )
+    left_out = [str(r["root"]) for group in ranked[1:] for r in group]
+    keys = differing_keys([group[0] for group in ranked])
+    return ranked[0], (
+        f"cell {cell}: its runs ran {len(ranked)} different recipes (they differ in {', '.join(keys[:4]) or 'config.yaml'}); "
+        f"shown: the {len(ranked[0])} run(s) like {ranked[0][0]['root']}; left out: {', '.join(left_out[:4])}"
+        f"{f' and {len(left_out) - 4} more' if len(left_out) > 4 else ''}."
+    )
 
 
 def _metrics(reference: Any) -> list[str]:
@@ -368,6 +395,7 @@ def write_table_html(table: dict, path: Path) -> None:
         f"<title>{e(table['id'])}: paper vs measured</title><style>{style}</style></head><body>",
         f"<h1>{e(table['paper'])}, {e(table['table'])}</h1><p>{e(_title(table))}.</p>",
         html_table(header, rows),
+        "".join(f"<p class='warning'>{e(warning)}</p>" for warning in table.get("warnings", [])),
         f"<p class='note'>{e(TABLE_NOTE)}</p><p class='note'>{e(RANKING_NOTE)}</p>",
         "<h2>Runs</h2>",
         html_table(PROVENANCE_HEADER, [[(e(v), "") for v in r] for r in _provenance(table)]),
@@ -387,6 +415,7 @@ def write_table_markdown(table: dict, path: Path) -> None:
             cells_md.append(md(item) if isinstance(item, str) else "<br>".join(md(v) for _, v in cell_lines(item)))
         rows.append(cells_md)
     lines = [f"# {md(table['paper'])}, {md(table['table'])}", "", f"{md(_title(table))}.", ""]
-    lines += md_table(header, rows) + ["", md(TABLE_NOTE), "", md(RANKING_NOTE), "", "## Runs", ""]
+    lines += md_table(header, rows) + [""] + [f"**Warning:** {md(w)}\n" for w in table.get("warnings", [])]
+    lines += [md(TABLE_NOTE), "", md(RANKING_NOTE), "", "## Runs", ""]
     lines += md_table(PROVENANCE_HEADER, [[md(v) for v in r] for r in _provenance(table)])
     path.write_text("\n".join(lines) + "\n")

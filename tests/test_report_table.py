@@ -198,3 +198,40 @@ def test_a_real_browser_builds_the_table(runs, tmp_path):
     dom = subprocess.run(browser, capture_output=True, text=True, timeout=120, check=True).stdout
     page = Page(dom)  # the document as Chromium parsed it
     assert page.rows[0][0] == "DS-FL (hetero)" and page.rows[1][0] == "CIFAR-10" and len(page.rows[1]) == 19
+
+
+def test_a_cell_never_averages_two_recipes_and_says_which_runs_it_left_out(runs, tmp_path, capsys):
+    import yaml
+
+    mixed = tmp_path / "runs"
+    shutil.copytree(runs, mixed)
+    smoke = mixed / "smoke/seed2"  # FedAvg's cell again, but a 1-round smoke test of another recipe
+    shutil.copytree(runs / "fedavg/seed0", smoke)
+    config = yaml.safe_load((smoke / "config.yaml").read_text())
+    config["rounds"], config["seed"] = 1, 2
+    (smoke / "config.yaml").write_text(yaml.safe_dump(config))
+    summary = read_summary(smoke)
+    summary["seed"], summary["final"]["aux/test_acc"] = 2, 0.0
+    (smoke / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "table5.md"
+    capsys.readouterr()
+    assert run_cli("report", str(mixed), "--table", "paper-001/table-5", "--output", str(out)) == 0
+    err = capsys.readouterr().err
+    assert "cell CIFAR-10, FedAvg (homo): its runs ran 2 different recipes (they differ in rounds)" in err
+    assert f"left out: {smoke}." in err and "Warning:" in out.read_text()
+    reference = tmp_path / "reference.md"
+    assert run_cli("report", str(runs), "--table", "paper-001/table-5", "--output", str(reference)) == 0
+
+    def grid(path):
+        return [line for line in path.read_text().split("## Runs")[0].splitlines() if line.startswith("|")]
+
+    # every cell shows what it showed without the smoke run (its 0.0 accuracy is not averaged in)
+    assert grid(out) == grid(reference)
+
+
+def test_flrun_table_refuses_an_output_it_would_not_write(tmp_path, capsys):
+    assert (
+        run_cli("table", "paper-001/table-5", "--runs", str(tmp_path / "runs"), "--output", str(tmp_path / "t.pdf"))
+        == 2
+    )
+    assert "must end in .html or .md" in capsys.readouterr().err and not (tmp_path / "runs").exists()
