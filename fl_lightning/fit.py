@@ -370,6 +370,8 @@ def check_output_dir(root: Path) -> None:
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{where}: {existing} is not writable; choose an output_dir you can write to.")
+    if (root / "sweep.json").is_file():  # a run's files would be mixed into the sweep's results
+        raise ConfigError(f"{where} holds a sweep (sweep.json); give the run a directory of its own.")
 
 
 def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:

@@ -219,6 +219,15 @@ def test_a_stop_round_already_passed_is_refused(tmp_path, capsys):
     assert read_summary(tmp_path / "x")["rounds"] == 3
 
 
+def test_a_sweep_directory_is_not_taken_as_a_run_directory(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep/sweep.json").write_text("{}")
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "sweep")) == 2
+    assert "holds a sweep (sweep.json); give the run a directory of its own" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["sweep.json"]
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
