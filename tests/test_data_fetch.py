@@ -171,17 +171,22 @@ def cifar_archive(path):
     return craft_tar(path, members).read_bytes()
 
 
-def test_fetch_downloads_verifies_unpacks_and_the_loader_reads_it(tmp_path, monkeypatch, capsys):
-    from conftest import run_cli
-
-    from fl_lightning.data import Cifar10Data
-
+def serve_cifar(tmp_path, monkeypatch) -> tuple[str, list[str]]:
+    """CIFAR-10's source pointed at a served tiny archive in the real format; returns its URL and the URLs asked."""
     blob = cifar_archive(tmp_path / "archive.tar.gz")
     real = sources.source("cifar10")
     url = "https://example.org/cifar-10-python.tar.gz"
     remote = dataclasses.replace(real.remotes[0], url=url, md5=hashlib.md5(blob).hexdigest())
     monkeypatch.setitem(sources.NAMES, "cifar10", dataclasses.replace(real, remotes=(remote,)))
-    asked = serve(monkeypatch, {url: blob})
+    return url, serve(monkeypatch, {url: blob})
+
+
+def test_fetch_downloads_verifies_unpacks_and_the_loader_reads_it(tmp_path, monkeypatch, capsys):
+    from conftest import run_cli
+
+    from fl_lightning.data import Cifar10Data
+
+    url, asked = serve_cifar(tmp_path, monkeypatch)
     data_dir = tmp_path / "data"
     assert run_cli("data", "fetch", "cifar10", "--data_dir", str(data_dir)) == 0
     assert "downloaded and verified, 6 files" in capsys.readouterr().out
@@ -196,12 +201,7 @@ def test_runs_fetching_one_data_set_together_download_and_unpack_it_once(tmp_pat
     import fcntl
     import threading
 
-    blob = cifar_archive(tmp_path / "archive.tar.gz")
-    real = sources.source("cifar10")
-    url = "https://example.org/cifar-10-python.tar.gz"
-    remote = dataclasses.replace(real.remotes[0], url=url, md5=hashlib.md5(blob).hexdigest())
-    monkeypatch.setitem(sources.NAMES, "cifar10", dataclasses.replace(real, remotes=(remote,)))
-    asked = serve(monkeypatch, {url: blob})
+    url, asked = serve_cifar(tmp_path, monkeypatch)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     lock = (data_dir / ".cifar10.fetch.lock").open("ab")
