@@ -15,8 +15,9 @@ class UserError(Exception):
     """A mistake in what the user gave (a recipe, an option): one sentence, exit status 2."""
 
 
-# the optimizer of a recipe that names none, filled in after parsing: as a parser default, its lr would be
-# carried into any class a recipe names without one (jsonargparse keeps init_args the new class accepts)
+# the optimizer of a recipe that names no optimizer class, put first on the command line; as a parser default,
+# its lr would be carried into any class a recipe names without one (jsonargparse keeps given init_args the
+# new class accepts)
 DEFAULT_OPTIMIZER = "{class_path: torch.optim.SGD, init_args: {lr: 0.05}}"
 
 
@@ -70,21 +71,44 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
 
 
 def _optimizer_given(argv: list[str]) -> bool:
-    """Whether a recipe (its bases included) or an option names the clients' optimizer (or may: a whole
-    ``--training`` mapping)."""
+    """Whether a recipe (its bases included) or an option names the clients' optimizer class; options of an
+    unnamed one (``init_args`` alone, as a sweep's best_recipe.yaml writes them) are the default's."""
+    from jsonargparse import get_loader
+
     from .recipes import load_recipe
 
-    for arg in argv:
-        if arg.split("=", 1)[0] in ("--training.optimizer", "--training"):
+    options = {
+        "--training.optimizer": "optimizer",
+        "--training.optimizer.class_path": "class",
+        "--training": "training",
+    }
+    for i, arg in enumerate(argv):
+        key, _, value = arg.partition("=")
+        if key not in options:
+            continue
+        value = value if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+        if options[key] == "class":
+            return True
+        try:
+            value = get_loader("yaml")(value)
+        except Exception:  # noqa: BLE001 - not YAML: a class name, or an error the parse reports in its words
+            return True
+        if options[key] == "training":
+            value = value.get("optimizer") if isinstance(value, dict) else None
+        if _names_class(value):
             return True
     for path in config_paths(argv):
         try:
             training = load_recipe(Path(path)).get("training")
         except Exception:  # noqa: BLE001 - a broken recipe is reported by the parse itself, in its own words
             return True
-        if isinstance(training, dict) and "optimizer" in training:
+        if isinstance(training, dict) and _names_class(training.get("optimizer")):
             return True
     return False
+
+
+def _names_class(optimizer: object) -> bool:
+    return isinstance(optimizer, str) or (isinstance(optimizer, dict) and "class_path" in optimizer)
 
 
 def fit_from_argv(argv: list[str], extra_loggers: list | None = None) -> dict:

@@ -67,6 +67,20 @@ def test_an_optimizer_named_without_lr_gets_its_own_default_and_none_named_gets_
         "torch.optim.SGD",
         0.01,
     )
+    none = ("--config", str(tmp_path / "none.yaml"))
+    # options of an unnamed optimizer are the default's: a sweep's best_recipe.yaml holds init_args alone
+    recipe["training"]["optimizer"] = {"init_args": {"lr": 0.0626}}
+    (tmp_path / "swept.yaml").write_text(yaml.safe_dump(recipe))
+    assert optimizer("--config", str(tmp_path / "swept.yaml")) == ("torch.optim.SGD", 0.0626)
+    assert optimizer(*none, "--training", "{local_epochs: 2}", "--training.optimizer.init_args.lr", "0.01") == (
+        "torch.optim.SGD",
+        0.01,
+    )
+    for named in (
+        ["--training.optimizer.class_path", "torch.optim.Adam"],
+        ["--training.optimizer", "torch.optim.Adam"],
+    ):
+        assert optimizer(*none, *named) == ("torch.optim.Adam", 0.001)
 
 
 @pytest.mark.parametrize(
