@@ -26,7 +26,7 @@ from .orchestrator import FederationOrchestrator
 from .population import Population
 from .ranks import connect_ranks, join_ranks, leave_ranks
 from .robustness import Faults
-from .run_state import check_resume
+from .run_state import check_monitor, check_resume
 from .sampling import ClientSampler, UniformSampler
 from .strategies import Strategy
 from .strategies.base import roles_to_build
@@ -283,6 +283,8 @@ def fit(
         }
         if checkpoint is not None:
             resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
+            if checkpoint.get("last_eval"):  # a changed monitor: refused before anything is written
+                check_monitor(monitor or strategy.monitor, checkpoint["last_eval"]["metrics"])
             done = checkpoint["rounds_done"]
             if stop_after is not None and stop_after <= done < rounds:  # it would train a round, then stop
                 raise ConfigError(

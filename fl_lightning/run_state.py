@@ -49,6 +49,15 @@ def _better(value: float, best: float, monitor: str) -> bool:
     return value < best if lower_is_better(monitor) else value > best
 
 
+def check_monitor(monitor: str, metrics: dict[str, float]) -> None:
+    """Refuses a monitor the evaluations do not produce, naming those they do."""
+    if monitor not in metrics:
+        raise ConfigError(
+            f"monitor metric {monitor!r} is not among the evaluation metrics {sorted(metrics)}; continue "
+            "with --resume auto and --monitor set to one of them (a resume may change the monitor)."
+        )
+
+
 class RunState:
     """Rounds done, metric history, best and last evaluation, elapsed time, client states and traffic.
 
@@ -85,11 +94,7 @@ class RunState:
     ) -> None:
         """Keeps the evaluation (``per_client``: each client's personal accuracy, for summary.json; kept in
         checkpoints so that a resumed run's summary has them without evaluating again)."""
-        if monitor not in metrics:
-            raise ConfigError(
-                f"monitor metric {monitor!r} is not among the evaluation metrics {sorted(metrics)}; continue "
-                "with --resume auto and --monitor set to one of them (a resume may change the monitor)."
-            )
+        check_monitor(monitor, metrics)
         value = metrics[monitor]  # NaN (no client evaluated) never becomes the best
         if not math.isnan(value) and (self.best is None or _better(value, self.best["metrics"][monitor], monitor)):
             self.best = {"round": rnd, "metrics": dict(metrics), "monitor": monitor}
@@ -98,15 +103,17 @@ class RunState:
     def use_monitor(self, monitor: str) -> None:
         """A resumed run's best round by ``monitor``: the checkpoint's if it was chosen by the same metric, else
         found again among the evaluations so far (a resume may change the monitor)."""
-        if self.best is None or self.best.get("monitor") == monitor:
+        if self.last_eval is None or (self.best is not None and self.best.get("monitor") == monitor):
             return
-        keys = set(self.last_eval["metrics"]) if self.last_eval else set()
-        self.best = None
+        keys = set(self.last_eval["metrics"])
+        check_monitor(monitor, self.last_eval["metrics"])  # refused now, not silently at the end
+        self.best, best_value = None, None
         for row in self.history:  # every evaluated round, in order: the first of equal values stays the best
             value = row.get(monitor)
             if value is None or math.isnan(value):
                 continue
-            if self.best is None or _better(value, self.best["metrics"][monitor], monitor):
+            if best_value is None or _better(value, best_value, monitor):
+                best_value = value
                 metrics = {k: v for k, v in row.items() if k in keys}
                 self.best = {"round": row["round"], "metrics": metrics, "monitor": monitor}
 

@@ -156,6 +156,12 @@ def test_a_loss_monitor_picks_the_lowest_loss_and_a_resume_may_change_the_monito
     assert "continue with --resume auto and --monitor set to one of them" in capsys.readouterr().err
     assert run_cli(*common, "--output_dir", str(typo), "--resume", "auto", *loss) == 0
     assert read_summary(typo)["best"] == full["best"]
+    # a resume naming a monitor the evaluations do not produce is refused before anything is written
+    saved = {name: (typo / name).read_bytes() for name in ("config.yaml", "summary.json", "checkpoints/last.ckpt")}
+    for wrong in ("global/test_acx", "train/loss"):  # train/loss is a metrics.csv column, not an evaluation's
+        assert run_cli(*common, "--output_dir", str(typo), "--resume", "auto", "--monitor", wrong) == 2
+        assert f"monitor metric '{wrong}' is not among the evaluation metrics" in capsys.readouterr().err
+    assert {name: (typo / name).read_bytes() for name in saved} == saved
 
 
 def test_a_resumed_personalized_run_keeps_each_clients_accuracy_in_its_summary(tmp_path):
