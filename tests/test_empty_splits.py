@@ -33,10 +33,10 @@ def test_a_server_fraction_that_rounds_to_nothing_is_refused():
         DigitsData(server_fraction=0.001).setup(num_clients=4, seed=0)
 
 
-def test_a_local_share_that_leaves_a_client_no_example_is_refused():
+def test_a_local_share_that_leaves_every_client_no_example_is_refused():
     # 1,438 training digits over 4 IID clients: 360, 360, 359, 359; 0.001 of that rounds to 0
     data = DigitsData(partitioner=IidPartitioner(), local_split=(0.998, 0.001, 0.001))
-    with pytest.raises(ConfigError, match=r"leaves client 0 \(360 examples\) no local val examples"):
+    with pytest.raises(ConfigError, match=r"leaves every client no local val examples \(the largest holds 360\)"):
         data.setup(num_clients=4, seed=0)
     data = DigitsData(partitioner=IidPartitioner(), local_split=(0.99, 0.0, 0.01))  # round(3.6) = round(3.59) = 4
     data.setup(num_clients=4, seed=0)
@@ -73,3 +73,13 @@ def test_femnist_test_fraction_is_checked(tmp_path):
 def test_stackoverflow_needs_test_examples():
     with pytest.raises(ConfigError, match="test_examples must be at least 1"):
         StackOverflowData(test_examples=0)
+
+
+def test_a_local_val_share_some_clients_lack_is_refused_only_where_it_is_evaluated(tmp_path, capsys):
+    # quickstart's smallest clients hold 16 examples: a 0.03 val share gives them none, and FedAvg reads no val
+    argv = ["--config", str(ROOT / "recipes/quickstart.yaml"), "--rounds", "1", "--runtime.progress", "false"]
+    split = ["--data.init_args.local_split", "[0.9, 0.03, 0.07]"]
+    assert run_cli("fit", *argv, *split, "--output_dir", str(tmp_path / "fedavg")) == 0
+    standalone = ["--strategy", "{class_path: fl_lightning.strategies.Standalone, init_args: {split: val}}"]
+    assert run_cli("fit", *argv, *split, *standalone, "--output_dir", str(tmp_path / "own")) == 2
+    assert "Standalone evaluates each client on its local val split, but client(s)" in capsys.readouterr().err

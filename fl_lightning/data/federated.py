@@ -175,16 +175,15 @@ class FederatedData:
                 client.unlabeled = torch.cat([client.unlabeled, torch.from_numpy(np.sort(more)).long()])
 
     def _require_requested_splits(self) -> None:
-        """A local val / test share or an unlabeled share that rounds to no example at all is refused: the
-        personalized evaluation would fail after training, the unlabeled losses would silently never run."""
+        """A local val / test share or an unlabeled share that rounds to no example on any client is refused
+        (the share does nothing: a mistake). A client left without a local split that the method evaluates on
+        is refused by the strategy's setup (``strategies/base.py``); one that no method reads may stay empty."""
         for name, share in (("val", self.local_split[1]), ("test", self.local_split[2])):
-            sizes = [len(getattr(client, name)) for client in self.clients]
-            if share > 0 and min(sizes) == 0:
-                empty = sizes.index(0)
-                held = sum(len(getattr(self.clients[empty], f)) for f in ("train", "unlabeled", "val", "test"))
+            if share > 0 and not any(len(getattr(client, name)) for client in self.clients):
+                largest = max(len(c.train) + len(c.val) + len(c.test) for c in self.clients)
                 raise ConfigError(
-                    f"local_split {list(self.local_split)} leaves client {empty} ({held} examples) no local {name} "
-                    f"examples; raise the {name} share (e.g. [0.8, 0.1, 0.1]) or give every client more examples."
+                    f"local_split {list(self.local_split)} leaves every client no local {name} examples (the "
+                    f"largest holds {largest}); raise the {name} share (e.g. [0.8, 0.1, 0.1]) or give clients more examples."
                 )
         if self.unlabeled_fraction > 0 and not any(len(client.unlabeled) for client in self.clients):
             raise ConfigError(
