@@ -260,6 +260,9 @@ def test_hub_files_are_pinned_checked_and_read_by_the_femnist_loader(tmp_path, m
         commit,
     ]
     assert len(data.y) + len(data.test_y) == 20 and sorted(set(data.groups)) == ["w0", "w1", "w2", "w3"]
+    # the loader's folder holds the verified files only (no download locks), and nothing is left staged
+    assert sorted(p.name for p in (tmp_path / "femnist/hub").iterdir()) == ["REVISION", "train-00000-of-00001.parquet"]
+    assert not (tmp_path / ".fetch").exists()
     assert {float(v) for v in data.x.amax(dim=(1, 2, 3))} | {float(v) for v in data.x.amin(dim=(1, 2, 3))} == {
         0.0,
         1.0,

@@ -405,7 +405,8 @@ def _fetch_hub(hub: HubFiles, data_dir: Path, revision: str | None) -> None:
     for entry in entries:
         hub_download(hub.repo_id, revision, entry, staging / Path(entry["path"]).name)
     folder.mkdir(parents=True, exist_ok=True)
-    for path in staging.iterdir():  # only verified files reach the folder the loader reads
-        shutil.move(str(path), folder / path.name)
+    for entry in entries:  # only the verified files reach the folder the loader reads (not download's locks)
+        name = Path(entry["path"]).name
+        shutil.move(str(staging / name), folder / name)
     shutil.rmtree(data_dir / ".fetch", ignore_errors=True)
     (folder / "REVISION").write_text(f"{hub.repo_id} {revision}\n")
