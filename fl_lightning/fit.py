@@ -327,6 +327,12 @@ def fit(
         # every check has passed: only now is the run directory written (a refused start changes nothing)
         if ranks.writes:  # rank 0 alone writes it
             lock.acquire()  # a new directory: created here, locked before its first file
+            if checkpoint is None and (files.last_checkpoint.exists() or files.previous_checkpoint.exists()):
+                # another process made the directory and saved a run there while this one set up
+                raise ConfigError(
+                    f"{files.root} received another process's run while this one started; pass --resume auto to "
+                    "continue it or choose another --output_dir."
+                )
             files.write_json(files.partition, partition)
             if resolved_config is not None:
                 files.write_text(files.config, resolved_config)

@@ -234,6 +234,26 @@ def test_a_sweep_directory_is_not_taken_as_a_run_directory(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["sweep.json"]
 
 
+def test_a_run_saved_by_another_process_while_this_one_set_up_is_not_overwritten(tmp_path, capsys, monkeypatch):
+    from fl_lightning.data import DigitsData
+
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    run = tmp_path / "new"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "other")) == 0
+    real_setup = DigitsData.setup
+
+    def setup_while_another_saves(self, *args, **kwargs):  # the other process finishes its run meanwhile
+        real_setup(self, *args, **kwargs)
+        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (run / "checkpoints/last.ckpt").write_bytes((tmp_path / "other/checkpoints/last.ckpt").read_bytes())
+
+    monkeypatch.setattr(DigitsData, "setup", setup_while_another_saves)
+    capsys.readouterr()
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run)) == 2
+    assert "received another process's run while this one started" in capsys.readouterr().err
+    assert (run / "checkpoints/last.ckpt").read_bytes() == (tmp_path / "other/checkpoints/last.ckpt").read_bytes()
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
