@@ -86,6 +86,19 @@ def test_a_file_another_process_is_downloading_is_waited_for_and_not_fetched_aga
     assert result == [target] and not asked
 
 
+def test_a_download_on_a_file_system_without_locks_goes_on_without_one(tmp_path, monkeypatch):
+    import errno
+
+    def no_flock(file, operation):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(download.fcntl, "flock", no_flock)
+    good = b"the published bytes"
+    serve(monkeypatch, {"https://example.org/f.bin": good})
+    path = download.download("https://example.org/f.bin", tmp_path / "f.bin", sha256=hashlib.sha256(good).hexdigest())
+    assert path.read_bytes() == good
+
+
 def test_downloads_need_https_and_a_checksum(tmp_path, monkeypatch):
     asked = serve(monkeypatch, {"http://example.org/a": b"x", "https://example.org/a": b"x"})
     with pytest.raises(ConfigError, match="only https"):

@@ -254,6 +254,22 @@ def test_a_run_saved_by_another_process_while_this_one_set_up_is_not_overwritten
     assert (run / "checkpoints/last.ckpt").read_bytes() == (tmp_path / "other/checkpoints/last.ckpt").read_bytes()
 
 
+def test_a_file_system_without_locks_runs_with_a_warning(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from fl_lightning.tracking import run_files
+
+    def no_flock(file, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_files.fcntl, "flock", no_flock)
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0
+    assert (
+        "cannot be locked (No locks available); make sure no other flrun process writes it" in capsys.readouterr().err
+    )
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x")) == 0

@@ -7,6 +7,7 @@ set's own message, see :mod:`fl_lightning.data.sources`) instead of a page of re
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -89,10 +90,19 @@ def download(
     path.parent.mkdir(parents=True, exist_ok=True)
     # runs started together (flrun table / sweep --n_jobs) fetch a file once: the others wait, then find it
     with path.with_name(path.name + ".lock").open("ab") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        flock_if_supported(lock)
         if path.is_file() and file_digest(path, algorithm) == expected:
             return path
         return _fetch(url, path, algorithm, expected)
+
+
+def flock_if_supported(lock) -> None:
+    """Waits for the exclusive lock on ``lock``; on a file system without flock, goes on without it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
 
 
 def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:

@@ -8,7 +8,6 @@ SHA-256 the Hub lists for that commit. See docs/benchmarks.md for the table.
 
 from __future__ import annotations
 
-import fcntl
 import fnmatch
 import pickle
 import shutil
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from .download import NetworkError, download, hub_download, hub_files, hub_resolve, safe_extract
+from .download import NetworkError, download, flock_if_supported, hub_download, hub_files, hub_resolve, safe_extract
 
 
 @dataclass(frozen=True)
@@ -361,7 +360,7 @@ def fetch(name: str, data_dir: Path | str = "data", revision: str | None = None,
         data_dir.mkdir(parents=True, exist_ok=True)
         # runs started together (flrun table / sweep --n_jobs) fetch a data set once: the others wait for it
         with (data_dir / f".{src.name}.fetch.lock").open("ab") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            flock_if_supported(lock)
             if force or not present(src, data_dir):
                 _fetch_files(src, data_dir, revision)
     if not present(src, data_dir):

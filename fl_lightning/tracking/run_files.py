@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -78,6 +79,11 @@ class RunLock:
                 f"{self.root} is in use by another flrun process (it holds run.lock there); wait for it to end "
                 "or choose another --output_dir."
             ) from None
+        except OSError as err:  # a file system without flock (Lustre without flock, some NFS): run unguarded
+            print(
+                f"warning: {self.root} cannot be locked ({err.strerror}); make sure no other flrun process writes it.",
+                file=sys.stderr,
+            )
         self._file = lock
 
     def release(self) -> None:
