@@ -283,18 +283,12 @@ def fit(
         }
         if checkpoint is not None:
             resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
-            if checkpoint.get("last_eval"):  # a changed monitor: refused before anything is written
-                check_monitor(monitor or strategy.monitor, checkpoint["last_eval"]["metrics"])
-            done = checkpoint["rounds_done"]
-            if stop_after is not None and stop_after <= done < rounds:  # it would train a round, then stop
-                raise ConfigError(
-                    f"--stop_after {stop_after}: {files.root} has already run {done} rounds; give a later round "
-                    f"(e.g. --stop_after {done + 1}) or leave it out to run to round {rounds}."
-                )
+            if monitor is not None and checkpoint.get("last_eval"):  # refused before anything is written
+                check_monitor(monitor, checkpoint["last_eval"]["metrics"])
             if resumes:
                 run_info["resumed_with"] = resumes
             if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
-                print(_resuming_line(checkpoint, rounds, resume, files), file=sys.stderr, flush=True)
+                print(_resuming_line(checkpoint, rounds, resume, files, stop_after), file=sys.stderr, flush=True)
         elif resume == "auto" and ranks.writes:
             print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
         executor, sequential_why = resolve_executor(runtime, fabric.device, training)
@@ -401,11 +395,18 @@ def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | No
     return load_checkpoint(Path(resume))
 
 
-def _resuming_line(checkpoint: dict[str, Any], rounds: int, resume: str | None, files: RunFiles) -> str:
+def _resuming_line(
+    checkpoint: dict[str, Any], rounds: int, resume: str | None, files: RunFiles, stop_after: int | None
+) -> str:
     done = checkpoint["rounds_done"]
     source = files.last_checkpoint if resume == "auto" else Path(str(resume))
     if done >= rounds:
         return f"resuming {files.root} from {source}: all {rounds} rounds are done; only the summary is rewritten."
+    if stop_after is not None and stop_after <= done:  # a job chain's rerun: the orchestrator trains nothing
+        return (
+            f"resuming {files.root} from {source}: {done} of {rounds} rounds done, at or past --stop_after "
+            f"{stop_after}; nothing to train, only the summary is rewritten."
+        )
     return f"resuming {files.root} from {source}: {done} of {rounds} rounds done, continuing with round {done + 1}."
 
 

@@ -154,7 +154,9 @@ class FederationOrchestrator:
         self.progress = progress
         started = time.perf_counter() - state.elapsed
         try:
-            for rnd in range(state.rounds_done + 1, self.rounds + 1):
+            # a resume past its --stop_after round trains nothing (a job chain's rerun), and rewrites the summary
+            last = self.rounds if self.stop_after is None or self.stop_after > state.rounds_done else state.rounds_done
+            for rnd in range(state.rounds_done + 1, last + 1):
                 progress.start_round(rnd)
                 row = self._round(rnd)
                 metrics = None

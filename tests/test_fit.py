@@ -213,14 +213,17 @@ def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys):
     assert read_summary(run)["complete"]
 
 
-def test_a_stop_round_already_passed_is_refused(tmp_path, capsys):
+def test_a_resume_at_or_past_its_stop_round_trains_nothing(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=4)
     common = ("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "x"))
     assert run_cli(*common, "--stop_after", "2") == 0
+    saved = (tmp_path / "x/checkpoints/last.ckpt").read_bytes()
     capsys.readouterr()
-    assert run_cli(*common, "--resume", "auto", "--stop_after", "1") == 2
-    assert "--stop_after 1: " in capsys.readouterr().err
-    assert read_summary(tmp_path / "x")["rounds"] == 2  # nothing trained
+    for stop in ("2", "1"):  # a job chain's rerun after its round: exit 0 (afterok), nothing trained
+        assert run_cli(*common, "--resume", "auto", "--stop_after", stop) == 0
+        assert f"at or past --stop_after {stop}; nothing to train" in capsys.readouterr().err
+        assert read_summary(tmp_path / "x")["rounds"] == 2 and not read_summary(tmp_path / "x")["complete"]
+    assert (tmp_path / "x/checkpoints/last.ckpt").read_bytes() == saved
     assert run_cli(*common, "--resume", "auto", "--stop_after", "3") == 0
     assert read_summary(tmp_path / "x")["rounds"] == 3
 
