@@ -184,10 +184,20 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
     check_metric(spec, init)
 
 
+def _override_keys(spec: SweepSpec) -> list[str]:
+    """The overrides' dotted keys; a class named in short (``optimizer: torch.optim.Adam``) counts as its
+    ``class_path``, so that searching the class's ``init_args`` is not taken for fixing them."""
+    keys = []
+    for key, value in flatten(spec.overrides).items():
+        searched_inside = any(name.startswith(f"{key}.init_args.") for name in spec.parameters)
+        keys.append(f"{key}.class_path" if isinstance(value, str) and searched_inside else key)
+    return keys
+
+
 def _check_overrides(spec: SweepSpec) -> None:
     if not isinstance(spec.overrides, dict):
         raise ConfigError(f"overrides must be a mapping of recipe keys, e.g. {{rounds: 20}}, got {spec.overrides!r}.")
-    fixed = [key for key in flatten(spec.overrides) for name in spec.parameters if overlap(key, name)]
+    fixed = [key for key in _override_keys(spec) for name in spec.parameters if overlap(key, name)]
     if fixed:  # a trial applies the parameter last, best_recipe.yaml's command the override: they would differ
         raise ConfigError(
             f"the sweep both fixes and searches {fixed[0]} (overrides and parameters); remove it from `overrides`."

@@ -222,3 +222,11 @@ def test_workers_stop_when_a_run_lacks_the_metric(tmp_path):
     rows = list(csv.DictReader((tmp_path / "sweep" / "trials.csv").open()))
     assert 1 <= len(rows) <= 2 and all(r["state"] == "FAIL" for r in rows)  # at most the two started at once
     assert "stopped after trial" in err
+
+
+def test_an_optimizer_class_named_in_short_in_overrides_may_have_its_options_searched(tmp_path):
+    from fl_lightning.sweep import load_sweep
+
+    overrides = {"rounds": 2, "eval_every": 1, "training": {"optimizer": "torch.optim.Adam"}}
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", **{**QUICK, "overrides": overrides}))
+    assert spec.overrides["training"]["optimizer"] == "torch.optim.Adam"  # accepted: only the lr is searched
