@@ -30,7 +30,7 @@ from .run_state import RunState
 from .sampling import ClientSampler
 from .seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from .sharding import ShardedPhases
-from .strategies.base import ServerContext, Strategy
+from .strategies.base import ServerContext, Strategy, check_evaluation_split
 from .tracking import RoundProgress, RunFiles, RunLogger
 from .types import ClientSpec, ClientTask, ClientUpdate
 
@@ -136,7 +136,9 @@ class FederationOrchestrator:
                 return faults is not None and faults.draw(seed, rnd, task.client.id) == "crash"
 
             self.sharded = ShardedPhases(self.ranks, self.state, loop, crashes, strategy.state_dict)
-        strategy.setup(ServerContext(clients, list(loop.slots), data, rounds, seed, loop))
+        server = ServerContext(clients, list(loop.slots), data, rounds, seed, loop)
+        strategy.setup(server)
+        check_evaluation_split(strategy, server)
         self.monitor = monitor or strategy.monitor
 
     # ------------------------------------------------------------------ the round loop

@@ -182,7 +182,6 @@ class Strategy:
     def setup(self, server: ServerContext) -> None:
         """Called once before the first round (and before a checkpoint is restored)."""
         self.server = server
-        _check_evaluation_split(type(self).__name__, getattr(self, "split", None), server)
 
     def server_roles(self) -> tuple[str, ...]:
         """Model roles that only the server trains (FedGKT's and FedGEMS's large model): built with the
@@ -247,9 +246,10 @@ class PersonalModels:
         return "personal/test_acc"
 
 
-def _check_evaluation_split(method: str, split: Any, server: ServerContext) -> None:
-    """A personalized method's ``split`` names a set every client has: checked before training rather than
-    at the first evaluation after it."""
+def check_evaluation_split(strategy: Strategy, server: ServerContext) -> None:
+    """A personalized method's ``split`` names a set every client has: checked by the orchestrator before
+    training rather than at the first evaluation after it."""
+    method, split = type(strategy).__name__, getattr(strategy, "split", None)
     if split is None:
         return
     if split not in ("global", "test", "val"):
