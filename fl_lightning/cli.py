@@ -72,6 +72,12 @@ def run_fit(argv: list[str]) -> int:
     runtime = init.runtime
     if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
         check_shardable(runtime.devices, init.schedule, init.training.optimizer_state)
+        root = Path(init.output_dir or Path("runs") / (init.name or "run") / f"seed{init.seed}")
+        if root.is_dir():  # a run another process writes: refused here, not by rank 0 while the others wait
+            from .tracking.run_files import RunLock
+
+            with RunLock(root) as probe:
+                probe.acquire()
         return launch(["fit", *argv], runtime.devices)
     from .fabric_loader import fabric_class
 

@@ -209,6 +209,10 @@ def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys):
         assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 2
         assert f"{run} is in use by another flrun process" in capsys.readouterr().err
         assert (run / "checkpoints/last.ckpt").read_bytes() == saved
+        # with several ranks the launching process refuses at once (rank 0 alone would leave the others waiting)
+        argv = ["--output_dir", str(run), "--resume", "auto", "--runtime.devices", "2"]
+        assert run_cli("fit", "--config", str(recipe), *argv) == 2
+        assert f"{run} is in use by another flrun process" in capsys.readouterr().err
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 0
     assert read_summary(run)["complete"]
 
