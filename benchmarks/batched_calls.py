@@ -26,8 +26,8 @@ from gpu_flagship import write_random_cifar10
 
 
 def count_calls(rounds: int) -> dict:
-    from fl_lightning.cli import fit_from_argv
-    from fl_lightning.client import group_training
+    from fl_lightning.cli.commands import fit_from_argv
+    from fl_lightning.client.batched import group_training
 
     calls: collections.Counter = collections.Counter()
 

@@ -45,9 +45,9 @@ def _tensor_digest(obj, digest) -> None:
 
 
 def fingerprint(recipe: Path, rounds: int) -> dict:
-    from fl_lightning.checkpoint import load_checkpoint
-    from fl_lightning.cli import fit_from_argv
-    from fl_lightning.client_store import load_client_states
+    from fl_lightning.cli.commands import fit_from_argv
+    from fl_lightning.run.checkpoint import load_checkpoint
+    from fl_lightning.run.client_store import load_client_states
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"

@@ -166,8 +166,8 @@ BLOCK = re.compile(
 
 def run_once(recipe: str, overrides: dict | None, seed: int, rounds: int | None) -> tuple[dict, dict]:
     """One in-process run: its summary and the values of every metric asked for (the comm column too)."""
-    from fl_lightning.cli import fit_from_argv
-    from fl_lightning.report import load_run, measured_value
+    from fl_lightning.cli.commands import fit_from_argv
+    from fl_lightning.report.runs import load_run, measured_value
 
     with tempfile.TemporaryDirectory() as tmp:
         config = ROOT / "recipes" / f"{recipe}.yaml"

@@ -33,7 +33,7 @@ WORKLOADS = {
 
 
 def seconds_per_round(recipe: str, extra: list[str], executor: str, rounds: int) -> tuple[float, dict | None]:
-    from fl_lightning.cli import fit_from_argv
+    from fl_lightning.cli.commands import fit_from_argv
 
     clock = RoundClock()
     with tempfile.TemporaryDirectory() as tmp:

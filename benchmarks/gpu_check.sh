@@ -31,7 +31,7 @@ if [ "${PART:-main}" = compile ]; then
 fi
 if [ "${PART:-main}" = probe ]; then
   if [ -n "${TINY:-}" ]; then accelerator=cpu; else accelerator=cuda; fi
-  python3 benchmarks/compile_probe.py --accelerator "$accelerator" --mode default reduce-overhead \
+  python3 benchmarks/probes/compile_probe.py --accelerator "$accelerator" --mode default reduce-overhead \
     --rounds 3 --local_steps 16 --per_batch 2000 | tee "$OUT/compile_probe.jsonl"
   exit 0
 fi

@@ -100,7 +100,7 @@ class Utilisation:
 
 
 def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tiny: bool, out: Path) -> dict:
-    from fl_lightning.cli import fit_from_argv
+    from fl_lightning.cli.commands import fit_from_argv
 
     argv = ["--config", str(ROOT / "recipes" / "ondevice_kd_cifar10.yaml"), "--rounds", str(rounds)]
     argv += ["--eval_every", str(rounds), "--checkpoint_every", str(rounds), "--runtime.progress", "false"]
@@ -151,7 +151,7 @@ def _cpu_stand_in(wanted: bool):
     """On a CPU dry run, CUDA graphs' stand-in that checks each replay against its capture (unless a caller,
     such as batched_python_calls.py, has put its own backend in place)."""
     from fl_lightning.client import graphs
-    from fl_lightning.client.graph_trace import CheckedReruns
+    from fl_lightning.client.graphs.trace import CheckedReruns
 
     original = graphs.backend_for
     if wanted and original.__module__ == graphs.__name__:

@@ -39,12 +39,12 @@ import torch.nn.functional as F
 
 from fl_lightning.client.loop import LocalLoop, LocalTraining, role_seed
 from fl_lightning.data import DataArrays, DigitsData, DirichletPartitioner, FederatedData
-from fl_lightning.fit import Runtime
+from fl_lightning.federation.population import Population
+from fl_lightning.federation.sampling import UniformSampler
+from fl_lightning.federation.seeding import SERVER_STREAM, derive_seed
 from fl_lightning.models import ModelSpec
-from fl_lightning.orchestrator import FederationOrchestrator
-from fl_lightning.population import Population
-from fl_lightning.sampling import UniformSampler
-from fl_lightning.seeding import SERVER_STREAM, derive_seed
+from fl_lightning.run.orchestrator import FederationOrchestrator
+from fl_lightning.run.runtime import Runtime
 from fl_lightning.strategies import FedAvg
 from fl_lightning.tracking import RunFiles, RunLogger
 

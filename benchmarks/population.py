@@ -59,7 +59,7 @@ def recipe(method: str, clients: int, args: argparse.Namespace) -> dict:
     config["population"]["num_clients"] = clients
     if method == "fedhe":
         config["population"]["tiers"] = FEDHE_TIERS
-    config["sampler"] = {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"num_per_round": 10}}
+    config["sampler"] = {"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"num_per_round": 10}}
     config.update(rounds=args.rounds, eval_every=args.rounds, checkpoint_every=1)
     config["evaluation"] = {"untrained": args.untrained}
     if args.clients_per_batch != 1:  # left out at its default, so that the script also runs on older commits
@@ -70,9 +70,9 @@ def recipe(method: str, clients: int, args: argparse.Namespace) -> dict:
 
 def run_one(method: str, clients: int, args: argparse.Namespace) -> dict:
     """One run, timed from the inside (this process is the worker)."""
-    import fl_lightning.fit as fit_module
-    from fl_lightning.cli import fit_from_argv
-    from fl_lightning.orchestrator import FederationOrchestrator
+    import fl_lightning.run.fit as fit_module
+    from fl_lightning.cli.commands import fit_from_argv
+    from fl_lightning.run.orchestrator import FederationOrchestrator
 
     timings: dict = {"checkpoint_s": [], "checkpoint_bytes": [], "eval_s": []}
     profile = cProfile.Profile() if args.counts else None  # the rounds' Python calls, evaluations left out

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from fl_lightning.checkpoint import load_checkpoint
+from fl_lightning.run.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ WORKLOAD = {
     },
     "models": {"global": {"builder": "digits_cnn", "args": {}}},
     "population": {"num_clients": 20},
-    "sampler": {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"num_per_round": 10}},
+    "sampler": {"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"num_per_round": 10}},
     "strategy": {"class_path": "fl_lightning.strategies.FedAvg"},
     "training": {
         "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05, "momentum": 0.9}},

@@ -7,7 +7,7 @@
 ``import torch`` alone is measured next to them: it is the floor of every command that builds the parser
 (jsonargparse resolves the torch types in ``flrun fit``'s signature). ``import lightning`` is what a run
 would add if it imported all of Lightning (its torchmetrics import pulls in torchvision, transformers and
-scipy); a run imports Fabric alone (``fl_lightning/fabric_loader.py``), and ``benchmarks/import_share.py``
+scipy); a run imports Fabric alone (``fl_lightning/fabric_loader.py``), and ``benchmarks/probes/import_share.py``
 breaks a run's imports down. Run it
 on an otherwise idle machine: on a shared one the numbers only bound the idle ones from above.
 """

@@ -27,7 +27,7 @@ TINY = {
     },
     "models": {"global": {"builder": "digits_mlp", "args": {"hidden": 32}}},
     "population": {"num_clients": 8, "tiers": [{"name": "all", "roles": ["global"]}]},
-    "sampler": {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"fraction": 0.5}},
+    "sampler": {"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"fraction": 0.5}},
     "strategy": {"class_path": "fl_lightning.strategies.FedAvg"},
     "training": {
         "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.9}},
@@ -55,7 +55,7 @@ def write_recipe(path: Path, **changes) -> Path:
 
 
 def run_cli(*argv: str) -> int:
-    from fl_lightning.cli import main
+    from fl_lightning.cli.commands import main
 
     return main(list(argv))
 
@@ -86,7 +86,7 @@ def method_env(strategy, models, tiers, num_clients=4, training=None, data=None,
 
     from fl_lightning.client import LocalLoop, LocalTraining
     from fl_lightning.data import DigitsData
-    from fl_lightning.population import Population
+    from fl_lightning.federation.population import Population
     from fl_lightning.strategies import ServerContext
     from fl_lightning.strategies.base import roles_to_build
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_lightning.checkpoint import load_checkpoint
-from fl_lightning.cli import fit_from_argv
-from fl_lightning.client.batched import _ALONE
-from fl_lightning.client_store import load_client_states
-from fl_lightning.errors import ConfigError
+from fl_lightning.cli.commands import fit_from_argv
+from fl_lightning.client.batched.fits import _ALONE
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.run.checkpoint import load_checkpoint
+from fl_lightning.run.client_store import load_client_states
 
 ROUNDS = "2"
 
@@ -187,7 +187,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
     """Steps closing over server knowledge per client (FedGEMS' teacher and public labels, FedGKT's teacher
     for each example, HeteroFL's absent classes) or taking their targets in the batch (DS-FL, FedMD's digest)
     run as vmapped groups."""
-    from fl_lightning.client import batched as batched_module
+    from fl_lightning.client.batched import fits as batched_module
 
     sequential, weights = _run(tmp_path, recipe, "sequential", *extra)
     lone, run_part = [], batched_module.BatchedFit._run_part
@@ -279,9 +279,9 @@ def test_auto_says_why_it_trains_sequentially_on_a_gpu_with_a_shared_optimizer_s
     """``auto`` batches on a GPU; paper 001's optimizer_state shared cannot (each client continues the
     previous client's state), and summary.json says so rather than leaving a GPU run sequential unexplained.
     On CPU auto trains sequentially anyway: nothing to explain."""
-    from fl_lightning import fit as fit_module
     from fl_lightning.client import LocalTraining
-    from fl_lightning.fit import SHARED_STATE_SEQUENTIAL, Runtime, resolve_executor
+    from fl_lightning.run import fit as fit_module
+    from fl_lightning.run.runtime import SHARED_STATE_SEQUENTIAL, Runtime, resolve_executor
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")  # devices as names: nothing runs on them
     shared, reset = LocalTraining(optimizer_state="shared"), LocalTraining()
@@ -312,7 +312,7 @@ def test_a_batched_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path
 
 def test_a_client_error_inside_a_batched_chunk_stops_the_run_as_sequentially(tmp_path):
     """An injected NaN update under divergence: stop raises the same one-sentence error in both modes."""
-    from fl_lightning.robustness import Diverged
+    from fl_lightning.run.robustness import Diverged
 
     errors = []
     for executor in ("sequential", "batched"):
@@ -329,8 +329,8 @@ def test_a_client_error_inside_a_batched_chunk_stops_the_run_as_sequentially(tmp
 def test_gathered_and_augmented_at_once_equals_client_by_client(per_example):
     """The batched executor gathers every client's batch in one indexing call and crops / flips them in one
     call with each client's own draws: bit for bit what each client's own stream gives, in the same order."""
-    from fl_lightning.client.group_training import gather, gatherable
-    from fl_lightning.client.loop import batch_stream
+    from fl_lightning.client.batched.group_training import gather, gatherable
+    from fl_lightning.client.batches import batch_stream
     from fl_lightning.data.transforms import CropFlip
 
     x, y = torch.randn(40, 3, 8, 8), torch.randint(0, 10, (40,))
@@ -369,8 +369,8 @@ def test_a_step_drawing_a_second_stream_runs_in_both_executors(tmp_path):
 
 def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
     """A chunk that stops (another client failed) cancels its clients; none may be left waiting."""
-    from fl_lightning.client.executor import _Coroutine
-    from fl_lightning.client.fit_request import FitRequest
+    from fl_lightning.client.batched.executor import _Coroutine
+    from fl_lightning.client.batched.fit_request import FitRequest
 
     reached = []
 
@@ -392,7 +392,7 @@ def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
 def test_a_tensor_two_roles_share_is_reparametrized_once_and_given_back():
     """Two roles that share a submodule (and a module with tied weights): one name reaches every place the
     tensor is held, and after the step the module holds its original Parameter again."""
-    from fl_lightning.client.reparametrize import Reparametrization
+    from fl_lightning.client.batched.reparametrize import Reparametrization
 
     shared = torch.nn.Linear(2, 2)
     roles = torch.nn.ModuleDict({"role0": torch.nn.Sequential(shared), "role1": torch.nn.Sequential(shared)})
@@ -415,7 +415,7 @@ def test_the_flat_store_gives_views_and_moves_only_the_chosen_clients(contiguous
     """Stacked tensors of several dtypes live in one flat buffer per label and dtype: views equal the tensors
     put in (contiguous where asked: vmap's batch norm needs it), a write through a view reaches the buffer,
     and a gather / scatter of clients 0 and 2 leaves client 1 alone."""
-    from fl_lightning.client.flat_store import FlatStore
+    from fl_lightning.client.batched.flat_store import FlatStore
 
     tensors = {
         ("w",): torch.arange(24.0).view(3, 2, 4),
@@ -450,7 +450,7 @@ def test_the_flat_store_gives_views_and_moves_only_the_chosen_clients(contiguous
 def test_parameter_and_moment_rows_line_up_so_a_rule_runs_on_whole_rows():
     """The trained parameters and a moment in rows of one layout: an update of the whole rows is the update of
     every tensor, and split gives each tensor's view of a row (as inside vmap) or of the rows."""
-    from fl_lightning.client.flat_store import FlatStore
+    from fl_lightning.client.batched.flat_store import FlatStore
 
     tensors = {
         ("p", "a"): torch.randn(4, 3, 2),

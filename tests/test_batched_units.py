@@ -14,13 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fl_lightning.client import batched as B
-from fl_lightning.client import fit_request, group_training, stacked_optim
-from fl_lightning.client.loop import LocalLoop, ModelSlot, batch_stream
+from fl_lightning.client import vmappable
+from fl_lightning.client.batched import fit_request, group_training, stacked_optim
+from fl_lightning.client.batched import fits as B
+from fl_lightning.client.batches import batch_stream
+from fl_lightning.client.loop import LocalLoop
+from fl_lightning.client.steps import ModelSlot
 from fl_lightning.client.training import LocalTraining
 
 
-@B.vmappable
+@vmappable
 def _cross_entropy(module, batch, i):
     x, y = batch
     return F.cross_entropy(module(x), y)
@@ -154,7 +157,7 @@ def test_uneven_step_counts_and_an_unused_parameter_run_sequentially():
 
 
 def test_a_first_step_failing_in_its_second_shape_group_records_nothing_twice():
-    @B.vmappable
+    @vmappable
     def step(module, batch, i):
         x, y = batch
         logits = module(x)
@@ -242,7 +245,7 @@ def test_a_teachers_batch_norm_statistics_sit_in_rows_and_train_as_in_the_sequen
     (fewer vmap inputs); the trained role's running statistics, updated by batch norm's rule, in blocks."""
     loop, teacher = _norm_roles()
 
-    @B.vmappable
+    @vmappable
     def kd(module, batch, i):
         x, y = batch
         return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())
@@ -267,7 +270,7 @@ def test_a_teachers_batch_norm_statistics_sit_in_rows_and_train_as_in_the_sequen
 def test_a_step_that_puts_a_teachers_batch_norm_into_training_mode_runs_sequentially():
     loop, teacher = _norm_roles()
 
-    @B.vmappable  # wrongly: it changes a module's mode
+    @vmappable  # wrongly: it changes a module's mode
     def kd(module, batch, i):
         x, y = batch
         teacher.train()
@@ -293,7 +296,7 @@ def test_batches_holding_other_than_tensors_run_sequentially():
     """A step may take batches a strategy built itself (``ctx.fit(batches=...)``): ones holding a non-tensor cannot
     be stacked, so the group runs through the sequential loop with the same numbers."""
 
-    @B.vmappable
+    @vmappable
     def step(module, batch, i):
         x, y, scale = batch
         return scale * F.cross_entropy(module(x), y)
@@ -309,7 +312,7 @@ def test_batches_holding_other_than_tensors_run_sequentially():
 def test_a_step_that_switches_a_batch_norm_to_training_mode_later_stops_with_a_clear_error():
     loop, teacher = _norm_roles()
 
-    @B.vmappable  # wrongly: from its second step on it changes a module's mode
+    @vmappable  # wrongly: from its second step on it changes a module's mode
     def kd(module, batch, i):
         x, y = batch
         teacher.train(i > 0)
@@ -335,7 +338,7 @@ def test_a_batch_norm_that_updates_its_statistics_in_evaluation_mode_matches_the
     loop = _loop(modules, lambda p: torch.optim.SGD(p, lr=0.1))
     teacher = modules["t"].eval()
 
-    @B.vmappable
+    @vmappable
     def kd(module, batch, i):
         x, y = batch
         return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())

@@ -13,7 +13,7 @@ from fl_lightning.data.femnist import FemnistData
 from fl_lightning.data.imdb import ImdbData, build_vocab, encode
 from fl_lightning.data.speech import SAMPLE_RATE, SpeechCommandsData, spectrogram
 from fl_lightning.data.tff import FedCifar100Data, StackOverflowData
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 
 RNG = np.random.default_rng(0)
 

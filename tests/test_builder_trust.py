@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 from fl_lightning.models import FeatureClassifier, ModelSpec
 
 MODULE = """

@@ -75,7 +75,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes_exactly(tm
     assert f"checkpoint {last} is damaged" in err and f"--resume {previous}" in err
 
     assert run_cli("fit", *common, "--output_dir", str(run), "--resume", str(previous), "--stop_after", "2") == 0
-    from fl_lightning.checkpoint import load_checkpoint
+    from fl_lightning.run.checkpoint import load_checkpoint
 
     assert load_checkpoint(previous)["rounds_done"] == 1  # the damaged file did not replace the good one
     assert run_cli("fit", *common, "--output_dir", str(run), "--resume", "auto") == 0
@@ -83,7 +83,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes_exactly(tm
 
 
 def test_saving_state_that_would_not_load_safely_fails_before_writing(tmp_path):
-    from fl_lightning.checkpoint import save_checkpoint
+    from fl_lightning.run.checkpoint import save_checkpoint
 
     path = tmp_path / "checkpoints/last.ckpt"
     with pytest.raises(TypeError, match=r"state\['history'\]\[0\] is a numpy.float64"):
@@ -166,7 +166,7 @@ def test_resume_accepts_safe_changes_records_them_and_adds_rounds_exactly(tmp_pa
 
 
 def test_run_files_and_checkpoints_are_fsynced_with_their_directory(tmp_path, monkeypatch):
-    from fl_lightning.checkpoint import save_checkpoint
+    from fl_lightning.run.checkpoint import save_checkpoint
     from fl_lightning.tracking import RunFiles
 
     synced: list[tuple[int, bool]] = []
@@ -196,7 +196,7 @@ def test_run_files_and_checkpoints_are_fsynced_with_their_directory(tmp_path, mo
 
 
 def test_random_streams_are_named_distinct_and_keep_their_numbers():
-    from fl_lightning.seeding import MAX_PHASES, Owner, Stream, derive_seed, server_phase
+    from fl_lightning.federation.seeding import MAX_PHASES, Owner, Stream, derive_seed, server_phase
 
     # the numbers every recorded result was drawn with (benchmarks/digits_fingerprint.json); new streams add to them
     recorded = {
@@ -222,7 +222,7 @@ def test_random_streams_are_named_distinct_and_keep_their_numbers():
 
 
 def test_tensors_by_path_names_every_tensor_and_leaves_out_the_writers_of_client_states():
-    from fl_lightning.checkpoint import tensors_by_path
+    from fl_lightning.run.checkpoint import tensors_by_path
 
     a, b, c = torch.zeros(2), torch.ones(3), torch.arange(4)
     tree = {"strategy": {"w": a, "banks": [b, (c, "not a tensor")]}, "clients": {"writers": torch.tensor([7])}}

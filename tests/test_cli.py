@@ -19,7 +19,7 @@ def flrun(*args, cwd=None):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_every_recipe_parses(recipe):
-    from fl_lightning.cli import fit_parser
+    from fl_lightning.cli.commands import fit_parser
 
     parser = fit_parser()
     cfg = parser.parse_args(["--config", str(recipe)])
@@ -47,7 +47,7 @@ def test_print_config_shows_overrides(tmp_path):
 
 
 def test_an_optimizer_named_without_lr_gets_its_own_default_and_none_named_gets_sgd(tmp_path):
-    from fl_lightning.fit_args import parse_fit
+    from fl_lightning.run.arguments import parse_fit
 
     recipe = yaml.safe_load((ROOT / "recipes/quickstart.yaml").read_text())
     recipe["training"]["optimizer"] = {"class_path": "torch.optim.Adam"}
@@ -88,7 +88,7 @@ def test_an_optimizer_named_without_lr_gets_its_own_default_and_none_named_gets_
     [("fit", "with --resume auto"), ("sweep", "to finish the study"), ("models", "interrupted.")],
 )
 def test_an_interrupt_says_what_continues_the_command(monkeypatch, capsys, command, advice):
-    from fl_lightning import cli
+    from fl_lightning.cli import commands as cli
 
     def interrupted(argv):
         raise KeyboardInterrupt
@@ -190,7 +190,7 @@ def test_parser_and_option_errors_do_not_import_heavy_packages():
     """`flrun fit --help` and a misspelled option answer without Lightning, torchvision or transformers."""
     script = (
         "import sys\n"
-        "from fl_lightning.cli import fit_parser, main\n"
+        "from fl_lightning.cli.commands import fit_parser, main\n"
         "fit_parser().format_help()\n"
         "assert main(['fit', '--config', 'recipes/quickstart.yaml', '--round', '10']) == 2\n"
         "heavy = ('lightning', 'torchmetrics', 'torchvision', 'transformers', 'scipy', 'datasets', 'h5py', 'wandb')\n"

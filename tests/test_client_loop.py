@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.client import LocalLoop, LocalTraining, batch_stream
+from fl_lightning.federation.schedules import ConstantLR, CosineLR, LinearDecayLR, StepLR
 from fl_lightning.models import ModelSpec
-from fl_lightning.schedules import ConstantLR, CosineLR, LinearDecayLR, StepLR
 
 
 def test_batch_stream_epoch_visits_every_example_once():

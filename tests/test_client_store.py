@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import ROOT, read_summary, run_cli, write_recipe
 
-from fl_lightning.checkpoint import load_checkpoint, save_checkpoint
-from fl_lightning.client_store import ClientStateStore, load_client_states
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.run.checkpoint import load_checkpoint, save_checkpoint
+from fl_lightning.run.client_store import ClientStateStore, load_client_states
 
 STATE_BYTES = 4 * 1000  # one client's state below: 1,000 float32 numbers
 
@@ -103,7 +103,7 @@ def test_a_state_read_on_an_accelerator_puts_accelerator_tensors_on_this_ranks_d
     """Under several ranks on GPUs rank 0 writes every client's file from its cuda:0; rank 1 reading one must
     get the tensors on its cuda:1, and a tensor saved from CPU (an Adam step count) back on CPU. The mapping is
     checked on the storages torch.load hands it (no GPU here); a CPU file still round-trips through it."""
-    from fl_lightning import client_store
+    from fl_lightning.run import client_store
 
     moved = []
     monkeypatch.setattr(client_store, "default_restore_location", lambda s, where: moved.append(where) or s)
@@ -169,7 +169,7 @@ def _fedhe_recipe(path: Path, **changes) -> Path:
         data={"class_path": "fl_lightning.data.DigitsData", "init_args": {"partitioner": partitioner}},
         models={"mlp": {"builder": "digits_mlp", "args": {"hidden": 16}}},
         population={"num_clients": POPULATION, "tiers": [{"name": "mlp", "roles": ["mlp"]}]},
-        sampler={"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"num_per_round": 10}},
+        sampler={"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"num_per_round": 10}},
         strategy={"class_path": "fl_lightning.strategies.FedHe"},
         training={
             "optimizer": {"class_path": "torch.optim.Adam", "init_args": {"lr": 0.003}},
@@ -185,8 +185,8 @@ def _fedhe_recipe(path: Path, **changes) -> Path:
 # Runs fl_lightning's CLI and SIGKILLs itself in the middle of writing client file number N (half of it written).
 _DIES_WHILE_WRITING = """
 import os, signal, sys
-from fl_lightning import client_store
-from fl_lightning.cli import main
+from fl_lightning.run import client_store
+from fl_lightning.cli.commands import main
 
 real, count, limit = client_store.write_synced, [0], int(sys.argv[1])
 

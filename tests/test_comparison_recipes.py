@@ -8,7 +8,7 @@ from conftest import ROOT, read_summary, run_cli
 from test_paper_recipes import _bn_layers, _resnet20, _tiny_mnist, _tiny_run
 from test_vision_data import write_cifar10
 
-from fl_lightning.report import KIB_PER_CLIENT_ROUND, load_run, measured_value
+from fl_lightning.report.runs import KIB_PER_CLIENT_ROUND, load_run, measured_value
 
 
 def _params(builder, **args):
@@ -205,7 +205,7 @@ def test_fedmd_of_paper_000_aligns_n_public_examples_per_round(tmp_path):
 
 
 def test_a_base_only_recipe_is_its_base_run_under_another_cell():
-    from fl_lightning.recipes import load_recipe
+    from fl_lightning.run.recipes import load_recipe
 
     for alias, base in (("fedavg_cifar10_table5", "weak_only_cifar10"), ("dsfl_cifar10_table2", "dsfl_cifar10")):
         merged = load_recipe(ROOT / f"recipes/{alias}.yaml")

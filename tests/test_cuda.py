@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_lightning.cli import fit_from_argv
+from fl_lightning.cli.commands import fit_from_argv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -97,8 +97,8 @@ def test_cuda_graph_steps_replay_and_a_masked_step_is_refused_on_a_gpu():
     ends where eager steps do; a step with a boolean mask (a host sync) is refused and runs eagerly."""
     import torch.nn.functional as F
 
-    from fl_lightning.client.batched import vmappable
-    from fl_lightning.client.graphs import CudaGraphs, StepGraphs
+    from fl_lightning.client.graphs.replay import CudaGraphs, StepGraphs
+    from fl_lightning.client.steps import vmappable
 
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(1)
@@ -142,7 +142,7 @@ def test_cuda_graph_steps_replay_and_a_masked_step_is_refused_on_a_gpu():
 def test_all_finite_sees_one_bad_element_in_large_gpu_tensors(dtype):
     """The uplink check's fused infinity norm must carry NaN through CUDA's chunked maximum (several
     chunks of 65,536 elements per tensor, and a CPU tensor beside the GPU ones)."""
-    from fl_lightning.robustness import all_finite
+    from fl_lightning.run.robustness import all_finite
 
     tensors = [torch.randn(300_000, device="cuda", dtype=dtype), torch.randn(5, 7, device="cuda", dtype=dtype)]
     tensors.append(torch.randn(9))

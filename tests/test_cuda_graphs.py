@@ -20,15 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.checkpoint import tensors_by_path
-from fl_lightning.cli import fit_from_argv
+from fl_lightning.cli.commands import fit_from_argv
 from fl_lightning.client import graphs
-from fl_lightning.client.batched import vmappable
-from fl_lightning.client.graph_trace import CheckedReruns, ReplayMismatch, capturable_adam_on_cpu
-from fl_lightning.client.graphs import StepGraphs
-from fl_lightning.errors import ConfigError
-from fl_lightning.fit_args import UserError
-from fl_lightning.robustness import Diverged
+from fl_lightning.client.graphs import capture
+from fl_lightning.client.graphs.replay import StepGraphs
+from fl_lightning.client.graphs.trace import CheckedReruns, ReplayMismatch, capturable_adam_on_cpu
+from fl_lightning.client.steps import vmappable
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.run.arguments import UserError
+from fl_lightning.run.checkpoint import tensors_by_path
+from fl_lightning.run.robustness import Diverged
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr
         ("digits_fedkd.yaml", [], 0.5),
         ("digits_fml.yaml", ["--training.optimizer", "{class_path: torch.optim.Adam, init_args: {lr: 0.003}}"], 0.5),
         # a constant learning rate: at a cosine schedule's last round, 0, capturable Adam writes NaN (see below)
-        ("quickstart.yaml", [*ADAMW, "--training.lr_schedule", "fl_lightning.schedules.ConstantLR"], 0.5),
+        ("quickstart.yaml", [*ADAMW, "--training.lr_schedule", "fl_lightning.federation.schedules.ConstantLR"], 0.5),
     ],
 )
 def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra, replayed_share):
@@ -116,7 +117,7 @@ def test_every_digits_method_replays_its_steps_as_they_run_eagerly(tmp_path, sta
     as eager steps with a reason; a closure that takes in the strategy again (new tensors every round) or
     server knowledge that bypasses ``ctx.on_device`` as a share below 40 % (FedHe, the lowest, replays 50 %
     of its steps in 3 rounds, 6 % with a new key every fit)."""
-    from fl_lightning.recipes import load_recipe
+    from fl_lightning.run.recipes import load_recipe
 
     optimizer = load_recipe(Path("recipes") / recipe)["training"].get("optimizer", {}).get("class_path", "")
     eager, eager_ckpt = _run(tmp_path, "eager", recipe, *(CAPTURABLE if "Adam" in optimizer else []))
@@ -313,7 +314,7 @@ def test_the_stand_in_fails_a_replay_of_adam_s_default_step():
     which a graph would repeat from its capture."""
     net = _Net()
     adam = torch.optim.Adam(net.parameters(), lr=0.01, foreach=True)
-    body = functools.partial(graphs._step, net, adam, _batches([4])[0], 0, _cross_entropy(1.0), None)
+    body = functools.partial(capture._step, net, adam, _batches([4])[0], 0, _cross_entropy(1.0), None)
     body()  # the state exists, as at any capture (a key's second step)
     handle = CheckedReruns("cpu").capture(lambda: (adam.zero_grad(), body())[1])
     with pytest.raises(ReplayMismatch, match="differs from the capture"):
@@ -377,7 +378,7 @@ def test_adam_in_capturable_mode_replays_as_it_runs_eagerly(kind):
 
 
 def test_server_knowledge_on_the_device_keeps_one_address_per_name_with_graphs_on(monkeypatch):
-    from fl_lightning.client import executor
+    from fl_lightning.client import pause
 
     runner = StepGraphs(CheckedReruns("cpu"))
     first = runner.resident("logits", torch.ones(3, 3), torch.device("cpu"))
@@ -387,7 +388,7 @@ def test_server_knowledge_on_the_device_keeps_one_address_per_name_with_graphs_o
     assert runner.resident("logits", torch.ones(4, 3), torch.device("cpu")) is not first  # another shape
     assert runner.resident("available", torch.ones(3, 3), torch.device("cpu")) is not first  # another name
     # a client the batched executor may pause keeps its own copy (its fit runs after the next client's update)
-    monkeypatch.setattr(executor, "paused_fit_running", lambda: True)
+    monkeypatch.setattr(pause, "paused_fit_running", lambda: True)
     assert runner.resident("logits", source, torch.device("cpu")) is not first
 
 

@@ -26,7 +26,7 @@ from fl_lightning.data import (
     SpeechCommandsData,
     StackOverflowData,
 )
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 
 TEXT = b"Images of cats and dogs\nsee the README\n"  # starts as pickle's INT opcode: int("mages of ...") fails
 CIFAR_FIX = r"replace it with the published archive's file, e\.g\. by deleting it and running `flrun data fetch cifar10"

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from fl_lightning.data import download, sources
-from fl_lightning.errors import ConfigError
+from fl_lightning.data import catalog, download, sources
+from fl_lightning.federation.errors import ConfigError
 
 
 class FakeResponse(io.BytesIO):
@@ -187,10 +187,10 @@ def cifar_archive(path):
 def serve_cifar(tmp_path, monkeypatch) -> tuple[str, list[str]]:
     """CIFAR-10's source pointed at a served tiny archive in the real format; returns its URL and the URLs asked."""
     blob = cifar_archive(tmp_path / "archive.tar.gz")
-    real = sources.source("cifar10")
+    real = catalog.source("cifar10")
     url = "https://example.org/cifar-10-python.tar.gz"
     remote = dataclasses.replace(real.remotes[0], url=url, md5=hashlib.md5(blob).hexdigest())
-    monkeypatch.setitem(sources.NAMES, "cifar10", dataclasses.replace(real, remotes=(remote,)))
+    monkeypatch.setitem(catalog.NAMES, "cifar10", dataclasses.replace(real, remotes=(remote,)))
     return url, serve(monkeypatch, {url: blob})
 
 
@@ -223,7 +223,7 @@ def test_runs_fetching_one_data_set_together_download_and_unpack_it_once(tmp_pat
     second.start()
     second.join(timeout=0.5)
     assert second.is_alive() and not asked
-    sources._fetch_files(sources.source("cifar10"), data_dir, None)  # the other run's work under its lock
+    sources._fetch_files(catalog.source("cifar10"), data_dir, None)  # the other run's work under its lock
     lock.close()
     second.join(timeout=10)
     assert not second.is_alive() and asked == [url]  # the waiting run found the files: fetched once
@@ -315,7 +315,7 @@ def _stackoverflow_c4(d):
 def _vit(d):
     from fl_lightning.models import registered_models
 
-    registered_models()["vit_b16"](pretrained_dir=str(d))
+    registered_models()["vit_b16"](pretrained_dir=str(d), fetch_weights=sources.fetch_pretrained)
 
 
 OFFLINE_CASES = {
@@ -342,7 +342,7 @@ def test_offline_every_data_set_fails_in_one_sentence_naming_files_and_fetch(tmp
     with pytest.raises(ConfigError) as err:
         OFFLINE_CASES[name](data_dir)
     message = str(err.value)
-    src = sources.source(name)
+    src = catalog.source(name)
     assert "\n" not in message and message.count(". ") == 0, message  # one sentence
     assert f"{src.title} not found and could not be downloaded (URLError: [Errno -2]" in message
     assert f"expected {data_dir / src.layout}" in message

@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import method_env
 
+from fl_lightning.client.evaluation import Evaluator
 from fl_lightning.data import DigitsData, IidPartitioner
-from fl_lightning.errors import ConfigError
-from fl_lightning.evaluation import Evaluator
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedAvg, Standalone
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, ..., 9): always class 9
@@ -59,7 +59,7 @@ def test_a_global_model_that_predicts_one_class_is_reported_as_collapsed(caplog)
     strategy = FedAvg()
     server = method_env(strategy, CONSTANT, [Tier("all", ["m"])])
     evaluator = Evaluator(server._loop, server.data, server.clients)
-    with caplog.at_level(logging.WARNING, logger="fl_lightning.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="fl_lightning.client.evaluation"):
         metrics = strategy.evaluate(evaluator)
     test_y = server.data.test_y
     assert metrics["m/test_top_class_share"] == 1.0
@@ -73,7 +73,7 @@ def test_personal_models_and_one_class_test_sets_raise_no_collapse_warning(caplo
     strategy = Standalone()
     server = method_env(strategy, CONSTANT, [Tier("all", ["m"])])
     evaluator = Evaluator(server._loop, server.data, server.clients)
-    with caplog.at_level(logging.WARNING, logger="fl_lightning.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="fl_lightning.client.evaluation"):
         metrics = strategy.evaluate(evaluator)  # a personal model may rightly favour its client's classes
         assert "personal/test_acc" in metrics
         server.data.test_y = torch.full_like(server.data.test_y, 9)  # predicting the only class is no collapse

@@ -33,7 +33,7 @@ def _row(text, label):
 
 
 def test_write_fills_the_block_with_one_row_per_method_and_records_seeds_and_rounds(written, tmp_path):
-    from fl_lightning.cli import fit_from_argv
+    from fl_lightning.cli.commands import fit_from_argv
 
     text = written.read_text()
     assert text.startswith("intro\n\n<!-- digits-table paper-002/table-1: seeds 0; rounds 1 -->\n")

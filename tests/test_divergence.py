@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import ROOT, read_summary, run_cli, write_recipe
 
-from fl_lightning.robustness import all_finite, nonfinite_metrics, nonfinite_parts
-from fl_lightning.types import ClientSpec, ClientUpdate, ModelWeights, TensorPayload
+from fl_lightning.federation.types import ClientSpec, ClientUpdate, ModelWeights, TensorPayload
+from fl_lightning.run.robustness import all_finite, nonfinite_metrics, nonfinite_parts
 
 
 def _rows(out):
@@ -62,8 +62,8 @@ def test_issue_cases_end_with_exit_2(tmp_path, capsys, recipe, override):
 
 def test_a_later_divergence_keeps_the_last_good_checkpoint_and_summary(tmp_path, capsys):
     """A client that sends NaN only from round 2 on: round 1 is checkpointed and summarized, exit 2."""
-    from fl_lightning.sampling import UniformSampler
-    from fl_lightning.seeding import Owner, Stream, derive_seed
+    from fl_lightning.federation.sampling import UniformSampler
+    from fl_lightning.federation.seeding import Owner, Stream, derive_seed
 
     clients = [ClientSpec(i, "all", ("global",)) for i in range(8)]
 

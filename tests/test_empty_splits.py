@@ -8,7 +8,7 @@ import torch
 from conftest import ROOT, run_cli
 
 from fl_lightning.data import DataArrays, DigitsData, FederatedData, FemnistData, IidPartitioner, StackOverflowData
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 
 
 def test_a_test_fraction_that_rounds_to_nothing_exits_2_before_the_run(tmp_path, capsys):

@@ -5,10 +5,10 @@ import torch
 from conftest import read_summary, run_cli, write_recipe
 from torch import nn
 
-from fl_lightning.checkpoint import load_checkpoint
+from fl_lightning.federation.types import exchanged_keys, load_exchanged
 from fl_lightning.models import FeatureClassifier
 from fl_lightning.models.registry import register_model
-from fl_lightning.types import exchanged_keys, load_exchanged
+from fl_lightning.run.checkpoint import load_checkpoint
 
 FROZEN_IN, FROZEN_OUT, HIDDEN, CLASSES = 64, 32, 16, 10
 

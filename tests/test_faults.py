@@ -5,8 +5,8 @@ import csv
 import pytest
 from conftest import ROOT, read_summary, run_cli, write_recipe
 
-from fl_lightning.errors import ConfigError
-from fl_lightning.robustness import Faults
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.run.robustness import Faults
 
 CLIENTS, ROUNDS = 8, 4
 
@@ -25,7 +25,7 @@ def _model_bytes():
 
 def _run(tmp_path, name="run", *extra, **changes):
     out = tmp_path / name
-    sampler = {"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"fraction": 1.0}}
+    sampler = {"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"fraction": 1.0}}
     recipe = write_recipe(tmp_path / f"{name}.yaml", eval_every=1, sampler=sampler, **changes)
     return run_cli("fit", "--config", str(recipe), "--output_dir", str(out), *extra), out
 

@@ -3,11 +3,11 @@
 import torch
 from conftest import ROOT, client_update, method_env, read_summary, run_cli
 
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FD
-from fl_lightning.types import ClientUpdate
 
 CONSTANT_MODELS = {"m": ModelSpec("conftest.constant_logits_model")}
 

@@ -5,11 +5,11 @@ import torch
 from conftest import ROOT, client_update, method_env, read_summary, run_cli
 
 from fl_lightning.data import DigitsData
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedDF
-from fl_lightning.types import ClientUpdate, ModelWeights
 
 CONSTANT = ModelSpec("conftest.constant_logits_model")  # logits = head bias for every input
 

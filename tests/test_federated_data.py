@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fl_lightning.data import DigitsData, IidPartitioner
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 
 
 def test_digits_is_the_real_bundled_set_with_a_fixed_test_split():

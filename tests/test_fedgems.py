@@ -6,9 +6,9 @@ from conftest import ROOT, client_update, method_env, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.data import DigitsData
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedGEMS
 from fl_lightning.strategies.fedgems import selective_fusion
 

@@ -8,9 +8,9 @@ import torch
 from conftest import ROOT, client_update, method_env, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedGKT
 from fl_lightning.strategies.fedgkt import bidirectional_losses
 

@@ -10,13 +10,13 @@ from conftest import client_update, method_env
 from torch import nn
 
 from fl_lightning.client import LocalTraining
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate
 from fl_lightning.knowledge.compression import LowRankUpdate, compress, energy_rank, energy_threshold
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedKD
 from fl_lightning.strategies.fedkd import adaptive_mutual_losses
-from fl_lightning.types import ClientUpdate
 
 MODELS = {"t": ModelSpec("digits_mlp", {"hidden": 8}), "mentee": ModelSpec("digits_mlp", {"hidden": 4})}
 PAIR = [Tier("all", ["t", "mentee"])]

@@ -6,11 +6,11 @@ from conftest import ROOT, client_update, method_env, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.data import DigitsData
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientTask, ClientUpdate, TensorPayload
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedMD
-from fl_lightning.types import ClientTask, ClientUpdate, TensorPayload
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, 1, ..., 9)
 

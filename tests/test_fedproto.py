@@ -4,13 +4,13 @@ import pytest
 import torch
 from conftest import client_update, method_env
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedProto
 from fl_lightning.strategies.fedproto import ABSENT_CLASS_LOGIT, prototype_head, prototype_loss
-from fl_lightning.types import ClientUpdate
 
 D = 4  # the representation size of the tiny MLP below
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": D})}

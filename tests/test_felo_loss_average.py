@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from conftest import client_update, method_env
 from test_fidelity import CONSTANT, ONE_FROZEN_BATCH
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
-from fl_lightning.population import Tier
 from fl_lightning.strategies import Felo, Velo
-from fl_lightning.types import ClientUpdate, ModelWeights
 
 Z = torch.arange(10.0)  # the constant model's logits
 P = F.softmax(Z, 0)

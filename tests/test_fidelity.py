@@ -13,14 +13,14 @@ from conftest import client_update, method_env
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.data.transforms import random_flips
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
-from fl_lightning.knowledge.codistill import Codistillation, mixup
+from fl_lightning.knowledge.codistill import mixup
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
-from fl_lightning.strategies import FedGH, FedHe, Velo
+from fl_lightning.strategies import Codistillation, FedGH, FedHe, Velo
 from fl_lightning.strategies.felo import received_targets
-from fl_lightning.types import ClientUpdate, ModelWeights
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}

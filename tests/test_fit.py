@@ -64,7 +64,7 @@ def test_summary_records_the_hardware_the_wall_time_comes_from(tmp_path):
 def test_hardware_names_the_gpus_a_process_was_given(monkeypatch):
     import torch
 
-    from fl_lightning.fit import hardware
+    from fl_lightning.run.provenance import hardware
 
     # the function alone: a whole run would let CUDA start up under this setting on a GPU machine
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # as a sweep worker given the fourth GPU

@@ -8,12 +8,12 @@ import torch
 from conftest import client_update, method_env
 
 from fl_lightning.client import ClientContext, LocalTraining
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.mutual import mutual_kl
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FML
-from fl_lightning.types import ClientUpdate, ModelWeights
 
 MODELS = {"p": ModelSpec("digits_mlp", {"hidden": 8}), "meme": ModelSpec("digits_mlp", {"hidden": 4})}
 PAIR = [Tier("all", ["p", "meme"])]

@@ -7,13 +7,13 @@ from conftest import client_update, method_env, read_summary, run_cli, write_rec
 from torch import nn
 
 from fl_lightning.data import DigitsData, DirichletPartitioner
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate, ModelWeights, TensorPayload
 from fl_lightning.models import ModelSpec, digits_cnn, digits_mlp
 from fl_lightning.models.slicing import batch_norm_statistics, not_a_slice, scatter_state, slice_state, sliced_width
-from fl_lightning.population import Tier
 from fl_lightning.strategies import HeteroFL
 from fl_lightning.strategies.heterofl import SliceAverage
-from fl_lightning.types import ClientUpdate, ModelWeights, TensorPayload
 
 HALVES = {  # the global CNN with batch norm and its rate-1/2 slice, one tier each
     "a": ModelSpec("digits_cnn", {"rate": 1.0, "batch_norm": True}),

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
+from fl_lightning.federation.ledger import CommunicationLedger
+from fl_lightning.federation.types import ModelWeights, TensorPayload, tensor_bytes
 from fl_lightning.knowledge import WeightedAverage, weighted_average
-from fl_lightning.ledger import CommunicationLedger
-from fl_lightning.types import ModelWeights, TensorPayload, tensor_bytes
 
 
 def test_weighted_average_matches_hand_computation():

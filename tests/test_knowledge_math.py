@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fl_lightning.knowledge.banks import ClassBank, class_sums
+from fl_lightning.knowledge.banks import ClassBank
+from fl_lightning.knowledge.class_stats import class_sums
 from fl_lightning.knowledge.codistill import codistillation_targets
 from fl_lightning.knowledge.cvae import FeatureCVAE, cvae_loss
 from fl_lightning.knowledge.distillation import kd_kl_loss, ramp_up

@@ -5,11 +5,11 @@ import torch
 from conftest import client_update, method_env
 
 from fl_lightning.client import LocalTraining
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import LGFedAvg
-from fl_lightning.types import ClientUpdate, ModelWeights
 
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 4})}
 FROZEN = LocalTraining(optimizer=lambda params: torch.optim.SGD(params, lr=0.0), local_steps=1)

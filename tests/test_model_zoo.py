@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 from fl_lightning.models import registered_models
 
 MODELS = registered_models()

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Population, Tier
+from fl_lightning.federation.sampling import UniformSampler
 from fl_lightning.models import ModelSpec, resnet20
-from fl_lightning.population import Population, Tier
-from fl_lightning.sampling import UniformSampler
 
 
 def _params(model):

@@ -14,9 +14,9 @@ from conftest import ROOT
 from fl_lightning.data import FedCifar100Data
 from fl_lightning.data.federated import DataArrays, FederatedData
 from fl_lightning.data.partition import NaturalIdPartitioner
-from fl_lightning.errors import ConfigError
-from fl_lightning.population import Population, Tier
-from fl_lightning.recipes import load_recipe
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Population, Tier
+from fl_lightning.run.recipes import load_recipe
 
 TFF_CLIENTS, PER_CLIENT = 500, 100
 

@@ -18,9 +18,9 @@ from conftest import ROOT
 from test_benchmark_data import write_tff
 
 from fl_lightning.data import StackOverflowData
-from fl_lightning.errors import ConfigError
-from fl_lightning.population import Population, Tier
-from fl_lightning.recipes import load_recipe
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.population import Population, Tier
+from fl_lightning.run.recipes import load_recipe
 
 # the recipes' user and client counts -> the small file's; a recipe with another count fails here (add it)
 SCALE = {34_248: 12, 330: 2, 684: 3, 1_414: 4, 60_000: 12, 30_000: 6, 1_000_000: 20}

@@ -6,8 +6,8 @@ import pytest
 from conftest import ROOT, read_summary, run_cli
 from test_vision_data import write_cifar10
 
-from fl_lightning.recipes import base_files, load_recipe
-from fl_lightning.report import load_run, measured_value
+from fl_lightning.report.runs import load_run, measured_value
+from fl_lightning.run.recipes import base_files, load_recipe
 
 TINY_POPULATION = json.dumps(
     {
@@ -394,7 +394,7 @@ def test_paper_001_recipe_families_run_a_round(tmp_path, recipe, writer):
     # client the target model, their whole saved global states (but the ViT's frozen backbone stays home: only its
     # two output layers travel, 16 x 8 + 8 and 8 x 100 + 100 numbers); the strong client also gets the auxiliary
     # model, its teacher
-    from fl_lightning.checkpoint import load_checkpoint
+    from fl_lightning.run.checkpoint import load_checkpoint
 
     saved = load_checkpoint(out / "checkpoints" / "last.ckpt")["strategy"]["global_weights"]
     size = {role: sum(v.numel() * v.element_size() for v in w.values()) for role, w in saved.items()}
@@ -460,9 +460,9 @@ def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
     # non-padding targets
     import torch
 
-    from fl_lightning.checkpoint import load_checkpoint
     from fl_lightning.data import StackOverflowData
     from fl_lightning.models import registered_models
+    from fl_lightning.run.checkpoint import load_checkpoint
 
     test = StackOverflowData(data_dir=str(tmp_path), download=False, vocab_size=30).load()
     large = registered_models()["stackoverflow_lstm_large"](vocab_size=34)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from fl_lightning.data import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner, PathologicalPartitioner
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 
 LABELS = np.repeat(np.arange(10), 100)  # 1,000 examples, 100 per class
 

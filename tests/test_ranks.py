@@ -12,13 +12,13 @@ import pytest
 import torch
 from conftest import ROOT, run_cli, write_recipe
 
-from fl_lightning import ranks
-from fl_lightning.checkpoint import load_checkpoint
-from fl_lightning.client_store import load_client_states
-from fl_lightning.errors import ConfigError
-from fl_lightning.fit import Runtime
-from fl_lightning.sharding import check_same_server, fingerprint, shard
-from fl_lightning.types import ClientSpec, ClientTask
+from fl_lightning.distributed import launch, messages, ranks
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.types import ClientSpec, ClientTask
+from fl_lightning.run.checkpoint import load_checkpoint
+from fl_lightning.run.client_store import load_client_states
+from fl_lightning.run.runtime import Runtime
+from fl_lightning.run.sharding import check_same_server, fingerprint, shard
 
 
 # ---------------------------------------------------------------------- same numbers as one process
@@ -67,7 +67,7 @@ def test_two_cpu_ranks_give_fedavg_the_numbers_of_one_process_with_lost_updates(
         faults={"crash": 0.2, "nan": 0.15, "drop_upload": 0.15},
         divergence="drop",
         population={"num_clients": 9, "tiers": [{"name": "all", "roles": ["global"]}]},  # odd: uneven shares
-        sampler={"class_path": "fl_lightning.sampling.UniformSampler", "init_args": {"fraction": 0.6}},
+        sampler={"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"fraction": 0.6}},
     )
     small = ["--training.eval_batch_size", "50"]  # several test batches: the ranks share the evaluation's
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "one"), *small) == 0
@@ -114,7 +114,7 @@ def test_a_start_refused_on_every_rank_reports_once_with_exit_2(tmp_path, capfd)
     folder that launch made for the ranks is gone, although no rank got as far as using it."""
     before = _mailbox_folders()
     missing = tmp_path / "missing.yaml"
-    assert ranks.launch(["fit", "--config", str(missing), "--output_dir", str(tmp_path / "run")], 2) == 2
+    assert launch.launch(["fit", "--config", str(missing), "--output_dir", str(tmp_path / "run")], 2) == 2
     err = capfd.readouterr().err
     assert err.count(str(missing)) == 1 and "rank 1" not in err
     assert not (tmp_path / "run").exists()
@@ -125,7 +125,7 @@ def test_a_start_refused_on_every_rank_reports_once_with_exit_2(tmp_path, capfd)
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"schedule": {"class_path": "fl_lightning.asynchrony.AsynchronousSchedule"}}, "asynchronous rounds"),
+        ({"schedule": {"class_path": "fl_lightning.run.asynchrony.AsynchronousSchedule"}}, "asynchronous rounds"),
         ({"training": {"optimizer_state": "shared", "local_steps": 2}}, "optimizer_state shared"),
     ],
 )
@@ -145,7 +145,7 @@ def test_runtime_devices_must_be_positive():
 
 def test_fit_in_process_with_several_devices_says_how_to_launch(tmp_path, monkeypatch):
     """A sweep trial (or fit() from Python) cannot start ranks: it is told to use flrun fit."""
-    from fl_lightning.fit_args import fit_from_argv
+    from fl_lightning.run.arguments import fit_from_argv
 
     for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(key, raising=False)
@@ -261,9 +261,9 @@ def test_a_message_gives_back_every_tensor_and_value_as_sent():
         "generator": torch.get_rng_state(),
         "ints": (3, None, "text"),
     }
-    message = ranks.pack(sent)
+    message = messages.pack(sent)
     assert message.dtype == torch.uint8 and message.dim() == 1
-    received = ranks.unpack(torch.cat([message, torch.zeros(37, dtype=torch.uint8)]), torch.device("cpu"))
+    received = messages.unpack(torch.cat([message, torch.zeros(37, dtype=torch.uint8)]), torch.device("cpu"))
     _assert_same(sent, received)
     assert type(received["parameter"]) is torch.nn.Parameter and received["parameter"].requires_grad
     assert not received["frozen"].requires_grad and not received["weights"]["w"].requires_grad
@@ -274,7 +274,7 @@ def test_a_tensor_met_twice_arrives_once_and_other_kinds_arrive_whole():
     tied = torch.randn(3)
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)
     conjugate = torch.tensor([1 + 2j, 3 - 1j]).conj()
-    received = ranks.unpack(ranks.pack({"a": tied, "b": tied, "s": sparse, "c": conjugate}), torch.device("cpu"))
+    received = messages.unpack(messages.pack({"a": tied, "b": tied, "s": sparse, "c": conjugate}), torch.device("cpu"))
     assert received["a"] is received["b"] and torch.equal(received["a"], tied)
     assert received["s"].is_sparse and torch.equal(received["s"].to_dense(), sparse.to_dense())
     assert torch.equal(received["c"], conjugate.resolve_conj())
@@ -289,23 +289,23 @@ def test_a_tensor_sent_from_cpu_stays_on_cpu_and_others_go_to_this_ranks_device(
         "generator": torch.get_rng_state(),
         "sparse": torch.sparse_coo_tensor([[1]], [2.0], (3,), check_invariants=True),
     }
-    received = ranks.unpack(ranks.pack(sent), torch.device("meta"))
+    received = messages.unpack(messages.pack(sent), torch.device("meta"))
     assert {key: value.device.type for key, value in received.items()} == dict.fromkeys(sent, "cpu")
     _assert_same(sent["step"], received["step"])
     torch.Generator().set_state(received["generator"])  # a state on another device would raise TypeError
     torch.stack([torch.tensor(1.0), received["step"]])  # as the batched executor stacks the clients' counts
     # a tensor on the sending rank's GPU (is_cpu False; its bytes are read as usual) lands on this rank's device
     monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
-    message = ranks.pack({"w": torch.ones(2)})
+    message = messages.pack({"w": torch.ones(2)})
     monkeypatch.undo()
-    received = ranks.unpack(message, torch.device("meta"))
+    received = messages.unpack(message, torch.device("meta"))
     assert received["w"].device.type == "meta" and received["w"].shape == (2,)
 
 
 def test_received_tensors_are_copies_not_views_of_the_message():
     """A client state kept from one phase must not hold that phase's whole message in memory."""
-    message = ranks.pack({"w": torch.ones(4)})
-    received = ranks.unpack(message, torch.device("cpu"))
+    message = messages.pack({"w": torch.ones(4)})
+    received = messages.unpack(message, torch.device("cpu"))
     message.zero_()
     assert torch.equal(received["w"], torch.ones(4))
     assert received["w"].untyped_storage().nbytes() == 16
@@ -314,11 +314,11 @@ def test_received_tensors_are_copies_not_views_of_the_message():
 EXCHANGE = """
 import json, os, sys
 import torch
-from fl_lightning import ranks
+from fl_lightning.distributed import launch, messages, ranks
 
 me = ranks.connect_ranks(ranks.from_env(), torch.device("cpu"))
 if os.environ.get("FAIL_POST") == str(me.rank):  # this rank's message cannot be written (a full folder)
-    ranks.Mailbox.post = lambda self, message: False
+    messages.Mailbox.post = lambda self, message: False
 folder = me.mailbox.folder if me.mailbox else None
 received = []
 for exchange in range(3):  # three exchanges: both slots, and the first one again
@@ -334,7 +334,7 @@ print(json.dumps({"received": received, "mailbox": folder is not None, "left": f
 def test_ranks_of_one_machine_exchange_through_shared_memory_or_else_gloo(fail_post):
     """Two ranks on this machine exchange three messages of different sizes through the mailbox; a rank that
     cannot post its message sends it through gloo, and every rank receives the same objects either way."""
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ranks.free_port())}
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port())}
     if fail_post:
         env["FAIL_POST"] = fail_post
     processes = [
@@ -400,10 +400,10 @@ def test_ranks_whose_server_states_drifted_stop_with_a_message_saying_so():
 def test_each_phase_sends_the_server_states_fingerprint_and_compares_them(tmp_path, monkeypatch):
     """What a rank sends carries the fingerprint of the state the phase started from, and the phase stops
     when another rank's differs (the exchange stubbed: the other rank's record is this one's, drifted)."""
-    from fl_lightning import sharding
     from fl_lightning.client.loop import LocalLoop
     from fl_lightning.client.training import LocalTraining
-    from fl_lightning.run_state import RunState
+    from fl_lightning.run import sharding
+    from fl_lightning.run.state import RunState
 
     server = {"global": {"w": torch.ones(3)}}
     sent = []
@@ -428,11 +428,11 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
     """After the exchange another rank's updates stay messages in host memory, with their sizes and metrics for
     the ledger and the client metrics; each is unpacked (onto this rank's device) only when it is handed on.
     A rank on an accelerator sends its updates so; on CPU they travel inside the phase's one message."""
-    from fl_lightning import sharding
     from fl_lightning.client.loop import LocalLoop
     from fl_lightning.client.training import LocalTraining
-    from fl_lightning.run_state import RunState
-    from fl_lightning.types import ClientUpdate, ModelWeights
+    from fl_lightning.federation.types import ClientUpdate, ModelWeights
+    from fl_lightning.run import sharding
+    from fl_lightning.run.state import RunState
 
     tasks = [ClientTask(ClientSpec(c, "all", ("global",)), 1) for c in (0, 1, 2)]
     mine = shard(tasks, 0, 2)  # rank 0: clients 0 and 2; rank 1: client 1
@@ -450,8 +450,8 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
             )
 
     unpacked, sent = [], []
-    real_unpack = sharding.ranks_module.unpack
-    monkeypatch.setattr(sharding.ranks_module, "unpack", lambda m, d: unpacked.append(d) or real_unpack(m, d))
+    real_unpack = sharding.unpack
+    monkeypatch.setattr(sharding, "unpack", lambda m, d: unpacked.append(d) or real_unpack(m, d))
 
     def exchange(record):
         sent.extend(record["updates"])
@@ -500,11 +500,10 @@ def test_ranks_share_a_global_model_s_test_batches_and_add_them_up_as_one_proces
     batches' sums and each adds them up in batch order, so the metrics equal one process's bit for bit."""
     from conftest import method_env
 
-    from fl_lightning import evaluation
-    from fl_lightning.client import LocalTraining
-    from fl_lightning.evaluation import Evaluator
+    from fl_lightning.client import LocalTraining, evaluation
+    from fl_lightning.client.evaluation import Evaluator
+    from fl_lightning.federation.population import Tier
     from fl_lightning.models import ModelSpec
-    from fl_lightning.population import Tier
     from fl_lightning.strategies import FedAvg
 
     models = {"global": ModelSpec("digits_cnn", {"width": 0.5, "batch_norm": True})}

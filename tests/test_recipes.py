@@ -4,8 +4,8 @@ import pytest
 import yaml
 from conftest import ROOT, run_cli
 
-from fl_lightning.errors import ConfigError
-from fl_lightning.recipes import base_files, load_recipe, merge, paper_recipes, readme
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.run.recipes import base_files, load_recipe, merge, paper_recipes, readme
 
 KD = "fl_lightning.strategies.OnDeviceKD"
 
@@ -75,7 +75,7 @@ def test_flrun_reports_a_loop_as_one_line_with_exit_status_2(tmp_path, capsys):
 
 
 def _parse(*argv):
-    from fl_lightning.cli import fit_parser
+    from fl_lightning.cli.commands import fit_parser
 
     parser = fit_parser()
     return parser, parser.parse_args(list(argv))
@@ -145,7 +145,7 @@ def test_every_paper_recipe_has_the_one_reference_shape():
 
 
 def test_a_reference_in_another_shape_is_refused(tmp_path):
-    from fl_lightning.recipes import check_reference
+    from fl_lightning.run.recipes import check_reference
 
     old = {"paper": "p", "table": "t", "column": "c", "metric": "m", "value": 0.5}
     with pytest.raises(ConfigError, match=r"unknown keys \['metric', 'value'\] / lacks \['metrics'\]"):
@@ -164,7 +164,7 @@ def test_a_reference_in_another_shape_is_refused(tmp_path):
 
 def test_the_committed_readme_is_the_generated_one():
     current = (ROOT / "recipes/README.md").read_text()
-    assert readme(current) == current, "recipes/README.md is stale: run `python -m fl_lightning.recipes readme`"
+    assert readme(current) == current, "recipes/README.md is stale: run `python -m fl_lightning.run.recipes readme`"
     assert (
         "| Table 4 | CIFAR-10, Proposed | target/test_acc | 0.6243 (std 0.001) | `ondevice_kd_cifar10.yaml` |"
         in current
@@ -172,7 +172,7 @@ def test_the_committed_readme_is_the_generated_one():
 
 
 def test_readme_tables_follow_the_reference_blocks(tmp_path):
-    from fl_lightning.recipes import README_BEGIN, README_END
+    from fl_lightning.run.recipes import README_BEGIN, README_END
 
     _write(tmp_path / "_base/s.yaml", "rounds: 1\n")
     _write(

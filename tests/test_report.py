@@ -154,7 +154,7 @@ def test_a_truncated_summary_is_one_sentence(runs, tmp_path, capsys):
 
 
 def test_figures_have_whole_round_ticks_and_an_accuracy_axis_from_0_to_1():
-    from fl_lightning.report import client_histogram_figure, learning_curve_figure, pyplot
+    from fl_lightning.report.figures import client_histogram_figure, learning_curve_figure, pyplot
 
     run = {
         "summary": {"seed": 0, "per_client_acc": {"0": 1.0, "1": 1.0, "2": 0.5}},

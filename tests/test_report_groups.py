@@ -9,7 +9,7 @@ import yaml
 from conftest import read_summary, run_cli, write_recipe
 from test_report import Page
 
-from fl_lightning.report_groups import group_experiments
+from fl_lightning.report.groups import group_experiments
 
 VARIANTS = {  # run directory: (seed, extra fit arguments)
     "seed0": (0, []),
@@ -81,7 +81,7 @@ def test_seeds_of_one_experiment_are_one_group_named_by_the_recipe_alone(runs, t
 
 
 def test_a_run_without_config_yaml_is_its_own_experiment(runs, tmp_path):
-    from fl_lightning.report import load_run
+    from fl_lightning.report.runs import load_run
 
     shutil.copytree(runs / "seed1", tmp_path / "seed1")
     (tmp_path / "seed1/config.yaml").unlink()

@@ -141,7 +141,7 @@ def test_an_unknown_table_lists_the_known_ones(runs, tmp_path, capsys):
 
 
 def test_table_ids_slug_the_paper_and_table_labels():
-    from fl_lightning.report_table import table_id
+    from fl_lightning.report.tables import table_id
 
     assert table_id({"paper": PAPER, "table": "Table 5"}) == "paper-001/table-5"
     assert table_id({"paper": "paper-000 (Chan & Ngai, FedHe)", "table": "Sec. V-C (text; Fig. 3-4)"}) == (
@@ -156,7 +156,7 @@ def _cell(method, setting, paper, mean):
 
 
 def test_ranking_counts_first_places_and_pairwise_orders_by_hand():
-    from fl_lightning.report_table import ranking
+    from fl_lightning.report.tables import ranking
 
     cells = [
         _cell("A", "s1", 0.9, 0.8),  # A is the paper's best in s1 and s2, ours only in s1

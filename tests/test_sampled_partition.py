@@ -5,7 +5,7 @@ import pytest
 from conftest import ROOT, read_summary, run_cli
 
 from fl_lightning.data import SampledPartitioner
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 
 
 def test_every_client_gets_exactly_its_size_even_when_clients_outnumber_examples():

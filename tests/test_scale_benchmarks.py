@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from fl_lightning.client.loop import batch_stream
+from fl_lightning.client.batches import batch_stream
 
 
 def _module(name: str):

@@ -7,10 +7,10 @@ import torch
 from conftest import ROOT, method_env, read_summary, run_cli
 from torch import nn
 
-from fl_lightning.evaluation import Evaluator, PersonalEvaluation
+from fl_lightning.client.evaluation import Evaluator, PersonalEvaluation
+from fl_lightning.client.stacked_eval import StackedEvaluation
+from fl_lightning.federation.population import Tier
 from fl_lightning.models import FeatureClassifier, ModelSpec
-from fl_lightning.population import Tier
-from fl_lightning.stacked_eval import StackedEvaluation
 from fl_lightning.strategies import FedHe
 
 MODELS = {
@@ -65,7 +65,7 @@ def fedhe(monkeypatch):
 def test_stacked_clients_score_as_one_at_a_time(fedhe, caplog):
     server, strategy, states = fedhe
     one_metrics, one, one_rng = _evaluate(server, strategy, 1, states)
-    with caplog.at_level(logging.WARNING, logger="fl_lightning.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="fl_lightning.client.evaluation"):
         stacked_metrics, evaluator, stacked_rng = _evaluate(server, strategy, 3, states)  # chunks of 3 and a rest
     assert [type(evaluator._stacked[role]).__name__ for role in ("mlp", "cnn", "lstm")] == [
         "StackedEvaluation",
@@ -106,7 +106,7 @@ def test_clients_too_many_for_the_devices_memory_are_evaluated_in_halves_still_s
         return real(self, weights, x, y)
 
     monkeypatch.setattr(StackedEvaluation, "scores", scores)
-    with caplog.at_level(logging.WARNING, logger="fl_lightning.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="fl_lightning.client.evaluation"):
         _, evaluator, _ = _evaluate(server, strategy, 5, states)  # the mlp tier: a chunk of 5
     mlp, cnn = (sizes[id(evaluator._stacked[role])] for role in ("mlp", "cnn"))
     assert mlp == [5, 3, 2, 1, 2] and cnn == [4, 2, 2]  # 5 ran out: 3 (ran out: 2 and 1) and 2
@@ -162,8 +162,8 @@ class _Handed(Exception):
 def _as_two_ranks(monkeypatch, server, strategy, clients_per_batch, states):
     """The evaluation as rank 1 (up to its exchange, its share kept) and then as rank 0, which receives that
     share: rank 0's (metrics, evaluator, generator state), rank 0's and rank 1's shares, rank 1's generator."""
-    from fl_lightning import evaluation
-    from fl_lightning.ranks import Ranks
+    from fl_lightning.client import evaluation
+    from fl_lightning.distributed.ranks import Ranks
 
     shares = {}
 
@@ -230,8 +230,8 @@ def test_an_empty_local_split_fails_every_rank_before_any_exchange(fedhe, monkey
     """With ranks sharing a personalized evaluation on local test splits, a client's empty split is found by
     every rank up front (one message on each), not only by the rank that evaluates the client while the
     others wait at the exchange."""
-    from fl_lightning import evaluation
-    from fl_lightning.ranks import Ranks
+    from fl_lightning.client import evaluation
+    from fl_lightning.distributed.ranks import Ranks
 
     server, strategy, states = fedhe
     server.data.clients[0].test = server.data.clients[0].test[:0]

@@ -33,7 +33,7 @@ HEAVY = (
 # round 1) and when round 1's metrics arrive; then the whole process's modules when the run is over.
 DRIVER = """
 import json, sys
-from fl_lightning.fit_args import fit_from_argv
+from fl_lightning.run.arguments import fit_from_argv
 from fl_lightning.tracking.loggers import RunLogger
 
 class ImportWatch(RunLogger):
@@ -79,7 +79,7 @@ def test_digits_first_round_imports_nothing(digits_run):
 def test_fabric_reads_torchmetrics_version_without_importing_it():
     import lightning_utilities.core.imports as requirement_checks
 
-    from fl_lightning.fabric_loader import _version_from_metadata, fabric_class, lightning_version
+    from fl_lightning.distributed.fabric import _version_from_metadata, fabric_class, lightning_version
 
     calls = []
 
@@ -143,7 +143,7 @@ def test_flrun_fit_freezes_its_start_up_and_collects_again(tmp_path):
         "        seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())\n"
         "    def log_metrics(self, metrics, step):\n"
         "        pass\n"
-        "import fl_lightning.fit as fit_module\n"
+        "import fl_lightning.run.fit as fit_module\n"
         "resolve = fit_module.resolve_loggers\n"
         "fit_module.resolve_loggers = lambda logger: resolve(logger) + [Watch()]\n"
         "sys.argv = ['flrun', *sys.argv[1:]]\n"
@@ -165,7 +165,7 @@ def test_main_called_in_process_leaves_the_collector_alone(tmp_path):
     """Tests and notebooks that call main([...]) keep their own collector: nothing of theirs is frozen."""
     import gc
 
-    from fl_lightning.cli import main
+    from fl_lightning.cli.commands import main
 
     frozen = gc.get_freeze_count()
     argv = ["fit", "--config", "recipes/quickstart.yaml", "--rounds", "1", "--runtime.progress", "false"]

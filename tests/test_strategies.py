@@ -6,11 +6,11 @@ import torch
 from conftest import ROOT, client_update, method_env, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
+from fl_lightning.federation.population import Tier
+from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.models import ModelSpec
-from fl_lightning.population import Tier
 from fl_lightning.strategies import FedGH, FedHe, Felo
-from fl_lightning.types import ClientUpdate, ModelWeights
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
 FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)

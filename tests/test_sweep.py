@@ -178,7 +178,7 @@ def retried_numbers(study):
 
 
 def by_state(study):
-    from fl_lightning.sweep import tally
+    from fl_lightning.sweep.storage import tally
 
     return tally(study.get_trials())
 
@@ -227,7 +227,7 @@ def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_p
 def test_visible_gpus_read_the_setting_as_cuda_does(monkeypatch, setting, gpus_seen, expected):
     import torch
 
-    from fl_lightning.gpu_share import visible_gpus
+    from fl_lightning.distributed.gpu_share import visible_gpus
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus_seen)
     environ = {} if setting is None else {"CUDA_VISIBLE_DEVICES": setting}
@@ -237,7 +237,7 @@ def test_visible_gpus_read_the_setting_as_cuda_does(monkeypatch, setting, gpus_s
 def test_workers_are_spread_over_the_gpus_and_a_replacement_takes_the_dead_worker_s(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from fl_lightning import sweep_workers
+    from fl_lightning.sweep import workers as sweep_workers
 
     started = []
 
@@ -426,7 +426,7 @@ def postgres_url():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_sweep_file_validates_against_its_base_recipe(path, monkeypatch):
-    from fl_lightning.sweep import load_sweep
+    from fl_lightning.sweep.spec import load_sweep
 
     monkeypatch.chdir(ROOT)  # sweep files name their base recipe relative to the project root
     spec = load_sweep(path)

@@ -160,8 +160,8 @@ def test_a_run_without_the_metric_stops_the_sweep_at_its_first_evaluation_and_th
 def test_trial_value_says_why_a_run_has_none():
     from types import SimpleNamespace
 
-    from fl_lightning.sweep_study import MissingMetric
-    from fl_lightning.sweep_trial import trial_value
+    from fl_lightning.sweep.metric import MissingMetric
+    from fl_lightning.sweep.trial import trial_value
 
     spec = SimpleNamespace(metric="personal/clients_evaluated", use="final")
     assert trial_value({"final": {"personal/clients_evaluated": 3.0}}, spec) == 3.0
@@ -225,7 +225,7 @@ def test_workers_stop_when_a_run_lacks_the_metric(tmp_path):
 
 
 def test_an_optimizer_class_named_in_short_in_overrides_may_have_its_options_searched(tmp_path):
-    from fl_lightning.sweep import load_sweep
+    from fl_lightning.sweep.spec import load_sweep
 
     overrides = {"rounds": 2, "eval_every": 1, "training": {"optimizer": "torch.optim.Adam"}}
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", **{**QUICK, "overrides": overrides}))

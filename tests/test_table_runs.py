@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import read_summary, run_cli, write_recipe
 
-from fl_lightning.table_runs import plan
+from fl_lightning.sweep.table import plan
 
 
 def reference(column, metric="global/test_acc", value=0.9):
@@ -175,7 +175,7 @@ def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop)
 
 
 def test_a_complete_run_whose_extension_was_killed_is_resumed_not_counted(recipes, tmp_path, monkeypatch):
-    from fl_lightning.orchestrator import FederationOrchestrator
+    from fl_lightning.run.orchestrator import FederationOrchestrator
 
     run = plan("paper-9/table-1", [0], tmp_path / "runs", recipes)[0]
     assert run_cli("fit", *run.fit_argv([])) == 0

@@ -11,7 +11,7 @@ from PIL import Image
 from fl_lightning.data import DirichletPartitioner
 from fl_lightning.data.transforms import random_crop_flip
 from fl_lightning.data.vision import CIFAR_MEAN, CIFAR_STD, Cifar10Data, Cifar100Data, Cinic10Data, MnistData
-from fl_lightning.errors import ConfigError
+from fl_lightning.federation.errors import ConfigError
 
 RNG = np.random.default_rng(0)
 

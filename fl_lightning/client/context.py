@@ -10,9 +10,11 @@ import torch
 from torch import Tensor
 
 from ..data import ClientData, FederatedData
-from ..seeding import Stream, derive_seed, seed_torch  # noqa: F401 (re-exported: strategies import them from here)
-from ..types import ClientSpec, StateDict
-from .loop import LocalLoop, ModelSlot, StepFn, batch_stream
+from ..federation.seeding import Stream, derive_seed, seed_torch  # noqa: F401 (re-exported: strategies import them from here)
+from ..federation.types import ClientSpec, StateDict
+from .batches import batch_stream
+from .loop import LocalLoop
+from .steps import ModelSlot, StepFn
 
 if TYPE_CHECKING:  # annotations only
     from .module import ClientModule

@@ -10,36 +10,23 @@ from __future__ import annotations
 
 import copy
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ..data.transforms import to_device
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from ..models import FeatureClassifier, ModelSpec
+from .pause import paused_fit, paused_fit_running
 from .seeded_init import SeededInitializer
+from .steps import ModelSlot, StepFn, training_step
 from .training import LocalTraining
 
 if TYPE_CHECKING:  # annotations only: Fabric is imported when a run starts (fabric_loader), never by the parser
     import lightning as L
 
     from .graphs import StepGraphs
-    from .module import ClientModule
-
-StepFn = Callable[["ClientModule", tuple, int], Tensor]
-
-
-@dataclass
-class ModelSlot:
-    """The single reusable instance of one role: module, optimizer and base learning rates."""
-
-    module: ClientModule
-    optimizer: torch.optim.Optimizer
-    base_lrs: list[float]
-
 
 def role_seed(seed: int, role: str) -> int:
     """A stable seed per (run seed, role), so a role's initial weights do not depend on build order."""
@@ -56,7 +43,7 @@ class LocalLoop:
         self.slots: dict[str, ModelSlot] = {}
         self.phase_start: dict[str, dict] = {}  # optimizer states every client of a phase starts from
         self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
-        self.graphs: StepGraphs | None = None  # runtime.cuda_graphs: client fits replay their steps (graphs.py)
+        self.graphs: StepGraphs | None = None  # runtime.cuda_graphs: client fits replay their steps (client/graphs/)
         self.helpers: dict[tuple, ModelSlot] = {}  # strategies' small trained modules, one per name and shapes
 
     def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
@@ -107,8 +94,6 @@ class LocalLoop:
         batched executor may pause (its fits run later, interleaved with other clients'), a client gets
         ``module`` itself instead.
         """
-        from .executor import paused_fit_running
-
         if paused_fit_running():
             module = module.to(self.fabric.device)
             if weights is not None:
@@ -161,10 +146,8 @@ class LocalLoop:
         for a device sync. A step function may return ``(loss, record)``: ``on_record`` receives each
         step's record (detached), which is how a pure step hands out what it observed (FedHe's logits).
         """
-        from .executor import paused_fit  # batched executor: the fit runs later, with other clients' fits
-
         role = next(r for r, s in self.slots.items() if s is slot)
-        result = paused_fit(self, slot, role, batches, rnd, step_fn or _training_step, on_record)
+        result = paused_fit(self, slot, role, batches, rnd, step_fn or training_step, on_record)
         if result is not None:
             return result
         factor = self.training.lr_schedule(rnd, self.rounds)
@@ -173,7 +156,7 @@ class LocalLoop:
         if self.graphs is not None:
             clip = self.training.grad_clip_norm
             return self.graphs.run_steps(
-                slot.module, slot.optimizer, batches, step_fn or _training_step, clip, on_record
+                slot.module, slot.optimizer, batches, step_fn or training_step, clip, on_record
             )
         return self.run_steps(slot.module, slot.optimizer, batches, step_fn, self.training.grad_clip_norm, on_record)
 
@@ -194,7 +177,7 @@ class LocalLoop:
         a block spanning several optimizer steps would keep computing with the first step's weights
         (under bf16-mixed the head then grows unchecked and test losses reach 1e8; docs/algorithms.md).
         """
-        step_fn = step_fn or _training_step
+        step_fn = step_fn or training_step
         strategy = self.fabric.strategy
         optimizer_step = strategy.optimizer_step
         # 32-true on one device: Fabric's autocast is a no-op and its backward and optimizer step are the plain
@@ -226,96 +209,3 @@ class LocalLoop:
             total += loss.detach().float()
             steps += 1
         return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}
-
-
-def _training_step(module: ClientModule, batch: tuple, i: int) -> Tensor:
-    return module.training_step(batch, i)
-
-
-def batch_stream(
-    x: Tensor,
-    y: Tensor | None,
-    idx: Tensor,
-    batch_size: int,
-    num_steps: int,
-    generator: torch.Generator,
-    augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
-) -> BatchStream:
-    """``num_steps`` batches gathered from the in-memory pool by index (see :class:`BatchStream`)."""
-    return BatchStream(x, y, idx, batch_size, num_steps, generator, augment)
-
-
-class BatchStream:
-    """``num_steps`` batches gathered from the in-memory pool by index; iterate it for ``(x, y)`` / ``(x,)``.
-
-    Each pass over ``idx`` is a fresh permutation; the last batch of a pass may be smaller, so an epoch
-    sees every example exactly once. With ``y`` None (unlabeled data) batches are ``(x,)``. ``augment``
-    is applied to each batch with the same generator; when it is a :class:`~fl_lightning.data.transforms.
-    CropFlip` the batched executor takes :meth:`next_parts` (indices and augmentation draws) from every
-    client and gathers and augments all of them at once, with the same random numbers in the same order.
-    Nothing is drawn before the first batch is asked for.
-    """
-
-    def __init__(self, x, y, idx, batch_size, num_steps, generator, augment=None):
-        self.x, self.y, self.idx = x, y, idx
-        self.batch_size, self.num_steps, self.generator, self.augment = batch_size, num_steps, generator, augment
-        self.produced, self._order, self._start = 0, None, 0
-        self._iterator: Iterator[tuple] | None = None
-        self._given_back: tuple[Tensor, Tensor | None] | None = None
-
-    def give_back(self, parts: tuple[Tensor, Tensor | None]) -> None:
-        """Makes the batch of ``parts`` (from :meth:`next_parts`) the next one again: a batched group that
-        falls back hands its clients their streams with the first batch unconsumed."""
-        self._given_back = parts
-
-    def next_parts(self) -> tuple[Tensor, Tensor | None] | None:
-        """The next batch's pool indices and its augmentation draws (None without a ``CropFlip``), or None
-        after the last step."""
-        if self._given_back is not None:
-            parts, self._given_back = self._given_back, None
-            return parts
-        if self.produced == self.num_steps:
-            return None
-        chosen = self._next_indices()
-        draw = getattr(self.augment, "draw", None)
-        return chosen, draw(len(chosen), self.generator) if draw is not None else None
-
-    def _next_indices(self) -> Tensor:
-        n = len(self.idx)
-        if n == 0:
-            raise ConfigError(
-                "a client has no examples in the split it must train on; check the partition "
-                "(min_partition_size) and the labeled / local-split fractions."
-            )
-        if self._order is None or self._start >= n:  # a new pass: a fresh permutation
-            self._order = self.idx[to_device(torch.randperm(n, generator=self.generator), self.idx.device)]
-            self._start = 0
-        chosen = self._order[self._start : self._start + self.batch_size]
-        self._start += self.batch_size
-        self.produced += 1
-        return chosen
-
-    def __next__(self) -> tuple:
-        """The next batch (``next(stream)``, as a step that draws a second stream does)."""
-        if self._given_back is not None and self._iterator is not None:  # a running generator would skip it
-            self._iterator = None
-        if self._iterator is None:
-            self._iterator = iter(self)
-        return next(self._iterator)
-
-    def __iter__(self) -> Iterator[tuple]:
-        """The batches from where the stream stands (a generator: the sequential loop's hot path)."""
-        x, y, augment, generator = self.x, self.y, self.augment, self.generator
-        draw = getattr(augment, "draw", None)
-        if self._given_back is not None:
-            (chosen, draws), self._given_back = self._given_back, None
-            xb = x[chosen] if draws is None else augment.apply(x[chosen], draws)
-            yield (xb,) if y is None else (xb, y[chosen])
-        while self.produced < self.num_steps:
-            chosen = self._next_indices()
-            xb = x[chosen]
-            if draw is not None:
-                xb = augment.apply(xb, draw(len(chosen), generator))
-            elif augment is not None:
-                xb = augment(xb, generator)
-            yield (xb,) if y is None else (xb, y[chosen])

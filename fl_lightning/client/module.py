@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..federation.types import PAD
 from ..models import FeatureClassifier
-from ..types import PAD
 from .training import OptimizerFactory
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ..seeding import seed_torch
+from ..federation.seeding import seed_torch
 
 CHECK_SEED_OFFSET = 0x9E3779B9  # a second seed for the check, unrelated to the first
 

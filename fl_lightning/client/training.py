@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 from jsonargparse import lazy_instance
 
-from ..errors import ConfigError
-from ..schedules import ConstantLR, RoundSchedule
+from ..federation.errors import ConfigError
+from ..federation.schedules import ConstantLR, RoundSchedule
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 

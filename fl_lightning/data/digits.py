@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from .federated import DataArrays, FederatedData, _stratified_take
 
 NORMALIZATIONS = ("pixel", "channel", "mean_image", "none")

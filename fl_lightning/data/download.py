@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 
 CHUNK = 1 << 20
 HUB = "https://huggingface.co"

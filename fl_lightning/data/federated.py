@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from .partition import IidPartitioner, Partitioner
 from .transforms import CropFlip
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 
 
 class Partitioner:

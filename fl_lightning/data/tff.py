@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from . import sources
 from .federated import DataArrays, FederatedData
 from .partition import NaturalIdPartitioner

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from . import sources
 from .federated import DataArrays, FederatedData
 from .transforms import CropFlip

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..types import StateDict
+from ..federation.types import StateDict
 
 
 class WeightedAverage:

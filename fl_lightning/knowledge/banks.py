@@ -1,22 +1,11 @@
-"""Per-class statistics: class sums on a client and the server's per-class averages."""
+"""The server's per-class averages of what clients upload (FedHe, Felo / Velo, FedProto)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .class_stats import ClassStatistics
-
-
-def class_sums(values: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
-    """Per-class sums ``[C, D]`` of ``values`` ``[B, D]`` and counts ``[C]``."""
-    sums = torch.zeros(num_classes, values.shape[1], dtype=values.dtype, device=values.device)
-    sums.index_add_(0, labels, values)
-    counts = torch.bincount(labels, minlength=num_classes)
-    return sums, counts
+from .class_stats import ClassStatistics
 
 
 class ClassBank:

@@ -18,10 +18,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..types import Payload, tensor_bytes
-from .banks import class_sums
+from ..federation.types import Payload, tensor_bytes
 
 ABSENT = -1  # the label of a padded row: the sender has no example of that class
+
+
+def class_sums(values: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Per-class sums ``[C, D]`` of ``values`` ``[B, D]`` and counts ``[C]``."""
+    sums = torch.zeros(num_classes, values.shape[1], dtype=values.dtype, device=values.device)
+    sums.index_add_(0, labels, values)
+    counts = torch.bincount(labels, minlength=num_classes)
+    return sums, counts
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..types import Payload, StateDict, tensor_bytes
+from ..federation.types import Payload, StateDict, tensor_bytes
 
 
 def energy_rank(singular_values: Tensor, energy: float) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from ..seeding import Owner, Stream, derive_seed
+from ..federation.seeding import Owner, Stream, derive_seed
 
 
 def round_subset(seed: int, rnd: int, num_public: int, size: int | None) -> Tensor | None:

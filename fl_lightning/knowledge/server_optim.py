@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..types import StateDict
+from ..federation.types import StateDict
 
 
 def global_norm(tensors: StateDict) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 
 
 class FeatureClassifier(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from .base import FeatureClassifier, scaled
 from .registry import register_model
 from .slicing import add_scaler, mark_sliceable, sliced_width

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 from torchvision.models.resnet import Bottleneck
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from .base import FeatureClassifier, SplitFeatureClassifier
 from .cifar_resnet import init_resnet, resnet_stage
 from .registry import register_model

@@ -1,23 +1,26 @@
 """Paper 001's CIFAR-100 fine-tuning models: a frozen ViT-B/16 with two trainable output layers, and a
 torchvision ResNet50 auxiliary (about 29% of the ViT's size). The ViT's weights are pinned to one Hub
 commit and read as safetensors (never pickles) from a local directory, ``<pretrained_dir>`` (where
-``flrun data fetch vit_b16`` puts them, checksummed) or the Hugging Face cache; when they are absent the
-builder fetches and verifies them once, or says in one sentence where they go.
+``flrun data fetch vit_b16`` puts them, checksummed) or the Hugging Face cache; when they are absent, a run
+fetches and verifies them once (the ``fetch_weights`` it hands the builder), or says in one sentence where
+they go.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data import sources
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from .base import FeatureClassifier
 from .registry import register_model
+
+# the pinned ViT-B/16 weights: the Hub repository and the commit whose files `flrun data fetch vit_b16` checks
+VIT_ID, VIT_REVISION = "google/vit-base-patch16-224-in21k", "b4569560a39a0f1af58e3ddaf17facf20ab919b0"
 
 
 class ViTFeatures(nn.Module):
@@ -45,12 +48,13 @@ class ViTFeatures(nn.Module):
 @register_model("vit_b16")
 def vit_b16(
     num_classes: int = 100,
-    pretrained: str = sources.VIT_ID,
-    revision: str = sources.VIT_REVISION,
+    pretrained: str = VIT_ID,
+    revision: str = VIT_REVISION,
     pretrained_dir: str = "data",
     hidden: int = 512,
     random_init: bool = False,
     config: dict | None = None,
+    fetch_weights: Callable[[str, Path], None] | None = None,
 ) -> FeatureClassifier:
     """ViT-B/16 with a frozen backbone and two trainable output layers (paper 001, CIFAR-100 fine-tuning).
 
@@ -63,13 +67,15 @@ def vit_b16(
         hidden: width of the first trainable output layer.
         random_init: build from ``config`` without weights (tests, timing); never for results.
         config: ``ViTConfig`` overrides, e.g. a tiny ``{hidden_size: 32, num_hidden_layers: 2, ...}``.
+        fetch_weights: given by the run, not by a recipe: ``fetch_weights("vit_b16", data_dir)`` downloads and
+            verifies the pinned weights when they are absent, or raises the one sentence saying where they go.
     """
     from transformers import ViTConfig, ViTModel
 
     if random_init:
         backbone = ViTModel(ViTConfig(**(config or {})), add_pooling_layer=False)
     else:
-        folder = _vit_weights(pretrained, revision, Path(pretrained_dir))
+        folder = _vit_weights(pretrained, revision, Path(pretrained_dir), fetch_weights)
         try:
             backbone = ViTModel.from_pretrained(
                 folder,
@@ -97,26 +103,28 @@ def _hub_cache(repo_id: str, revision: str) -> str | None:
         return None
 
 
-def _vit_weights(pretrained: str, revision: str, data_dir: Path) -> str:
+def _vit_weights(
+    pretrained: str, revision: str, data_dir: Path, fetch_weights: Callable[[str, Path], None] | None
+) -> str:
     """A local folder with the ViT's config and safetensors: the given one, the fetched one, or the Hub
-    cache's snapshot of ``revision``; fetched (and verified) once when absent and the network allows."""
+    cache's snapshot of ``revision``; fetched (and verified) once by ``fetch_weights`` when absent."""
     if Path(pretrained).is_dir():
         return pretrained
     folder = data_dir / "pretrained" / pretrained.replace("/", "--")
-    known = pretrained == sources.VIT_ID and revision == sources.VIT_REVISION
+    known = pretrained == VIT_ID and revision == VIT_REVISION
     if known and (folder / "model.safetensors").is_file():
         return str(folder)
     cached = _hub_cache(pretrained, revision)
     if cached is not None:
         return cached
-    if known and os.environ.get("HF_HUB_OFFLINE") != "1":
-        try:
-            sources.fetch("vit_b16", data_dir)
-            return str(folder)
-        except sources.NetworkError as err:
-            raise sources.missing("vit_b16", data_dir, failure=err) from None
+    if known and fetch_weights is not None:
+        fetch_weights("vit_b16", data_dir)
+        return str(folder)
     if known:
-        raise sources.missing("vit_b16", data_dir)
+        raise ConfigError(
+            f"ViT-B/16 weights not found: expected {folder / 'model.safetensors'}; run `flrun data fetch vit_b16 "
+            f"--data_dir {data_dir}` on a machine with internet and copy {data_dir} to this machine."
+        )
     raise ConfigError(
         f"pretrained ViT weights {pretrained!r} at revision {revision} are not available offline; put its "
         "config.json and model.safetensors in a folder and set models.<role>.args.pretrained to it, or run "

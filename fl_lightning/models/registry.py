@@ -28,7 +28,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from .base import FeatureClassifier
 
 Builder = Callable[..., FeatureClassifier]

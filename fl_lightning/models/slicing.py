@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
-from ..types import StateDict
+from ..federation.errors import ConfigError
+from ..federation.types import StateDict
 
 SLICEABLE_BUILDERS = ("digits_cnn", "digits_mlp", "resnet20") + tuple(
     f"cifar_resnet{depth}" for depth in (10, 14, 18, 22, 26, 34, 50)

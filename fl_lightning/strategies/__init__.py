@@ -1,6 +1,7 @@
 """Federated strategies, one algorithm per file."""
 
 from .base import ServerContext, Strategy
+from .codistillation import Codistillation
 from .dsfl import DSFL
 from .fd import FD
 from .fedadam import FedAdam
@@ -29,6 +30,7 @@ __all__ = [
     "FD",
     "FML",
     "MOON",
+    "Codistillation",
     "FedAdam",
     "FedAvg",
     "FedDF",

@@ -25,14 +25,15 @@ import torch
 from torch import Tensor
 
 from ..client.context import ClientContext
-from ..client.loop import LocalLoop, StepFn
+from ..client.evaluation import Evaluator
+from ..client.loop import LocalLoop
+from ..client.steps import StepFn
 from ..data import FederatedData
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..federation.errors import ConfigError
+from ..federation.schedules import round_progress
+from ..federation.seeding import Stream, derive_seed
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from ..models import FeatureClassifier
-from ..schedules import round_progress
-from ..seeding import Stream, derive_seed
-from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict
 
 
 @dataclass
@@ -296,3 +297,18 @@ def _on_devices_of(current: Any, saved: Any) -> Any:
     if type(saved) in (list, tuple) and type(current) in (list, tuple) and len(saved) == len(current):
         return type(saved)(_on_devices_of(c, v) for c, v in zip(current, saved))
     return saved
+
+
+def require_private_and_shared_role(server: ServerContext, shared: str, method: str, word: str) -> None:
+    """Every client lists exactly two roles: its private model's and the shared ``shared`` role."""
+    if shared not in server.roles:
+        raise ConfigError(
+            f"{method} trains a private and a shared {word} model on every client; no tier lists the {word} "
+            f"role {shared!r} (tiers train {server.roles}): give each tier roles [<private>, {shared}]."
+        )
+    wrong = [c.id for c in server.clients if len(c.roles) != 2 or shared not in c.roles]
+    if wrong:
+        raise ConfigError(
+            f"{method} trains two models per client: every tier must list its private model's role and "
+            f"{shared!r} (e.g. roles: [cnn_large, {shared}]); clients {wrong[:5]} do not."
+        )

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import masked_row_mean
-from ..types import ClientSpec, ClientTask, ClientUpdate
 from .base import PersonalModels, ServerContext, Strategy
 
 

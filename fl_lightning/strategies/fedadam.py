@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
+from ..federation.schedules import linear_decay
+from ..federation.types import ClientUpdate, StateDict
 from ..knowledge import WeightedAverage
 from ..knowledge.server_optim import ServerAdam
-from ..schedules import linear_decay
-from ..types import ClientUpdate, StateDict
 from .base import ServerContext
 from .fedavg import FedAvg
 

@@ -7,11 +7,19 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..federation.errors import ConfigError
+from ..federation.seeding import Owner, derive_seed
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    StateDict,
+    exchanged_keys,
+    load_exchanged,
+)
 from ..knowledge import WeightedAverage
-from ..seeding import Owner, derive_seed
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -26,7 +34,7 @@ class FedAvg(Strategy):
     tier filter on the sampler it gives paper 001's weak-only and strong-only baselines.
 
     Weights travel as a deployment would send them: trainable parameters and the buffers of trainable
-    parts only (:func:`~fl_lightning.types.exchanged_keys`); a frozen backbone stays where it is.
+    parts only (:func:`~fl_lightning.federation.types.exchanged_keys`); a frozen backbone stays where it is.
 
     Args:
         roles: the roles to train; all roles of the population when not given.

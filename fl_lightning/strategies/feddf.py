@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
+from ..federation.types import ClientUpdate
 from ..knowledge.codistill import random_batches
 from ..knowledge.distillation import kl_to_targets
-from ..types import ClientUpdate
 from .base import ServerContext
 from .fedavg import FedAvg
 

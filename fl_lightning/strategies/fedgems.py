@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
 from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
-from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import PersonalModels, ServerContext, Strategy
 
 

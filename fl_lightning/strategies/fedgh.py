@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.header import train_header
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights
 from .base import ServerContext, Strategy
 
 

@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
 from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
 from ..models.base import SplitFeatureClassifier  # not models.fedgkt: it imports torchvision
-from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from .base import PersonalModels, ServerContext, Strategy
 
 

@@ -6,13 +6,13 @@ from collections.abc import Iterator
 
 import torch.nn.functional as F
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_distance_rows, masked_row_mean
-from ..types import ClientSpec, ClientTask, ClientUpdate
 from .base import PersonalModels, ServerContext, Strategy
 
 

@@ -9,22 +9,24 @@ from collections.abc import Iterator
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..client.joint import fit_jointly
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    StateDict,
+    exchanged_keys,
+    load_exchanged,
+)
 from ..knowledge import WeightedAverage
 from ..knowledge.compression import LowRankUpdate, compress, energy_threshold
-from ..knowledge.mutual import (
-    KL_REDUCTIONS,
-    fit_jointly,
-    hidden_map,
-    hidden_state_loss,
-    mutual_kl,
-    require_private_and_shared_role,
-)
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
-from .base import ServerContext, Strategy
+from ..knowledge.mutual import KL_REDUCTIONS, hidden_map, hidden_state_loss, mutual_kl
+from .base import ServerContext, Strategy, require_private_and_shared_role
 
 
 def adaptive_mutual_losses(

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import torch.nn.functional as F
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
-from ..types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from .base import PersonalModels, ServerContext, Strategy
 
 DIGEST_LOSSES = ("l1", "mse", "kl")

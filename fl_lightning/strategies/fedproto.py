@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
-from ..types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from .base import ServerContext, Strategy
 
 ABSENT_CLASS_LOGIT = -1e9  # a class without a global prototype is never the nearest one

@@ -7,15 +7,15 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, exchanged_keys, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_distance_rows, masked_row_mean
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -30,7 +30,7 @@ class Felo(Strategy):
     received (``ClassBank``) and, as Sec. 3.1.2 describes, averages weights only among clients of the
     same architecture (one role per architecture); ``average_weights: false`` keeps personal models
     as the official code does. Averaged weights travel as their trainable part only
-    (:func:`~fl_lightning.types.exchanged_keys`): a frozen backbone is neither sent nor counted.
+    (:func:`~fl_lightning.federation.types.exchanged_keys`): a frozen backbone is neither sent nor counted.
 
     Every role must have the same feature dimension, since features of different architectures are
     compared directly.

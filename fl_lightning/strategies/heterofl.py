@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.seeding import Owner, Stream, derive_seed
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload
 from ..models.slicing import SLICEABLE_BUILDERS, batch_norm_statistics, not_a_slice, slice_state
-from ..seeding import Owner, Stream, derive_seed
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload
 from .base import ServerContext, Strategy
 
 

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..federation.errors import ConfigError
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict
 from ..knowledge import WeightedAverage
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict
 from .base import ServerContext, Strategy
 
 

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import torch
 
-from ..errors import ConfigError
-from ..knowledge.codistill import Codistillation
+from ..federation.errors import ConfigError
+from ..federation.types import ClientUpdate
 from ..knowledge.server_optim import global_norm, merge_gradients
-from ..types import ClientUpdate
 from .base import ServerContext
+from .codistillation import Codistillation
 from .fedadam import FedAdam
 
 

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..client.executor import paused_fit_running
-from ..errors import ConfigError
-from ..types import ClientTask, ClientUpdate, load_exchanged
+from ..client.pause import paused_fit_running
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import ClientTask, ClientUpdate, load_exchanged
 from .base import ServerContext
 from .fedavg import FedAvg
 

@@ -7,13 +7,21 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..client.batched import vmappable
 from ..client.context import ClientContext
-from ..errors import ConfigError
-from ..evaluation import Evaluator
+from ..client.evaluation import Evaluator
+from ..client.steps import vmappable
+from ..federation.errors import ConfigError
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    StateDict,
+    exchanged_keys,
+    load_exchanged,
+)
 from ..knowledge import WeightedAverage
 from ..knowledge.distillation import kd_kl_loss, ramp_up
-from ..types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, exchanged_keys, load_exchanged
 from .base import ServerContext, Strategy
 
 
@@ -117,7 +125,7 @@ class OnDeviceKD(Strategy):
         weight = self._kd_weight_on(ctx.data_x.device, ramp_up(task.round - 1, self.kd_weight, self.ramp_rounds))
         temperature = self.temperature  # a local, not `self`: a CUDA graph's key then holds only what the step reads
 
-        @vmappable  # pure: clients of the target phase can train batched (client/batched.py)
+        @vmappable  # pure: clients of the target phase can train batched (client/batched/)
         def kd_step(module, batch, i):
             x = batch[0]
             with (

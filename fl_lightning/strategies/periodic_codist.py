@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..errors import ConfigError
-from ..knowledge.codistill import Codistillation
-from ..types import ClientUpdate
+from ..federation.errors import ConfigError
+from ..federation.types import ClientUpdate
 from .base import ServerContext
+from .codistillation import Codistillation
 from .fedadam import FedAdam
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..client.context import ClientContext
-from ..evaluation import Evaluator
-from ..types import ClientSpec, ClientTask, ClientUpdate
+from ..client.evaluation import Evaluator
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate
 from .base import ServerContext, Strategy
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 from ..knowledge.cvae import FeatureCVAE, cvae_loss
 from .base import ServerContext
 from .felo import Felo

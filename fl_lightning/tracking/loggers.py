@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 
 
 class RunLogger:

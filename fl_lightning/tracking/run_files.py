@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import ConfigError
+from ..federation.errors import ConfigError
 
 
 class RunFiles:

@@ -1,0 +1,162 @@
+"""How a phase's client tasks run: one after another, or batched (``runtime.executor``).
+
+Batched mode runs each task's ``client_update`` as a coroutine: a thread that the executor lets run
+alone until the client asks for a local fit. The fit is then paused (``FitRequest``: the client's tensors,
+modes, optimizer state and random state copied), the next client runs up to its own fit, and when every
+client of the chunk has paused or finished, the paused fits run together (``batched.BatchedFit``). Each
+client resumes with its own tensors restored into the shared instances and continues to its next fit or
+its end. Strategies do not change: their ``client_update`` sees the shared instances exactly as in the
+sequential loop. Threads are used only to suspend and resume a client's Python frame; one runs at a
+time, handed over explicitly, so the order of everything is fixed and runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..pause import run_as
+from .fit_request import (
+    FitRequest,
+    random_state,
+    restore,
+    restore_optimizer,
+    set_random_state,
+    snapshot_optimizer,
+    snapshot_slots,
+    training_modes,
+)
+from .fits import BatchedFit
+
+if TYPE_CHECKING:
+    from ..loop import LocalLoop
+    from ..steps import ModelSlot, StepFn
+
+class _Cancelled(BaseException):
+    """Raised inside a paused client when the chunk stops (another client failed)."""
+
+
+class _Coroutine:
+    """A client task on its own thread, run only while the executor waits for it."""
+
+    def __init__(self, job: Callable[[], Any], fits: BatchedFit):
+        self.job, self.fits = job, fits
+        self.request: FitRequest | None = None
+        self.done, self.cancelled = False, False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._turn, self._yielded = threading.Event(), threading.Event()
+        self._threads = torch.get_num_threads()  # a new thread starts with OpenMP's default, not the run's setting
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        run_as(self)
+        torch.set_num_threads(self._threads)
+        self._turn.wait()
+        try:
+            if not self.cancelled:
+                self.value = self.job()
+        except _Cancelled:
+            pass
+        except BaseException as err:  # noqa: BLE001 (any error, KeyboardInterrupt too, is raised again in the run's thread)
+            self.error = err
+        finally:
+            self.done = True
+            self._yielded.set()
+
+    def advance(self) -> None:
+        """Lets the client run until it pauses at a fit or finishes (called by the executor's thread)."""
+        self._yielded.clear()
+        self._turn.set()
+        self._yielded.wait()
+
+    def pause_fit(
+        self, loop: LocalLoop, slot: ModelSlot, role: str, batches, rnd: int, step_fn: StepFn, on_record
+    ) -> dict:
+        """Called on the client's thread by ``loop.fit``: copies what the fit needs and waits for its result."""
+        request = FitRequest(
+            role=role,
+            batches=batches,
+            step_fn=step_fn,
+            on_record=on_record,
+            rnd=rnd,
+            slots=snapshot_slots(loop),
+            modes=training_modes(loop),
+            optimizer_state=snapshot_optimizer(slot),
+            rng_state=random_state(),
+        )
+        return self.pause(request).result
+
+    def note_sequential(self, fits: int, why: str) -> None:
+        """Counts fits the client's strategy ran itself (models trained together) as sequential ones."""
+        self.fits.note_sequential(fits, why)
+
+    def pause(self, request: FitRequest) -> FitRequest:
+        """Called on the client's thread: hands the fit to the executor and waits for its result."""
+        self.request = request
+        self._turn.clear()  # cleared before yielding, so the executor's next set() cannot be lost
+        self._yielded.set()
+        self._turn.wait()
+        if self.cancelled:
+            raise _Cancelled
+        finished, self.request = self.request, None
+        return finished
+
+    def cancel(self) -> None:
+        """Stops the client: a paused one raises at its pause; one still running (the run was interrupted
+        while it ran) is let run to its next pause or its end first."""
+        self.cancelled = True
+        while not self.done:
+            self.advance()
+        self._thread.join()
+
+
+class BatchedExecutor:
+    """Runs client tasks in chunks of ``chunk`` clients whose local fits are batched where possible."""
+
+    def __init__(self, loop: LocalLoop, chunk: int):
+        self.loop, self.chunk = loop, chunk
+        self.fits = BatchedFit(loop)
+
+    def run(self, jobs: list[Callable[[], Any]]) -> Iterator[Any]:
+        """Runs ``jobs`` (each one client's task) a chunk at a time; their values in order."""
+        for start in range(0, len(jobs), self.chunk):
+            yield from self._run_chunk(jobs[start : start + self.chunk])
+
+    def _run_chunk(self, jobs: list[Callable[[], Any]]) -> list[Any]:
+        coroutines = [_Coroutine(job, self.fits) for job in jobs]
+        last_fit: dict[str, tuple[int, FitRequest]] = {}  # per role, the fit of the latest client in task order
+        try:
+            for coroutine in coroutines:
+                self._advance(coroutine)
+            while True:
+                paused = [(i, c) for i, c in enumerate(coroutines) if c.request is not None and not c.done]
+                if not paused:
+                    break
+                self.fits.run([c.request for _, c in paused])
+                for i, coroutine in paused:
+                    request = coroutine.request
+                    if i >= last_fit.get(request.role, (-1,))[0]:
+                        last_fit[request.role] = (i, request)
+                    restore(self.loop, request)
+                    set_random_state(request.rng_state)
+                    self._advance(coroutine)
+            # a shared optimizer state carries on from the last client in task order, as one after another
+            for _, request in last_fit.values():
+                restore_optimizer(self.loop, request)
+        except BaseException:
+            for coroutine in coroutines:
+                if not coroutine.done:
+                    coroutine.cancel()
+            raise
+        return [c.value for c in coroutines]
+
+    @staticmethod
+    def _advance(coroutine: _Coroutine) -> None:
+        coroutine.advance()
+        if coroutine.error is not None:
+            raise coroutine.error

@@ -1,0 +1,44 @@
+"""What one local step is: a strategy's step function, the slot of a role's one model instance, the default
+cross-entropy step, and the mark of a step that is a pure function of its inputs.
+
+A step function takes ``(module, batch, i)`` and returns the loss (or ``(loss, record)``: what the step
+observed, such as FedHe's logits). The sequential loop, the batched executor and CUDA-graph replays all call
+the same step functions, so a strategy never knows how its clients' fits are run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .module import ClientModule
+
+StepFn = Callable[["ClientModule", tuple, int], Tensor]
+
+
+@dataclass
+class ModelSlot:
+    """The single reusable instance of one role: module, optimizer and base learning rates."""
+
+    module: ClientModule
+    optimizer: torch.optim.Optimizer
+    base_lrs: list[float]
+
+
+def training_step(module: ClientModule, batch: tuple, i: int) -> Tensor:
+    return module.training_step(batch, i)
+
+
+def vmappable(step_fn: Callable) -> Callable:
+    """Marks a step function as pure: its loss depends only on its module, batch and closure values,
+    it changes nothing outside (no collectors, no Python lists), draws no random numbers, and reaches the
+    same trained tensors at every step and batch size (the batched executor checks the first step only: a
+    tensor torch's optimizer would skip for want of a gradient in a later step would be moved by momentum
+    or weight decay there)."""
+    step_fn.vmappable = True
+    return step_fn

@@ -1,0 +1,107 @@
+"""``flrun fit --runtime.devices N`` on one machine: the same command re-run as N ranks, as torchrun does, with
+rank 0 on the terminal, the others' output shown only when they fail, and every rank ended together."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import IO
+
+from .messages import MAILBOX_ENV, make_mailbox_folder
+
+GRACE_S = 30.0  # after a rank fails, how long the others get to stop on their own (rank 0 writes its summary)
+
+
+def launch(argv: list[str], devices: int) -> int:
+    """Runs ``python -m fl_lightning *argv`` as ``devices`` ranks on this machine; returns the exit status.
+
+    Rank 0 keeps this terminal (progress bar, messages, the final lines). The other ranks' output goes to
+    temporary files, shown only when such a rank fails and rank 0 has not said why itself. When a rank fails,
+    the others get ``GRACE_S`` seconds to stop on their own (rank 0 writes the summary), then are terminated.
+    """
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(devices),
+        "LOCAL_WORLD_SIZE": str(devices),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    command = [sys.executable, "-m", "fl_lightning", *argv]
+    with contextlib.ExitStack() as files:
+        # the ranks' mailbox folder is made here, so that it goes even when a rank is terminated (SIGTERM
+        # skips a rank's own clean-up at exit) or killed
+        with contextlib.suppress(OSError):
+            env[MAILBOX_ENV] = make_mailbox_folder()
+            files.callback(shutil.rmtree, env[MAILBOX_ENV], True)
+        logs = [None] + [files.enter_context(tempfile.TemporaryFile()) for _ in range(devices - 1)]
+        processes = [
+            subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=logs[r])
+            for r in range(devices)
+        ]
+        previous = signal.signal(signal.SIGTERM, lambda *_: _terminate(processes))  # a job scheduler's stop
+        try:
+            first_failure, killed = _wait(processes)
+        except KeyboardInterrupt:  # the terminal interrupted every rank too: they stop and keep their checkpoint
+            _wait(processes, stopping=True)
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        codes = [p.returncode for p in processes]
+        if codes[0] != 0 and 0 not in killed and (codes[0] == 2 or first_failure == 0):
+            return codes[0]  # rank 0 said what went wrong (a user error, a divergence, its own traceback)
+        if first_failure is None:
+            return 0
+        code = codes[first_failure]
+        _show_log(first_failure, code, logs[first_failure])
+        return code if code > 0 else 1
+
+
+def _show_log(rank: int, code: int, log: IO[bytes] | None) -> None:
+    """The end of a failed rank's output (rank 0's went to the terminal already)."""
+    how = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
+    tail = []
+    if log is not None:
+        log.seek(0)
+        tail = log.read().decode(errors="replace").splitlines()[-40:]
+    print(f"flrun fit: rank {rank} failed ({how}){':' if tail else '.'}", *tail, sep="\n", file=sys.stderr)
+
+
+def _wait(processes: list[subprocess.Popen], stopping: bool = False) -> tuple[int | None, set[int]]:
+    """Waits for every rank; returns the first to fail and those terminated after the grace period."""
+    first_failure, failed_at, killed = None, time.monotonic() if stopping else None, set()
+    while None in [p.poll() for p in processes]:  # every process polled: each one's exit is seen when it happens
+        if first_failure is None:
+            failing = [r for r, p in enumerate(processes) if p.returncode not in (None, 0)]
+            if failing:
+                first_failure, failed_at = failing[0], time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            killed = {r for r, p in enumerate(processes) if p.poll() is None}
+            _terminate(processes)
+            for p in processes:
+                p.wait()
+            break
+        time.sleep(0.05)
+    if first_failure is None:
+        failing = [r for r, p in enumerate(processes) if p.returncode not in (None, 0) and r not in killed]
+        first_failure = failing[0] if failing else None
+    return first_failure, killed
+
+
+def _terminate(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the rendezvous of the ranks :func:`launch` starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,41 @@
+"""A report's content from run and sweep directories: one section per experiment (a name and recipe, one run
+per seed) with its comparison against the paper and its figures, the sweeps, and the warnings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .figures import client_histogram_figure, learning_curve_figure, png
+from .groups import group_experiments, group_warnings
+from .runs import compare, find_runs, load_run, plural
+from .sweeps import load_sweep_dir
+
+
+def build_report(paths: list[str]) -> dict[str, Any]:
+    """One section per experiment (``report.groups``: one name and recipe, one run per seed), the sweeps,
+    the number of runs found and the warnings (copies of a seed, differing reference blocks)."""
+    run_dirs, sweep_dirs = find_runs(paths)
+    runs = [load_run(root) for root in run_dirs]
+    sections, warnings = [], []
+    for group in group_experiments(runs):
+        comparison = compare(group["runs"], group["duplicates"])
+        row = comparison["rows"][0]
+        sections.append(
+            {
+                "name": group["label"],
+                "recipe": group["name"],
+                "experiment": group["experiment"],
+                "differs": group["differs"],
+                "comparison": comparison,
+                "curve": png(learning_curve_figure(group["runs"], row["metric"], row["paper"])),
+                "clients": png(client_histogram_figure(group["runs"])),
+            }
+        )
+        warnings += group_warnings(group)
+    sweeps = [load_sweep_dir(root) for root in sweep_dirs]
+    return {"sections": sections, "sweeps": sweeps, "runs": len(runs), "warnings": warnings}
+
+
+def headline(report: dict) -> str:
+    text = f"{plural(report['runs'], 'run')} in {plural(len(report['sections']), 'recipe')}"
+    return text + (f" and {plural(len(report['sweeps']), 'sweep')}" if report["sweeps"] else "")

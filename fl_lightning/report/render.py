@@ -1,0 +1,191 @@
+"""HTML, Markdown and W&B output of ``flrun report``; every value read from a file is escaped here."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from .build import headline
+from .groups import value_text
+from .markup import STYLE, e, html_figure, html_table, md, md_table, save_figure
+from .runs import MEASURED_NOTE, fmt, plural
+
+SUMMARY_HEADER = [
+    "recipe",
+    "metric",
+    "paper",
+    "paper std",
+    "measured (final round)",
+    "std over seeds",
+    "best round",
+    "runs",
+    "measured − paper",
+]
+
+
+def _summary_cells(s: dict, row: dict) -> list[str]:
+    return [
+        str(s["name"]),
+        str(row["metric"]),
+        fmt(row["paper"]),
+        fmt(row["paper_std"]),
+        fmt(row["mean"]),
+        fmt(row["std"]),
+        fmt(row["best_mean"]),
+        str(row["n"]),
+        fmt(row["delta"]),
+    ]
+
+
+def _runs_text(c: dict) -> str:
+    """``2 runs, seeds 0, 1 (1 copy of a seed not counted); communication per run: ...``."""
+    copies = sum(1 for p in c["provenance"] if not p["counted"])
+    not_counted = f" ({copies} {'copy' if copies == 1 else 'copies'} of a seed not counted)" if copies else ""
+    return (
+        f"{plural(len(c['seeds']), 'run')}, {'seed' if len(c['seeds']) == 1 else 'seeds'} "
+        f"{', '.join(map(str, c['seeds']))}{not_counted}"
+        f"{'' if c['complete'] else ' (some runs incomplete)'}; communication per run: "
+        f"{fmt(c['uplink_mb'], 2)} MiB up, {fmt(c['downlink_mb'], 2)} MiB down."
+    )
+
+
+def _experiment_text(s: dict) -> str:
+    """Where runs of this name have other recipes: this experiment's values of the keys they differ in."""
+    if not s["differs"]:
+        return ""
+    values = "; ".join(f"{key} = {value_text(value)}" for key, value in s["differs"].items())
+    return (
+        f"Runs named {s['recipe']} come from different recipes (config.yaml) and are reported apart; this "
+        f"experiment ({s['experiment']}) has {values}."
+    )
+
+
+def _seed_text(p: dict) -> str:
+    return str(p["seed"]) + ("" if p["counted"] else " (same seed again, not counted)")
+
+
+def _reference_text(ref: dict) -> str:
+    parts = [str(ref[k]) for k in ("paper", "table", "row", "column") if ref.get(k) not in (None, "")]
+    return ", ".join(parts)
+
+
+def write_html(report: dict, path: Path) -> None:
+    from .sweeps import sweep_html
+
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>fl-lightning reproducibility report</title><style>{STYLE}</style></head><body>",
+        f"<h1>Reproducibility report</h1><p>{e(headline(report))}.</p>",
+        *(f"<p class='warn'>Warning: {e(warning)}</p>" for warning in report["warnings"]),
+    ]
+    if report["sections"]:
+        rows = [
+            [(e(cell), "num" if i >= 2 else "") for i, cell in enumerate(_summary_cells(s, row))]
+            for s in report["sections"]
+            for row in s["comparison"]["rows"]
+        ]
+        parts += [html_table(SUMMARY_HEADER, rows), f"<p class='note'>{e(MEASURED_NOTE)}</p>"]
+    for s in report["sections"]:
+        c = s["comparison"]
+        parts.append(f"<h2>{e(s['name'])}</h2>")
+        if c["reference"]:
+            parts.append(f"<p>Paper: {e(_reference_text(c['reference']))}.</p>")
+        parts.append(f"<p>{e(_runs_text(c))}</p>")
+        if s["differs"]:
+            parts.append(f"<p>{e(_experiment_text(s))}</p>")
+        parts.append(html_figure(s["curve"], f"learning curve ({c['rows'][0]['metric']})"))
+        parts.append(html_figure(s["clients"], "personalized accuracy per client"))
+        metric = c["rows"][0]["metric"]
+        rows = [
+            [
+                (e(_seed_text(p)), "num"),
+                (fmt(p["final"]), "num"),
+                (f"{fmt(p['best'])} (round {e(p['best_round'])})", "num"),
+                (e(p["dir"]), ""),
+                (e(p["config_sha256"]), ""),
+                (e(p["git_commit"]), ""),
+                (e(json.dumps(p["versions"])), ""),
+                (e(p["hardware"]), ""),
+            ]
+            for p in c["provenance"]
+        ]
+        header = ["seed", f"{metric} final", "best", "run", "config sha256", "git commit", "versions", "hardware"]
+        parts.append(html_table(header, rows))
+    for sweep in report["sweeps"]:
+        parts += sweep_html(sweep)
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts))
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    from .sweeps import sweep_markdown
+
+    lines = ["# Reproducibility report", "", f"{md(headline(report))}.", ""]
+    lines += [f"Warning: {md(warning)}" for warning in report["warnings"]] + ([""] if report["warnings"] else [])
+    if report["sections"]:
+        rows = [[md(c) for c in _summary_cells(s, row)] for s in report["sections"] for row in s["comparison"]["rows"]]
+        lines += md_table(SUMMARY_HEADER, rows) + ["", md(MEASURED_NOTE)]
+    figures = path.parent / f"{path.stem}_figures"
+    for s in report["sections"]:
+        c = s["comparison"]
+        lines += ["", f"## {md(s['name'])}", ""]
+        if c["reference"]:
+            lines += [f"Paper: {md(_reference_text(c['reference']))}.", ""]
+        lines.append(md(_runs_text(c)))
+        if s["differs"]:
+            lines += ["", md(_experiment_text(s))]
+        for kind, image in (("curve", s["curve"]), ("clients", s["clients"])):
+            if image:
+                lines.append(f"![{kind}]({figures.name}/{save_figure(figures, s['name'], kind, image)})")
+        lines.append("")
+        lines += md_table(
+            ["seed", "final", "best", "config sha256", "git commit", "hardware"],
+            [
+                [
+                    md(_seed_text(p)),
+                    fmt(p["final"]),
+                    fmt(p["best"]),
+                    md(p["config_sha256"]),
+                    md(p["git_commit"]),
+                    md(p["hardware"]),
+                ]
+                for p in c["provenance"]
+            ],
+        )
+    for sweep in report["sweeps"]:
+        lines += sweep_markdown(sweep, figures)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def log_to_wandb(report: dict, project: str, directory: Path) -> None:
+    """The comparison table, the sweeps' trials and the figures as one W&B run (offline with
+    WANDB_MODE=offline), whose files go under ``directory`` (beside the report)."""
+    import wandb
+    from PIL import Image
+
+    run = wandb.init(
+        project=project, job_type="report", name="reproducibility-report", dir=str(directory), reinit="finish_previous"
+    )
+    table = wandb.Table(
+        columns=["recipe", "metric", "paper", "paper_std", "final_mean", "final_std", "best_mean", "runs"]
+    )
+    for s in report["sections"]:
+        for row in s["comparison"]["rows"]:
+            table.add_data(
+                s["name"],
+                row["metric"],
+                row["paper"],
+                row["paper_std"],
+                row["mean"],
+                row["std"],
+                row["best_mean"],
+                row["n"],
+            )
+        if s["curve"]:
+            run.log({f"curves/{s['name']}": wandb.Image(Image.open(io.BytesIO(s["curve"])))})
+    run.log({"paper_vs_measured": table})
+    for sweep in report["sweeps"]:
+        if sweep["history"]:
+            run.log({f"sweeps/{sweep['study']}/history": wandb.Image(Image.open(io.BytesIO(sweep["history"])))})
+    run.finish()

@@ -1,0 +1,129 @@
+"""From ``flrun fit`` arguments to a run: the parser generated from :func:`fl_lightning.run.fit.fit`'s signature.
+
+Shared by the command line (``cli``) and sweep trials (``sweep.trial``), which both import it; it imports
+neither, so the two never import each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .messages import config_paths
+
+
+class UserError(Exception):
+    """A mistake in what the user gave (a recipe, an option): one sentence, exit status 2."""
+
+
+# the optimizer of a recipe that names no optimizer class, put first on the command line; as a parser default,
+# its lr would be carried into any class a recipe names without one (jsonargparse keeps given init_args the
+# new class accepts)
+DEFAULT_OPTIMIZER = "{class_path: torch.optim.SGD, init_args: {lr: 0.05}}"
+
+
+def fit_parser(prog: str = "flrun fit"):
+    from jsonargparse import ArgumentParser
+
+    from .fit import fit
+    from .recipes import RecipeConfigFile
+
+    parser = ArgumentParser(
+        prog=prog,
+        description="Run a federated experiment from a recipe.",
+        exit_on_error=False,
+        env_prefix="FLRUN",
+        default_env=False,
+        allow_abbrev=False,  # `--round 10` must not silently mean --rounds: an unknown option gets "did you mean"
+    )
+    parser.add_argument(
+        "--config", action=RecipeConfigFile, help="recipe YAML file (may be given more than once; `base:` inherits)"
+    )
+    parser.add_function_arguments(fit, skip={"resolved_config"})
+    return parser
+
+
+def parse_fit(argv: list[str], prog: str = "flrun fit"):
+    """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML).
+
+    ``prog`` is the command shown by ``--help`` (``flrun data inspect`` takes the same options).
+    """
+    from jsonargparse import ArgumentError
+
+    from .messages import check_config_file, readable, root_cause
+
+    for path in config_paths(argv):
+        check_config_file(path)
+    parser = fit_parser(prog)
+    if not _optimizer_given(argv):  # first, so that --training.optimizer.init_args.lr 0.01 can change it
+        argv = ["--training.optimizer", DEFAULT_OPTIMIZER, *argv]
+    try:
+        cfg = parser.parse_args(argv)
+    except ArgumentError as err:
+        raise UserError(readable(str(err), parser)) from None
+    if cfg.get("name") is None:
+        cfg.name = recipe_name(argv)
+    resolved = parser.dump(cfg, skip_none=False)
+    try:
+        init = parser.instantiate(cfg)
+    except Exception as err:  # noqa: BLE001 - a component's own validation, wrapped by jsonargparse in any type
+        raise UserError(root_cause(err, parser)) from None
+    return cfg, init, resolved
+
+
+def _optimizer_given(argv: list[str]) -> bool:
+    """Whether a recipe (its bases included) or an option names the clients' optimizer class; options of an
+    unnamed one (``init_args`` alone, as a sweep's best_recipe.yaml writes them) are the default's."""
+    from jsonargparse import get_loader
+
+    from .recipes import load_recipe
+
+    options = {
+        "--training.optimizer": "optimizer",
+        "--training.optimizer.class_path": "class",
+        "--training": "training",
+    }
+    for i, arg in enumerate(argv):
+        key, _, value = arg.partition("=")
+        if key not in options:
+            continue
+        value = value if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+        if options[key] == "class":
+            return True
+        try:
+            value = get_loader("yaml")(value)
+        except Exception:  # noqa: BLE001 - not YAML: a class name, or an error the parse reports in its words
+            return True
+        if options[key] == "training":
+            value = value.get("optimizer") if isinstance(value, dict) else None
+        if _names_class(value):
+            return True
+    for path in config_paths(argv):
+        try:
+            training = load_recipe(Path(path)).get("training")
+        except Exception:  # noqa: BLE001 - a broken recipe is reported by the parse itself, in its own words
+            return True
+        if isinstance(training, dict) and _names_class(training.get("optimizer")):
+            return True
+    return False
+
+
+def _names_class(optimizer: object) -> bool:
+    return isinstance(optimizer, str) or (isinstance(optimizer, dict) and "class_path" in optimizer)
+
+
+def fit_from_argv(argv: list[str], extra_loggers: list | None = None) -> dict:
+    """Runs ``flrun fit`` in-process (sweep trials add a pruning logger) and returns the summary."""
+    from ..tracking import resolve_loggers
+    from .fit import fit
+
+    _, init, resolved = parse_fit(argv)
+    kwargs = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
+    if extra_loggers:
+        kwargs["logger"] = resolve_loggers(kwargs["logger"]) + list(extra_loggers)
+    return fit(**kwargs, resolved_config=resolved)
+
+
+def recipe_name(argv: list[str]) -> str:
+    """The run's default name: the stem of the last ``--config`` file."""
+    configs = config_paths(argv)
+    return Path(configs[-1]).stem if configs else "run"

@@ -1,0 +1,290 @@
+"""``flrun fit``: build the objects of a recipe and run the orchestrator. Its signature is the schema."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from ..client.evaluation import PersonalEvaluation
+from ..client.loop import LocalLoop, LocalTraining
+from ..data import FederatedData
+from ..data.sources import fetch_pretrained
+from ..distributed.ranks import connect_ranks, join_ranks, leave_ranks
+from ..federation.errors import ConfigError
+from ..federation.population import Population
+from ..federation.sampling import ClientSampler, UniformSampler
+from ..models import ModelSpec
+from ..strategies import Strategy
+from ..strategies.base import roles_to_build
+from ..tracking import RunFiles, RunLock, RunLogger, resolve_loggers
+from .asynchrony import AsynchronousSchedule
+from .checkpoint import load_checkpoint
+from .orchestrator import FederationOrchestrator
+from .provenance import hardware, versions
+from .robustness import Faults
+from .runtime import Runtime, resolve_executor
+from .state import check_monitor, check_resume
+
+
+def fit(
+    data: FederatedData,
+    models: dict[str, ModelSpec],
+    strategy: Strategy,
+    population: Population = Population(),  # noqa: B008 (the CLI reads defaults here; never mutated)
+    sampler: ClientSampler | None = None,
+    schedule: AsynchronousSchedule | None = None,
+    training: LocalTraining = LocalTraining(),  # noqa: B008 (as above)
+    rounds: int = 50,
+    eval_every: int = 1,
+    evaluation: PersonalEvaluation | None = None,
+    seed: int = 0,
+    output_dir: str | None = None,
+    resume: str | None = None,
+    logger: str | RunLogger | list[str | RunLogger] = "csv",
+    runtime: Runtime = Runtime(),  # noqa: B008 (as above)
+    checkpoint_every: int = 1,
+    stop_after: int | None = None,
+    monitor: str | None = None,
+    divergence: Literal["stop", "drop"] = "stop",
+    faults: Faults | None = None,
+    name: str | None = None,
+    reference: dict[str, Any] | None = None,
+    resolved_config: str | None = None,
+) -> dict[str, Any]:
+    """Run a federated experiment and write its run directory.
+
+    Args:
+        data: the federated data set (class_path of a FederatedData, e.g. fl_lightning.data.DigitsData).
+        models: model roles, each a registered builder and its arguments (see ``flrun models``).
+        strategy: the federated algorithm (class_path of a Strategy, e.g. fl_lightning.strategies.FedAvg).
+        population: clients, tiers and the roles each tier trains.
+        sampler: which clients join each round (all clients when not given).
+        schedule: asynchronous mode (fl_lightning.run.asynchrony.AsynchronousSchedule: simulated client speeds,
+            the server handles each arrival as it comes); synchronous rounds when not given.
+        training: local training of every client (optimizer, steps or epochs, batch size, schedule).
+        rounds: number of communication rounds.
+        eval_every: evaluate every k rounds (and after the last round).
+        evaluation: which clients a personalized evaluation covers: ``sample: k`` a seeded sample of k per
+            evaluation (all of them after the last round), ``untrained: skip`` only those that have trained;
+            every client at every evaluation when not given.
+        seed: the run seed; the same seed gives the same numbers on CPU.
+        output_dir: run directory; ``runs/<name>/seed<seed>`` when not given.
+        resume: ``auto`` resumes from ``<output_dir>/checkpoints/last.ckpt`` if it exists, or a checkpoint path.
+        logger: ``csv`` (always written), ``wandb``, ``tensorboard``, a RunLogger class_path, or a list.
+        runtime: accelerator, precision, CPU threads, determinism, the progress bar and the ranks (devices).
+        checkpoint_every: checkpoint every k rounds (and at the end).
+        stop_after: end this invocation after that round, e.g. to fit a job's time limit; resume later.
+        monitor: metric that decides the best round (default: the strategy's main accuracy).
+        divergence: a client update with NaN or infinite values ``stop``s the run (exit 2, the last good
+            checkpoint kept, ``diverged: true`` in summary.json) or is ``drop``ped (counted in
+            ``faults/dropped_nonfinite``). Non-finite server or evaluation metrics always stop it.
+        faults: faults injected into the clients (crash, nan, straggle, drop_upload rates; seeded per round
+            and client); none when not given.
+        name: run name, used for the default output_dir and W&B; the recipe's file name by default.
+        reference: the paper's reported numbers for this recipe (kept in summary.json for reports).
+        resolved_config: the resolved YAML (written by the CLI; not a recipe option).
+
+    Returns:
+        The summary written to ``summary.json``.
+    """
+    name = name or "run"
+    _check_counts(rounds=rounds, eval_every=eval_every, checkpoint_every=checkpoint_every, stop_after=stop_after)
+    if seed < 0:
+        raise ConfigError(f"seed must be a non-negative integer, got {seed}; e.g. --seed 0.")
+    undefined = [role for role in population.roles() if role not in models]
+    if undefined:  # checked before any data is loaded
+        raise ConfigError(
+            f"population tiers use model role(s) {undefined} that `models` does not define (defined: "
+            f"{sorted(models) or 'none'}); add them under models, e.g. models: {{{undefined[0]}: {{builder: "
+            "digits_cnn}}, or change the tiers' roles."
+        )
+    server_only = [role for role in strategy.server_roles() if role not in models]
+    if server_only:
+        raise ConfigError(
+            f"the strategy's server model role(s) {server_only} are not defined under models (defined: "
+            f"{sorted(models) or 'none'}); add them, e.g. models: {{{server_only[0]}: {{builder: digits_mlp}}}}, "
+            "or name a defined role in the strategy's server_role."
+        )
+    files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
+    check_output_dir(files.root)
+    ranks = join_ranks(runtime.devices, schedule, training.optimizer_state)  # several if launched as several
+    with RunLock(files.root, enabled=ranks.writes) as lock:
+        if files.root.is_dir():  # before its checkpoint is read: another process may be writing the run
+            lock.acquire()
+        checkpoint = _find_checkpoint(resume, files)
+        fabric = runtime.apply(ranks.local_rank)
+        connect_ranks(ranks, fabric.device)
+
+        clients = population.build(seed)
+        data.setup(len(clients), seed)
+        data.to(fabric.device)
+        partition = data.partition_summary()
+
+        loop = LocalLoop(fabric, training, rounds)
+        loop.build_slots(
+            models,
+            roles_to_build(population.roles(), strategy),
+            seed,
+            num_classes=data.num_classes,
+            in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
+            fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
+        )
+        if runtime.cuda_graphs:
+            from ..client.graphs import StepGraphs, backend_for, prepare_optimizer
+
+            loop.graphs = StepGraphs(backend_for(fabric.device))
+            for slot in loop.slots.values():
+                prepare_optimizer(slot.optimizer)  # Adam: capturable, for eager steps and replays alike
+        loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
+        run_info = {
+            "name": name,
+            "config_sha256": hashlib.sha256((resolved_config or "").encode()).hexdigest() if resolved_config else None,
+            "partition_sha256": partition["sha256"],
+            "reference": reference,
+            "versions": versions(),
+            "hardware": hardware(fabric.device, ranks.world),
+        }
+        if checkpoint is not None:
+            resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
+            if monitor is not None and checkpoint.get("last_eval"):  # refused before anything is written
+                check_monitor(monitor, checkpoint["last_eval"]["metrics"])
+            if resumes:
+                run_info["resumed_with"] = resumes
+            if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
+                print(_resuming_line(checkpoint, rounds, resume, files, stop_after), file=sys.stderr, flush=True)
+        elif resume == "auto" and ranks.writes:
+            print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
+        executor, sequential_why = resolve_executor(runtime, fabric.device, training)
+        orchestrator = FederationOrchestrator(
+            strategy,
+            clients,
+            sampler or UniformSampler(),
+            loop,
+            data,
+            files,
+            loggers,
+            rounds,
+            seed,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+            stop_after=stop_after,
+            monitor=monitor,
+            progress=runtime.progress and ranks.writes,
+            run_info=run_info,
+            schedule=schedule,
+            config=resolved_config,
+            evaluation=evaluation,
+            client_state_memory_mb=runtime.client_state_memory_mb,
+            executor=executor,
+            sequential_why=sequential_why,
+            batch_clients=runtime.batch_clients,
+            faults=faults,
+            divergence=divergence,
+        )
+        # every check has passed: only now is the run directory written (a refused start changes nothing)
+        if ranks.writes:  # rank 0 alone writes it
+            lock.acquire()  # a new directory: created here, locked before its first file
+            if checkpoint is None and (files.last_checkpoint.exists() or files.previous_checkpoint.exists()):
+                # another process made the directory and saved a run there while this one set up
+                raise ConfigError(
+                    f"{files.root} received another process's run while this one started; pass --resume auto to "
+                    "continue it or choose another --output_dir."
+                )
+            files.write_json(files.partition, partition)
+            if resolved_config is not None:
+                files.write_text(files.config, resolved_config)
+        config_dict = _config_dict(resolved_config)
+        for i, run_logger in enumerate(loggers):
+            previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
+            run_logger.start(files.root, name, config_dict, previous)
+        if any(run_logger.wants_images for run_logger in loggers):
+            from ..data.inspect import bubble_chart
+
+            chart = bubble_chart(data, files.root / "partition.png")
+            for run_logger in loggers:
+                run_logger.log_image("partition/client_by_class", chart)
+        summary = orchestrator.run(checkpoint)
+        leave_ranks()
+        for run_logger in loggers:
+            run_logger.log_files([files.last_checkpoint])
+            run_logger.finish(summary)
+        return summary
+
+
+def _check_counts(**counts: int | None) -> None:
+    for key, value in counts.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}; e.g. --{key} 1.")
+
+
+def check_output_dir(root: Path) -> None:
+    """Refuses a run directory that could never be written, before anything is loaded or trained.
+
+    Nothing is created here: a refused start leaves the file system as it was.
+    """
+    where = f"--output_dir {str(root)[:80]}{'...' if len(str(root)) > 80 else ''}"
+    longest = max((len(part.encode()) for part in root.parts), default=0)
+    if longest > 255 or len(str(root).encode()) > 3800:  # NAME_MAX and (under) PATH_MAX of common file systems
+        raise ConfigError(f"{where}: the path or one of its names is too long; choose a shorter output_dir.")
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"{where}: {existing} is a file, not a directory; choose another output_dir or move the file away."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: {existing} is not writable; choose an output_dir you can write to.")
+    if (root / "sweep.json").is_file():  # a run's files would be mixed into the sweep's results
+        raise ConfigError(f"{where} holds a sweep (sweep.json); give the run a directory of its own.")
+
+
+def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:
+    """The checkpoint to resume from (loaded, its checksum verified), None for a fresh start."""
+    if resume is None and files.last_checkpoint.exists():
+        raise ConfigError(
+            f"{files.root} already holds a run; pass --resume auto to continue it or choose another --output_dir."
+        )
+    if resume in (None, "auto") and not files.last_checkpoint.exists() and files.previous_checkpoint.exists():
+        # last.ckpt moved away or not copied: a fresh start here would replace previous.ckpt, the run's only state
+        raise ConfigError(
+            f"{files.root} holds {files.previous_checkpoint.name} but no last.ckpt; continue from it with --resume "
+            f"{files.previous_checkpoint}, or choose another --output_dir."
+        )
+    if resume is None:
+        return None
+    if resume == "auto":
+        return load_checkpoint(files.last_checkpoint) if files.last_checkpoint.exists() else None
+    return load_checkpoint(Path(resume))
+
+
+def _resuming_line(
+    checkpoint: dict[str, Any], rounds: int, resume: str | None, files: RunFiles, stop_after: int | None
+) -> str:
+    done = checkpoint["rounds_done"]
+    source = files.last_checkpoint if resume == "auto" else Path(str(resume))
+    if done >= rounds:
+        return f"resuming {files.root} from {source}: all {rounds} rounds are done; only the summary is rewritten."
+    if stop_after is not None and stop_after <= done:  # a job chain's rerun: the orchestrator trains nothing
+        return (
+            f"resuming {files.root} from {source}: {done} of {rounds} rounds done, at or past --stop_after "
+            f"{stop_after}; nothing to train, only the summary is rewritten."
+        )
+    return f"resuming {files.root} from {source}: {done} of {rounds} rounds done, continuing with round {done + 1}."
+
+
+def _config_dict(resolved_config: str | None) -> dict[str, Any]:
+    if not resolved_config:
+        return {}
+    import yaml
+
+    return yaml.safe_load(resolved_config) or {}
+
+
+def summary_metrics(summary: dict[str, Any]) -> str:
+    """The final and best metrics as compact JSON, for the CLI's last line."""
+    return json.dumps({"final": summary["final"], "best": summary["best"]}, sort_keys=True)

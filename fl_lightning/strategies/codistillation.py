@@ -1,0 +1,165 @@
+"""Server-side codistillation between two model pools (paper 002, Algorithms 1 and 2): the round shared by
+PeriodicCodist and MergedCodist, in which each pool's student learns from the other pool's frozen teacher on
+the server's unlabeled examples. Its targets and batches are :mod:`fl_lightning.knowledge.codistill`'s."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..data.transforms import random_flips
+from ..federation.errors import ConfigError
+from ..federation.schedules import linear_decay
+from ..federation.types import StateDict
+from ..knowledge.codistill import codistillation_targets, mixup, random_batches
+from ..knowledge.distillation import kl_to_targets
+
+if TYPE_CHECKING:
+    from .base import ServerContext
+
+
+class Codistillation:
+    """Settings and run of one bidirectional codistillation round between two model pools.
+
+    Teachers are frozen copies of the current models; each student starts from its own current model
+    and learns from the other pool's teacher (Algorithm 1 line 7 / Algorithm 2 line 6).
+
+    Args:
+        steps: s, distillation steps per codistillation round.
+        batch_size: server examples per step (drawn with replacement from the server's unlabeled set).
+        lr: Adam learning rate of each student (a number, or one per student role).
+        lr_final: the rate in the last round as a fraction of ``lr`` (linear decay over rounds; 1: none).
+        temperature: softmax temperature of each teacher (a number, or one per teacher role).
+        student_reg: beta, weight of the student's own initial soft labels in its targets.
+        augment: augment the distillation examples (Appendix C.1); ``None`` does so for image inputs
+            ``[N, C, H, W]`` and not for token inputs.
+        mixup: the Beta(a, a) concentration a of mixup's ``lam`` (the paper's "beta = 2"); ``None`` or 0: no mixup.
+        flips: extra random horizontal and vertical flips (each with probability 0.5, per example).
+        data_augmentation: first apply the data set's training augmentation (FedJAX's crop and flip on
+            CIFAR, which the paper's "additional" flips come on top of).
+    """
+
+    def __init__(
+        self,
+        steps: int = 50,
+        batch_size: int = 64,
+        lr: float | dict[str, float] = 1e-3,
+        lr_final: float = 1.0,
+        temperature: float | dict[str, float] = 1.0,
+        student_reg: float = 0.0,
+        augment: bool | None = None,
+        mixup: float | None = 2.0,
+        flips: bool = True,
+        data_augmentation: bool = True,
+    ):
+        if mixup is not None and mixup < 0:
+            raise ConfigError(f"Codistillation mixup is a Beta concentration and must be positive, got {mixup}.")
+        rates = lr.values() if isinstance(lr, dict) else [lr]
+        temperatures = temperature.values() if isinstance(temperature, dict) else [temperature]
+        if not (steps >= 0 and batch_size >= 1 and lr_final >= 0 and 0 <= student_reg <= 1):
+            raise ConfigError(
+                f"Codistillation needs steps >= 0, batch_size >= 1, lr_final >= 0 and 0 <= student_reg <= 1; got "
+                f"steps={steps}, batch_size={batch_size}, lr_final={lr_final}, student_reg={student_reg}."
+            )
+        if not (all(rate > 0 for rate in rates) and all(t > 0 for t in temperatures)):
+            raise ConfigError(
+                f"Codistillation needs lr > 0 and temperature > 0; got lr={lr}, temperature={temperature}."
+            )
+        self.steps, self.batch_size, self.lr, self.lr_final = steps, batch_size, lr, lr_final
+        self.temperature, self.student_reg = temperature, student_reg
+        self.augment, self.mixup, self.flips, self.data_augmentation = augment, mixup, flips, data_augmentation
+
+    @staticmethod
+    def _per_role(value, role):
+        return value[role] if isinstance(value, dict) else value
+
+    def check_roles(self, method: str, roles) -> None:
+        """Refuses a per-role ``lr`` or ``temperature`` that misses one of the pools' roles (found at setup,
+        not in the first codistillation round)."""
+        for option, value in (("lr", self.lr), ("temperature", self.temperature)):
+            missing = [role for role in roles if isinstance(value, dict) and role not in value]
+            if missing:
+                raise ConfigError(
+                    f"{method}'s distillation {option} gives no value for role(s) {missing}; give one per role "
+                    f"({', '.join(roles)}) or a single number."
+                )
+
+    def run(
+        self,
+        server: ServerContext,
+        weights: dict[str, StateDict],
+        roles: tuple[str, str],
+        x: Tensor,
+        progress: float,
+        generator: torch.Generator,
+    ) -> dict[str, StateDict]:
+        """Students of both roles; ``progress`` in [0, 1] decays the learning rates."""
+        augment = self.augmentation(x, server.data.augment)
+        if augment is None:  # the teachers' predictions on the server set serve every step
+            logits = {r: server.predict(r, weights[r], x) for r in roles}
+        students = {}
+        for student, teacher in (roles, roles[::-1]):
+            temperature = self._per_role(self.temperature, teacher)
+            lr = self._per_role(self.lr, student) * linear_decay(progress, self.lr_final)
+            if augment is None:
+                targets = codistillation_targets(logits[teacher], logits[student], temperature, self.student_reg)
+                batches = itertools.islice(random_batches(x, targets, self.batch_size, generator), self.steps)
+            else:  # the teachers label the augmented (mixed, flipped) examples themselves
+                inputs = self.augmented_examples(x, augment, generator)
+                teacher_logits = server.predict(teacher, weights[teacher], inputs)
+                own = server.predict(student, weights[student], inputs) if self.student_reg else teacher_logits
+                targets = codistillation_targets(teacher_logits, own, temperature, self.student_reg)
+                b = min(self.batch_size, len(x))
+                batches = ((inputs[i : i + b], targets[i : i + b]) for i in range(0, len(inputs), b))
+
+            def step(module, batch, i, temperature=temperature):
+                xb, tb = batch
+                return kl_to_targets(module(xb), tb, temperature)
+
+            students[student] = server.train(
+                student, weights[student], batches, step, lambda params, lr=lr: torch.optim.Adam(params, lr=lr)
+            )
+        return students
+
+    def augmentation(
+        self, x: Tensor, data_augment: Callable[[Tensor, torch.Generator], Tensor]
+    ) -> Callable[[Tensor, torch.Generator], Tensor] | None:
+        """The batch augmentation of the distillation examples, or ``None`` when they are used as they are."""
+        images = x.dim() == 4 and x.is_floating_point()
+        if self.augment is False or (self.augment is None and not images):
+            return None
+        if not images:
+            raise ConfigError(
+                f"Codistillation augment: true needs image inputs [N, C, H, W]; the server set has shape "
+                f"{tuple(x.shape)} ({x.dtype}). Set distillation augment: false (or null: images only)."
+            )
+
+        def augment(batch: Tensor, generator: torch.Generator) -> Tensor:
+            if self.data_augmentation:
+                batch = data_augment(batch, generator)
+            if self.flips:
+                batch = random_flips(batch, generator)
+            if self.mixup:
+                batch = mixup(batch, generator, self.mixup)[0]
+            return batch
+
+        return augment
+
+    def augmented_examples(
+        self, x: Tensor, augment: Callable[[Tensor, torch.Generator], Tensor], generator: torch.Generator
+    ) -> Tensor:
+        """All ``steps`` batches of one student, ``[steps * batch, ...]``: drawn with replacement, then augmented.
+
+        They are built before training so that the frozen teacher and the student's initial model
+        (student regularisation) label them in one pass each.
+        """
+        b = min(self.batch_size, len(x))
+        batches = []
+        for _ in range(self.steps):
+            idx = torch.randint(len(x), (b,), generator=generator).to(x.device)
+            batches.append(augment(x[idx], generator))
+        return torch.cat(batches)

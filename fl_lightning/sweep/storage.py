@@ -1,0 +1,144 @@
+"""The sweep's Optuna study on its RDB storage: the URL, the sampler and pruner of each worker, heartbeats and
+the retry of trials whose process died, and counting trials by state (``n_trials`` is exact)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from .spec import SweepSpec
+
+
+def sampler_seed(seed: int | None, epoch: int, worker: int) -> int | None:
+    """The sampler seed of one worker: the sweep's seed for the first worker of a fresh study, else a seed
+    derived from (seed, trials in the study when the command started, worker index). Workers then draw
+    different parameters (equal seeds made trial 0 = trial 1), a re-run does not repeat the first run's
+    draws, and the same command on the same study state draws the same values again."""
+    if seed is None:
+        return None
+    if epoch == 0 and worker == 0:
+        return int(seed)
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), epoch, worker]).generate_state(1)[0])
+
+
+def _sampler(spec: SweepSpec, epoch: int = 0, worker: int = 0):
+    import optuna
+
+    options = {k: v for k, v in spec.sampler.items() if k != "name"}
+    options["seed"] = sampler_seed(options.get("seed"), epoch, worker)
+    return (
+        optuna.samplers.RandomSampler(**options)
+        if spec.sampler.get("name") == "random"
+        else optuna.samplers.TPESampler(**options)
+    )
+
+
+def _pruner(spec: SweepSpec):
+    import optuna
+
+    name = spec.pruner.get("name", "median")
+    options = {k: v for k, v in spec.pruner.items() if k != "name"}
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.HyperbandPruner(**options) if name == "hyperband" else optuna.pruners.MedianPruner(**options)
+
+
+def shown_storage(spec: SweepSpec) -> str:
+    """The storage URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(storage_url(spec)).render_as_string(hide_password=True)
+
+
+def storage_url(spec: SweepSpec) -> str:
+    return spec.storage or f"sqlite:///{Path(spec.output_dir).resolve() / 'study.db'}"
+
+
+def retry_callback(spec: SweepSpec):
+    """Optuna's callback that queues a dead trial's parameters again (renamed in Optuna 5)."""
+    import optuna
+
+    retry = (
+        getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    )
+    return retry(max_retry=spec.max_retry)
+
+
+def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
+    """The study on its storage, with heartbeats: a trial whose process stops beating for ``grace_period``
+    is failed and queued again by the next process that asks for a trial."""
+    import inspect
+
+    import optuna
+
+    url = storage_url(spec)
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    stale_key = (
+        "heartbeat_stale_trial_callback"
+        if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
+        else "failed_trial_callback"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        storage = optuna.storages.RDBStorage(
+            url,
+            engine_kwargs=kwargs,
+            heartbeat_interval=spec.heartbeat_interval,
+            grace_period=spec.grace_period,
+            **{stale_key: retry_callback(spec)},
+        )
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # the sweep prints each trial's outcome itself
+    return optuna.create_study(
+        study_name=spec.study_name,
+        storage=storage,
+        sampler=_sampler(spec, epoch, worker),
+        pruner=_pruner(spec),
+        direction=spec.direction,
+        load_if_exists=True,
+    )
+
+
+def tally(trials) -> dict[str, int]:
+    """Counts by state. A failed trial that was queued again (a retry exists) is ``retried``, one that failed
+    because its run lacks the sweep's metric is ``wrong_metric``; neither counts towards ``n_trials``;
+    ``finished`` = complete + pruned + failed."""
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+    counts = dict.fromkeys(("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING", "retried", "wrong_metric"), 0)
+    for t in trials:
+        state = t.state.name
+        if state == "FAIL" and t.number in retried:
+            state = "retried"
+        elif state == "FAIL" and t.user_attrs.get("wrong_metric"):
+            state = "wrong_metric"
+        counts[state] += 1
+    counts["finished"] = counts["COMPLETE"] + counts["PRUNED"] + counts["FAIL"]
+    return counts
+
+
+def open_slots(study, n_trials: int) -> int:
+    """Trials still to start so that the study ends with exactly ``n_trials`` (queued retries fill slots)."""
+    counts = tally(study.get_trials(deepcopy=False))
+    return n_trials - counts["finished"] - counts["RUNNING"]
+
+
+def requeue(study, spec: SweepSpec, trial_id: int, reason: str) -> int | None:
+    """Fails a trial whose process died (if still running) and queues its parameters again; returns the
+    dead trial's number, or None when it had finished or was already queued again."""
+    import optuna
+
+    State = optuna.trial.TrialState
+    storage = study._storage
+    trial = storage.get_trial(trial_id)
+    if trial.state == State.RUNNING:
+        storage.set_trial_user_attr(trial_id, "error", reason)
+        storage.set_trial_state_values(trial_id, State.FAIL)
+    elif trial.state != State.FAIL:
+        return None
+    if any(trial.number in t.system_attrs.get("retry_history", []) for t in study.get_trials(deepcopy=False)):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry_callback(spec)(study, storage.get_trial(trial_id))
+    return trial.number

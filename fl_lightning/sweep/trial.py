@@ -1,0 +1,127 @@
+"""One trial of ``flrun sweep``: the objective runs ``flrun fit`` in ``trial_NNNN/`` with the trial's
+parameters; a pruning logger reports the sweep's metric every evaluation round."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from ..federation.errors import ConfigError
+from ..tracking import RunLogger
+from .metric import MissingMetric, varies_between_evaluations
+from .spec import SweepSpec, as_args
+
+
+class PruningLogger(RunLogger):
+    """Reports the objective at every evaluation round; stops the run when Optuna's pruner says so, and at
+    its first evaluation when that lacks the objective (a wrong metric name, then no trial can have a value)."""
+
+    def __init__(self, trial, metric: str):
+        self.trial, self.metric = trial, metric
+        self.eval_every = self.rounds = None
+
+    def start(self, output_dir, name, config, state):
+        self.eval_every, self.rounds = (config or {}).get("eval_every"), (config or {}).get("rounds")
+
+    def log_metrics(self, metrics, step):
+        if self.metric in metrics:
+            import optuna
+
+            self.trial.report(float(metrics[self.metric]), step)
+            if self.trial.should_prune():
+                raise optuna.TrialPruned(f"pruned at round {step}")
+        elif self._evaluated(step) and not varies_between_evaluations(self.metric):
+            reported = sorted(k for k in metrics if "/test_" in k or k.startswith("personal/"))
+            raise MissingMetric(
+                f"the run has no metric {self.metric!r}; its evaluation at round {step} reports {reported}; "
+                "fix `metric` in the sweep file."
+            )
+
+    def _evaluated(self, step: int) -> bool:
+        """Whether round ``step`` ended with an evaluation (as the orchestrator decides)."""
+        if not isinstance(self.eval_every, int) or not isinstance(self.rounds, int) or self.eval_every < 1:
+            return False
+        return step % self.eval_every == 0 or step == self.rounds
+
+
+def _suggest(trial, name: str, p: dict[str, Any]):
+    if p["type"] == "float":
+        return trial.suggest_float(name, p["low"], p["high"], log=bool(p.get("log")), step=p.get("step"))
+    if p["type"] == "int":
+        return trial.suggest_int(name, p["low"], p["high"], log=bool(p.get("log")), step=p.get("step", 1))
+    return trial.suggest_categorical(name, p["choices"])
+
+
+PROCESS = f"{socket.gethostname()}:{os.getpid()}"
+
+
+def run_trial(spec: SweepSpec, trial, notify) -> float:
+    """The objective: one ``flrun fit`` run in ``trial_NNNN/`` with the trial's parameters."""
+    import optuna
+
+    from ..run.arguments import fit_from_argv
+
+    values = {name: _suggest(trial, name, p) for name, p in spec.parameters.items()}
+    run_dir = Path(spec.output_dir) / f"trial_{trial.number:04d}"
+    # a retry inherits its dead predecessor's attributes: each is set afresh
+    for key, value in (("output_dir", str(run_dir)), ("process", PROCESS), ("error", "")):
+        trial.set_user_attr(key, value)
+    notify("started", trial.number)
+    logger = spec.logger
+    if logger == "wandb" or (isinstance(logger, list) and "wandb" in logger):
+        logger = [
+            {
+                "class_path": "fl_lightning.tracking.WandbLogger",
+                "init_args": {"group": spec.study_name, "tags": ["sweep", spec.study_name]},
+            }
+        ]
+    argv = [
+        "--config",
+        spec.base,
+        *as_args(spec.overrides),
+        *as_args(values),
+        "--output_dir",
+        str(run_dir),
+        "--name",
+        f"{spec.study_name}/trial_{trial.number:04d}",
+        "--runtime.progress",
+        "false",
+        *as_args({"logger": logger}),
+    ]
+    try:
+        summary = fit_from_argv(argv, [PruningLogger(trial, spec.metric)])
+        value = trial_value(summary, spec)
+    except optuna.TrialPruned:
+        raise
+    except KeyboardInterrupt:
+        trial.set_user_attr("error", "interrupted; its parameters are queued again")
+        raise
+    except Exception as err:  # recorded as a failed trial; the study goes on (unless its metric is wrong)
+        from ..run.arguments import UserError
+
+        message = str(err) if isinstance(err, (UserError, ConfigError)) else f"{type(err).__name__}: {err}"
+        trial.set_user_attr("error", (message.splitlines() or [""])[0][:300])
+        if isinstance(err, MissingMetric):
+            trial.set_user_attr("wrong_metric", True)
+        raise
+    return value
+
+
+def trial_value(summary: dict[str, Any], spec: SweepSpec) -> float:
+    """The trial's value from its run's summary; an error saying why there is none."""
+    import math
+
+    reported = summary.get(spec.use) or {}
+    if not reported:  # no evaluation, or the monitor was never a number (`best`): this trial alone has no value
+        raise ValueError(
+            f"the run's summary.json has no `{spec.use}` evaluation (its monitor {summary.get('monitor')!r} was "
+            "never a number), so the trial has no value."
+        )
+    if spec.metric not in reported:
+        raise MissingMetric(f"the run has no metric {spec.metric!r}; it reports {sorted(reported)}.")
+    value = float(reported[spec.metric])
+    if math.isnan(value):
+        raise ValueError(f"the run's {spec.metric} ({spec.use}) is NaN, so the trial has no value.")
+    return value
