@@ -18,7 +18,7 @@ HOWTO = ROOT / "docs" / "howto" / "python_api.md"
 
 
 def python_blocks(page):
-    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
 
 
 class Rounds(RunLogger):
