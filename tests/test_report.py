@@ -209,7 +209,7 @@ def test_a_sweep_directory_gets_a_sweep_section_with_pruned_trials(runs, tmp_pat
 def test_markdown_report_writes_figures_and_wandb_logs_offline(runs, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
-    assert run_cli("report", str(runs), "--output", "out/report.md", "--wandb") == 0
+    assert run_cli("report", str(runs), "--output", "out/report.md", "--wandb_run") == 0
     text = (tmp_path / "out/report.md").read_text()
     assert "| cell | global/test_acc | 0.9000 | 0.0100 |" in text
     assert (tmp_path / "out/report_figures/cell_curve.png").read_bytes()[:4] == b"\x89PNG"

@@ -39,6 +39,11 @@ def _summary_cells(s: dict, row: dict) -> list[str]:
     ]
 
 
+def summary_rows(report: dict) -> list[list[str]]:
+    """The paper-vs-measured table's rows: one per experiment and metric."""
+    return [_summary_cells(s, row) for s in report["sections"] for row in s["comparison"]["rows"]]
+
+
 def _runs_text(c: dict) -> str:
     """``2 runs, seeds 0, 1 (1 copy of a seed not counted); communication per run: ...``."""
     copies = sum(1 for p in c["provenance"] if not p["counted"])
@@ -81,18 +86,14 @@ def write_html(report: dict, path: Path) -> None:
         headline=headline(report),
         warnings=report["warnings"],
         summary_header=SUMMARY_HEADER,
-        summary_rows=[
-            [(cell, "num" if i >= 2 else "") for i, cell in enumerate(_summary_cells(s, row))]
-            for s in report["sections"]
-            for row in s["comparison"]["rows"]
-        ],
+        summary_rows=[[(cell, "num" if i >= 2 else "") for i, cell in enumerate(row)] for row in summary_rows(report)],
         measured_note=MEASURED_NOTE,
-        sections=[_section_view(s) for s in report["sections"]],
+        sections=[section_view(s) for s in report["sections"]],
         sweeps=[sweep_view(sweep) for sweep in report["sweeps"]],
     )
 
 
-def _section_view(s: dict) -> dict:
+def section_view(s: dict) -> dict:
     """One experiment's texts, figures and provenance rows, as report.html.j2 shows them."""
     c = s["comparison"]
     metric = c["rows"][0]["metric"]
@@ -128,7 +129,7 @@ def write_markdown(report: dict, path: Path) -> None:
     lines = ["# Reproducibility report", "", f"{md(headline(report))}.", ""]
     lines += [f"Warning: {md(warning)}" for warning in report["warnings"]] + ([""] if report["warnings"] else [])
     if report["sections"]:
-        rows = [[md(c) for c in _summary_cells(s, row)] for s in report["sections"] for row in s["comparison"]["rows"]]
+        rows = [[md(c) for c in row] for row in summary_rows(report)]
         lines += md_table(SUMMARY_HEADER, rows) + ["", md(MEASURED_NOTE)]
     figures = path.parent / f"{path.stem}_figures"
     for s in report["sections"]:
