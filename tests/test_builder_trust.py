@@ -73,7 +73,8 @@ def test_trusted_modules_are_callable_and_must_return_a_feature_classifier(user_
     model = ModelSpec("lab_models.good", {"hidden": 5}).build(num_classes=3)
     assert isinstance(model, FeatureClassifier) and model.feature_dim == 5 and model.num_classes == 3
     assert user_module.exists()
-    with pytest.raises(ConfigError, match="returned Linear, neither a FeatureClassifier .*nor a LightningModule; wrap your network"):
+    refused = "returned Linear, neither a FeatureClassifier .*nor a LightningModule; wrap your network"
+    with pytest.raises(ConfigError, match=refused):
         ModelSpec("lab_models.not_a_model").build(num_classes=3)
 
 

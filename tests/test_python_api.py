@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 from conftest import ROOT, read_summary, run_cli, write_recipe
@@ -34,7 +35,7 @@ def test_fit_returns_the_summary_it_wrote_and_applies_nested_options(tmp_path):
     watch = Rounds()
     summary = fl_lightning.fit(
         config=str(recipe),
-        rounds=2,
+        rounds=np.int64(2),  # e.g. from a loop over np.arange in a notebook
         eval_every=1,
         output_dir=str(tmp_path / "run"),
         training={"batch_size": 8},  # merged: the recipe's optimizer and local_steps stay

@@ -1,5 +1,5 @@
-"""HTML, Markdown and W&B output of ``flrun report``: the HTML page from ``templates/report.html.j2`` (autoescaped),
-Markdown with every value read from a file escaped by ``markup.md``."""
+"""HTML, Markdown and W&B-run output of ``flrun report``: the HTML page from ``templates/report.html.j2``
+(autoescaped), Markdown with every value read from a file escaped by ``markup.md``."""
 
 from __future__ import annotations
 

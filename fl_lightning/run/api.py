@@ -8,6 +8,7 @@ and a mistake raises the same one-sentence :class:`~fl_lightning.federation.erro
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,10 +83,16 @@ def _text(key: str, value: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
+    """What JSON does not know but a recipe value may be: paths, tuples and sets, numpy's numbers (a loop over
+    ``np.arange`` in a notebook)."""
     if isinstance(value, os.PathLike):
         return str(Path(value))
     if isinstance(value, (tuple, set, frozenset)):
         return list(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
     raise TypeError(type(value).__name__)
 
 
