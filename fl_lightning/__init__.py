@@ -4,6 +4,9 @@ The package is laid out by concern, each folder's ``__init__`` saying what it ow
 top layer down): ``cli``; ``sweep``; ``report``; ``run``; ``strategies``; ``client``; ``data``,
 ``knowledge``, ``tracking`` and ``distributed``; ``models``; ``federation``. The import-linter contracts
 in ``pyproject.toml`` keep it so.
+
+From Python, :func:`fit` runs a recipe as ``flrun fit`` does and returns its summary. Importing the package
+stays light (no torch): what a run needs is imported when :func:`fit` is called.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ MOVED = {
     "errors": "federation.errors",
     "evaluation": "client.evaluation",
     "fabric_loader": "distributed.fabric",
-    "fit": "run.fit",
     "fit_args": "run.arguments",
     "gpu_share": "distributed.gpu_share",
     "ledger": "federation.ledger",
@@ -53,6 +55,8 @@ MOVED = {
     "table_runs": "sweep.table",
     "types": "federation.types",
 }
+# ``fl_lightning.fit`` is the function below; the module of that name moved to ``fl_lightning.run.fit``
+GONE = {"fit": "run.fit"}
 # classes that moved to another module (an old recipe's class_path names them there)
 MOVED_CLASSES = {"knowledge.codistill.Codistillation": "strategies.codistillation.Codistillation"}
 
@@ -77,6 +81,13 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
         if name.startswith("fl_lightning.") and name[len("fl_lightning.") :] in MOVED:
             return importlib.util.spec_from_loader(name, self)
+        if name.startswith("fl_lightning.") and name[len("fl_lightning.") :] in GONE:
+            old, new = name, "fl_lightning." + GONE[name[len("fl_lightning.") :]]
+            raise ModuleNotFoundError(
+                f"{old} is now the function {old}(config=...); the module moved to {new}: import from there "
+                f"(from {new} import ...).",
+                name=old,
+            )
         return None
 
     def create_module(self, spec):
@@ -89,3 +100,25 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
     sys.meta_path.append(_MovedModules())
+
+
+def fit(config=None, **options):
+    """Runs a federated experiment as ``flrun fit`` does and returns its summary (what ``summary.json`` holds).
+
+    Args:
+        config: a recipe file (``"recipes/quickstart.yaml"``), a list of them (later ones on top, as several
+            ``--config``), or a mapping of recipe keys.
+        **options: the ``flrun fit`` options (``flrun fit --help``), on top of the recipe: ``rounds=5``,
+            ``seed=1``, ``output_dir="runs/try"``; nested ones as dotted keys (``**{"training.batch_size": 32}``)
+            or as a mapping that merges into the recipe's (``training={"batch_size": 32}``). ``logger`` may
+            also hold :class:`~fl_lightning.tracking.RunLogger` objects, which receive every round's metrics.
+
+    Returns:
+        The summary: ``final`` and ``best`` metrics, ``best_round``, ``output_dir``, communication, versions.
+
+    Raises:
+        ConfigError: a mistake in the recipe or the options, in the same one sentence ``flrun fit`` prints.
+    """
+    from .run.api import fit_recipe
+
+    return fit_recipe(config, **options)

@@ -73,7 +73,8 @@ def test_trusted_modules_are_callable_and_must_return_a_feature_classifier(user_
     model = ModelSpec("lab_models.good", {"hidden": 5}).build(num_classes=3)
     assert isinstance(model, FeatureClassifier) and model.feature_dim == 5 and model.num_classes == 3
     assert user_module.exists()
-    with pytest.raises(ConfigError, match="returned Linear, not a FeatureClassifier.*only builders returning one"):
+    refused = "returned Linear, neither a FeatureClassifier .*nor a LightningModule; wrap your network"
+    with pytest.raises(ConfigError, match=refused):
         ModelSpec("lab_models.not_a_model").build(num_classes=3)
 
 
@@ -101,7 +102,7 @@ def test_an_installed_entry_point_is_a_trusted_builder_by_name(user_module, tmp_
 
     assert {"lab_cnn", "lab_linear", "digits_mlp"} <= set(registered_models())
     assert ModelSpec("lab_cnn").build(num_classes=7).num_classes == 7
-    with pytest.raises(ConfigError, match="not a FeatureClassifier"):
+    with pytest.raises(ConfigError, match="neither a FeatureClassifier"):
         ModelSpec("lab_linear").build(num_classes=7)
 
 

@@ -10,7 +10,7 @@ from conftest import ROOT, run_cli
 @pytest.mark.parametrize(
     "old, new",
     [
-        ("fl_lightning.fit", "fl_lightning.run.fit"),
+        ("fl_lightning.fit_args", "fl_lightning.run.arguments"),
         ("fl_lightning.sampling", "fl_lightning.federation.sampling"),
         ("fl_lightning.schedules", "fl_lightning.federation.schedules"),
         ("fl_lightning.errors", "fl_lightning.federation.errors"),
@@ -24,13 +24,29 @@ def test_a_moved_module_imports_under_its_old_path_as_the_same_module(old, new):
 
 def test_users_code_written_before_the_move_still_imports():
     from fl_lightning.errors import ConfigError
-    from fl_lightning.fit import fit
+    from fl_lightning.recipes import load_recipe
     from fl_lightning.sampling import UniformSampler
 
     from fl_lightning.federation.errors import ConfigError as Current
     from fl_lightning.strategies import FedAvg
 
-    assert ConfigError is Current and callable(fit) and UniformSampler and FedAvg
+    assert ConfigError is Current and callable(load_recipe) and UniformSampler and FedAvg
+
+
+def test_fl_lightning_fit_is_the_function_and_its_old_module_path_names_the_new_one():
+    import fl_lightning
+    from fl_lightning import fit
+    from fl_lightning.run.api import fit_recipe
+
+    assert fit is fl_lightning.fit and fit.__module__ == "fl_lightning" and callable(fit_recipe)
+    moved = r"the module moved to fl_lightning\.run\.fit: import from there"
+    with pytest.raises(ModuleNotFoundError, match=moved):
+        import fl_lightning.fit
+    with pytest.raises(ModuleNotFoundError, match=moved):
+        from fl_lightning.fit import fit as old  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match=r"fl_lightning\.run\.fit"):
+        importlib.import_module("fl_lightning.fit")
+    assert fl_lightning.fit is fit  # a failed import of the old path leaves the function in place
 
 
 def test_the_moved_codistillation_class_names_its_new_path():

@@ -209,7 +209,7 @@ def test_a_sweep_directory_gets_a_sweep_section_with_pruned_trials(runs, tmp_pat
 def test_markdown_report_writes_figures_and_wandb_logs_offline(runs, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
-    assert run_cli("report", str(runs), "--output", "out/report.md", "--wandb") == 0
+    assert run_cli("report", str(runs), "--output", "out/report.md", "--wandb_run") == 0
     text = (tmp_path / "out/report.md").read_text()
     assert "| cell | global/test_acc | 0.9000 | 0.0100 |" in text
     assert (tmp_path / "out/report_figures/cell_curve.png").read_bytes()[:4] == b"\x89PNG"
@@ -228,3 +228,72 @@ def test_wandb_run_gets_the_partition_chart(tmp_path, monkeypatch):
 def test_report_without_runs_is_a_clear_error(tmp_path, capsys):
     assert run_cli("report", str(tmp_path), "--output", str(tmp_path / "r.html")) == 2
     assert "no run directory" in capsys.readouterr().err
+
+
+class Attributes(HTMLParser):
+    """Every attribute name of every tag in a page."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.names = set()
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.names.update(name for name, _ in attrs)
+
+
+def test_sweep_notes_and_values_from_its_files_are_text_in_the_templated_page(tmp_path):
+    """The page comes from templates with autoescape: a sweep's own files (its notes, a trial's state that
+    becomes a cell's class) show as text, and nothing in them becomes a tag or an attribute."""
+    sweep = tmp_path / "sweeps" / "s"
+    sweep.mkdir(parents=True)
+    evil = "<script>alert(1)</script>"
+    info = {
+        "study": f"<b>{evil}</b>",
+        "metric": "global/test_acc",
+        "direction": "maximize",
+        "n_trials": 2,
+        "notes": [f"importances from 2 trials are unreliable {evil}"],
+        "warnings": "the objective is a test metric",
+    }
+    (sweep / "sweep.json").write_text(json.dumps(info))
+    hostile_state = "x' onmouseover='alert(1)"
+    with (sweep / "trials.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["trial", "state", "value", "param/lr", "seconds", "error"])
+        writer.writerow([0, "COMPLETE", 0.5, evil, 1.0, ""])
+        writer.writerow([1, hostile_state, "", 0.1, 1.0, evil])
+    out = tmp_path / "report.html"
+    page = report_page([tmp_path / "sweeps"], out)
+    assert page.tags <= REPORT_TAGS and Attributes(out.read_text()).names <= {"lang", "charset", "class", "alt", "src"}
+    assert f"Sweep <b>{evil}</b>" in page.cells
+    assert f"Note: importances from 2 trials are unreliable {evil}" in page.cells
+    assert "Note: the objective is a test metric" in page.cells
+    table = page.rows[page.rows.index(["trial", "state", "global/test_acc", "lr", "seconds", "note"]) :]
+    assert table[1] == ["0", "COMPLETE", "0.5000", evil, "1.0"] and table[2][:2] == ["1", hostile_state]
+    assert run_cli("report", str(tmp_path / "sweeps"), "--output", str(tmp_path / "report.md")) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "Note: importances from 2 trials are unreliable &lt;script&gt;" in text and "<script>" not in text
+
+
+def test_the_templates_escape_every_value_and_ship_in_the_wheel(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from conftest import ROOT
+
+    from fl_lightning.report.html import TEMPLATES, environment
+
+    assert environment().from_string("<p title='{{ x }}'>{{ x }}</p>").render(x="'><b>") == (
+        "<p title='&#39;&gt;&lt;b&gt;'>&#39;&gt;&lt;b&gt;</p>"
+    )
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "fl_lightning", tmp_path / "fl_lightning", ignore=shutil.ignore_patterns("__pycache__"))
+    command = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", "dist", "."]
+    subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=300, check=True)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if "/templates/" in n}
+    assert shipped == {f"fl_lightning/report/templates/{p.name}" for p in TEMPLATES.iterdir()} and len(shipped) >= 5

@@ -1,7 +1,8 @@
-"""Client side: the module wrapper of a model role, the Fabric loop with one model instance per role, the
-per-client context a strategy's ``client_update`` sees, models trained together, evaluation of global and
-personal models, and two ways of running many clients' fits faster: ``batched`` (clients of one architecture
-as one vmapped computation) and ``graphs`` (the sequential loop's steps replayed as CUDA graphs).
+"""Client side: the module wrapper of a model role (or of a user's own LightningModule), the Fabric loop with
+one model instance per role, the per-client context a strategy's ``client_update`` sees, models trained
+together, evaluation of global and personal models, and two ways of running many clients' fits faster:
+``batched`` (clients of one architecture as one vmapped computation) and ``graphs`` (the sequential loop's
+steps replayed as CUDA graphs).
 
 May import ``data``, ``models``, ``distributed`` and ``federation``; never ``strategies`` or ``run``.
 """

@@ -55,15 +55,22 @@ class LocalLoop:
                 f"population tiers use model role(s) {missing} that `models` does not define; "
                 f"defined roles: {sorted(models)}."
             )
-        from .module import ClientModule
-
         for role in roles:
             torch.manual_seed(role_seed(seed, role))
-            model: FeatureClassifier = models[role].build(**context)
-            module = ClientModule(model, self.training.optimizer_factory())
+            module = self._wrapped(role, models[role].build(**context))
             module = self.fabric.setup_module(module).module  # device and precision from Fabric
             optimizer = module.configure_optimizers()
             self.slots[role] = ModelSlot(module, optimizer, [g["lr"] for g in optimizer.param_groups])
+
+    def _wrapped(self, role: str, model: torch.nn.Module) -> torch.nn.Module:
+        """A built model in its module wrapper: the built-in steps, or a user's LightningModule's own."""
+        if isinstance(model, FeatureClassifier):
+            from .module import ClientModule
+
+            return ClientModule(model, self.training.optimizer_factory())
+        from .lightning import LightningClientModule  # ModelSpec.build returns nothing else
+
+        return LightningClientModule(model, role)
 
     def begin_phase(self) -> None:
         """Notes the optimizer states of the phase's start (``optimizer_state: shared_per_phase``)."""

@@ -36,7 +36,9 @@ class ClientModule(torch.nn.Module):
     step function to the local loop; ``training_step`` is the plain cross-entropy default.
     """
 
-    def __init__(self, model: FeatureClassifier, optimizer: OptimizerFactory):
+    pure_training_step = True  # training_step is a pure function of the module and the batch (batched executor)
+
+    def __init__(self, model: FeatureClassifier, optimizer: OptimizerFactory | None):
         super().__init__()
         self.model = model
         self._optimizer_factory = optimizer

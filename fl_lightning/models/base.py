@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
@@ -29,6 +31,16 @@ class FeatureClassifier(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x))
+
+
+def is_lightning_module(model: object) -> bool:
+    """Whether ``model`` is a Lightning ``LightningModule``, told without importing Lightning (seconds of
+    start-up): code that made one has imported it already."""
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        module = sys.modules.get(package)
+        if module is not None and isinstance(model, getattr(module, "LightningModule", ())):
+            return True
+    return False
 
 
 class SplitFeatureClassifier(FeatureClassifier):

@@ -12,7 +12,9 @@ A recipe is a file a user may be handed, so its ``builder`` can only name code t
 
 Anything else (``builder: os.system``) is refused before its module is even imported. The recipe itself
 cannot extend this list: trust comes from the environment or the installation, never from the file.
-Whatever a builder is, what it returns must be a :class:`FeatureClassifier`.
+Whatever a builder is, what it returns must be a :class:`FeatureClassifier` or a Lightning ``LightningModule``
+(the user's own training step and optimizer, docs/howto/lightning_module.md); a builder may be the
+LightningModule class itself.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from ..federation.errors import ConfigError
-from .base import FeatureClassifier
+from .base import FeatureClassifier, is_lightning_module
 
 Builder = Callable[..., FeatureClassifier]
 _BUILDERS: dict[str, Builder] = {}
@@ -138,8 +142,9 @@ class ModelSpec:
     args: dict[str, Any] = field(default_factory=dict)
     projection_dim: int | None = None
 
-    def build(self, **context: Any) -> FeatureClassifier:
-        """Builds the model; ``context`` (e.g. ``num_classes``) fills builder arguments not set."""
+    def build(self, **context: Any) -> nn.Module:
+        """Builds the model (a FeatureClassifier or a LightningModule); ``context`` (e.g. ``num_classes``) fills
+        builder arguments not set."""
         fn = resolve_builder(self.builder)
         try:
             params = inspect.signature(fn).parameters
@@ -166,11 +171,17 @@ class ModelSpec:
                 f"model builder {self.builder!r} could not be called with {self.args} ({err}); "
                 "fix the arguments' types in models.<role>.args."
             ) from None
-        if not isinstance(model, FeatureClassifier):
+        if not isinstance(model, FeatureClassifier) and not is_lightning_module(model):
             raise ConfigError(
-                f"model builder {self.builder!r} returned {type(model).__name__}, not a FeatureClassifier "
-                "(features + head); only builders returning one may be used: wrap your network in "
-                "fl_lightning.models.FeatureClassifier."
+                f"model builder {self.builder!r} returned {type(model).__name__}, neither a FeatureClassifier "
+                "(features + head) nor a LightningModule; wrap your network in fl_lightning.models.FeatureClassifier, "
+                "or hand in a LightningModule (docs/howto/lightning_module.md)."
+            )
+        if self.projection_dim is not None and not isinstance(model, FeatureClassifier):
+            raise ConfigError(
+                f"projection_dim replaces a FeatureClassifier's head (MOON's model), but model builder "
+                f"{self.builder!r} returned the LightningModule {type(model).__name__}; use a built-in builder "
+                "for this role (e.g. digits_cnn) or leave projection_dim out."
             )
         if self.projection_dim is not None:
             from .projection import with_projection_head

@@ -27,6 +27,7 @@ def build_report(paths: list[str]) -> dict[str, Any]:
                 "experiment": group["experiment"],
                 "differs": group["differs"],
                 "comparison": comparison,
+                "monitor": str(group["runs"][0]["summary"].get("monitor") or row["metric"]),
                 "curve": png(learning_curve_figure(group["runs"], row["metric"], row["paper"])),
                 "clients": png(client_histogram_figure(group["runs"])),
             }

@@ -1,4 +1,5 @@
-"""HTML, Markdown and W&B output of ``flrun report``; every value read from a file is escaped here."""
+"""HTML, Markdown and W&B-run output of ``flrun report``: the HTML page from ``templates/report.html.j2``
+(autoescaped), Markdown with every value read from a file escaped by ``markup.md``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from .build import headline
 from .groups import value_text
-from .markup import STYLE, e, html_figure, html_table, md, md_table, save_figure
+from .markup import md, md_table, save_figure
 from .runs import MEASURED_NOTE, fmt, plural
 
 SUMMARY_HEADER = [
@@ -36,6 +37,11 @@ def _summary_cells(s: dict, row: dict) -> list[str]:
         str(row["n"]),
         fmt(row["delta"]),
     ]
+
+
+def summary_rows(report: dict) -> list[list[str]]:
+    """The paper-vs-measured table's rows: one per experiment and metric."""
+    return [_summary_cells(s, row) for s in report["sections"] for row in s["comparison"]["rows"]]
 
 
 def _runs_text(c: dict) -> str:
@@ -71,51 +77,50 @@ def _reference_text(ref: dict) -> str:
 
 
 def write_html(report: dict, path: Path) -> None:
-    from .sweeps import sweep_html
+    from .html import write_page
+    from .sweeps import sweep_view
 
-    parts = [
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
-        f"<title>fl-lightning reproducibility report</title><style>{STYLE}</style></head><body>",
-        f"<h1>Reproducibility report</h1><p>{e(headline(report))}.</p>",
-        *(f"<p class='warn'>Warning: {e(warning)}</p>" for warning in report["warnings"]),
+    write_page(
+        "report.html.j2",
+        path,
+        headline=headline(report),
+        warnings=report["warnings"],
+        summary_header=SUMMARY_HEADER,
+        summary_rows=[[(cell, "num" if i >= 2 else "") for i, cell in enumerate(row)] for row in summary_rows(report)],
+        measured_note=MEASURED_NOTE,
+        sections=[section_view(s) for s in report["sections"]],
+        sweeps=[sweep_view(sweep) for sweep in report["sweeps"]],
+    )
+
+
+def section_view(s: dict) -> dict:
+    """One experiment's texts, figures and provenance rows, as report.html.j2 shows them."""
+    c = s["comparison"]
+    metric = c["rows"][0]["metric"]
+    rows = [
+        [
+            (_seed_text(p), "num"),
+            (fmt(p["final"]), "num"),
+            (f"{fmt(p['best'])} (round {p['best_round']})", "num"),
+            (p["dir"], ""),
+            (p["config_sha256"], ""),
+            (p["git_commit"], ""),
+            (json.dumps(p["versions"]), ""),
+            (p["hardware"], ""),
+        ]
+        for p in c["provenance"]
     ]
-    if report["sections"]:
-        rows = [
-            [(e(cell), "num" if i >= 2 else "") for i, cell in enumerate(_summary_cells(s, row))]
-            for s in report["sections"]
-            for row in s["comparison"]["rows"]
-        ]
-        parts += [html_table(SUMMARY_HEADER, rows), f"<p class='note'>{e(MEASURED_NOTE)}</p>"]
-    for s in report["sections"]:
-        c = s["comparison"]
-        parts.append(f"<h2>{e(s['name'])}</h2>")
-        if c["reference"]:
-            parts.append(f"<p>Paper: {e(_reference_text(c['reference']))}.</p>")
-        parts.append(f"<p>{e(_runs_text(c))}</p>")
-        if s["differs"]:
-            parts.append(f"<p>{e(_experiment_text(s))}</p>")
-        parts.append(html_figure(s["curve"], f"learning curve ({c['rows'][0]['metric']})"))
-        parts.append(html_figure(s["clients"], "personalized accuracy per client"))
-        metric = c["rows"][0]["metric"]
-        rows = [
-            [
-                (e(_seed_text(p)), "num"),
-                (fmt(p["final"]), "num"),
-                (f"{fmt(p['best'])} (round {e(p['best_round'])})", "num"),
-                (e(p["dir"]), ""),
-                (e(p["config_sha256"]), ""),
-                (e(p["git_commit"]), ""),
-                (e(json.dumps(p["versions"])), ""),
-                (e(p["hardware"]), ""),
-            ]
-            for p in c["provenance"]
-        ]
-        header = ["seed", f"{metric} final", "best", "run", "config sha256", "git commit", "versions", "hardware"]
-        parts.append(html_table(header, rows))
-    for sweep in report["sweeps"]:
-        parts += sweep_html(sweep)
-    parts.append("</body></html>")
-    path.write_text("\n".join(parts))
+    return {
+        "name": s["name"],
+        "reference": _reference_text(c["reference"]) if c["reference"] else "",
+        "runs": _runs_text(c),
+        "experiment": _experiment_text(s),
+        "metric": metric,
+        "curve": s["curve"],
+        "clients": s["clients"],
+        "header": ["seed", f"{metric} final", "best", "run", "config sha256", "git commit", "versions", "hardware"],
+        "rows": rows,
+    }
 
 
 def write_markdown(report: dict, path: Path) -> None:
@@ -124,7 +129,7 @@ def write_markdown(report: dict, path: Path) -> None:
     lines = ["# Reproducibility report", "", f"{md(headline(report))}.", ""]
     lines += [f"Warning: {md(warning)}" for warning in report["warnings"]] + ([""] if report["warnings"] else [])
     if report["sections"]:
-        rows = [[md(c) for c in _summary_cells(s, row)] for s in report["sections"] for row in s["comparison"]["rows"]]
+        rows = [[md(c) for c in row] for row in summary_rows(report)]
         lines += md_table(SUMMARY_HEADER, rows) + ["", md(MEASURED_NOTE)]
     figures = path.parent / f"{path.stem}_figures"
     for s in report["sections"]:

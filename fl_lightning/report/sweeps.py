@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .figures import png, pyplot
-from .markup import e, html_figure, html_table, md, md_table, save_figure
+from .markup import md, md_table, save_figure
 from .runs import fmt, number, plural, read_curve, read_json
 
 STATE_COLOURS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red"}
@@ -203,34 +203,45 @@ def dashboard_command(sweep: dict) -> str:
     return f"optuna-dashboard {sweep['info'].get('storage', 'sqlite:///' + str(sweep['root'] / 'study.db'))}"
 
 
-def sweep_html(sweep: dict) -> list[str]:
-    parts = [f"<h2>Sweep {e(sweep['study'])}</h2>"]
-    parts += [f"<p>{e(fact)}</p>" for fact in _facts(sweep)]
-    parts.append(
-        f"<p class='note'>The live study: <code>{e(dashboard_command(sweep))}</code> "
-        "(<code>pip install optuna-dashboard</code>; a PostgreSQL password is not shown here).</p>"
-    )
-    parts.append(html_figure(sweep["history"], "optimisation history (pruned: the last reported value)"))
-    parts.append(html_figure(sweep["importance"], "parameter importances"))
-    parts.append(html_figure(sweep["curves"], f"{sweep['metric']} of every trial"))
+def notes(sweep: dict) -> list[str]:
+    """What ``flrun sweep`` wrote into sweep.json for the reader (``notes`` and ``warnings``: a sentence or a
+    list of them), e.g. that importances from a few trials are unreliable."""
+    found = []
+    for key in ("notes", "warnings"):
+        value = sweep["info"].get(key)
+        found += [str(v) for v in (value if isinstance(value, list) else [value]) if v not in (None, "")]
+    return found
+
+
+def sweep_view(sweep: dict) -> dict:
+    """The sweep section's texts, figures and trials table, as the templates' ``sweep_section`` shows them."""
     names = _param_names(sweep)
     best = _best(sweep)
-    rows, classes = [], []
-    for t in sweep["trials"]:
-        rows.append(
-            [(e(t["number"]), "num"), (e(t["state"]), e(t["state"])), (fmt(t["value"]), "num")]
-            + [(e(_param(t["params"].get(n, ""))), "num") for n in names]
-            + [(fmt(t["seconds"], 1), "num"), (e(_note(t)), "")]
-        )
-        classes.append("best" if t is best else "")
-    header = ["trial", "state", sweep["metric"], *[n.rsplit(".", 1)[-1] for n in names], "seconds", "note"]
-    parts.append(html_table(header, rows, classes))
-    return parts
+    rows = [
+        [(str(t["number"]), "num"), (t["state"], t["state"]), (fmt(t["value"]), "num")]
+        + [(_param(t["params"].get(n, "")), "num") for n in names]
+        + [(fmt(t["seconds"], 1), "num"), (_note(t), "")]
+        for t in sweep["trials"]
+    ]
+    return {
+        "study": sweep["study"],
+        "facts": _facts(sweep),
+        "notes": notes(sweep),
+        "dashboard": dashboard_command(sweep),
+        "metric": sweep["metric"],
+        "history": sweep["history"],
+        "importance": sweep["importance"],
+        "curves": sweep["curves"],
+        "header": ["trial", "state", sweep["metric"], *[n.rsplit(".", 1)[-1] for n in names], "seconds", "note"],
+        "rows": rows,
+        "row_classes": ["best" if t is best else "" for t in sweep["trials"]],
+    }
 
 
 def sweep_markdown(sweep: dict, figures: Path) -> list[str]:
     lines = ["", f"## Sweep {md(sweep['study'])}", ""]
     lines += [md(fact) for fact in _facts(sweep)]
+    lines += [f"Note: {md(note)}" for note in notes(sweep)]
     lines += ["", f"The live study: `{md(dashboard_command(sweep))}` (`pip install optuna-dashboard`).", ""]
     for kind in ("history", "importance", "curves"):
         if sweep[kind]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..federation.errors import ConfigError
 from .messages import config_paths
 
 
-class UserError(Exception):
-    """A mistake in what the user gave (a recipe, an option): one sentence, exit status 2."""
+class UserError(ConfigError):
+    """A mistake in what the user gave (a recipe, an option): one sentence, exit status 2 (from Python, a
+    ConfigError like any other)."""
 
 
 # the optimizer of a recipe that names no optimizer class, put first on the command line; as a parser default,

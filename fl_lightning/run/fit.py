@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..client.evaluation import PersonalEvaluation
+from ..client.lightning import check_model_parts
 from ..client.loop import LocalLoop, LocalTraining
 from ..data import FederatedData
 from ..data.sources import fetch_pretrained
@@ -133,6 +134,7 @@ def fit(
             in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
             fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
         )
+        check_model_parts(loop.slots, type(strategy).__name__, strategy.needs_split)
         if runtime.cuda_graphs:
             from ..client.graphs import StepGraphs, backend_for, prepare_optimizer
 

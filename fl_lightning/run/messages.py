@@ -80,7 +80,9 @@ def readable(message: str, parser: Any = None) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     text = " ".join(lines)
     keys = re.findall(r'Parser key "([^"]+)"', text)
-    key = ".".join(keys)
+    key = ""
+    for part in keys:  # a group given as a mapping (--training '{...}') names its keys in full: training.batch_size
+        key = part if part.startswith(f"{key}.") or not key else f"{key}.{part}"
     for explain in (_unknown_argument, _unknown_key, _unknown_init_option, _missing_required):
         sentence = explain(text, keys, parser)
         if sentence:

@@ -179,6 +179,9 @@ class Strategy:
 
     state_attributes: tuple[str, ...] = ()
     phases: tuple[str, ...] = ("train",)
+    # whether the method reads a model's features and head apart (prototypes, representations, a swapped head):
+    # a LightningModule client model must then declare them (client/lightning.py); whole-model methods need not
+    needs_split: bool = False
 
     def setup(self, server: ServerContext) -> None:
         """Called once before the first round (and before a checkpoint is restored)."""

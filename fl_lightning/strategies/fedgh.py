@@ -38,6 +38,8 @@ class FedGH(Strategy):
             each client's extractor with the current global header.
     """
 
+    needs_split = True  # reads the models' features and head apart
+
     state_attributes = ("header",)
 
     def __init__(self, header_lr: float = 0.01, header_update: str = "per_lar", evaluate_with: str = "local"):

@@ -79,6 +79,8 @@ class FedGKT(PersonalModels, Strategy):
         split: where the clients' own models are evaluated (``global`` or their local ``test`` split).
     """
 
+    needs_split = True  # reads the models' features and head apart
+
     state_attributes = ("server_weights", "server_logits")
 
     def __init__(

@@ -109,6 +109,8 @@ class FedKD(Strategy):
         split: where the mentors are evaluated: ``test`` or ``global``.
     """
 
+    needs_split = True  # reads the models' features and head apart
+
     state_attributes = ("mentee_weights", "last_update", "last_trained")
 
     def __init__(

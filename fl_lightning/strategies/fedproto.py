@@ -88,6 +88,8 @@ class FedProto(Strategy):
             and the FedProto paper) or ``global``.
     """
 
+    needs_split = True  # reads the models' features and head apart
+
     state_attributes = ("bank",)
 
     def __init__(

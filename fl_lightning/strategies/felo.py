@@ -54,6 +54,8 @@ class Felo(Strategy):
             (this code before: a larger weight while the server knows few classes).
     """
 
+    needs_split = True  # reads the models' features and head apart
+
     state_attributes = ("global_weights", "logit_bank", "feature_bank")
 
     def __init__(

@@ -85,6 +85,8 @@ class HeteroFL(Strategy):
         mask: zero the logits of a client's absent classes in its training loss.
     """
 
+    needs_split = True  # reads the models' features and head apart
+
     state_attributes = ("global_weights",)
 
     def __init__(

@@ -81,6 +81,7 @@ class LGFedAvg(Strategy):
     ):
         if evaluate_with not in ("global", "local"):
             raise ConfigError(f"LG-FedAvg evaluate_with must be global or local, got {evaluate_with!r}.")
+        self.needs_split = global_layers is None  # the shared part is then the model's head
         self.global_layers, self.weighted, self.evaluate_with, self.split = (
             global_layers,
             weighted,

@@ -68,6 +68,8 @@ class MOON(FedAvg):
         (roles, weighted: as FedAvg; ``weighted: true`` is the code's sample-count weighting)
     """
 
+    needs_split = True  # reads the models' features and head apart
+
     def __init__(
         self, mu: float = 1.0, temperature: float = 0.5, roles: list[str] | None = None, weighted: bool = True
     ):

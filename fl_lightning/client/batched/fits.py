@@ -103,6 +103,8 @@ class BatchedFit:
         function = getattr(fn, "__func__", fn)
         if fn is not _default_step() and not getattr(function, "vmappable", False):
             return "the step is not marked pure (@vmappable)"
+        if fn is _default_step() and not self.loop.slots[request.role].module.pure_training_step:
+            return "the role's LightningModule has its own training_step (not known to be pure)"
         if getattr(self.loop.fabric.strategy.precision, "scaler", None) is not None:  # 16-mixed scales the loss
             return "fp16 mixed precision scales the loss"
         slot = self.loop.slots[request.role]
