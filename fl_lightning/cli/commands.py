@@ -25,7 +25,7 @@ commands:
   models   list the registered model builders with their parameter counts (--json)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
            flrun data fetch DATASET [--data_dir data]: download and verify a data set (on a machine online)
-  sweep    flrun sweep --config sweeps/NAME.yaml: an Optuna study over a recipe
+  sweep    flrun sweep --config sweeps/NAME.yaml [-- FIT_ARGS]: an Optuna study over a recipe
   report   flrun report RUN_DIRS... --output report.html: measured vs the papers' numbers
            flrun report RUN_DIRS --table paper-001/table-5: one paper table, paper vs measured per cell
   table    flrun table paper-001/table-5 [--seeds 0 1 2] [--n_jobs K]: run what the table lacks, then build it
@@ -175,15 +175,19 @@ def run_data(argv: list[str]) -> int:
 
 
 def run_sweep_command(argv: list[str]) -> int:
-    """``flrun sweep --config SWEEP.yaml [--n_trials N] [--timeout S] [--n_jobs K] [--storage URL]``."""
+    """``flrun sweep --config SWEEP.yaml [--n_trials N] [--timeout S] [--n_jobs K] [--storage URL] [-- FIT_ARGS]``."""
     import argparse
     import json
 
-    from ..sweep.run import run_sweep
-    from ..sweep.spec import load_sweep
+    from ..sweep.spec import check_against_recipe, read_sweep
 
+    fit_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
-        prog="flrun sweep", description="Optuna study over a base recipe.", allow_abbrev=False
+        prog="flrun sweep",
+        description="Optuna study over a base recipe. Arguments after -- go to every trial's flrun fit "
+        "(e.g. -- --rounds 4); like the sweep file's overrides, they are part of what defines the study.",
+        allow_abbrev=False,
     )
     parser.add_argument("--config", required=True, help="sweep file (sweeps/*.yaml)")
     parser.add_argument("--n_trials", type=int, help="trials in the study in total (re-running resumes up to it)")
@@ -199,26 +203,30 @@ def run_sweep_command(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     storage = args.storage or (os.environ.get("FLRUN_SWEEP_STORAGE") if args.worker else None) or None
-    spec = load_sweep(
-        args.config,
-        check_recipe=not args.worker,
-        n_trials=args.n_trials,
-        timeout=args.timeout,
-        storage=storage,
-        study_name=args.study_name,
-        output_dir=args.output_dir,
-    )
+    cli = {"n_trials": args.n_trials, "timeout": args.timeout, "storage": storage}
+    cli.update(study_name=args.study_name, output_dir=args.output_dir)
+    spec = read_sweep(args.config, fit_args, **cli)
     if args.worker:
         from ..sweep.workers import run_worker
 
         return run_worker(spec, json.loads(args.worker))
+    if not args.json:  # said before the recipe is parsed (torch, Optuna): the first seconds are not silent
+        trials = f" -- {' '.join(fit_args)}" if fit_args else ""
+        print(
+            f"sweep {spec.study_name}: {spec.n_trials} trials of {spec.base}{trials}, {spec.direction} {spec.metric} "
+            f"({spec.use}); checking the recipe and the search space",
+            flush=True,
+        )
+    warnings = check_against_recipe(spec)
+    from ..sweep.run import run_sweep
+
     try:
         if args.json:
             with open(os.devnull, "w") as quiet:
-                result, status = run_sweep(spec, n_jobs=args.n_jobs, sweep_file=args.config, out=quiet)
+                result, status = run_sweep(spec, args.n_jobs, args.config, out=quiet, warnings=warnings)
             print(json.dumps(result, indent=2, default=str))
         else:
-            result, status = run_sweep(spec, n_jobs=args.n_jobs, sweep_file=args.config)
+            result, status = run_sweep(spec, args.n_jobs, args.config, warnings=warnings)
     except KeyboardInterrupt:
         print("flrun sweep: interrupted; re-run the same command to finish the study.", file=sys.stderr)
         return 130
