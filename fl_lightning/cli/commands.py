@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..run.arguments import UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
+from .models import run_models
 
 _UserError, _recipe_name = UserError, recipe_name  # the names other modules and tests knew
 __all__ = ["fit_from_argv", "fit_parser", "main", "parse_fit"]
@@ -22,7 +23,7 @@ USAGE = """usage: flrun COMMAND [options]
 
 commands:
   fit      run a federated experiment from a recipe: flrun fit --config recipes/quickstart.yaml
-  models   list the registered model builders with their parameter counts (--json)
+  models   list the registered model builders with their parameter counts (--json; --count builds them)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
            flrun data fetch DATASET [--data_dir data]: download and verify a data set (on a machine online)
   sweep    flrun sweep --config sweeps/NAME.yaml [-- FIT_ARGS]: an Optuna study over a recipe
@@ -65,11 +66,13 @@ def _end_start_up(freeze: bool = True) -> None:
 
 
 def run_fit(argv: list[str]) -> int:
+    if argv in (["--help"], ["-h"]):
+        return _fit_help()
+    _, init, resolved = parse_fit(argv)  # first: a mistake is answered before the imports a run needs
     from ..distributed.launch import launch
     from ..distributed.ranks import check_shardable, from_env, needs_launch
     from ..run.fit import fit, summary_metrics
 
-    _, init, resolved = parse_fit(argv)
     runtime = init.runtime
     if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
         check_shardable(runtime.devices, init.schedule, init.training.optimizer_state)
@@ -92,33 +95,16 @@ def run_fit(argv: list[str]) -> int:
     return 0
 
 
-def run_models(argv: list[str]) -> int:
-    """Lists every registered builder in its paper configuration (its defaults)."""
-    import inspect
-    import json
+def _fit_help() -> int:
+    """``flrun fit --help``: the stored text when the code and the packages it is rendered from are unchanged
+    (no torch import), else rendered by the parser and stored (:mod:`fl_lightning.cli.help_cache`)."""
+    from .help_cache import cached_help, store_help
 
-    from ..models import registered_models
-
-    rows = []
-    for name, builder in registered_models().items():
-        # pretrained models are counted without loading their weights
-        random_init = {"random_init": True} if "random_init" in inspect.signature(builder).parameters else {}
-        model = builder(**random_init)
-        params = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        doc = (builder.__doc__ or "").strip().splitlines()[0]
-        rows.append(
-            {"name": name, "parameters": params, "trainable": trainable, "size_mb": params * 4 / 2**20, "doc": doc}
-        )
-    if "--json" in argv:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(f"{'name':<26} {'parameters':>12} {'trainable':>12} {'MiB':>9}  description")
-        for row in rows:
-            print(
-                f"{row['name']:<26} {row['parameters']:>12,} {row['trainable']:>12,} {row['size_mb']:9.2f}  "
-                f"{row['doc']}"
-            )
+    text = cached_help()
+    if text is None:
+        text = fit_parser().format_help()
+        store_help(text)
+    print(text, end="")
     return 0
 
 
