@@ -155,9 +155,25 @@ def run_data(argv: list[str]) -> int:
     rows = client_table(data)
     print_summary(data, rows)
     name = cfg.get("name") or _recipe_name(argv)
-    path = Path(output) if output else Path(cfg.output_dir or Path("runs") / name / f"seed{cfg.seed}") / "partition.png"
-    print(f"client-by-class chart: {bubble_chart(data, path)}")
+    print(f"client-by-class chart: {bubble_chart(data, _chart_path(output, cfg.output_dir, name, cfg.seed))}")
     return 0
+
+
+# what makes a folder a run's (flrun fit writes them): inspect's chart never goes into one
+RUN_FILES = ("config.yaml", "summary.json", "metrics.csv", "partition.json", "checkpoints")
+
+
+def _chart_path(output: str | None, output_dir: str | None, name: str, seed: int) -> Path:
+    """``--output``, or beside the recipe's run folder (``runs/<name>/seed<k>.partition.png``): a run's folder holds
+    only what its run wrote, so a later run there is not refused and a run's own files are not replaced."""
+    run = Path(output_dir or Path("runs") / name / f"seed{seed}")
+    path = Path(output) if output else run.with_name(f"{run.name}.partition.png")
+    if any((path.parent / file).exists() for file in RUN_FILES):
+        raise _UserError(
+            f"--output {path} lies in the run folder {path.parent}, which holds a run's files; give a path outside "
+            f"it, e.g. --output {path.parent.with_name(path.parent.name + '.partition.png')}."
+        )
+    return path
 
 
 def run_sweep_command(argv: list[str]) -> int:
