@@ -308,7 +308,11 @@ def run_table(argv: list[str]) -> int:
     parser.add_argument("--n_jobs", type=int, default=1, help="runs at once, each its own process on one GPU")
     parser.add_argument("--recipes", help="recipe folder whose reference blocks define the table (default: recipes/)")
     parser.add_argument("--output", help="the table file, .html or .md (default RUNS/<paper>/<table>.html)")
-    parser.add_argument("--dry_run", action="store_true", help="list the runs and whether each is done, then stop")
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="list the runs, whether each is done and whether its data is there, their total and a time estimate",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -323,8 +327,9 @@ def run_table(argv: list[str]) -> int:
         report_output(args.output)  # .html or .md, refused before any run starts
     runs = plan(args.table, args.seeds, Path(args.runs), recipes)
     if args.dry_run:
-        for run in runs:
-            print(f"{run.state(fit_args):>7}  {run.name}  {run.output_dir}")
+        from ..sweep.table_preview import preview
+
+        preview(runs, fit_args, args.n_jobs, sys.stdout)
         return 0
     try:
         done, failed = run_all(runs, fit_args, args.n_jobs, sys.stdout)
