@@ -76,7 +76,7 @@ def test_the_base_recipe_is_found_from_the_sweep_file_not_the_working_directory(
     err = capsys.readouterr().err.strip()
     assert err == (
         "flrun sweep: error: the sweep's base recipe sweeps/recipes/base.yaml (base: recipes/base.yaml in "
-        "sweeps/s.yaml) does not exist; `base:` is relative to the sweep file's folder, as a recipe's is: write "
+        "sweeps/s.yaml) does not exist; `base:` is relative to the sweep file's folder, as a recipe's is: use "
         "base: ../recipes/base.yaml."
     )
 

@@ -168,9 +168,10 @@ def _base_path(base: Any, path: Path) -> str:
         return str(resolved)
     where = f"the sweep's base recipe {resolved} (base: {base} in {path}) does not exist"
     if Path(base).is_file():  # where sweep files used to point: the working directory
+        relative = os.path.relpath(base, path.parent)
+        shown = relative if relative.count("..") <= 2 else Path(base).resolve()
         raise ConfigError(
-            f"{where}; `base:` is relative to the sweep file's folder, as a recipe's is: write "
-            f"base: {os.path.relpath(base, path.parent)}."
+            f"{where}; `base:` is relative to the sweep file's folder, as a recipe's is: use base: {shown}."
         )
     raise ConfigError(
         f"{where}; `base:` is relative to the sweep file's folder, e.g. base: ../recipes/quickstart.yaml."
