@@ -147,7 +147,7 @@ class Progress:
                 f"{tested}; best recipe: {result['best_recipe']}"
             )
         if result["importances"]:
-            shown = ", ".join(f"{name} {value:.2f}" for name, value in result["importances"].items())
+            shown = ", ".join(f"{self.names.get(k, k)} {value:.2f}" for k, value in result["importances"].items())
             self.print(f"parameter importances (fANOVA): {shown}")
         if result.get("importances_note"):
             self.print(f"  {result['importances_note']}")
