@@ -215,7 +215,8 @@ def run_sweep_command(argv: list[str]) -> int:
     if not args.json:  # said before the recipe is parsed (torch, Optuna): the first seconds are not silent
         trials = f" -- {' '.join(fit_args)}" if fit_args else ""
         print(
-            f"sweep {spec.study_name}: {spec.n_trials} trials of {spec.base}{trials}, {spec.direction} {spec.metric} "
+            f"sweep {spec.study_name}: {spec.n_trials} trial{'s' * (spec.n_trials != 1)} of {spec.base}{trials}, "
+            f"{spec.direction} {spec.metric} "
             f"({spec.use}); checking the recipe and the search space",
             flush=True,
         )
