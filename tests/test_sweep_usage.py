@@ -7,6 +7,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -81,11 +82,14 @@ def test_the_base_recipe_is_found_from_the_sweep_file_not_the_working_directory(
     )
 
 
-def test_the_shipped_sweeps_name_existing_base_recipes_from_any_directory(tmp_path, monkeypatch):
+def test_the_shipped_sweeps_load_from_any_directory_and_tune_on_a_validation_split(tmp_path, monkeypatch):
+    from fl_lightning.sweep.spec import check_against_recipe
+
     monkeypatch.chdir(tmp_path)
     for path in sorted((ROOT / "sweeps").glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text())
-        assert (path.parent / raw["base"]).resolve().is_file(), path.name
+        spec = load_sweep(path, check_recipe=False)
+        assert spec.base == str(ROOT / "recipes" / Path(spec.base).name), path.name
+        assert "/val_" in spec.metric and check_against_recipe(spec) == [], path.name  # no test-metric warning
 
 
 @pytest.mark.parametrize(
