@@ -5,7 +5,8 @@
     python benchmarks/startup.py --root DIR   # another checkout (e.g. `git archive` of an older commit)
 
 ``import torch`` alone is measured next to them: it is the floor of every command that builds the parser
-(jsonargparse resolves the torch types in ``flrun fit``'s signature). ``import lightning`` is what a run
+(jsonargparse resolves the torch types in ``flrun fit``'s signature). ``flrun models``, ``flrun fit --help``
+once its text is stored, and the misspelled option below answer without building it. ``import lightning`` is what a run
 would add if it imported all of Lightning (its torchmetrics import pulls in torchvision, transformers and
 scipy); a run imports Fabric alone (``fl_lightning/fabric_loader.py``), and ``benchmarks/probes/import_share.py``
 breaks a run's imports down. Run it
@@ -33,7 +34,9 @@ def commands(scratch: Path) -> dict[str, list[str]]:
         "python -c 'import torch'": [sys.executable, "-c", "import torch"],
         "python -c 'import lightning'": [sys.executable, "-c", "import lightning"],
         "flrun --help": [*FLRUN, "--help"],
-        "flrun fit --help": [*FLRUN, "fit", "--help"],
+        "flrun models": [*FLRUN, "models"],
+        "flrun fit --help": [*FLRUN, "fit", "--help"],  # the help text stored by an earlier call
+        "flrun fit --help (empty help cache: renders and stores it)": [*FLRUN, "fit", "--help"],
         # --roundz, not --round: older versions took --round as an abbreviation of --rounds and trained
         "flrun fit --config recipes/quickstart.yaml --roundz 10 (misspelled)": [
             *FLRUN,
@@ -52,11 +55,16 @@ def commands(scratch: Path) -> dict[str, list[str]]:
     }
 
 
-def best_time(argv: list[str], repeat: int, scratch: Path, root: Path, expected_code: int) -> float:
-    """The fastest of ``repeat`` runs, each in a fresh run directory; a run that fails is an error."""
+def best_time(
+    argv: list[str], repeat: int, scratch: Path, root: Path, expected_code: int, fresh_cache: bool = False
+) -> float:
+    """The fastest of ``repeat`` runs, each in a fresh run directory (and, with ``fresh_cache``, an empty cache
+    directory: ``flrun fit --help`` then renders its text); a run that fails is an error."""
     times = []
     for i in range(repeat):
         env = dict(os.environ, WANDB_MODE="offline")
+        if fresh_cache:
+            env["XDG_CACHE_HOME"] = str(scratch / f"cache{i}")
         if "--output_dir" in argv:  # a fresh run each time, not a refused start in an existing run
             argv = [*argv[:-1], str(scratch / f"quickstart{i}")]
         start = time.perf_counter()
@@ -78,7 +86,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         results = {
-            name: round(best_time(argv, args.repeat, scratch, args.root, 2 if "misspelled" in name else 0), 2)
+            name: round(
+                best_time(
+                    argv, args.repeat, scratch, args.root, 2 if "misspelled" in name else 0, "empty help cache" in name
+                ),
+                2,
+            )
             for name, argv in commands(scratch).items()
         }
     if args.json:

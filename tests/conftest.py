@@ -12,6 +12,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("FLRUN_TRUSTED_MODULES", "conftest")
 
 ROOT = Path(__file__).resolve().parents[1]
+# the commands' default output folder: a user's runs (the README's quickstart fills it before the tests run)
+WORKING_RUNS = ROOT / "runs"
 
 TINY = {
     "rounds": 4,
@@ -36,6 +38,63 @@ TINY = {
     },
     "runtime": {"progress": False},
 }
+
+
+def runs_snapshot(root: Path = WORKING_RUNS) -> dict[str, tuple[int, int]] | None:
+    """Every path under ``root`` with its modification time and size; None when ``root`` does not exist."""
+    if not root.exists():
+        return None
+    entries = {".": (root.stat().st_mtime_ns, 0)}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            try:
+                stat = os.lstat(path)
+            except FileNotFoundError:  # removed while walked
+                continue
+            entries[os.path.relpath(path, root)] = (stat.st_mtime_ns, stat.st_size)
+    return entries
+
+
+def runs_changes(before, after) -> list[str]:
+    """What differs between two :func:`runs_snapshot`s, as short phrases."""
+    if before == after:
+        return []
+    if before is None or after is None:
+        return ["the folder was " + ("created" if before is None else "removed")]
+    added = sorted(set(after) - set(before))
+    removed = sorted(set(before) - set(after))
+    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k] and k != ".")
+    return [
+        f"{what} {paths[:3]}" for what, paths in (("added", added), ("removed", removed), ("changed", changed)) if paths
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _working_directory_runs_untouched(request):
+    """No test may write the working directory's runs/: the README's quickstart fills it before the tests run,
+    and a test that used it would fail there or overwrite a user's run. Runs go under tmp_path."""
+    before = runs_snapshot()
+    yield
+    changes = runs_changes(before, runs_snapshot())
+    if changes:
+        pytest.fail(
+            f"{request.node.nodeid} wrote the working directory's runs/ ({'; '.join(changes)}); give its runs an "
+            "output_dir under tmp_path.",
+            pytrace=False,
+        )
+
+
+def pytest_sessionstart(session):
+    session.config._runs_at_start = runs_snapshot()  # compared when the session ends
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Module- and session-scoped fixtures run outside the per-test check: the session as a whole is checked."""
+    changes = runs_changes(getattr(session.config, "_runs_at_start", None), runs_snapshot())
+    if changes and hasattr(session.config, "_runs_at_start"):
+        print(f"\nthe tests wrote the working directory's runs/ ({'; '.join(changes)}); use tmp_path.")
+        session.exitstatus = 1
 
 
 @pytest.fixture(autouse=True)

@@ -302,6 +302,43 @@ CASES = [
         command="sweep",
     ),
     Case("sweep file missing", ["--config", "{tmp}/nosweep.yaml"], ["nosweep.yaml", "sweeps/"], command="sweep"),
+    Case(
+        "sweep file key misspelled",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["'n_trial'", "did you mean 'n_trials'"],
+        files={"sweep.yaml": b"base: base.yaml\nmetric: global/test_acc\nn_trial: 3\nparameters: {}\n"},
+        command="sweep",
+    ),
+    Case(
+        "sweep base from the working directory",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["base: recipes/quickstart.yaml", "relative to the sweep file's folder"],
+        files={"sweep.yaml": b"base: recipes/quickstart.yaml\nmetric: global/test_acc\nparameters: {}\n"},
+        command="sweep",
+    ),
+    Case(
+        "sweep type loguniform",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["'loguniform'", "log: true"],
+        files={
+            "sweep.yaml": b"base: base.yaml\nmetric: global/test_acc\nparameters: {lr: {type: loguniform}}\n",
+            "base.yaml": yaml.safe_dump(TINY).encode(),
+        },
+        command="sweep",
+    ),
+    Case("recipe given to sweep", ["--config", "recipes/quickstart.yaml"], ["is a recipe", "flrun fit"], command="sweep"),
+    Case(
+        "sweep file given to fit",
+        ["--config", "sweeps/digits_quickstart.yaml"],
+        ["is a sweep file", "flrun sweep"],
+        no_recipe=True,
+    ),
+    Case("several seeds", ["--seed", "0", "1", "2"], ["one seed per run", "for seed in 0 1 2", "flrun table"]),
+    Case(
+        "OnDeviceKD without its roles",
+        ["--strategy", "fl_lightning.strategies.OnDeviceKD"],
+        ["OnDeviceKD needs the model roles 'aux'", "models: {aux:"],
+    ),
 ]
 
 

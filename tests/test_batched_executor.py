@@ -267,12 +267,14 @@ def test_asynchronous_rounds_train_one_arrival_at_a_time_and_the_summary_says_so
     )
 
 
-def test_batched_with_a_shared_optimizer_state_is_refused():
+def test_batched_with_a_shared_optimizer_state_is_refused(tmp_path):
+    """Refused before anything is written (in a folder of its own: runs/quickstart may hold the README's run)."""
     with pytest.raises(ConfigError, match="optimizer_state shared"):
         fit_from_argv(
             ["--config", str(ROOT / "recipes" / "quickstart.yaml"), "--runtime.executor", "batched"]
-            + ["--training.optimizer_state", "shared", "--rounds", "1"]
+            + ["--training.optimizer_state", "shared", "--rounds", "1", "--output_dir", str(tmp_path / "run")]
         )
+    assert not (tmp_path / "run").exists()
 
 
 def test_auto_says_why_it_trains_sequentially_on_a_gpu_with_a_shared_optimizer_state(tmp_path, monkeypatch):

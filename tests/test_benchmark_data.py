@@ -207,3 +207,22 @@ def test_stackoverflow_domain_shifted_pools_and_per_domain_test_sets(tmp_path):
     assert len(data.extra_tests["questions"][1]) == 1 and len(data.extra_tests["answers"][1]) == 2
     with pytest.raises(ConfigError, match="no posts of their pool's kind"):
         StackOverflowData(data_dir=str(tmp_path), vocab_size=3, question_clients=3).setup(num_clients=3, seed=0)
+
+
+def test_flrun_data_inspect_never_writes_into_a_run_folder(tmp_path, capsys):
+    """The chart goes beside the recipe's run folder by default; an --output inside a run's folder is refused
+    (a run's folder holds what its run wrote: a later run there would be refused, its own chart replaced)."""
+    from conftest import ROOT, run_cli
+
+    run = tmp_path / "runs" / "seed0"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text("{}")  # a run is there
+    argv = ["data", "inspect", "--config", str(ROOT / "recipes/quickstart.yaml"), "--output_dir", str(run)]
+    assert run_cli(*argv) == 0
+    assert f"client-by-class chart: {tmp_path / 'runs' / 'seed0.partition.png'}" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "seed0.partition.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in run.iterdir()) == ["summary.json"]
+    assert run_cli(*argv, "--output", str(run / "partition.png")) == 2
+    err = capsys.readouterr().err
+    assert f"--output {run / 'partition.png'} lies in the run folder {run}, which holds a run's files" in err
+    assert sorted(p.name for p in run.iterdir()) == ["summary.json"]

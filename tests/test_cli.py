@@ -179,6 +179,9 @@ def test_unknown_key_in_recipe(tmp_path):
 def test_models_lists_registered_builders():
     result = flrun("models", "--json")
     assert result.returncode == 0
+    # the catalog it prints is what building every builder counts (python -m fl_lightning.models.catalog)
+    counted = flrun("models", "--count", "--json")
+    assert counted.returncode == 0 and yaml.safe_load(counted.stdout) == yaml.safe_load(result.stdout)
     names = {row["name"]: row for row in yaml.safe_load(result.stdout)}
     assert names["resnet20"]["parameters"] == 272_762
     # builders whose modules (and torchvision / transformers) are imported only when models are listed or built

@@ -208,6 +208,48 @@ def test_fetch_downloads_verifies_unpacks_and_the_loader_reads_it(tmp_path, monk
     assert arrays.x.shape == (10, 3, 32, 32) and float(arrays.x[0, 0, 0, 0]) == pytest.approx(7 / 255)
     assert run_cli("data", "fetch", "Cifar10Data", "--data_dir", str(data_dir)) == 0  # class names work too
     assert "already in" in capsys.readouterr().out and asked == [url]  # present: not downloaded again
+    assert not [p.name for p in data_dir.rglob("*.lock")]  # the locks go with the fetch
+
+
+@pytest.mark.parametrize("name", ["cifar10", "femnist"])  # a download, and the Hub's listing
+def test_a_failed_fetch_leaves_no_lock_file_and_no_folder_it_made(tmp_path, monkeypatch, capsys, name):
+    from conftest import run_cli
+
+    offline(monkeypatch)
+    new = tmp_path / "new" / "data"
+    assert run_cli("data", "fetch", name, "--data_dir", str(new)) == 2
+    assert "check the connection" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither data/ nor new/ stays behind
+    existing = tmp_path / "data"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("a user's file")
+    assert run_cli("data", "fetch", name, "--data_dir", str(existing)) == 2
+    assert sorted(p.name for p in existing.iterdir()) == ["mine.txt"]  # no .lock file, the folder kept
+
+
+def test_a_process_that_waited_on_a_removed_lock_file_locks_the_current_one(tmp_path):
+    """The holder removes the lock file when done; one that opened the old file meanwhile must not hold a lock
+    nobody else sees (two fetches would then write one file)."""
+    import fcntl
+    import threading
+
+    path = tmp_path / "f.lock"
+    held, second = [], download.lock_file(path)
+    first = download.lock_file(path)
+    first.__enter__()
+    waiter = threading.Thread(target=lambda: held.append(second.__enter__()))
+    waiter.start()
+    waiter.join(timeout=0.3)
+    assert waiter.is_alive() and not held
+    first.__exit__(None, None, None)  # removes f.lock, then releases
+    waiter.join(timeout=10)
+    assert held and path.exists()  # the waiter holds the file that is there now
+    other = path.open("ab")
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    other.close()
+    second.__exit__(None, None, None)
+    assert not path.exists()
 
 
 def test_runs_fetching_one_data_set_together_download_and_unpack_it_once(tmp_path, monkeypatch):

@@ -26,6 +26,18 @@ def test_redirected_output_gets_one_plain_line_per_round_and_keeps_the_last_accu
     assert all("eta" in line and "train/loss" in line for line in lines)
 
 
+def test_a_round_without_evaluation_names_the_round_its_value_is_from(capsys):
+    """The monitored value of round 2 shown again on round 3 says it is round 2's: a repeated number looked stuck."""
+    shown = progress.RoundProgress(enabled=True, total=4, done=0, monitor="global/test_acc")
+    for rnd, metrics in [(1, {}), (2, {"global/test_acc": 0.5}), (3, {}), (4, {"global/test_acc": 0.75})]:
+        shown.update(rnd, {**metrics, "train/loss": 1.0})
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("round ")]
+    assert "global/test_acc" not in lines[0]
+    assert "global/test_acc 0.5000  train/loss" in lines[1]
+    assert "global/test_acc 0.5000 (round 2)  train/loss" in lines[2]
+    assert "global/test_acc 0.7500  train/loss" in lines[3]
+
+
 def test_long_run_warning_is_printed_once_during_the_first_round(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(progress, "LONG_RUN_S", 0.0)  # every run is "long"
     recipe = write_recipe(tmp_path / "r.yaml", rounds=3, runtime={"progress": False})

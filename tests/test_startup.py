@@ -171,3 +171,124 @@ def test_main_called_in_process_leaves_the_collector_alone(tmp_path):
     argv = ["fit", "--config", "recipes/quickstart.yaml", "--rounds", "1", "--runtime.progress", "false"]
     assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 0
     assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+# Runs main(argv) with stdout and stderr watched: what was imported when the command first wrote anything, and
+# how many model builders were called by then.
+FIRST_ANSWER = """
+import json, sys
+from fl_lightning.cli.commands import main
+
+class Watch:
+    def __init__(self, out):
+        self.out = out
+    def write(self, text):
+        if text.strip() and not seen:
+            seen.update(torch='torch' in sys.modules, modules=len(sys.modules), text=text)
+        return self.out.write(text)
+    def flush(self):
+        self.out.flush()
+
+seen = {}
+out, err = sys.stdout, sys.stderr
+sys.stdout, sys.stderr = Watch(out), Watch(err)
+status = main(sys.argv[1:])
+sys.stdout, sys.stderr = out, err
+print(json.dumps({"status": status, **seen}))
+"""
+
+
+def first_answer(*argv, env=None):
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_ANSWER, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300,
+        check=False, env=env,
+    )  # fmt: skip
+    assert result.stdout.strip(), result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1]), result
+
+
+def test_flrun_models_answers_from_the_catalog_without_torch():
+    seen, result = first_answer("models")
+    assert seen["status"] == 0 and not seen["torch"]
+    assert "digits_cnn" in result.stdout and "38,282" in result.stdout  # digits_cnn's parameters, as built
+
+
+def test_flrun_fit_help_is_rendered_once_then_printed_without_torch(tmp_path):
+    import os
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), COLUMNS="100")
+    first, rendered = first_answer("fit", "--help", env=env)
+    second, stored = first_answer("fit", "--help", env=env)
+    assert first["torch"] and not second["torch"]
+    text = stored.stdout.rsplit("\n", 2)[0] + "\n"  # without the driver's JSON line
+    assert rendered.stdout.rsplit("\n", 2)[0] + "\n" == text
+    # what the parser prints in a fresh process (the known subclasses it lists are the classes imported there)
+    parser = "from fl_lightning.run.arguments import fit_parser; print(fit_parser().format_help(), end='')"
+    live = subprocess.run(
+        [sys.executable, "-c", parser], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=True
+    )
+    assert text == live.stdout
+    assert len(list((tmp_path / "cache" / "fl-lightning").glob("fit-help-*.txt"))) == 1
+
+
+def test_the_help_cache_key_changes_with_the_code(tmp_path):
+    from fl_lightning.cli.help_cache import source_digest
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    before = source_digest(tmp_path)
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != before
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--roundz", "10"], "unknown option --roundz (did you mean --rounds?)"),
+        (["--training.batch_sz", "3"], "unknown option --training.batch_sz (did you mean --training.batch_size?)"),
+        (
+            ["--seed", "0", "1", "2"],
+            (
+                "--seed takes one seed per run, got 0 1 2; run the seeds one after another, e.g. `for seed in 0 1 2; "
+                "do flrun fit --config recipes/quickstart.yaml --seed $seed; done`, or a paper table's recipes at "
+                "several seeds with `flrun table PAPER/TABLE --seeds 0 1 2`."
+            ),
+        ),
+        (["--config", "sweeps/digits_quickstart.yaml"], "is a sweep file, not a recipe"),
+        (["--config", "nothing.yaml"], "config file 'nothing.yaml' does not exist"),
+    ],
+)
+def test_recipe_mistakes_are_answered_before_torch_is_imported(argv, message):
+    seen, _ = first_answer("fit", "--config", "recipes/quickstart.yaml", *argv)
+    assert seen["status"] == 2 and message in seen["text"] and not seen["torch"]
+
+
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        ("roundz: 3", "unknown key 'roundz' in the recipe (did you mean 'rounds'?)"),
+        (
+            "training: {batch_sise: 8}",
+            "unknown key 'training.batch_sise' in the recipe (did you mean 'training.batch_size'?)",
+        ),
+    ],
+)
+def test_a_misspelled_recipe_key_is_answered_before_torch_is_imported(tmp_path, mistake, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {ROOT / 'recipes/quickstart.yaml'}\n{mistake}\n")
+    seen, _ = first_answer("fit", "--config", str(recipe))
+    assert seen["status"] == 2 and not seen["torch"] and message in seen["text"]
+
+
+def test_the_early_checks_know_every_option_the_parser_has():
+    """The names read from the source (precheck) are exactly the parser's: none refused that it takes."""
+    from fl_lightning.run.arguments import fit_parser
+    from fl_lightning.run.precheck import GROUPS, _check_option, fit_options, group_fields
+
+    options = [o[2:] for action in fit_parser()._actions for o in action.option_strings if o.startswith("--")]
+    for option in options:
+        _check_option(option)  # raises on a name the parser takes
+    top = {o.split(".")[0].rstrip("+") for o in options} - {"config", "print_config", "help"}
+    assert top == set(fit_options())
+    for group in GROUPS:
+        parsed = {o.split(".")[1].rstrip("+") for o in options if o.startswith(group + ".") and not o.endswith(".help")}
+        assert parsed == set(group_fields(group)), group

@@ -84,3 +84,26 @@ def test_an_evaluation_split_the_clients_lack_is_refused_before_training(tmp_pat
     assert run_cli("fit", *argv) == 2
     assert expected in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # before the first round, not at the first evaluation after it
+
+
+def test_ondevice_kd_on_a_one_role_recipe_says_how_to_add_the_auxiliary_role_and_that_runs(tmp_path, capsys):
+    import re
+
+    argv = [
+        "fit",
+        "--config",
+        str(ROOT / "recipes/quickstart.yaml"),
+        "--strategy",
+        "fl_lightning.strategies.OnDeviceKD",
+    ]
+    argv += ["--rounds", "1", "--runtime.progress", "false"]
+    assert run_cli(*argv, "--output_dir", str(tmp_path / "refused")) == 2
+    err = capsys.readouterr().err
+    assert "OnDeviceKD needs the model roles 'aux' (the auxiliary model every client trains) and 'target'" in err
+    assert "the tiers train ['global']; add 'aux' and 'target' to the recipe, e.g. `models: " in err
+    models, population = re.findall(r"`(\w+): (\{.*?\})`", err)
+    assert models[0] == "models" and population[0] == "population"
+    # the snippet, as given, makes the recipe run
+    assert (
+        run_cli(*argv, "--models", models[1], "--population", population[1], "--output_dir", str(tmp_path / "ok")) == 0
+    )

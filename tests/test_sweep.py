@@ -96,7 +96,9 @@ def test_best_recipe_is_the_base_recipe_with_the_best_parameters(tmp_path, monke
     expected["name"] = "s_best"
     text = (root / "best_recipe.yaml").read_text()
     assert yaml.safe_load(text) == expected
-    assert f"flrun fit --config {root / 'best_recipe.yaml'} --eval_every 2 --rounds 4\n" in text
+    assert (
+        f"flrun fit --config {root / 'best_recipe.yaml'} --monitor global/test_acc --eval_every 2 --rounds 4\n" in text
+    )
     # run as its header says, it reproduces the best trial exactly
     assert run_cli("fit", "--config", str(root / "best_recipe.yaml"), "--rounds", "4", "--eval_every", "2") == 0
     assert read_summary(tmp_path / "runs/s_best/seed0")["best"]["global/test_acc"] == result["best_value"]
@@ -107,7 +109,7 @@ def test_best_recipe_is_the_base_recipe_with_the_best_parameters(tmp_path, monke
     [
         (
             {"parameters": {"training.learning_rate": {"type": "float", "low": 0.1, "high": 0.2}}},
-            "does not fit the base recipe",
+            "is not an option of the base recipe",
         ),
         ({"parameters": {"training.batch_size": {"type": "int", "low": 32, "high": 32}}}, "give low < high"),
         (
@@ -239,19 +241,21 @@ def test_workers_are_spread_over_the_gpus_and_a_replacement_takes_the_dead_worke
 
     from fl_lightning.sweep import workers as sweep_workers
 
-    started = []
+    started, commands = [], []
 
     def popen(command, env, **kwargs):
         started.append(env.get("CUDA_VISIBLE_DEVICES"))
+        commands.append(command)
         return SimpleNamespace(pid=10_000 + len(started), poll=lambda: None)
 
     monkeypatch.setattr(sweep_workers.subprocess, "Popen", popen)
-    spec = SimpleNamespace(output_dir=str(tmp_path), study_name="s", storage=None)
+    spec = SimpleNamespace(output_dir=str(tmp_path), study_name="s", storage=None, fit_args=["--rounds", "2"])
     coordinator = sweep_workers.Coordinator(spec, None, 5, "s.yaml", 0, None, None, gpus=["4", "7"])
     try:
         for _ in range(5):
             coordinator.spawn()
         assert started == ["4", "7", "4", "7", "4"]
+        assert all(command[-3:] == ["--", "--rounds", "2"] for command in commands)  # the trials' fit arguments
         dead = next(w for w in coordinator.workers if w.gpu == "7")
         coordinator.workers.remove(dead)  # as reap() does when a worker dies
         coordinator.selector.unregister(dead.inbox)

@@ -230,3 +230,39 @@ def test_a_complete_run_is_done_only_for_the_same_arguments_and_a_locked_one_is_
     assert "mlp_b seed 0: failed" in full.stdout and "the recipe changed eval_every (1 -> 2)" in full.stdout
     assert read_summary(runs / "paper-9" / "mlp_b" / "seed0")["rounds"] == 1
     assert full.stdout.splitlines()[-1].startswith("paper-9/table-1: 3 cells, 0 runs")
+
+
+def test_a_dry_run_counts_the_runs_estimates_their_time_and_names_missing_data(recipes, tmp_path, capsys):
+    from fl_lightning.tracking.progress import duration
+
+    nodata = tmp_path / "nodata"
+    cifar = {"class_path": "fl_lightning.data.Cifar10Data", "init_args": {"data_dir": str(nodata)}}
+    write_recipe(recipes / "cifar.yaml", rounds=2, data=cifar, reference=reference("C"))
+    runs = tmp_path / "runs"
+    argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(runs), "--dry_run"]
+    assert run_cli(*argv, "--seeds", "0", "1") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len([line for line in out if "seed" in line.split("  ")[-1] or "(data missing)" in line]) == 6
+    assert [line for line in out if "(data missing)" in line] == [
+        f"    new  cifar seed {s}  {runs / 'paper-9' / 'cifar' / f'seed{s}'}  (data missing)" for s in (0, 1)
+    ]
+    assert "6 runs: 0 done, 6 to run (6 new)" in out
+    assert "time: no estimate, since none of their recipes has a finished run here yet" in out[-2]
+    assert out[-1] == (
+        f"data missing for 2 of the runs to do (cifar): CIFAR-10, not found in {nodata}; fetch it with "
+        f"`flrun data fetch cifar10 --data_dir {nodata}`."
+    )
+    assert not runs.exists()  # a dry run starts nothing
+    # one run of mlp_a finished: its time estimates mlp_a's other seed, and nothing else's
+    seed0 = plan("paper-9/table-1", [0], runs, recipes)
+    mlp_a = next(run for run in seed0 if run.recipe.stem == "mlp_a")
+    assert run_cli("fit", *mlp_a.fit_argv([])) == 0
+    capsys.readouterr()
+    assert run_cli(*argv, "--seeds", "0", "1", "--n_jobs", "2") == 0
+    out = capsys.readouterr().out.splitlines()
+    wall = read_summary(mlp_a.output_dir)["wall_time_s"]
+    assert "6 runs: 1 done, 5 to run (5 new)" in out
+    assert out[-2] == (
+        f"time: about {duration(wall)} for the 1 run whose recipe has a finished run here, about "
+        f"{duration(wall / 2)} with --n_jobs 2; no estimate for the other 4 (none of their recipe has finished yet)."
+    )

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..run.arguments import UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
+from .models import run_models
 
 _UserError, _recipe_name = UserError, recipe_name  # the names other modules and tests knew
 __all__ = ["fit_from_argv", "fit_parser", "main", "parse_fit"]
@@ -22,10 +23,10 @@ USAGE = """usage: flrun COMMAND [options]
 
 commands:
   fit      run a federated experiment from a recipe: flrun fit --config recipes/quickstart.yaml
-  models   list the registered model builders with their parameter counts (--json)
+  models   list the registered model builders with their parameter counts (--json; --count builds them)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
            flrun data fetch DATASET [--data_dir data]: download and verify a data set (on a machine online)
-  sweep    flrun sweep --config sweeps/NAME.yaml: an Optuna study over a recipe
+  sweep    flrun sweep --config sweeps/NAME.yaml [-- FIT_ARGS]: an Optuna study over a recipe
   report   flrun report RUN_DIRS... --output report.html: measured vs the papers' numbers
            (--wandb ENTITY/PROJECT also saves a W&B Report)
            flrun report RUN_DIRS --table paper-001/table-5: one paper table, paper vs measured per cell
@@ -66,11 +67,13 @@ def _end_start_up(freeze: bool = True) -> None:
 
 
 def run_fit(argv: list[str]) -> int:
+    if argv in (["--help"], ["-h"]):
+        return _fit_help()
+    _, init, resolved = parse_fit(argv)  # first: a mistake is answered before the imports a run needs
     from ..distributed.launch import launch
     from ..distributed.ranks import check_shardable, from_env, needs_launch
     from ..run.fit import fit, summary_metrics
 
-    _, init, resolved = parse_fit(argv)
     runtime = init.runtime
     if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
         check_shardable(runtime.devices, init.schedule, init.training.optimizer_state)
@@ -93,33 +96,16 @@ def run_fit(argv: list[str]) -> int:
     return 0
 
 
-def run_models(argv: list[str]) -> int:
-    """Lists every registered builder in its paper configuration (its defaults)."""
-    import inspect
-    import json
+def _fit_help() -> int:
+    """``flrun fit --help``: the stored text when the code and the packages it is rendered from are unchanged
+    (no torch import), else rendered by the parser and stored (:mod:`fl_lightning.cli.help_cache`)."""
+    from .help_cache import cached_help, store_help
 
-    from ..models import registered_models
-
-    rows = []
-    for name, builder in registered_models().items():
-        # pretrained models are counted without loading their weights
-        random_init = {"random_init": True} if "random_init" in inspect.signature(builder).parameters else {}
-        model = builder(**random_init)
-        params = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        doc = (builder.__doc__ or "").strip().splitlines()[0]
-        rows.append(
-            {"name": name, "parameters": params, "trainable": trainable, "size_mb": params * 4 / 2**20, "doc": doc}
-        )
-    if "--json" in argv:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(f"{'name':<26} {'parameters':>12} {'trainable':>12} {'MiB':>9}  description")
-        for row in rows:
-            print(
-                f"{row['name']:<26} {row['parameters']:>12,} {row['trainable']:>12,} {row['size_mb']:9.2f}  "
-                f"{row['doc']}"
-            )
+    text = cached_help()
+    if text is None:
+        text = fit_parser().format_help()
+        store_help(text)
+    print(text, end="")
     return 0
 
 
@@ -170,21 +156,41 @@ def run_data(argv: list[str]) -> int:
     rows = client_table(data)
     print_summary(data, rows)
     name = cfg.get("name") or _recipe_name(argv)
-    path = Path(output) if output else Path(cfg.output_dir or Path("runs") / name / f"seed{cfg.seed}") / "partition.png"
-    print(f"client-by-class chart: {bubble_chart(data, path)}")
+    print(f"client-by-class chart: {bubble_chart(data, _chart_path(output, cfg.output_dir, name, cfg.seed))}")
     return 0
 
 
+# what makes a folder a run's (flrun fit writes them): inspect's chart never goes into one
+RUN_FILES = ("config.yaml", "summary.json", "metrics.csv", "partition.json", "checkpoints")
+
+
+def _chart_path(output: str | None, output_dir: str | None, name: str, seed: int) -> Path:
+    """``--output``, or beside the recipe's run folder (``runs/<name>/seed<k>.partition.png``): a run's folder holds
+    only what its run wrote, so a later run there is not refused and a run's own files are not replaced."""
+    run = Path(output_dir or Path("runs") / name / f"seed{seed}")
+    path = Path(output) if output else run.with_name(f"{run.name}.partition.png")
+    if any((path.parent / file).exists() for file in RUN_FILES):
+        raise _UserError(
+            f"--output {path} lies in the run folder {path.parent}, which holds a run's files; give a path outside "
+            f"it, e.g. --output {path.parent.with_name(path.parent.name + '.partition.png')}."
+        )
+    return path
+
+
 def run_sweep_command(argv: list[str]) -> int:
-    """``flrun sweep --config SWEEP.yaml [--n_trials N] [--timeout S] [--n_jobs K] [--storage URL]``."""
+    """``flrun sweep --config SWEEP.yaml [--n_trials N] [--timeout S] [--n_jobs K] [--storage URL] [-- FIT_ARGS]``."""
     import argparse
     import json
 
-    from ..sweep.run import run_sweep
-    from ..sweep.spec import load_sweep
+    from ..sweep.spec import check_against_recipe, read_sweep
 
+    fit_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
-        prog="flrun sweep", description="Optuna study over a base recipe.", allow_abbrev=False
+        prog="flrun sweep",
+        description="Optuna study over a base recipe. Arguments after -- go to every trial's flrun fit "
+        "(e.g. -- --rounds 4); like the sweep file's overrides, they are part of what defines the study.",
+        allow_abbrev=False,
     )
     parser.add_argument("--config", required=True, help="sweep file (sweeps/*.yaml)")
     parser.add_argument("--n_trials", type=int, help="trials in the study in total (re-running resumes up to it)")
@@ -200,26 +206,31 @@ def run_sweep_command(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     storage = args.storage or (os.environ.get("FLRUN_SWEEP_STORAGE") if args.worker else None) or None
-    spec = load_sweep(
-        args.config,
-        check_recipe=not args.worker,
-        n_trials=args.n_trials,
-        timeout=args.timeout,
-        storage=storage,
-        study_name=args.study_name,
-        output_dir=args.output_dir,
-    )
+    cli = {"n_trials": args.n_trials, "timeout": args.timeout, "storage": storage}
+    cli.update(study_name=args.study_name, output_dir=args.output_dir)
+    spec = read_sweep(args.config, fit_args, **cli)
     if args.worker:
         from ..sweep.workers import run_worker
 
         return run_worker(spec, json.loads(args.worker))
+    if not args.json:  # said before the recipe is parsed (torch, Optuna): the first seconds are not silent
+        trials = f" -- {' '.join(fit_args)}" if fit_args else ""
+        print(
+            f"sweep {spec.study_name}: {spec.n_trials} trial{'s' * (spec.n_trials != 1)} of {spec.base}{trials}, "
+            f"{spec.direction} {spec.metric} "
+            f"({spec.use}); checking the recipe and the search space",
+            flush=True,
+        )
+    warnings = check_against_recipe(spec)
+    from ..sweep.run import run_sweep
+
     try:
         if args.json:
             with open(os.devnull, "w") as quiet:
-                result, status = run_sweep(spec, n_jobs=args.n_jobs, sweep_file=args.config, out=quiet)
+                result, status = run_sweep(spec, args.n_jobs, args.config, out=quiet, warnings=warnings)
             print(json.dumps(result, indent=2, default=str))
         else:
-            result, status = run_sweep(spec, n_jobs=args.n_jobs, sweep_file=args.config)
+            result, status = run_sweep(spec, args.n_jobs, args.config, warnings=warnings)
     except KeyboardInterrupt:
         print("flrun sweep: interrupted; re-run the same command to finish the study.", file=sys.stderr)
         return 130
@@ -313,7 +324,11 @@ def run_table(argv: list[str]) -> int:
     parser.add_argument("--n_jobs", type=int, default=1, help="runs at once, each its own process on one GPU")
     parser.add_argument("--recipes", help="recipe folder whose reference blocks define the table (default: recipes/)")
     parser.add_argument("--output", help="the table file, .html or .md (default RUNS/<paper>/<table>.html)")
-    parser.add_argument("--dry_run", action="store_true", help="list the runs and whether each is done, then stop")
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="list the runs, whether each is done and whether its data is there, their total and a time estimate",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -328,8 +343,9 @@ def run_table(argv: list[str]) -> int:
         report_output(args.output)  # .html or .md, refused before any run starts
     runs = plan(args.table, args.seeds, Path(args.runs), recipes)
     if args.dry_run:
-        for run in runs:
-            print(f"{run.state(fit_args):>7}  {run.name}  {run.output_dir}")
+        from ..sweep.table_preview import preview
+
+        preview(runs, fit_args, args.n_jobs, sys.stdout)
         return 0
     try:
         done, failed = run_all(runs, fit_args, args.n_jobs, sys.stdout)

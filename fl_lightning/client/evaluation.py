@@ -90,20 +90,46 @@ class Evaluator:
         self.per_client: dict[int, float] = {}  # personal accuracy of each client at the last evaluation
         self._stacked: dict[str, StackedEvaluation | None] = {}  # per role; None: evaluated one at a time
         self._most_stacked: dict[str, int] = {}  # per role, the most clients stacked since more ran out of memory
+        self.validation: dict[str, dict[str, float]] = {}  # per role, this evaluation's scores on the val splits
+        self._pooled_val: tuple[Tensor, Tensor] | None = None
 
     def begin(self, rnd: int, final: bool) -> None:
         """The evaluation of round ``rnd`` starts (``final``: the run's last round, which covers every client)."""
         self.round, self.final = rnd, final
+        self.validation = {}
+
+    @property
+    def validating(self) -> bool:
+        """Whether the clients hold local val splits (a val share in ``data.local_split``): global models are then
+        also scored on them, pooled, so that tuning can choose on data the test set does not hold."""
+        split = getattr(self.data, "local_split", (1.0, 0.0, 0.0))
+        return split[1] > 0
+
+    def validation_metrics(self) -> dict[str, float]:
+        """``<role>/val_acc`` and ``<role>/val_loss`` of the global models this evaluation scored."""
+        return {
+            f"{role}/val_{name}": scores[name] for role, scores in self.validation.items() for name in ("acc", "loss")
+        }
+
+    def _val_set(self) -> tuple[Tensor, Tensor]:
+        """Every client's local val split, pooled (the partition is fixed for the run: gathered once)."""
+        if self._pooled_val is None:
+            idx = torch.cat([client.val for client in self.data.clients])
+            self._pooled_val = (self.data.x[idx], self.data.y[idx])
+        return self._pooled_val
 
     def global_model(self, role: str, weights: StateDict | None) -> dict[str, float]:
         """Accuracy, mean cross-entropy and ``top_class_share`` of ``weights`` on the global test set (and
         ``acc_<name>`` on each of the data set's extra test sets).
 
-        ``top_class_share`` is the share of test examples given the most predicted class; a model that
+        With local val splits (:attr:`validating`) it also scores ``weights`` on them, for
+        :meth:`validation_metrics`. ``top_class_share`` is the share of test examples given the most predicted class; a model that
         gives one class to at least 95% of them (where the labels are not that skewed) has collapsed, a
         warning says so (docs/algorithms.md, "What the digits recipes reach").
         """
         result = self._on_test_sets(role, weights)
+        if self.validating:  # the weights are loaded: the pooled val splits with them
+            self.validation[role] = self._run(role, None, *self._val_set(), shared=True)
         labels = self.data.test_y[self.data.test_y != PAD]
         if result["top_class_share"] >= COLLAPSED > _top_share(torch.bincount(labels.flatten())):
             log.warning(

@@ -7,10 +7,12 @@ set's own message, see :mod:`fl_lightning.data.sources`) instead of a page of re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import json
+import os
 import sys
 import tarfile
 import urllib.error
@@ -89,11 +91,31 @@ def download(
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # runs started together (flrun table / sweep --n_jobs) fetch a file once: the others wait, then find it
-    with path.with_name(path.name + ".lock").open("ab") as lock:
-        flock_if_supported(lock)
+    with lock_file(path.with_name(path.name + ".lock")):
         if path.is_file() and file_digest(path, algorithm) == expected:
             return path
         return _fetch(url, path, algorithm, expected)
+
+
+@contextlib.contextmanager
+def lock_file(path: Path):
+    """Holds an exclusive lock on ``path`` and removes the file when done (succeeded or failed), so that no
+    ``.lock`` file stays behind. A process that waited on a file its holder removed locks a file nobody else
+    sees: it notices (the path no longer names what it holds) and locks the current one instead."""
+    while True:
+        lock = path.open("ab")
+        flock_if_supported(lock)
+        try:
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        yield lock
+    finally:
+        path.unlink(missing_ok=True)  # while still held: the next process then opens a new file
+        lock.close()
 
 
 def flock_if_supported(lock) -> None:

@@ -5,6 +5,7 @@ loaders' ``download: true`` and pretrained builders' ``fetch_weights`` all go th
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import pickle
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from ..federation.errors import ConfigError
 from .catalog import HubFiles, Source, source
-from .download import NetworkError, download, flock_if_supported, hub_download, hub_files, hub_resolve, safe_extract
+from .download import NetworkError, download, hub_download, hub_files, hub_resolve, lock_file, safe_extract
 
 
 def present(src: Source, data_dir: Path) -> bool:
@@ -138,18 +139,44 @@ def fetch(name: str, data_dir: Path | str = "data", revision: str | None = None,
     """
     src, data_dir = source(name), Path(data_dir)
     if force or not present(src, data_dir):
+        new = _new_folders(_folders_written(src, data_dir))
         data_dir.mkdir(parents=True, exist_ok=True)
-        # runs started together (flrun table / sweep --n_jobs) fetch a data set once: the others wait for it
-        with (data_dir / f".{src.name}.fetch.lock").open("ab") as lock:
-            flock_if_supported(lock)
-            if force or not present(src, data_dir):
-                _fetch_files(src, data_dir, revision)
+        try:
+            # runs started together (flrun table / sweep --n_jobs) fetch a data set once: the others wait for it
+            with lock_file(data_dir / f".{src.name}.fetch.lock"):
+                if force or not present(src, data_dir):
+                    _fetch_files(src, data_dir, revision)
+        except BaseException:  # a failed fetch leaves no folder of its own making that holds nothing
+            for folder in new:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
     if not present(src, data_dir):
         raise ConfigError(
             f"{src.title}: the download finished but {data_dir / src.layout} is still incomplete; delete the "
             f"partial files and run {fetch_command(name, data_dir)} again."
         )
     return sorted(p for pattern in src.expected for p in data_dir.glob(pattern))
+
+
+def _folders_written(src: Source, data_dir: Path) -> list[Path]:
+    """The folders a fetch of ``src`` writes into (``data_dir``, downloads' and archives' folders, the Hub's)."""
+    folders = [data_dir] + [(data_dir / remote.name).parent for remote in src.remotes]
+    folders += [data_dir / remote.extract_to for remote in src.remotes if remote.extract_to is not None]
+    if src.hub is not None:
+        folders += [data_dir / ".fetch" / src.hub.folder, data_dir / src.hub.folder]
+    return folders
+
+
+def _new_folders(folders: list[Path]) -> list[Path]:
+    """Of ``folders`` and their parents, those that do not exist yet, deepest first."""
+    new: set[Path] = set()
+    for folder in folders:
+        for path in [folder, *folder.parents]:
+            if path.exists():
+                break
+            new.add(path)
+    return sorted(new, key=lambda path: len(path.parts), reverse=True)
 
 
 def _fetch_files(src: Source, data_dir: Path, revision: str | None) -> None:

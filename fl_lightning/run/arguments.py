@@ -49,12 +49,13 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
 
     ``prog`` is the command shown by ``--help`` (``flrun data inspect`` takes the same options).
     """
+    from .precheck import precheck
+
+    precheck(argv)  # the common mistakes, answered before the parser's imports (torch)
     from jsonargparse import ArgumentError
 
-    from .messages import check_config_file, readable, root_cause
+    from .messages import readable, root_cause
 
-    for path in config_paths(argv):
-        check_config_file(path)
     parser = fit_parser(prog)
     if not _optimizer_given(argv):  # first, so that --training.optimizer.init_args.lr 0.01 can change it
         argv = ["--training.optimizer", DEFAULT_OPTIMIZER, *argv]

@@ -59,6 +59,8 @@ def check_config_file(path: str) -> None:
             f"config file {path} must be a YAML mapping of `flrun fit` options (`key: value` lines), "
             f"not a {type(recipe).__name__}; see {EXAMPLE_RECIPE}."
         )
+    if "parameters" in recipe or "metric" in recipe:  # keys of a sweep file, never of a recipe
+        raise ConfigError(f"{path} is a sweep file, not a recipe; run it with `flrun sweep --config {path}`.")
 
 
 def _yaml_problem(err: Exception) -> str:

@@ -164,7 +164,7 @@ class FederationOrchestrator:
                 metrics = None
                 if rnd % self.eval_every == 0 or rnd == self.rounds:
                     self.evaluator.begin(rnd, final=rnd == self.rounds)
-                    metrics = self.strategy.evaluate(self.evaluator)
+                    metrics = {**self.strategy.evaluate(self.evaluator), **self.evaluator.validation_metrics()}
                 self._check_finite(rnd, {**row, **(metrics or {})})
                 state.rounds_done = rnd
                 state.elapsed = time.perf_counter() - started

@@ -50,13 +50,21 @@ def _better(value: float, best: float, monitor: str) -> bool:
     return value < best if lower_is_better(monitor) else value > best
 
 
-def check_monitor(monitor: str, metrics: dict[str, float]) -> None:
-    """Refuses a monitor the evaluations do not produce, naming those they do."""
-    if monitor not in metrics:
-        raise ConfigError(
-            f"monitor metric {monitor!r} is not among the evaluation metrics {sorted(metrics)}; continue "
+class MissingMonitor(ConfigError):
+    """An evaluation (of round ``round``, when known) without the monitored metric."""
+
+    def __init__(self, monitor: str, metrics: dict[str, float], rnd: int | None = None):
+        self.monitor, self.metrics, self.round = monitor, sorted(metrics), rnd
+        super().__init__(
+            f"monitor metric {monitor!r} is not among the evaluation metrics {self.metrics}; continue "
             "with --resume auto and --monitor set to one of them (a resume may change the monitor)."
         )
+
+
+def check_monitor(monitor: str, metrics: dict[str, float], rnd: int | None = None) -> None:
+    """Refuses a monitor the evaluations do not produce, naming those they do."""
+    if monitor not in metrics:
+        raise MissingMonitor(monitor, metrics, rnd)
 
 
 class RunState:
@@ -95,7 +103,7 @@ class RunState:
     ) -> None:
         """Keeps the evaluation (``per_client``: each client's personal accuracy, for summary.json; kept in
         checkpoints so that a resumed run's summary has them without evaluating again)."""
-        check_monitor(monitor, metrics)
+        check_monitor(monitor, metrics, rnd)
         value = metrics[monitor]  # NaN (no client evaluated) never becomes the best
         if not math.isnan(value) and (self.best is None or _better(value, self.best["metrics"][monitor], monitor)):
             self.best = {"round": rnd, "metrics": dict(metrics), "monitor": monitor}

@@ -82,14 +82,31 @@ class OnDeviceKD(Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        for role in (self.aux_role, self.target_role):
-            if role not in server.roles:
-                raise ConfigError(f"OnDeviceKD needs model role {role!r}; the tiers train {server.roles}.")
+        missing = [role for role in (self.aux_role, self.target_role) if role not in server.roles]
+        if missing:
+            raise ConfigError(
+                f"OnDeviceKD needs the model roles {self.aux_role!r} (the auxiliary model every client trains) and "
+                f"{self.target_role!r} (the strong clients' target), but the tiers train {server.roles}; add "
+                f"{' and '.join(map(repr, missing))} to the recipe, e.g. {self._recipe_snippet()}, or name roles the "
+                "tiers train with strategy.init_args.aux_role / target_role."
+            )
         self.strong = [c for c in server.clients if self.target_role in c.roles]
         if not self.strong:
-            raise ConfigError(f"no tier trains {self.target_role!r}; give the strong tier roles [aux, target].")
+            raise ConfigError(
+                f"no tier trains {self.target_role!r}: OnDeviceKD's strong clients train it with {self.aux_role!r}; "
+                f"give a tier both roles, e.g. {self._recipe_snippet()}."
+            )
         self.global_weights = {r: server.initial_weights(r) for r in (self.aux_role, self.target_role)}
         self.sent_keys = {r: exchanged_keys(server.model(r)) for r in (self.aux_role, self.target_role)}
+
+    def _recipe_snippet(self) -> str:
+        """The two roles and two tiers as a recipe writes them (recipes/digits_ondevice_kd.yaml)."""
+        aux, target = self.aux_role, self.target_role
+        return (
+            f"`models: {{{aux}: {{builder: digits_cnn, args: {{width: 0.25}}}}, {target}: {{builder: digits_cnn}}}}` "
+            f"with `population: {{tiers: [{{name: strong, roles: [{aux}, {target}], count: 4}}, "
+            f"{{name: weak, roles: [{aux}]}}]}}` (as in recipes/digits_ondevice_kd.yaml)"
+        )
 
     def outgoing(self, role: str, state: StateDict, copy: bool = False) -> ModelWeights:
         """The part of ``state`` that is sent (not its frozen part); ``copy`` for a module's live tensors."""

@@ -15,8 +15,12 @@ from typing import Any
 import yaml
 
 from ..federation.errors import ConfigError
-from .spec import SweepSpec, as_args
+from .metric import test_counterpart
+from .spec import SweepSpec, shared_args
 from .storage import shown_storage, tally
+
+# fANOVA's importances from fewer completed trials than this are mostly noise: shown with a note saying so
+RELIABLE_IMPORTANCES = 10
 
 
 def short_names(names) -> dict[str, str]:
@@ -136,10 +140,17 @@ class Progress:
         self.print(trials_table(self.study, self.spec))
         self.print("")
         if "best_trial" in result:
+            test = result.get("best_test")
+            tested = f" (its {test['metric']} {test['value']:.4f})" if test else ""
             self.print(
-                f"best: trial {result['best_trial']}, {self.spec.metric} ({self.spec.use}) {result['best_value']:.4f}; "
-                f"best recipe: {result['best_recipe']}"
+                f"best: trial {result['best_trial']}, {self.spec.metric} ({self.spec.use}) {result['best_value']:.4f}"
+                f"{tested}; best recipe: {result['best_recipe']}"
             )
+        if result["importances"]:
+            shown = ", ".join(f"{self.names.get(k, k)} {value:.2f}" for k, value in result["importances"].items())
+            self.print(f"parameter importances (fANOVA): {shown}")
+        if result.get("importances_note"):
+            self.print(f"  {result['importances_note']}")
         wrong = f", {result['wrong_metric']} without the metric (not counted)" if result["wrong_metric"] else ""
         self.print(
             f"{result['trials']} of {self.spec.n_trials} trials: {result['complete']} complete, {result['pruned']} "
@@ -249,9 +260,15 @@ def write_results(study, spec: SweepSpec, root: Path) -> dict[str, Any]:
         "running": counts["RUNNING"],
         "parameters": spec.parameters,
         "overrides": spec.overrides,
+        "fit_args": spec.fit_args,
         "base": str(spec.base),
         "importances": importances(study),
     }
+    if result["importances"] and counts["COMPLETE"] < RELIABLE_IMPORTANCES:
+        result["importances_note"] = (
+            f"from {counts['COMPLETE']} completed trials: unreliable below about {RELIABLE_IMPORTANCES}; run more "
+            "trials (--n_trials) before reading them."
+        )
     foreign = outside_space(trials, spec)
     if foreign:
         result["outside_space"] = foreign
@@ -262,6 +279,8 @@ def write_results(study, spec: SweepSpec, root: Path) -> dict[str, Any]:
         result.update(
             {"best_trial": best.number, "best_value": best.value, "best_params": best.params, "best_recipe": str(path)}
         )
+        if "test_value" in best.user_attrs:  # the tuned recipe's test score: the test set chose nothing
+            result["best_test"] = {"metric": test_counterpart(spec.metric), "value": best.user_attrs["test_value"]}
     (root / "sweep.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
 
@@ -284,7 +303,8 @@ def _set_dotted(recipe: dict, key: str, value: Any) -> None:
 
 def best_recipe(spec: SweepSpec, best, path: Path) -> str:
     """The base recipe (merged with its ``base:`` files) with the best trial's parameters and a name of its
-    own; the sweep's fixed overrides (fewer rounds, no progress bar) are left out and named in the header."""
+    own; what every trial shared (the overrides, the fit arguments after ``--``, the monitor) is left out and named
+    in the header's command."""
     from ..run.recipes import load_recipe
 
     # merged with its `base:` files: their paths are relative to the base recipe, not to this file
@@ -292,13 +312,13 @@ def best_recipe(spec: SweepSpec, best, path: Path) -> str:
     for key, value in best.params.items():
         _set_dotted(recipe, key, value)
     recipe["name"] = f"{spec.study_name}_best"
-    overrides = " ".join(shlex.quote(a) for a in as_args(spec.overrides))
+    overrides = " ".join(shlex.quote(a) for a in shared_args(spec))
     header = [
         f"# The best of sweep {spec.study_name}: the base recipe {spec.base}",
         f"# with the parameters of trial {best.number}: {json.dumps(best.params)}",
         f"# Trial {best.number} scored {spec.metric} ({spec.use}) = {best.value:.4f}"
         + (
-            f" with the sweep's fixed overrides; reproduce it with\n#   flrun fit --config {path} {overrides}"
+            f" with the settings every trial shared; reproduce it with\n#   flrun fit --config {path} {overrides}"
             if overrides
             else "."
         ),

@@ -25,8 +25,11 @@ def check_own_directory(root: Path, spec: SweepSpec) -> None:
         )
 
 
-def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, out=None) -> tuple[dict, int]:
-    """Runs trials until the study holds ``n_trials`` (or ``timeout`` passes), printing progress.
+def run_sweep(
+    spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, out=None, warnings: list[str] = ()
+) -> tuple[dict, int]:
+    """Runs trials until the study holds ``n_trials`` (or ``timeout`` passes), printing progress; ``warnings``
+    (from :func:`~fl_lightning.sweep.spec.check_against_recipe`) go to stderr once the study is open and checked.
 
     With ``n_jobs`` > 1 the trials run in that many worker processes that ask this one before each
     trial. Returns the results (also in ``sweep.json``) and the exit status: 0 when the study is full
@@ -53,6 +56,8 @@ def run_sweep(spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, o
     study = open_study(spec)
     progress = Progress(spec, study, out or sys.stdout)
     check_definition(study, spec, current, progress.note)
+    for warning in warnings:
+        progress.note(f"warning: {warning}")
     epoch = len(study.get_trials(deepcopy=False))
     study.sampler = _sampler(spec, epoch, worker=0)
     gpus = visible_gpus() if n_jobs > 1 else []  # one process alone keeps the GPUs it was given

@@ -1,8 +1,9 @@
 """``flrun sweep``: an Optuna study over a base recipe.
 
-A sweep file names the base recipe, the search space (dotted recipe keys, as on the command line), the
-objective and the sampler / pruner. Each trial is an ordinary run directory under the sweep's directory,
-run through ``flrun fit`` (:mod:`fl_lightning.sweep.trial`); a pruning logger reports the monitored metric
+A sweep file names the base recipe (relative to the sweep file's folder, as a recipe's ``base:`` is), the
+search space (dotted recipe keys, as on the command line), the objective and the sampler / pruner;
+``flrun sweep --config S -- ARGS`` adds ``flrun fit`` arguments for every trial (``-- --rounds 4``). Each
+trial is an ordinary run directory under the sweep's directory, run through ``flrun fit`` (:mod:`fl_lightning.sweep.trial`); a pruning logger reports the monitored metric
 every evaluation round so bad trials stop early. The study lives in an RDB storage (SQLite file in the
 sweep directory by default, or any Optuna URL such as PostgreSQL), so re-running the command resumes it
 and several processes or machines can work on one study; a re-run that changes what a trial means is
@@ -16,7 +17,9 @@ command for permission before each trial (:mod:`fl_lightning.sweep.workers`), so
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +27,24 @@ from typing import Any
 import yaml
 
 from ..federation.errors import ConfigError
-from .metric import check_metric
+from .metric import check_metric, test_metric_warning, varies_between_evaluations
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "hyperband", "none")
+# Optuna's old distribution names, as a sweep file may still write them: what to write instead
+OLD_TYPES = {
+    "loguniform": "{type: float, low: ..., high: ..., log: true}",
+    "uniform": "{type: float, low: ..., high: ...}",
+    "discrete_uniform": "{type: float, low: ..., high: ..., step: ...}",
+    "int_loguniform": "{type: int, low: ..., high: ..., log: true}",
+    "intloguniform": "{type: int, low: ..., high: ..., log: true}",
+    "int_uniform": "{type: int, low: ..., high: ...}",
+    "categorical_choices": "{type: categorical, choices: [...]}",
+}
+# set by the sweep for each trial, so not for the fit arguments after `--`
+TRIAL_ARGS = ("--config", "--output_dir", "--name", "--resume", "--logger")
+# keys only a recipe has: a file with them given to `flrun sweep` is a recipe
+RECIPE_KEYS = ("data", "models", "strategy", "population", "training", "rounds")
 
 
 @dataclass
@@ -54,6 +71,8 @@ class SweepSpec:
         grace_period: seconds without a heartbeat after which a running trial counts as dead (its process
             was killed or its machine lost); it is then failed and queued again with the same parameters.
         max_retry: how many times one trial's parameters are queued again after such deaths.
+        fit_args: ``flrun fit`` arguments for every trial, from the command line after ``--`` (not a sweep-file
+            key); like ``overrides`` they are part of what defines the study.
     """
 
     base: str
@@ -73,17 +92,31 @@ class SweepSpec:
     heartbeat_interval: int = 10
     grace_period: int = 30
     max_retry: int = 3
+    fit_args: list[str] = field(default_factory=list)
 
 
-def load_sweep(path: str | Path, check_recipe: bool = True, **cli: Any) -> SweepSpec:
+SWEEP_KEYS = sorted(set(SweepSpec.__dataclass_fields__) - {"fit_args"})
+
+
+def load_sweep(path: str | Path, check_recipe: bool = True, fit_args: list[str] | None = None, **cli: Any) -> SweepSpec:
     """Reads and validates a sweep file; every problem is one sentence, before any trial runs.
 
     Args:
         path: the sweep file.
         check_recipe: also parse the base recipe with each parameter (worker processes skip it: their
             coordinator did it).
+        fit_args: ``flrun fit`` arguments for every trial (after ``--`` on the command line).
         **cli: command-line values that replace the file's.
     """
+    spec = read_sweep(path, fit_args, **cli)
+    if check_recipe:
+        check_against_recipe(spec)
+    return spec
+
+
+def read_sweep(path: str | Path, fit_args: list[str] | None = None, **cli: Any) -> SweepSpec:
+    """The sweep file read and checked by itself, without importing torch: fast, so that the command can say
+    what it does before the base recipe is parsed (:func:`check_against_recipe`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
@@ -100,30 +133,52 @@ def load_sweep(path: str | Path, check_recipe: bool = True, **cli: Any) -> Sweep
         raise ConfigError(f"sweep file {path} is not a text file; give a YAML sweep file.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"sweep file {path} must be a YAML mapping with base, metric and parameters.")
-    known = set(SweepSpec.__dataclass_fields__)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in {path}; a sweep file has {sorted(known)}.")
-    for key in ("base", "parameters", "metric"):
-        if key not in raw:
-            raise ConfigError(f"{path} needs `{key}`.")
+    _check_keys(raw, path)
     raw.update({k: v for k, v in cli.items() if v is not None})
-    base = Path(raw["base"])
-    if not base.is_file():  # also relative to the sweep file, or to the project holding sweeps/
-        for candidate in (path.parent / base, path.parent.parent / base):
-            if candidate.is_file():
-                raw["base"] = str(candidate)
-                break
-    spec = SweepSpec(**raw)
+    raw["base"] = _base_path(raw["base"], path)
+    spec = SweepSpec(**raw, fit_args=list(fit_args or []))
     spec.study_name = spec.study_name or path.stem
     spec.output_dir = spec.output_dir or str(Path("runs") / "sweeps" / spec.study_name)
-    _validate(spec, check_recipe)
+    _validate(spec)
     return spec
 
 
-def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
-    if not Path(spec.base).is_file():
-        raise ConfigError(f"the sweep's base recipe {spec.base} does not exist.")
+def _check_keys(raw: dict[str, Any], path: Path) -> None:
+    if any(key in raw for key in RECIPE_KEYS) and not any(key in raw for key in ("parameters", "metric")):
+        raise ConfigError(
+            f"{path} is a recipe, not a sweep file; run it with `flrun fit --config {path}`, or tune it with a sweep "
+            "file whose `base:` names it (e.g. sweeps/digits_quickstart.yaml)."
+        )
+    unknown = sorted(set(raw) - set(SWEEP_KEYS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], SWEEP_KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown key(s) {unknown} in {path}{hint}; a sweep file has {SWEEP_KEYS}.")
+    for key in ("base", "parameters", "metric"):
+        if key not in raw:
+            raise ConfigError(f"{path} needs `{key}`.")
+
+
+def _base_path(base: Any, path: Path) -> str:
+    """The base recipe's path: relative to the sweep file's folder, as a recipe's ``base:`` is."""
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"`base` in {path} must name the base recipe file, e.g. base: ../recipes/quickstart.yaml.")
+    resolved = Path(os.path.normpath(path.parent / base))
+    if resolved.is_file():
+        return str(resolved)
+    where = f"the sweep's base recipe {resolved} (base: {base} in {path}) does not exist"
+    if Path(base).is_file():  # where sweep files used to point: the working directory
+        relative = os.path.relpath(base, path.parent)
+        shown = relative if relative.count("..") <= 2 else Path(base).resolve()
+        raise ConfigError(
+            f"{where}; `base:` is relative to the sweep file's folder, as a recipe's is: use base: {shown}."
+        )
+    raise ConfigError(
+        f"{where}; `base:` is relative to the sweep file's folder, e.g. base: ../recipes/quickstart.yaml."
+    )
+
+
+def _validate(spec: SweepSpec) -> None:
     if spec.direction not in ("maximize", "minimize") or spec.use not in ("best", "final"):
         raise ConfigError("direction must be maximize or minimize and use best or final.")
     if not isinstance(spec.parameters, dict) or not spec.parameters:
@@ -156,20 +211,36 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
             if not p.get("choices"):
                 raise ConfigError(f"parameter {name!r}: categorical needs a non-empty `choices` list.")
         else:
-            raise ConfigError(f"parameter {name!r}: type must be float, int or categorical, got {kind!r}.")
+            instead = f"; write {OLD_TYPES[kind]}" if kind in OLD_TYPES else ""
+            raise ConfigError(f"parameter {name!r}: type must be float, int or categorical, got {kind!r}{instead}.")
     _check_overrides(spec)
-    if not check_recipe:
-        return
-    # every parameter path must be an option of the base recipe: parse it once with a sample value
+    _check_fit_args(spec)
+
+
+def check_against_recipe(spec: SweepSpec) -> list[str]:
+    """Every parameter path must be an option of the base recipe: parsed once with a sample value (imports
+    torch, as ``flrun fit`` does). Returns warnings (an objective measured on the test set)."""
     from ..run.arguments import UserError, parse_fit
 
-    init = None
+    fixed = ["--config", spec.base, *shared_args(spec)]
+    try:
+        _, init, resolved = parse_fit(fixed)
+    except (UserError, ConfigError) as err:
+        given = " and the fit arguments after --" if spec.fit_args else ""
+        raise ConfigError(f"the sweep's base recipe {spec.base} with its overrides{given}: {err}") from None
     for name, p in spec.parameters.items():
         sample = p["choices"][0] if p["type"] == "categorical" else p["low"]
         try:
-            _, init, _ = parse_fit(["--config", spec.base, *as_args(spec.overrides), *as_args({name: sample})])
+            _, init, _ = parse_fit([*fixed, *as_args({name: sample})])
         except (UserError, ConfigError) as err:
-            raise ConfigError(f"sweep parameter {name!r} does not fit the base recipe {spec.base}: {err}") from None
+            keys = flatten(yaml.safe_load(resolved) or {})
+            if any(overlap(name, key) for key in keys):  # an option, with a value it refuses
+                raise ConfigError(f"sweep parameter {name!r} does not fit the base recipe {spec.base}: {err}") from None
+            close = closest_key(name, keys)
+            why = f"did you mean {close!r}? Parameters are dotted recipe keys" if close else str(err).rstrip(".")
+            raise ConfigError(
+                f"sweep parameter {name!r} is not an option of the base recipe {spec.base} ({why})."
+            ) from None
         devices = [init.runtime.devices]
         if name == "runtime.devices":  # every value the parameter can draw, not only the sample
             devices += list(p["choices"]) if p["type"] == "categorical" else [p["high"]]
@@ -181,6 +252,38 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
                 "side with --n_jobs (one GPU each)."
             )
     check_metric(spec, init)
+    warning = test_metric_warning(spec.metric, getattr(init.strategy, "split", None))
+    return [warning] if warning else []
+
+
+def closest_key(name: str, keys) -> str | None:
+    """The recipe key a misspelled parameter path most likely means: one with the same last part (``lr``), else
+    a sibling spelled alike (``...init_args.lrr``), else None."""
+    parent, _, last = name.rpartition(".")
+    last = {"learning_rate": "lr"}.get(last, last)
+    same_name = sorted((k for k in keys if k.rsplit(".", 1)[-1] == last), key=len)
+    if same_name:
+        return same_name[0]
+    siblings = {k.rsplit(".", 1)[-1]: k for k in keys if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(last, list(siblings), n=1)
+    return siblings[close[0]] if close else None
+
+
+def _check_fit_args(spec: SweepSpec) -> None:
+    """The arguments after ``--``: ``flrun fit`` options the trials share, never one the sweep sets per trial or
+    searches."""
+    options = [arg.split("=", 1)[0] for arg in spec.fit_args if arg.startswith("--")]
+    reserved = sorted({o for o in options if o in TRIAL_ARGS})
+    if reserved:
+        raise ConfigError(
+            f"the arguments after -- may not set {', '.join(reserved)}: the sweep sets each trial's recipe, directory, "
+            "name and logger itself; use base, output_dir and logger in the sweep file."
+        )
+    searched = [o for o in options for name in spec.parameters if overlap(o[2:], name)]
+    if searched:
+        raise ConfigError(
+            f"the arguments after -- set {searched[0]}, which the sweep searches (parameters); leave it out there."
+        )
 
 
 def _override_keys(spec: SweepSpec) -> list[str]:
@@ -201,6 +304,15 @@ def _check_overrides(spec: SweepSpec) -> None:
         raise ConfigError(
             f"the sweep both fixes and searches {fixed[0]} (overrides and parameters); remove it from `overrides`."
         )
+
+
+def shared_args(spec: SweepSpec) -> list[str]:
+    """The ``flrun fit`` arguments every trial shares (the base recipe aside): ``--monitor`` set to the sweep's
+    metric when a trial's value is its best (so that the best round is chosen by the objective, not by the
+    strategy's own test metric), then the overrides and the arguments after ``--``, which may set it otherwise."""
+    monitor_set = "monitor" in flatten(spec.overrides) or any(a.split("=")[0] == "--monitor" for a in spec.fit_args)
+    chosen_by_metric = spec.use == "best" and not monitor_set and not varies_between_evaluations(spec.metric)
+    return [*(["--monitor", spec.metric] if chosen_by_metric else []), *as_args(spec.overrides), *spec.fit_args]
 
 
 def as_args(values: dict[str, Any]) -> list[str]:

@@ -3,7 +3,8 @@
 A study's trials are comparable only when they were run with the same objective and the same recipe. The
 study records its *definition* when it is created: the metric, the direction, which value of a run is the
 trial's (``use``), the search space and the resolved recipe every trial starts from (the base recipe with
-the sweep's overrides, without the searched keys and the keys that change no number). A re-run whose sweep
+the sweep's overrides and the fit arguments after ``--``, without the searched keys and the keys that change
+no number). A re-run whose sweep
 file defines another study is refused instead of mixing its trials in.
 
 What may change between runs of one study: ``n_trials``, ``timeout``, ``--n_jobs``, the sampler and the
@@ -45,7 +46,7 @@ def trial_recipe(spec) -> dict[str, Any]:
     from ..run.arguments import UserError, parse_fit
 
     try:
-        _, _, resolved = parse_fit(["--config", spec.base, *as_args(spec.overrides)])
+        _, _, resolved = parse_fit(["--config", spec.base, *as_args(spec.overrides), *spec.fit_args])
     except (UserError, ConfigError) as err:
         raise ConfigError(
             f"the sweep's base recipe {spec.base} with its overrides is not a valid recipe: {err}"
@@ -65,6 +66,7 @@ def definition(spec) -> dict[str, Any]:
         "recipe": trial_recipe(spec),
         "base": str(spec.base),
         "overrides": spec.overrides,
+        "fit_args": spec.fit_args,
     }
     return json.loads(json.dumps(value, default=str))
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from ..federation.errors import ConfigError
 from ..tracking import RunLogger
-from .metric import MissingMetric, varies_between_evaluations
-from .spec import SweepSpec, as_args
+from .metric import MissingMetric, test_counterpart, varies_between_evaluations
+from .spec import SweepSpec, as_args, shared_args
 
 
 class PruningLogger(RunLogger):
@@ -33,17 +33,22 @@ class PruningLogger(RunLogger):
             if self.trial.should_prune():
                 raise optuna.TrialPruned(f"pruned at round {step}")
         elif self._evaluated(step) and not varies_between_evaluations(self.metric):
-            reported = sorted(k for k in metrics if "/test_" in k or k.startswith("personal/"))
-            raise MissingMetric(
-                f"the run has no metric {self.metric!r}; its evaluation at round {step} reports {reported}; "
-                "fix `metric` in the sweep file."
-            )
+            raise missing_metric(self.metric, step, metrics)
 
     def _evaluated(self, step: int) -> bool:
         """Whether round ``step`` ended with an evaluation (as the orchestrator decides)."""
         if not isinstance(self.eval_every, int) or not isinstance(self.rounds, int) or self.eval_every < 1:
             return False
         return step % self.eval_every == 0 or step == self.rounds
+
+
+def missing_metric(metric: str, step: int | None, metrics) -> MissingMetric:
+    """The sweep's metric is not among the evaluation's: no trial can have a value."""
+    reported = sorted(k for k in metrics if "/test_" in k or "/val_" in k or k.startswith("personal/"))
+    return MissingMetric(
+        f"the run has no metric {metric!r}; its evaluation at round {step} reports {reported}; fix `metric` in the "
+        "sweep file."
+    )
 
 
 def _suggest(trial, name: str, p: dict[str, Any]):
@@ -80,7 +85,7 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
     argv = [
         "--config",
         spec.base,
-        *as_args(spec.overrides),
+        *shared_args(spec),
         *as_args(values),
         "--output_dir",
         str(run_dir),
@@ -93,6 +98,9 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
     try:
         summary = fit_from_argv(argv, [PruningLogger(trial, spec.metric)])
         value = trial_value(summary, spec)
+        test = test_counterpart(spec.metric)
+        if test is not None and test in (summary.get(spec.use) or {}):  # reported for the best trial only
+            trial.set_user_attr("test_value", float(summary[spec.use][test]))
     except optuna.TrialPruned:
         raise
     except KeyboardInterrupt:
@@ -100,11 +108,15 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
         raise
     except Exception as err:  # recorded as a failed trial; the study goes on (unless its metric is wrong)
         from ..run.arguments import UserError
+        from ..run.state import MissingMonitor
 
+        if isinstance(err, MissingMonitor) and err.monitor == spec.metric:  # the trial monitors the sweep's metric
+            err = missing_metric(spec.metric, err.round, err.metrics)
         message = str(err) if isinstance(err, (UserError, ConfigError)) else f"{type(err).__name__}: {err}"
         trial.set_user_attr("error", (message.splitlines() or [""])[0][:300])
         if isinstance(err, MissingMetric):
             trial.set_user_attr("wrong_metric", True)
+            raise err from None
         raise
     return value
 

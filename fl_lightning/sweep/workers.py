@@ -170,7 +170,7 @@ class Coordinator:
         info = {"serial": self.serials, "epoch": self.epoch, "fds": [to_worker_r, to_parent_w], "parent": os.getpid()}
         command = [sys.executable, "-m", "fl_lightning", "sweep", "--config", self.sweep_file]
         command += ["--worker", json.dumps(info), "--output_dir", self.spec.output_dir]
-        command += ["--study_name", self.spec.study_name]
+        command += ["--study_name", self.spec.study_name, "--", *self.spec.fit_args]
         gpu = least_used(self.gpus, (worker.gpu for worker in self.workers))
         env = environment_for(gpu)
         env["FLRUN_SWEEP_STORAGE"] = self.spec.storage or ""  # a password stays out of `ps`

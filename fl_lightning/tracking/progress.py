@@ -41,7 +41,8 @@ def long_run_warning(seconds_per_round: float, rounds_left: int, device: str, es
 
 
 class RoundProgress:
-    """Shows ``round k/N``, the clients done in the current phase, the last monitored value and the ETA.
+    """Shows ``round k/N``, the clients done in the current phase, the last monitored value (with the round it
+    was evaluated at, after rounds without evaluation) and the ETA.
 
     On a terminal this is a rich bar; when output is redirected (a log file, a batch job) it prints one
     plain line per round instead of redrawing a bar. Disabled, it only keeps the long-run warning.
@@ -49,7 +50,7 @@ class RoundProgress:
 
     def __init__(self, enabled: bool, total: int, done: int, monitor: str, device: str = "cpu"):
         self.enabled, self.total, self.monitor, self.device = enabled, total, monitor, device
-        self.first_round, self.warned, self.last_value = done + 1, False, None
+        self.first_round, self.warned, self.last_value, self.last_evaluated = done + 1, False, None, None
         self.round, self.phase, self.phase_clients, self.clients_done = done + 1, "", 0, 0
         self.console = Console(file=sys.stderr)
         self.interactive = enabled and self.console.is_terminal
@@ -97,12 +98,14 @@ class RoundProgress:
     # ------------------------------------------------------------------ after a round
     def update(self, rnd: int, metrics: dict[str, float]) -> None:
         if self.monitor in metrics:
-            self.last_value = metrics[self.monitor]
+            self.last_value, self.last_evaluated = metrics[self.monitor], rnd
         if rnd == self.first_round:
             self._warn(time.perf_counter() - self.round_started, estimated=False)
         if not self.enabled:
             return
-        parts = [] if self.last_value is None else [f"{self.monitor} {self.last_value:.4f}"]
+        # a round without evaluation shows the last value with its round: the same number alone looks stuck
+        when = "" if self.last_evaluated == rnd else f" (round {self.last_evaluated})"
+        parts = [] if self.last_value is None else [f"{self.monitor} {self.last_value:.4f}{when}"]
         if "train/loss" in metrics:
             parts.append(f"train/loss {metrics['train/loss']:.4f}")
         status = "  ".join(parts)

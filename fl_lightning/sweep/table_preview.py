@@ -1,0 +1,91 @@
+"""``flrun table --dry_run``: the runs a table needs and whether each is done, their total, how long the rest
+may take where that can be told (from finished runs of the same recipes), and which runs lack their data set,
+with the command that fetches it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from ..data import catalog, sources
+from ..tracking.progress import duration
+from .table import TableRun
+
+
+def preview(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO) -> None:
+    """Prints one line per run, then the totals, the time estimate and the missing data sets."""
+    states = {id(run): run.state(fit_args) for run in runs}
+    lacking = {recipe: missing_data(run, fit_args) for recipe, run in {r.recipe: r for r in runs}.items()}
+    for run in runs:
+        flag = "  (data missing)" if lacking[run.recipe] and states[id(run)] != "done" else ""
+        print(f"{states[id(run)]:>7}  {run.name}  {run.output_dir}{flag}", file=out)
+    counts = Counter(states.values())
+    pending = [run for run in runs if states[id(run)] != "done"]
+    kinds = ", ".join(f"{counts[k]} {label}" for k, label in KINDS if counts[k])
+    print(
+        f"{len(runs)} runs: {counts['done']} done, {len(pending)} to run" + (f" ({kinds})" if kinds else ""), file=out
+    )
+    if pending:
+        print(time_estimate(runs, pending, states, n_jobs), file=out)
+    for (title, name, data_dir), recipes in _by_data_set(pending, lacking).items():
+        count = sum(1 for run in pending if run.recipe in recipes)
+        print(
+            f"data missing for {count} of the runs to do ({', '.join(sorted(r.stem for r in recipes))}): {title}, "
+            f"not found in {data_dir}; fetch it with {sources.fetch_command(name, data_dir)}.",
+            file=out,
+        )
+
+
+KINDS = (("new", "new"), ("resume", "to resume"), ("changed", "changed since they finished"))
+
+
+def time_estimate(runs: list[TableRun], pending: list[TableRun], states: dict[int, str], n_jobs: int) -> str:
+    """About how long the pending runs take one after another, from the finished runs of the same recipes."""
+    seconds: dict[Path, list[float]] = {}
+    for run in runs:
+        wall = run.summary().get("wall_time_s") if states[id(run)] == "done" else None
+        if isinstance(wall, (int, float)):
+            seconds.setdefault(run.recipe, []).append(float(wall))
+    known = [sum(seconds[run.recipe]) / len(seconds[run.recipe]) for run in pending if run.recipe in seconds]
+    if not known:
+        return (
+            "time: no estimate, since none of their recipes has a finished run here yet (each finished run records "
+            "its time in summary.json)."
+        )
+    total = sum(known)
+    at_once = f", about {duration(total / n_jobs)} with --n_jobs {n_jobs}" if n_jobs > 1 else ""
+    if len(known) == len(pending):
+        return f"time: about {duration(total)} one run after another{at_once} (from the finished runs of each recipe)."
+    runs_of = f"the {len(known)} run" + ("s whose recipes have" if len(known) > 1 else " whose recipe has")
+    return (
+        f"time: about {duration(total)} for {runs_of} a finished run here{at_once}; no estimate for the other "
+        f"{len(pending) - len(known)} (none of their recipe has finished yet)."
+    )
+
+
+def missing_data(run: TableRun, fit_args: list[str]) -> list[tuple[str, str, str]]:
+    """The data sets ``run``'s recipe reads that are not under their ``data_dir``: (title, fetch name, data_dir)."""
+    from ..run.arguments import parse_fit
+
+    _, _, resolved = parse_fit(run.fit_argv(fit_args))
+    found = []
+    data = (yaml.safe_load(resolved) or {}).get("data")
+    while isinstance(data, dict):  # the data set, then the one its server set comes from (out-of-domain)
+        init = data.get("init_args") or {}
+        source = catalog.NAMES.get(str(data.get("class_path", "")).rsplit(".", 1)[-1].lower())
+        data_dir = str(init.get("data_dir") or "data")
+        if source is not None and not sources.present(source, Path(data_dir)):
+            found.append((source.title, source.name, data_dir))
+        data = init.get("server_dataset")
+    return found
+
+
+def _by_data_set(pending: list[TableRun], lacking: dict[Path, list]) -> dict[tuple, set[Path]]:
+    grouped: dict[tuple, set[Path]] = {}
+    for run in pending:
+        for item in lacking[run.recipe]:
+            grouped.setdefault(item, set()).add(run.recipe)
+    return grouped
