@@ -276,6 +276,34 @@ def test_sweep_notes_and_values_from_its_files_are_text_in_the_templated_page(tm
     assert "Note: importances from 2 trials are unreliable &lt;script&gt;" in text and "<script>" not in text
 
 
+def test_a_sweeps_importance_caveat_and_the_best_trials_test_score_are_in_its_section(tmp_path):
+    """What ``flrun sweep`` writes for the reader: importances from few trials flagged, and the test score of
+    the trial tuned on a validation metric, in the HTML and the Markdown report."""
+    sweep = tmp_path / "sweeps" / "s"
+    sweep.mkdir(parents=True)
+    info = {
+        "study": "s",
+        "metric": "global/val_acc",
+        "n_trials": 2,
+        "importances": {"lr": 0.7, "batch_size": 0.3},
+        "importances_note": "from 2 completed trials: unreliable below about 10",
+        "best_trial": 0,
+        "best_test": {"metric": "global/test_acc", "value": 0.875},
+    }
+    (sweep / "sweep.json").write_text(json.dumps(info))
+    with (sweep / "trials.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["trial", "state", "value", "param/lr", "seconds", "error"])
+        writer.writerow([0, "COMPLETE", 0.9, 0.1, 1.0, ""])
+        writer.writerow([1, "COMPLETE", 0.8, 0.2, 1.0, ""])
+    page = report_page([tmp_path / "sweeps"], tmp_path / "report.html")
+    assert "Note: parameter importances from 2 completed trials: unreliable below about 10" in page.cells
+    assert any("The best trial's global/test_acc: 0.8750." in cell for cell in page.cells)
+    assert run_cli("report", str(tmp_path / "sweeps"), "--output", str(tmp_path / "report.md")) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "unreliable below about 10" in text and "acc: 0.8750." in text
+
+
 def test_the_templates_escape_every_value_and_ship_in_the_wheel(tmp_path):
     import shutil
     import subprocess

@@ -196,6 +196,9 @@ def _facts(sweep: dict) -> list[str]:
         facts.append(
             f"Best: trial {best['number']} with {fmt(best['value'])}; recipe: {info.get('best_recipe', 'n/a')}."
         )
+    test = info.get("best_test")
+    if isinstance(test, dict) and number(test.get("value")) is not None:  # the tuned recipe on the test set
+        facts.append(f"The best trial's {test.get('metric', 'test metric')}: {fmt(test['value'])}.")
     return facts
 
 
@@ -207,6 +210,8 @@ def notes(sweep: dict) -> list[str]:
     """What ``flrun sweep`` wrote into sweep.json for the reader (``notes`` and ``warnings``: a sentence or a
     list of them), e.g. that importances from a few trials are unreliable."""
     found = []
+    if info_note := sweep["info"].get("importances_note"):
+        found.append(f"parameter importances {info_note}")
     for key in ("notes", "warnings"):
         value = sweep["info"].get(key)
         found += [str(v) for v in (value if isinstance(value, list) else [value]) if v not in (None, "")]
