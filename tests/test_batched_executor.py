@@ -126,6 +126,9 @@ def _run(tmp_path, recipe, executor, *extra):
             ("--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.01, weight_decay: 0.01}}")
             + ("--training.optimizer_state", "per_client", "--training.local_steps", "2"),
         ),
+        # the server seeds its distillation from torch's random state after the clients' updates: the batched
+        # executor must leave that state as the last client left it (the server's weights differed by ~0.1)
+        ("digits_merged_codist.yaml", ()),
     ],
 )
 def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, extra):

@@ -48,6 +48,7 @@ class _Coroutine:
         self.done, self.cancelled = False, False
         self.value: Any = None
         self.error: BaseException | None = None
+        self.final_rng_state: tuple | None = None  # torch's random state as the client's task left it
         self._turn, self._yielded = threading.Event(), threading.Event()
         self._threads = torch.get_num_threads()  # a new thread starts with OpenMP's default, not the run's setting
         self._thread = threading.Thread(target=self._main, daemon=True)
@@ -65,6 +66,7 @@ class _Coroutine:
         except BaseException as err:  # noqa: BLE001 (any error, KeyboardInterrupt too, is raised again in the run's thread)
             self.error = err
         finally:
+            self.final_rng_state = random_state()
             self.done = True
             self._yielded.set()
 
@@ -148,6 +150,8 @@ class BatchedExecutor:
             # a shared optimizer state carries on from the last client in task order, as one after another
             for _, request in last_fit.values():
                 restore_optimizer(self.loop, request)
+            # and so does torch's random state: what the server draws next (MergedCodist's distillation) follows it
+            set_random_state(coroutines[-1].final_rng_state)
         except BaseException:
             for coroutine in coroutines:
                 if not coroutine.done:
