@@ -24,6 +24,12 @@ class Runtime:
             float tolerance, not bit for bit); ``auto`` batched on a GPU, sequential on CPU (where batching
             measured slower for small models, docs/performance.md).
         batch_clients: at most this many clients per batched computation (bounds GPU memory).
+        lockstep: with the batched executor, every client of a group takes every step in the same vmapped
+            call: each client's batch is padded to the batch size with a mask that losses, class statistics
+            and batch norm honour, and a client that has finished its steps is left out of the update
+            (``client/batched/lockstep.py``; same numbers as sequential to float tolerance). Without it,
+            clients step together only while their batches have one shape. Experimental: its speed is not
+            yet measured on a GPU (docs/performance.md).
         num_threads: torch CPU threads. 1 is the measured best for small models on 2 cores (up to 10x
             faster than torch's default, docs/performance.md); raise it for large CPU models.
         flush_denormal: flush denormal floats to zero, which near convergence otherwise halve CPU speed.
@@ -56,6 +62,7 @@ class Runtime:
     client_state_memory_mb: float | None = 1024.0
     devices: int = 1
     cuda_graphs: bool = False
+    lockstep: bool = False
 
     def __post_init__(self):
         if self.devices < 1:
@@ -78,6 +85,16 @@ class Runtime:
             raise ConfigError(
                 "runtime.cuda_graphs replays the sequential loop's steps, but runtime.executor is batched; set "
                 "runtime.executor sequential (or auto) or runtime.cuda_graphs false."
+            )
+        if self.lockstep and self.cuda_graphs:
+            raise ConfigError(
+                "runtime.lockstep pads the batched executor's steps, and runtime.cuda_graphs replays the sequential "
+                "loop's; set one of them false."
+            )
+        if self.lockstep and self.executor == "sequential":
+            raise ConfigError(
+                "runtime.lockstep pads the batched executor's steps, but runtime.executor is sequential; set "
+                "runtime.executor batched (or auto, which batches on a GPU) or runtime.lockstep false."
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(

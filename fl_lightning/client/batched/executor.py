@@ -118,11 +118,12 @@ class _Coroutine:
 
 
 class BatchedExecutor:
-    """Runs client tasks in chunks of ``chunk`` clients whose local fits are batched where possible."""
+    """Runs client tasks in chunks of ``chunk`` clients whose local fits are batched where possible (in
+    ``lockstep``: every client of a group at every step, batches padded)."""
 
-    def __init__(self, loop: LocalLoop, chunk: int):
+    def __init__(self, loop: LocalLoop, chunk: int, lockstep: bool = False):
         self.loop, self.chunk = loop, chunk
-        self.fits = BatchedFit(loop)
+        self.fits = BatchedFit(loop, lockstep)
 
     def run(self, jobs: list[Callable[[], Any]]) -> Iterator[Any]:
         """Runs ``jobs`` (each one client's task) a chunk at a time; their values in order."""
