@@ -24,12 +24,6 @@ class Runtime:
             float tolerance, not bit for bit); ``auto`` batched on a GPU, sequential on CPU (where batching
             measured slower for small models, docs/performance.md).
         batch_clients: at most this many clients per batched computation (bounds GPU memory).
-        lockstep: with the batched executor, every client of a group takes every step in the same vmapped
-            call: each client's batch is padded to the batch size with a mask that losses, class statistics
-            and batch norm honour, and a client that has finished its steps is left out of the update
-            (``client/batched/lockstep.py``; same numbers as sequential to float tolerance). Without it,
-            clients step together only while their batches have one shape. Experimental: its speed is not
-            yet measured on a GPU (docs/performance.md).
         num_threads: torch CPU threads. 1 is the measured best for small models on 2 cores (up to 10x
             faster than torch's default, docs/performance.md); raise it for large CPU models.
         flush_denormal: flush denormal floats to zero, which near convergence otherwise halve CPU speed.
@@ -47,8 +41,15 @@ class Runtime:
             cost. Needs a CUDA device, precision ``32-true`` and the sequential executor (``auto`` picks it);
             steps that cannot be replayed faithfully run eagerly, counted in ``summary.json``. SGD runs give
             the eager run's numbers bit for bit; Adam and AdamW run in their ``capturable`` mode (the numbers of
-            ``capturable: true`` without graphs, float rounding away from the default Adam's). Experimental:
-            its speed is not yet measured on a GPU (docs/performance.md).
+            ``capturable: true`` without graphs, float rounding away from the default Adam's).
+        lockstep: with the batched executor, every client of a group takes every step in the same vmapped
+            call: each client's batch is padded to the batch size with a mask that losses, class statistics
+            and batch norm honour, and a client that has finished its steps is left out of the update
+            (``client/batched/lockstep.py``; same numbers as sequential to float tolerance). Without it,
+            clients step together only while their batches have one shape.
+
+    Experimental, off by default until a GPU measures what they pay (docs/performance.md): ``cuda_graphs``
+    and ``lockstep``.
     """
 
     accelerator: str = "auto"
