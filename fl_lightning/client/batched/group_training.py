@@ -381,7 +381,7 @@ class GroupTraining:
         buffers = {key: view[0] for key, view in buffers.items()}
         cells, batch = [cell[0] for cell in cells], tuple(t[0] for t in batch)
         with torch.enable_grad():
-            loss, record = self._loss(leaves, frozen, buffers, cells, batch)
+            loss, record = self._loss(leaves, frozen, buffers, cells, batch, None if mask is None else mask[0])
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         # rows of a dtype the loss does not reach (every tensor was checked to be used: none, in practice)
         grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves.values(), grads)]
