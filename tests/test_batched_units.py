@@ -677,3 +677,30 @@ def test_a_batch_norm_with_its_own_forward_steps_by_shape_in_lockstep():
     assert summary["refused"] == [
         "r's 1 is a _AdaptingNorm with its own forward, whose statistics would count padded rows"
     ]
+
+
+def test_the_padding_check_runs_once_per_group(monkeypatch):
+    """A client of one example pads every step; the check (three losses of one client) runs at the group's first
+    padded step only, and, being made on one real row, again in the next group (a check on two rows or more
+    holds for the run)."""
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = torch.randn(13, 3), torch.randint(0, 2, (13,))
+    losses, real_one_loss = [], group_training.GroupTraining.one_loss
+    monkeypatch.setattr(
+        group_training.GroupTraining, "one_loss", lambda self, *a: losses.append(1) or real_one_loss(self, *a)
+    )
+
+    def requests():
+        made = []
+        for k, idx in enumerate([torch.tensor([12]), torch.arange(12)]):  # 3 steps of 1 and of 4 examples
+            request = _request(loop, "r", [])
+            request.batches = batch_stream(x, y, idx, 4, 3, torch.Generator().manual_seed(k))
+            made.append(request)
+        return made
+
+    fit = B.BatchedFit(loop, lockstep=True)
+    fit.run(requests())
+    assert fit.lockstep.counts["padded_client_steps"] == 3 and len(losses) == 3
+    fit.run(requests())
+    assert fit.lockstep.counts["padded_client_steps"] == 6 and len(losses) == 6

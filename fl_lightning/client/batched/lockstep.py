@@ -100,6 +100,7 @@ class Lockstep:
     def __init__(self, memory: LockstepMemory, key: Any, device: torch.device):
         self.memory, self.key = memory, key
         self.padder = Padder(device, 0)
+        self.checked = False  # the check passed in this group (on one real row only, it is not kept for the run)
 
     def applies(self, streams: list, batches: dict[int, tuple], gathered: bool) -> bool:
         """Whether this step's batches can be padded into one: they differ at most in their number of rows
@@ -138,9 +139,10 @@ class Lockstep:
         self, training: OneClient, streams: list, batches: dict[int, tuple], gathered: bool, padded: PaddedStep
     ) -> bool:
         """Whether the step leaves padded rows out, checked on the padded client with the most real rows: its
-        loss on its own rows must equal its losses on two paddings of them (once a check on two rows or more has
-        passed, not again in this run). False: the step is refused, its clients step by shape from here on."""
-        if self.key in self.memory.verified:
+        loss on its own rows must equal its losses on two paddings of them (once per group; once a check on two
+        rows or more has passed, not again in this run). False: the step is refused, its clients step by shape
+        from here on."""
+        if self.checked or self.key in self.memory.verified:
             return True
         k = max((k for k in batches if padded.real[k] < padded.rows), key=lambda k: padded.real[k])
         one = tuple(t[0] for t in gather(streams[k], [batches[k]])) if gathered else batches[k]
@@ -156,7 +158,8 @@ class Lockstep:
                 self.memory.verified.add(self.key)
         if why is not None:
             self.memory.refuse(self.key, why)
-        return why is None
+        self.checked = why is None
+        return self.checked
 
     def count(self, batches: dict[int, tuple], padded: PaddedStep) -> None:
         counts = self.memory.counts
