@@ -1,13 +1,16 @@
 """The flagship (paper 001 on CIFAR-10, ResNet20) on one GPU: seconds per round next to plain PyTorch.
 
 Writes random-pixel CIFAR-10 in the real pickle format (no download needed), runs a few rounds of
-``recipes/ondevice_kd_cifar10.yaml`` per execution mode (``--executor sequential batched graphs``;
-``graphs``: sequential with ``runtime.cuda_graphs``) and precision, and reports per run: seconds per steady round
+``recipes/ondevice_kd_cifar10.yaml`` (or the ``--recipe`` named, e.g. ``fedavg_cifar10_table5``) per execution
+mode (``--executor sequential graphs lockstep batched``; ``graphs``: sequential with ``runtime.cuda_graphs``;
+``lockstep``: batched with ``runtime.lockstep``; the batched modes with ``optimizer_state: shared_per_phase``,
+the order-free form of paper 001's shared momentum) and precision, and reports per run: seconds per steady round
 (rounds 2 .. N-1; round N also evaluates), the first round's extra seconds, peak GPU memory, mean GPU
 utilisation (NVML, sampled every 0.2 s) and the final test losses (a bf16 run whose loss explodes
 shows here). In the same process it times plain-PyTorch ResNet20 SGD steps of 32 images for 20
 clients x 30 steps, one client after another, the same replayed from a CUDA graph of the whole step
-(on a GPU), and as one ``torch.func.vmap`` call over stacked weights: the anchors for what a round could cost.
+(on a GPU), and as one ``torch.func.vmap`` call over stacked weights: the anchors for what a round could cost,
+priced per recipe (``anchor_s_per_round``: the recipe's steps per round at the anchors' rates).
 
     PYTHONPATH=. python benchmarks/gpu_flagship.py --rounds 4 --precision 32-true bf16-mixed --json
 
@@ -99,18 +102,27 @@ class Utilisation:
         return float(np.mean(self.samples)) if self.samples else None
 
 
-def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tiny: bool, out: Path) -> dict:
+# Local steps per round by role at the recipes' settings (the plain anchors price these): paper 001's 20 sampled
+# clients x 30 auxiliary steps, its 20 strong clients x (30 CE + 30 KD) target steps; FedAvg's 20 x 60 steps.
+ROUND_STEPS = {"ondevice_kd_cifar10": {0.25: 600, 1.0: 1200}, "fedavg_cifar10_table5": {0.25: 1200}}
+
+
+def run_flagship(
+    data_dir: Path, precision: str, executor: str, rounds: int, tiny: bool, out: Path, recipe="ondevice_kd_cifar10"
+) -> dict:
     from fl_lightning.cli.commands import fit_from_argv
 
-    argv = ["--config", str(ROOT / "recipes" / "ondevice_kd_cifar10.yaml"), "--rounds", str(rounds)]
+    argv = ["--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--rounds", str(rounds)]
     argv += ["--eval_every", str(rounds), "--checkpoint_every", str(rounds), "--runtime.progress", "false"]
     argv += ["--runtime.precision", precision, "--output_dir", str(out), "--data.init_args.data_dir", str(data_dir)]
     argv += ["--data.init_args.download", "false"]
     if executor == "graphs":  # the sequential loop, each step replayed from a CUDA graph (client/graphs.py)
         argv += ["--runtime.executor", "sequential", "--runtime.cuda_graphs", "true"]
     else:
-        argv += ["--runtime.executor", executor]
-    if executor == "batched":  # paper 001's shared momentum is carried client to client; its per-phase form batches
+        argv += ["--runtime.executor", "batched" if executor == "lockstep" else executor]
+    if executor == "lockstep":  # every client of a group in every step, batches padded
+        argv += ["--runtime.lockstep", "true"]
+    if executor in ("batched", "lockstep"):  # paper 001's momentum goes client to client; shared_per_phase batches
         argv += ["--training.optimizer_state", "shared_per_phase"]
     if tiny:
         tiers = "[{name: strong, roles: [aux, target], count: 2}, {name: weak, roles: [aux]}]"
@@ -133,6 +145,7 @@ def run_flagship(data_dir: Path, precision: str, executor: str, rounds: int, tin
     per_round = np.diff(clock.stamps).tolist()
     steady = per_round[1:-1] or per_round[-1:]
     return {
+        "recipe": recipe,
         "precision": precision,
         "executor": executor,
         "fits": summary.get("executor") or summary.get("cuda_graphs"),
@@ -154,7 +167,7 @@ def _cpu_stand_in(wanted: bool):
     from fl_lightning.client.graphs.trace import CheckedReruns
 
     original = graphs.backend_for
-    if wanted and original.__module__ == graphs.__name__:
+    if wanted and original.__module__.startswith(graphs.__name__):  # the package's own, not a caller's
         graphs.backend_for = CheckedReruns
     try:
         yield
@@ -338,6 +351,20 @@ def _vmapped_call_seconds(width: float, m: int, device: str, calls: int) -> floa
     return (time.perf_counter() - start) / calls
 
 
+def anchor_seconds(recipe: str, anchors: list[dict]) -> dict[str, float | None]:
+    """Seconds a round of ``recipe``'s steps takes at the plain anchors' rates: one client after another, replayed
+    from CUDA graphs (GPU only), all clients as one vmapped step (``ROUND_STEPS``, the recipe's full settings)."""
+    rates = {a["width"]: a for a in anchors}
+    out = {}
+    for mode in ("sequential", "graphed_sequential", "vmapped"):
+        per_width = [rates[w].get(f"{mode}_steps_per_s") for w in ROUND_STEPS[recipe]]
+        if all(per_width):
+            out[mode] = sum(steps / rate for steps, rate in zip(ROUND_STEPS[recipe].values(), per_width))
+        else:
+            out[mode] = None
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
@@ -346,8 +373,12 @@ def main() -> int:
         "--executor",
         nargs="+",
         default=["sequential", "batched"],
-        choices=["sequential", "batched", "graphs"],
-        help="graphs: sequential with runtime.cuda_graphs (on --tiny, the CPU stand-in that checks each replay)",
+        choices=["sequential", "batched", "lockstep", "graphs"],
+        help="graphs: sequential with runtime.cuda_graphs (on --tiny, the CPU stand-in that checks each replay); "
+        "lockstep: batched with runtime.lockstep",
+    )
+    parser.add_argument(
+        "--recipe", nargs="+", default=["ondevice_kd_cifar10"], choices=sorted(ROUND_STEPS), help="recipes/<name>.yaml"
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: small data, clients and steps")
     parser.add_argument("--json", action="store_true")
@@ -389,11 +420,17 @@ def main() -> int:
         data_dir = Path(tmp) / "data"
         if not args.skip_runs:
             write_random_cifar10(data_dir, 200 if args.tiny else 10_000)
-            for executor in args.executor:
-                for precision in args.precision:
-                    run_dir = Path(tmp) / f"run-{executor}-{precision}"
-                    result["runs"].append(run_flagship(data_dir, precision, executor, args.rounds, args.tiny, run_dir))
-                    print("# run:", json.dumps(result["runs"][-1]), file=sys.stderr, flush=True)
+            for recipe in args.recipe:
+                for executor in args.executor:
+                    for precision in args.precision:
+                        run_dir = Path(tmp) / f"run-{recipe}-{executor}-{precision}"
+                        run = run_flagship(data_dir, precision, executor, args.rounds, args.tiny, run_dir, recipe)
+                        result["runs"].append(run)
+                        print("# run:", json.dumps(run), file=sys.stderr, flush=True)
+    if "plain_pytorch" in result:
+        result["anchor_s_per_round"] = {
+            recipe: anchor_seconds(recipe, result["plain_pytorch"]) for recipe in args.recipe
+        }
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

@@ -79,6 +79,16 @@ CASES = [
     Case("precision unknown", ["--runtime.precision", "64-banana"], ["precision", "64-banana"]),
     Case("accelerator unknown", ["--runtime.accelerator", "tpu9"], ["accelerator", "tpu9"]),
     Case("progress not a bool", ["--runtime.progress", "maybe"], ["'maybe'", "runtime.progress"]),
+    Case(
+        "lockstep with the sequential executor",
+        ["--runtime.executor", "sequential", "--runtime.lockstep", "true"],
+        ["runtime.lockstep", "runtime.executor is sequential"],
+    ),
+    Case(
+        "lockstep with CUDA graphs",
+        ["--runtime.cuda_graphs", "true", "--runtime.lockstep", "true"],
+        ["runtime.lockstep", "runtime.cuda_graphs"],
+    ),
     Case("logger unknown", ["--logger", "mlflow"], ["mlflow", "wandb"]),
     # ---------------------------------------------------------------- components by name
     Case("strategy short name unknown", ["--strategy", "FedProx"], ["FedProx", "strategy", "FedAvg"]),

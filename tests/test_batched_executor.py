@@ -3,6 +3,8 @@
 Batched and sequential runs of the same recipe and seed must give every client and the server the same
 weights to float tolerance (vmapped convolutions use other kernels, so not bit for bit), and the summary
 must say how many fits really ran batched, so that a test cannot pass by silently running sequentially.
+The same holds in lockstep (``runtime.lockstep``: every client of a group in every step, batches padded),
+whose summary must show padded steps and none by shape.
 """
 
 from pathlib import Path
@@ -65,8 +67,17 @@ def _assert_close_runs(sequential, weights, batched, batched_weights):
         assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
 
 
+def _assert_in_lockstep(summary):
+    """Every group step of the run held all its group's clients in one call, some of them with padded batches."""
+    lockstep = summary["executor"]["lockstep"]
+    assert summary["executor"]["batched_fits"] > 0 and "refused" not in lockstep, summary["executor"]
+    assert lockstep["steps"] > 0 and lockstep["padded_client_steps"] > 0 and lockstep["by_shape_steps"] == 0, lockstep
+
+
 def _run(tmp_path, recipe, executor, *extra):
     out = tmp_path / executor
+    if executor == "lockstep":  # the batched executor, every client of a group in every step
+        executor, extra = "batched", ("--runtime.lockstep", "true", *extra)
     argv = ["--config", str(ROOT / "recipes" / recipe), "--rounds", ROUNDS, "--eval_every", "1", "--seed", "3"]
     argv += ["--output_dir", str(out), "--runtime.progress", "false", "--runtime.executor", executor, *extra]
     summary = fit_from_argv(argv)
@@ -126,26 +137,34 @@ def _run(tmp_path, recipe, executor, *extra):
             ("--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.01, weight_decay: 0.01}}")
             + ("--training.optimizer_state", "per_client", "--training.local_steps", "2"),
         ),
+        # the server seeds its distillation from torch's random state after the clients' updates: the batched
+        # executor must leave that state as the last client left it (the server's weights differed by ~0.1)
+        ("digits_merged_codist.yaml", ()),
     ],
 )
 def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, extra):
     sequential, weights = _run(tmp_path, recipe, "sequential", *extra)
     batched, batched_weights = _run(tmp_path, recipe, "batched", *extra)
     assert batched["executor"]["batched_fits"] > 0  # the fits really ran as vmapped groups
-    assert "executor" not in sequential
+    assert "executor" not in sequential and "lockstep" not in batched["executor"]
     _assert_close_runs(sequential, weights, batched, batched_weights)
+    lockstep, lockstep_weights = _run(tmp_path, recipe, "lockstep", *extra)
+    _assert_in_lockstep(lockstep)
+    _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
 def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
     """Standalone: per-client weights persist across rounds; batched clients must not mix them up."""
     base = ("--strategy", "fl_lightning.strategies.Standalone", "--training.local_steps", "3")
     _, weights = _run(tmp_path, "quickstart.yaml", "sequential", *base)
-    batched, batched_weights = _run(tmp_path, "quickstart.yaml", "batched", *base)
-    assert batched["executor"]["batched_fits"] > 0
     personal = [n for n in weights if n.startswith("client/") and "weights" in n]
     assert len({n.split("/")[1] for n in personal}) >= 10  # every trained client has its own state
-    for name in personal:
-        torch.testing.assert_close(batched_weights[name], weights[name], rtol=1e-4, atol=1e-5, msg=_named(name))
+    for executor in ("batched", "lockstep"):
+        batched, batched_weights = _run(tmp_path, "quickstart.yaml", executor, *base)
+        assert batched["executor"]["batched_fits"] > 0
+        for name in personal:
+            torch.testing.assert_close(batched_weights[name], weights[name], rtol=1e-4, atol=1e-5, msg=_named(name))
+    _assert_in_lockstep(batched)
 
 
 @pytest.mark.parametrize(
@@ -159,11 +178,15 @@ def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
 )
 def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, extra):
     """FedHe and Felo collect each step's training-mode logits (and features): their steps return them as a
-    record, which reaches each client's own collector; the uploaded class statistics must match too."""
+    record, which reaches each client's own collector; the uploaded class statistics must match too (in lockstep,
+    records cut to each client's real rows)."""
     sequential, weights = _run(tmp_path, recipe, "sequential", *extra)
     batched, batched_weights = _run(tmp_path, recipe, "batched", *extra)
     assert batched["executor"]["batched_fits"] > 0
     _assert_close_runs(sequential, weights, batched, batched_weights)
+    lockstep, lockstep_weights = _run(tmp_path, recipe, "lockstep", *extra)
+    _assert_in_lockstep(lockstep)
+    _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
 # FedMD's recipe starts with 5 + 5 epochs of transfer learning, over which float differences grow chaotically:
@@ -203,6 +226,46 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
     assert counts["batched_fits"] > 0 and counts["sequential_fits"] == sum(lone), counts
     assert counts.get("sequential_reasons", {}) == ({_ALONE: sum(lone)} if sum(lone) else {}), counts
     _assert_close_runs(sequential, weights, batched, batched_weights)
+
+
+# FedProto's CNNs meet a max-pool near-tie within 2 rounds: vmapped and plain convolutions round differently, and
+# where two pooled values are one float apart the argmax, and with it where a gradient goes, flips (client 7's
+# conv weights then differ by 3.5e-5). Without lockstep that client's step ran alone by plain autograd; in lockstep
+# every step is vmapped. Its step's handling of padded rows is compared on MLP roles, which have no max pool.
+FEDPROTO_MLPS = (
+    "--models",
+    (
+        '{"cnn_small": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 1}}, '
+        '"cnn_large": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 3}}, '
+        '"mlp": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 2}}}'
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [
+        ("digits_dsfl.yaml", ()),  # soft targets in the batch: KL over the real rows
+        ("digits_fedmd.yaml", FEDMD_SHORT),  # L1 to the consensus over the real rows
+        ("digits_fedgems.yaml", ()),  # cross-entropy of labels it computes (real_labels), KL over the real rows
+        ("digits_heterofl.yaml", ()),
+        ("digits_fedgkt.yaml", ()),
+        ("digits_fd.yaml", ()),  # a teacher per label: PAD labels indexed as class 0, left out of the mean
+        ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
+        ("digits_feddf.yaml", ()),
+        ("digits_periodic_codist.yaml", ()),
+        ("digits_fedgh.yaml", ()),
+        ("digits_lg_fedavg.yaml", ()),
+        ("digits_weak_only.yaml", ()),
+        ("digits_strong_only.yaml", ()),
+    ],
+)
+def test_every_batchable_method_gives_the_sequential_numbers_in_lockstep(tmp_path, recipe, extra):
+    """Each method's steps with padded batches: every group step of all its clients, the same weights."""
+    sequential, weights = _run(tmp_path, recipe, "sequential", *extra)
+    lockstep, lockstep_weights = _run(tmp_path, recipe, "lockstep", *extra)
+    _assert_in_lockstep(lockstep)
+    _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
 def test_a_pure_step_over_each_client_s_own_reference_models_runs_alone_as_sequentially(tmp_path):
@@ -478,14 +541,16 @@ def test_parameter_and_moment_rows_line_up_so_a_rule_runs_on_whole_rows():
 
 def test_bf16_mixed_trains_batched_as_close_to_float32_as_sequentially(tmp_path):
     """bf16-mixed with batch norm runs batched (vmap's batch-norm rule rejected a bf16 input with float32
-    statistics, so every fit fell back to the sequential loop), and its weights are as near the 32-true run's
-    as the sequential bf16 run's are: bf16 rounding, not batching, sets the distance."""
+    statistics, so every fit fell back to the sequential loop), and in lockstep, and its weights are as near the
+    32-true run's as the sequential bf16 run's are: bf16 rounding, not batching, sets the distance."""
     extra = ("--models", BATCH_NORM_CNN, "--training.local_steps", "3")
     _, full = _run(tmp_path / "full", "quickstart.yaml", "sequential", *extra)
     mixed = ("--runtime.precision", "bf16-mixed", *extra)
     _, sequential = _run(tmp_path / "mixed", "quickstart.yaml", "sequential", *mixed)
     batched, batched_weights = _run(tmp_path / "mixed", "quickstart.yaml", "batched", *mixed)
     assert batched["executor"]["batched_fits"] > 0 and batched["executor"]["sequential_fits"] == 0
+    lockstep, lockstep_weights = _run(tmp_path / "mixed", "quickstart.yaml", "lockstep", *mixed)
+    _assert_in_lockstep(lockstep)  # batch norm over the real rows of a float32 copy of the bf16 input
 
     def distance(weights):  # the largest difference from the 32-true weights, relative to the tensor's scale
         return max(
@@ -495,3 +560,4 @@ def test_bf16_mixed_trains_batched_as_close_to_float32_as_sequentially(tmp_path)
         )
 
     assert 0 < distance(batched_weights) <= 2 * distance(sequential)
+    assert 0 < distance(lockstep_weights) <= 2 * distance(sequential)

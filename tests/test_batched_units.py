@@ -3,8 +3,9 @@
 Cases a recipe does not reach: a module two roles share, optimizer step counts that differ between
 parameters, a parameter the step does not use, records of a first step that fails in its second shape
 group, Adam on rows of two dtypes, per-parameter step counts after a fit, batches gathered at once, batch
-norms whose statistics sit in rows (and the steps and subclasses that must keep them out), and batches
-that are not all tensors.
+norms whose statistics sit in rows (and the steps and subclasses that must keep them out), batches
+that are not all tensors, and lockstep (``runtime.lockstep``): clients that finish early, records of padded
+batches, and steps or batch norms that cannot leave padded rows out.
 """
 
 import copy
@@ -15,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.client import vmappable
-from fl_lightning.client.batched import fit_request, group_training, stacked_optim
+from fl_lightning.client.batched import fit_request, group_training, placement, stacked_optim
 from fl_lightning.client.batched import fits as B
 from fl_lightning.client.batches import batch_stream
 from fl_lightning.client.loop import LocalLoop
 from fl_lightning.client.steps import ModelSlot
 from fl_lightning.client.training import LocalTraining
+from fl_lightning.federation.padding import class_index, padded_loss
 
 
 @vmappable
@@ -251,7 +253,7 @@ def test_a_teachers_batch_norm_statistics_sit_in_rows_and_train_as_in_the_sequen
         return F.cross_entropy(module(x), y) + F.mse_loss(module(x), teacher(x).detach())
 
     requests = _requests_with_own_teachers(loop, kd)
-    in_rows, eval_norms = group_training._norm_buffers_for_rows(loop, "s", requests[0].modes)
+    in_rows, eval_norms = placement.norm_buffers_for_rows(loop, "s", requests[0].modes)
     assert in_rows == {
         ("slot", "t", "1.running_mean"),
         ("slot", "t", "1.running_var"),
@@ -288,7 +290,7 @@ def test_a_batch_norm_the_trained_role_shares_with_an_evaluated_role_counts_as_t
     modules = {r: torch.nn.Sequential(torch.nn.Linear(3, 4), shared, torch.nn.Linear(4, 2)) for r in "ts"}
     loop = _loop(modules, lambda p: torch.optim.SGD(p, lr=0.1))
     modes = ((True, True, False, True), (True, True, True, True))  # "t" holds the shared norm in evaluation mode
-    in_rows, eval_norms = group_training._norm_buffers_for_rows(loop, "s", modes)
+    in_rows, eval_norms = placement.norm_buffers_for_rows(loop, "s", modes)
     assert eval_norms == [] and ("slot", "t", "1.running_mean") not in in_rows
 
 
@@ -357,11 +359,11 @@ def _out_of_memory_beyond(monkeypatch, where: str, most: int):
     if where == "init":
         real = group_training.GroupTraining.__init__
 
-        def init(self, loop, group):
+        def init(self, loop, group, *lockstep):
             tried.append(len(group))
             if len(group) > most:
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-            real(self, loop, group)
+            real(self, loop, group, *lockstep)
 
         monkeypatch.setattr(group_training.GroupTraining, "__init__", init)
     else:
@@ -510,3 +512,195 @@ def test_a_batch_given_back_to_a_stream_comes_first_again_and_then_the_rest_as_b
     assert next(given)[1].tolist() == expected[0]
     given.give_back(given.next_parts())  # the second batch, given back while next()'s generator is running
     assert [next(given)[1].tolist() for _ in range(4)] == expected[1:]
+
+
+# ---------------------------------------------------------------------------------------------- lockstep
+def _lockstep(loop, make_requests):
+    """(the sequential fits, the lockstep fits, the lockstep BatchedFit) of fresh requests from ``make_requests``."""
+    sequential, executed = make_requests(), make_requests()
+    fit = B.BatchedFit(loop)
+    for request in sequential:
+        fit._sequential(request)
+    fit = B.BatchedFit(loop, lockstep=True)
+    fit.run(executed)
+    return sequential, executed, fit
+
+
+def _streams(loop, sizes, step=_cross_entropy, records=None):
+    """Requests of clients with ``sizes`` examples, one pass in batches of 4 each from its own stream."""
+    torch.manual_seed(1)
+    x, y = torch.randn(sum(sizes), 3), torch.randint(0, 2, (sum(sizes),))
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    made = []
+    for k, (start, n) in enumerate(zip(starts, sizes)):
+        on_record = None if records is None else (lambda r, k=k: records[k].append(r))
+        request = _request(loop, "r", [], step, on_record=on_record)
+        generator = torch.Generator().manual_seed(k)
+        request.batches = batch_stream(x, y, torch.arange(start, start + n), 4, -(-n // 4), generator)
+        made.append(request)
+    return made
+
+
+def test_lockstep_steps_every_client_in_one_call_and_leaves_finished_clients_alone(monkeypatch):
+    """Clients of 10, 3 and 14 examples take 3, 1 and 4 steps of 4 (their last batches of 2, 3 and 2): every step
+    is one call of all three, padded where a batch is short, and a client that has finished is put back after
+    each call. Adam with weight decay moves every tensor at every step it takes (a finished client moved by a
+    step it did not take would differ), counts each client's own steps, and batch norm's running statistics
+    come from the real rows alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    loop = _loop({"r": model}, lambda p: torch.optim.Adam(p, lr=0.05, weight_decay=0.1))
+    calls, real_step = [], group_training.GroupTraining._step
+
+    def step(self, members, batch, index, padded=None):
+        calls.append((len(members), padded is not None and padded.mask is not None))
+        return real_step(self, members, batch, index, padded)
+
+    monkeypatch.setattr(group_training.GroupTraining, "_step", step)
+    sequential, executed, fit = _lockstep(loop, lambda: _streams(loop, [10, 3, 14]))
+    assert fit.counts == {"batched_fits": 3, "sequential_fits": 0}
+    assert calls == [(3, True), (3, False), (3, True), (3, True)]  # step 1: no short batch, the 3-client's done
+    assert fit.lockstep.summary() == {
+        "steps": 4,
+        "by_shape_steps": 0,
+        "client_steps": 3 + 2 + 2 + 1,
+        "padded_client_steps": 3,  # the batches of 3, 2 and 2
+        "idle_client_steps": 0 + 1 + 1 + 2,
+    }
+    _assert_same(sequential, executed, atol=1e-5)
+    for s, b, steps in zip(sequential, executed, [3, 1, 4]):
+        assert b.result["steps"] == steps and b.result["loss"] == pytest.approx(s.result["loss"], rel=1e-5)
+        assert all(values["step"] == steps for values in b.optimizer_state.values())
+        for name, values in s.optimizer_state.items():
+            torch.testing.assert_close(
+                b.optimizer_state[name]["exp_avg_sq"], values["exp_avg_sq"], rtol=1e-4, atol=1e-7
+            )
+
+
+def test_lockstep_hands_each_client_the_records_of_its_own_rows():
+    """A step's record (labels and logits per example) reaches each client's collector cut to its real rows: the
+    records the sequential loop hands out, no padded row and no step of a finished client among them."""
+
+    @vmappable
+    def recording(module, batch, i):
+        x, y = batch
+        z = module(x)
+        return F.cross_entropy(z, y), (y, z)
+
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    sequential_records, lockstep_records = {k: [] for k in range(3)}, {k: [] for k in range(3)}
+    sequential = _streams(loop, [9, 3, 14], recording, sequential_records)
+    lockstep = _streams(loop, [9, 3, 14], recording, lockstep_records)  # from the same weights
+    fit = B.BatchedFit(loop)
+    for request in sequential:
+        fit._sequential(request)
+    fit = B.BatchedFit(loop, lockstep=True)
+    fit.run(lockstep)
+    assert fit.lockstep.counts["padded_client_steps"] == 3
+    for k in range(3):
+        assert [len(y) for y, _ in lockstep_records[k]] == [len(y) for y, _ in sequential_records[k]]
+        for (y, z), (y_seq, z_seq) in zip(lockstep_records[k], sequential_records[k]):
+            assert torch.equal(y, y_seq)
+            torch.testing.assert_close(z, z_seq)
+
+
+def _table_step(honours: bool):
+    table = torch.tensor([[1.0, -1.0], [-2.0, 2.0]])
+
+    @vmappable
+    def step(module, batch, i):
+        x, y = batch
+        if honours:  # a padded row's PAD label points at class 0, and the mean leaves the row out
+            return padded_loss(F.mse_loss, module(x), table[class_index(y)])
+        return F.mse_loss(module(x), table[y])  # indexes with PAD, and counts padded rows in the mean
+
+    return step
+
+
+@vmappable
+def _plain_mean(module, batch, i):
+    x, t = batch
+    return F.mse_loss(module(x), t)  # a mean over every row of the batch: padded rows would count
+
+
+@vmappable
+def _masked_mean(module, batch, i):
+    x, t = batch
+    return padded_loss(F.mse_loss, module(x), t)
+
+
+def _targets_requests(loop, step):
+    """Batches a strategy made itself (no labels to mark PAD): all of 4 rows in step 0, short ones after."""
+    torch.manual_seed(2)
+    shapes = [[4, 2, 4], [4, 4, 3], [4, 1]]
+    return [_request(loop, "r", [(torch.randn(n, 3), torch.randn(n, 2)) for n in sizes], step) for sizes in shapes]
+
+
+@pytest.mark.parametrize(
+    "requests, honours, why",
+    [
+        (lambda loop: _streams(loop, [9, 3, 14], _table_step(True)), True, None),
+        (lambda loop: _streams(loop, [9, 3, 14], _table_step(False)), False, "its step fails on a padded batch"),
+        (lambda loop: _targets_requests(loop, _masked_mean), True, None),
+        (lambda loop: _targets_requests(loop, _plain_mean), False, "its loss depends on the values of padded rows"),
+    ],
+)
+def test_a_step_that_does_not_honour_the_mask_steps_by_shape_with_the_same_numbers(requests, honours, why):
+    """A step's loss on a client's real rows must equal its losses on two paddings of them, checked at the first
+    padded step: a step that fails on a PAD label or counts padded rows in its mean steps by batch shape from
+    there on (for the rest of the run), with the sequential numbers, and summary.json says why."""
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    sequential, executed, fit = _lockstep(loop, lambda: requests(loop))
+    assert fit.counts == {"batched_fits": 3, "sequential_fits": 0}
+    _assert_same(sequential, executed, atol=1e-5)
+    summary = fit.lockstep.summary()
+    if honours:
+        assert summary["by_shape_steps"] == 0 and summary["padded_client_steps"] > 0 and "refused" not in summary
+    else:
+        assert summary["by_shape_steps"] > 0 and len(summary["refused"]) == 1, summary
+        assert summary["refused"][0].startswith(why), summary
+        fit.run(requests(loop))  # the next group of the same step does not try again
+        assert fit.lockstep.summary()["steps"] == summary["steps"]
+
+
+def test_a_batch_norm_with_its_own_forward_steps_by_shape_in_lockstep():
+    """Statistics a batch norm subclass computes itself cannot leave padded rows out: its groups step by shape."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), _AdaptingNorm(4), torch.nn.Linear(4, 2))
+    loop = _loop({"r": model}, lambda p: torch.optim.SGD(p, lr=0.1))
+    sequential, executed, fit = _lockstep(loop, lambda: _streams(loop, [10, 3, 14]))
+    _assert_same(sequential, executed, atol=1e-5)
+    summary = fit.lockstep.summary()
+    assert summary["steps"] == 0 and summary["by_shape_steps"] > 0
+    assert summary["refused"] == [
+        "r's 1 is a _AdaptingNorm with its own forward, whose statistics would count padded rows"
+    ]
+
+
+def test_the_padding_check_runs_once_per_group(monkeypatch):
+    """A client of one example pads every step; the check (three losses of one client) runs at the group's first
+    padded step only, and, being made on one real row, again in the next group (a check on two rows or more
+    holds for the run)."""
+    torch.manual_seed(0)
+    loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = torch.randn(13, 3), torch.randint(0, 2, (13,))
+    losses, real_one_loss = [], group_training.GroupTraining.one_loss
+    monkeypatch.setattr(
+        group_training.GroupTraining, "one_loss", lambda self, *a: losses.append(1) or real_one_loss(self, *a)
+    )
+
+    def requests():
+        made = []
+        for k, idx in enumerate([torch.tensor([12]), torch.arange(12)]):  # 3 steps of 1 and of 4 examples
+            request = _request(loop, "r", [])
+            request.batches = batch_stream(x, y, idx, 4, 3, torch.Generator().manual_seed(k))
+            made.append(request)
+        return made
+
+    fit = B.BatchedFit(loop, lockstep=True)
+    fit.run(requests())
+    assert fit.lockstep.counts["padded_client_steps"] == 3 and len(losses) == 3
+    fit.run(requests())
+    assert fit.lockstep.counts["padded_client_steps"] == 6 and len(losses) == 6

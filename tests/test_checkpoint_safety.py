@@ -229,3 +229,27 @@ def test_tensors_by_path_names_every_tensor_and_leaves_out_the_writers_of_client
     found = tensors_by_path(tree)
     assert list(found) == ["/strategy/w", "/strategy/banks/0", "/strategy/banks/1/0"]
     assert found["/strategy/banks/1/0"] is c  # the checkpoint's own tensors, not copies
+
+
+def test_a_run_saved_before_runtime_lockstep_existed_resumes_without_a_recorded_change(tmp_path):
+    """A checkpoint whose recipe has no runtime.lockstep (saved by the code before the option) resumes: the code
+    then ran as lockstep false, the default, so nothing changed (the option was refused as a change)."""
+    import yaml
+
+    from fl_lightning.run.checkpoint import load_checkpoint, save_checkpoint
+
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=3, eval_every=1)
+    run = tmp_path / "run"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--stop_after", "1") == 0
+    path = run / "checkpoints" / "last.ckpt"
+    state = load_checkpoint(path)
+    config = yaml.safe_load(state["config"])
+    del config["runtime"]["lockstep"]
+    save_checkpoint(
+        path, {k: v for k, v in state.items() if k not in ("format", "sha256")} | {"config": yaml.safe_dump(config)}
+    )
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 0
+    assert [list(r["changed"]) for r in read_summary(run)["resumed_with"]] == [["stop_after"]]
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "on"), "--stop_after", "1") == 0
+    on = ("--runtime.executor", "batched", "--runtime.lockstep", "true")
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "on"), "--resume", "auto", *on) == 2

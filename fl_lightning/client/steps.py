@@ -39,6 +39,8 @@ def vmappable(step_fn: Callable) -> Callable:
     it changes nothing outside (no collectors, no Python lists), draws no random numbers, and reaches the
     same trained tensors at every step and batch size (the batched executor checks the first step only: a
     tensor torch's optimizer would skip for want of a gradient in a later step would be moved by momentum
-    or weight decay there)."""
+    or weight decay there). A mean over the batch leaves out the padded rows of a lockstep step
+    (``federation.padding``: labels PAD, ``class_index``, ``real_labels``, ``padded_loss``); a group checks
+    that at its first padded step and steps by shape where it does not hold."""
     step_fn.vmappable = True
     return step_fn

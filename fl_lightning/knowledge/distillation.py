@@ -1,10 +1,13 @@
-"""Distillation losses."""
+"""Distillation losses. Their means over the batch leave out a padded batch's padded rows
+(``federation.padding``: the batched executor in lockstep); otherwise they are the plain computations."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..federation.padding import padded_loss, real_rows
 
 
 def kd_kl_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -26,7 +29,7 @@ def kl_to_targets(student_logits: Tensor, target_probs: Tensor, temperature: flo
     """``T^2 * KL(targets || softmax(s/T))`` summed over classes, mean over the batch (in float32: CPU
     autocast would otherwise run the log-softmax in bfloat16)."""
     log_student = F.log_softmax(student_logits.float() / temperature, dim=1)
-    return F.kl_div(log_student, target_probs, reduction="batchmean") * temperature**2
+    return padded_loss(F.kl_div, log_student, target_probs, reduction="batchmean") * temperature**2
 
 
 def logit_matching_loss(z: Tensor, target: Tensor, kind: str = "mse") -> Tensor:
@@ -53,11 +56,15 @@ def masked_row_mean(per_row: Tensor, covered: Tensor, over: str = "batch") -> Te
 
     ``over='batch'``: sum over the covered rows / B (FedHe eq. 12-13, Felo eq. 1); ``available``: / the
     covered rows. 0 when no row is covered. Fixed shapes and no data-dependent branch (no boolean
-    indexing, no ``if mask.any()``), so a step using it can run batched under ``torch.func.vmap``.
+    indexing, no ``if mask.any()``), so a step using it can run batched under ``torch.func.vmap``. In a
+    padded batch, padded rows are not covered and B counts the real rows.
     """
+    rows = real_rows()
+    if rows is not None:
+        covered = covered & rows
     total = torch.where(covered, per_row, torch.zeros_like(per_row)).sum()
     if over == "batch":
-        return total / per_row.shape[0]
+        return total / (per_row.shape[0] if rows is None else rows.sum())
     return total / covered.sum().clamp(min=1)
 
 

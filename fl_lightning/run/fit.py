@@ -184,6 +184,7 @@ def fit(
             executor=executor,
             sequential_why=sequential_why,
             batch_clients=runtime.batch_clients,
+            lockstep=runtime.lockstep,
             faults=faults,
             divergence=divergence,
         )

@@ -64,6 +64,7 @@ class FederationOrchestrator:
         sequential_why: why the run trains sequentially where ``runtime.executor auto`` would have batched
             (summary.json's ``executor.why``).
         batch_clients: at most this many clients per batched computation.
+        lockstep: batched clients take every step together, their batches padded (``runtime.lockstep``).
         faults: faults injected into the clients (``robustness.Faults``); none when None.
         divergence: what a non-finite client update does: ``stop`` the run (exit 2) or ``drop`` the update.
     """
@@ -92,6 +93,7 @@ class FederationOrchestrator:
         executor: str = "sequential",
         sequential_why: str | None = None,
         batch_clients: int = 64,
+        lockstep: bool = False,
         faults: Faults | None = None,
         divergence: str = "stop",
     ):
@@ -120,7 +122,8 @@ class FederationOrchestrator:
         if executor not in ("sequential", "batched"):
             raise ConfigError(f"executor must be sequential or batched, got {executor!r}.")
         # asynchronous rounds run one arrival at a time: nothing to batch there (summary.json says so)
-        self.batched = BatchedExecutor(loop, batch_clients) if executor == "batched" and schedule is None else None
+        batching = executor == "batched" and schedule is None
+        self.batched = BatchedExecutor(loop, batch_clients, lockstep) if batching else None
         asked = executor == "batched" and schedule is not None
         self.unbatched = "asynchronous rounds train one arrival at a time" if asked else sequential_why
         self.asynchronous = (
@@ -198,6 +201,8 @@ class FederationOrchestrator:
             summary["executor"] = {"mode": "batched", **self.batched.fits.counts}
             if self.batched.fits.sequential_reasons:
                 summary["executor"]["sequential_reasons"] = dict(self.batched.fits.sequential_reasons)
+            if self.batched.fits.lockstep is not None:  # steps of all of a group's clients, and how many padded
+                summary["executor"]["lockstep"] = self.batched.fits.lockstep.summary()
         elif self.unbatched is not None:  # batched was asked for (or auto chose it) and could not be
             summary["executor"] = {"mode": "sequential", "why": self.unbatched}
         if self.loop.graphs is not None:  # how many steps were replayed from CUDA graphs, and why others were not

@@ -41,8 +41,15 @@ class Runtime:
             cost. Needs a CUDA device, precision ``32-true`` and the sequential executor (``auto`` picks it);
             steps that cannot be replayed faithfully run eagerly, counted in ``summary.json``. SGD runs give
             the eager run's numbers bit for bit; Adam and AdamW run in their ``capturable`` mode (the numbers of
-            ``capturable: true`` without graphs, float rounding away from the default Adam's). Experimental:
-            its speed is not yet measured on a GPU (docs/performance.md).
+            ``capturable: true`` without graphs, float rounding away from the default Adam's).
+        lockstep: with the batched executor, every client of a group takes every step in the same vmapped
+            call: each client's batch is padded to the batch size with a mask that losses, class statistics
+            and batch norm honour, and a client that has finished its steps is left out of the update
+            (``client/batched/lockstep.py``; same numbers as sequential to float tolerance). Without it,
+            clients step together only while their batches have one shape.
+
+    Experimental, off by default until a GPU measures what they pay (docs/performance.md): ``cuda_graphs``
+    and ``lockstep``.
     """
 
     accelerator: str = "auto"
@@ -56,6 +63,7 @@ class Runtime:
     client_state_memory_mb: float | None = 1024.0
     devices: int = 1
     cuda_graphs: bool = False
+    lockstep: bool = False
 
     def __post_init__(self):
         if self.devices < 1:
@@ -78,6 +86,16 @@ class Runtime:
             raise ConfigError(
                 "runtime.cuda_graphs replays the sequential loop's steps, but runtime.executor is batched; set "
                 "runtime.executor sequential (or auto) or runtime.cuda_graphs false."
+            )
+        if self.lockstep and self.cuda_graphs:
+            raise ConfigError(
+                "runtime.lockstep pads the batched executor's steps, and runtime.cuda_graphs replays the sequential "
+                "loop's; set one of them false."
+            )
+        if self.lockstep and self.executor == "sequential":
+            raise ConfigError(
+                "runtime.lockstep pads the batched executor's steps, but runtime.executor is sequential; set "
+                "runtime.executor batched (or auto, which batches on a GPU) or runtime.lockstep false."
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(

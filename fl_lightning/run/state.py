@@ -37,6 +37,10 @@ SAFE_TO_CHANGE = (
 )
 """Recipe keys a resume may change (``rounds`` only upward); docs/usage.md says why each is safe."""
 
+NEWER_KEYS = {"runtime.lockstep": False}
+"""Recipe keys newer than some checkpoints, with the value the code before them ran as: a run saved without the key
+resumes with that value as if nothing changed."""
+
 _LOWER_IS_BETTER = ("loss", "_std", "top_class_share")
 
 
@@ -246,6 +250,7 @@ def check_resume(
     if config is None or checkpoint.get("config") is None:
         return resumes
     changed = _changed_keys(_load_yaml(checkpoint["config"]), _load_yaml(config))
+    changed = {k: v for k, v in changed.items() if not (k in NEWER_KEYS and v == (None, NEWER_KEYS[k]))}
     refused = {k: v for k, v in changed.items() if not _safe(k, *v)}
     if refused:
         shown = ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in list(refused.items())[:6])

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
+from ..federation.padding import class_index
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import masked_row_mean
@@ -87,12 +88,13 @@ class FD(PersonalModels, Strategy):
         def step(module, batch, i):
             x, y = batch
             z = module(x)  # [B, C]
-            loss = F.cross_entropy(z, y)
+            loss = F.cross_entropy(z, y)  # ignores a padded row's label PAD (batched clients in lockstep)
             # T^2 KL(softmax(t_y / T) || softmax(z / T)), averaged over the samples whose label has a teacher
             log_student = F.log_softmax(z.float() / temperature, dim=1)
-            soft = F.softmax(targets[y] / temperature, dim=1)
+            c = class_index(y)
+            soft = F.softmax(targets[c] / temperature, dim=1)
             rows = F.kl_div(log_student, soft, reduction="none").sum(1) * temperature**2
-            loss = loss + lam * masked_row_mean(rows, available[y], "available")
+            loss = loss + lam * masked_row_mean(rows, available[c], "available")
             return loss, (y, z)  # training-mode logits, before the step
 
         stats = ctx.fit(role, step_fn=step, on_record=lambda record: collector.add(record[0], logits=record[1]))

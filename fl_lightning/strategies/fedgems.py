@@ -15,6 +15,7 @@ from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
+from ..federation.padding import padded_loss, real_labels
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
 from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
@@ -185,9 +186,9 @@ class FedGEMS(PersonalModels, Strategy):
             @vmappable  # pure: batched clients, CUDA graphs
             def distill(module, batch, i):
                 x, rows = batch
-                z = module(x)
-                kl = F.kl_div(F.log_softmax(z / temperature, 1), teacher[rows], reduction="batchmean")
-                return epsilon * F.cross_entropy(z, y_public[rows]) + (1 - epsilon) * kl * temperature**2
+                z = module(x)  # the means leave out a padded batch's padded rows (batched clients in lockstep)
+                kl = padded_loss(F.kl_div, F.log_softmax(z / temperature, 1), teacher[rows], reduction="batchmean")
+                return epsilon * F.cross_entropy(z, real_labels(y_public[rows])) + (1 - epsilon) * kl * temperature**2
 
             metrics[f"{role}/distill_loss"] = ctx.fit(role, step_fn=distill, batches=batches)["loss"]
         ctx.state["weights"] = ctx.weights(role)

@@ -14,6 +14,7 @@ from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
+from ..federation.padding import real_labels
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
@@ -159,9 +160,10 @@ class FedGKT(PersonalModels, Strategy):
         def step(module, batch, i):
             xb, at = batch
             z = module(xb)
+            y = real_labels(labels[at])  # PAD in a padded batch's padded rows (batched clients in lockstep)
             if teacher is None:
-                return F.cross_entropy(z, labels[at])
-            return F.cross_entropy(z, labels[at]) + alpha * kd_kl_loss(z, teacher[at], temperature)
+                return F.cross_entropy(z, y)
+            return F.cross_entropy(z, y) + alpha * kd_kl_loss(z, teacher[at], temperature)
 
         loss = ctx.fit(role, step_fn=step, batches=batches)["loss"]
         ctx.state["weights"] = ctx.weights(role)

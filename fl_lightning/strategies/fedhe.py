@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
+from ..federation.padding import class_index
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
@@ -98,10 +99,11 @@ class FedHe(PersonalModels, Strategy):
         def step(module, batch, i):
             x, y = batch
             z = module(x)  # [B, C] training-mode logits, collected before the step (eq. 7)
-            loss = F.cross_entropy(z, y)
+            loss = F.cross_entropy(z, y)  # ignores a padded row's label PAD (batched clients in lockstep)
             if use_logits:  # only samples whose class has a server logit; "batch": their sum / batch size
-                distance = logit_distance_rows(z, server_logits[y], logit_loss)
-                loss = loss + alpha * masked_row_mean(distance, available[y], logit_average)
+                c = class_index(y)
+                distance = logit_distance_rows(z, server_logits[c], logit_loss)
+                loss = loss + alpha * masked_row_mean(distance, available[c], logit_average)
             return loss, (y, z)
 
         stats = ctx.fit(role, step_fn=step, on_record=lambda record: collector.add(record[0], logits=record[1]))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
+from ..federation.padding import padded_loss
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
@@ -171,10 +172,10 @@ def digest_step(loss: str, temperature: float):
     def step(module, batch, i):
         x, consensus = batch
         z = module(x)
-        if loss == "l1":
-            return F.l1_loss(z, consensus)  # mean over batch x classes, as Keras' mean_absolute_error
+        if loss == "l1":  # mean over batch x classes, as Keras' mean_absolute_error (a padded batch: its real rows)
+            return padded_loss(F.l1_loss, z, consensus)
         if loss == "mse":
-            return F.mse_loss(z, consensus)
+            return padded_loss(F.mse_loss, z, consensus)
         return kl_to_targets(z, F.softmax(consensus / temperature, dim=1), temperature)
 
     return step

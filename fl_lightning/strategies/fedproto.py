@@ -13,6 +13,7 @@ from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
+from ..federation.padding import class_index, real_rows
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
@@ -26,7 +27,8 @@ def prototype_loss(features: Tensor, labels: Tensor, prototypes: Tensor, availab
 
     Summed over the samples whose class has a prototype and divided by ``B x D`` (every element of the
     batch): the official code's ``MSELoss`` against a copy of the batch whose rows are replaced by the
-    prototype where one exists (rows without one contribute 0 but count in the mean).
+    prototype where one exists (rows without one contribute 0 but count in the mean). In a padded batch
+    (batched clients in lockstep) the padded rows are left out and B counts the real rows.
 
     Args:
         features: ``[B, D]`` representations.
@@ -35,9 +37,13 @@ def prototype_loss(features: Tensor, labels: Tensor, prototypes: Tensor, availab
         available: ``[C]`` bool, classes that have a global prototype.
     """
     # fixed shapes, no branch on a tensor (batched clients, CUDA graphs): absent classes' rows count 0
-    squared = (features - prototypes[labels]).pow(2)
-    covered = available[labels][:, None]
-    return torch.where(covered, squared, torch.zeros_like(squared)).sum() / features.numel()
+    classes, rows = class_index(labels), real_rows()
+    squared = (features - prototypes[classes]).pow(2)
+    covered = available[classes][:, None]
+    if rows is not None:
+        covered = covered & rows[:, None]
+    total = torch.where(covered, squared, torch.zeros_like(squared)).sum()
+    return total / (features.numel() if rows is None else rows.sum() * features.shape[1])
 
 
 def prototype_head(prototypes: Tensor, available: Tensor) -> dict[str, Tensor]:

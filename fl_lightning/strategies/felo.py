@@ -11,6 +11,7 @@ from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
+from ..federation.padding import class_index
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, exchanged_keys, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank
@@ -153,15 +154,15 @@ class Felo(Strategy):
             x, y = batch
             f = module.features(x)
             z = module.head(f)
-            loss = F.cross_entropy(z, y)
+            loss = F.cross_entropy(z, y)  # ignores a padded row's label PAD (batched clients in lockstep)
             if use:  # each term over the samples whose class the server has it for (an absent term is 0)
-                terms = []
+                terms, c = [], class_index(y)
                 if any_features:  # Velo sends none before its CVAE first trains
-                    feature_rows = (f.float() - server_f[y].float()).pow(2).mean(1)
-                    terms.append(masked_row_mean(feature_rows, have_f[y], loss_average))
+                    feature_rows = (f.float() - server_f[c].float()).pow(2).mean(1)
+                    terms.append(masked_row_mean(feature_rows, have_f[c], loss_average))
                 if any_logits:
-                    logit_rows = logit_distance_rows(z, server_z[y], logit_loss)
-                    terms.append(masked_row_mean(logit_rows, have_z[y], loss_average))
+                    logit_rows = logit_distance_rows(z, server_z[c], logit_loss)
+                    terms.append(masked_row_mean(logit_rows, have_z[c], loss_average))
                 loss = loss + alpha * sum(terms[1:], terms[0])
             return loss, (y, f, z)  # training-mode outputs, before the step
 

@@ -48,6 +48,7 @@ class _Coroutine:
         self.done, self.cancelled = False, False
         self.value: Any = None
         self.error: BaseException | None = None
+        self.final_rng_state: tuple | None = None  # torch's random state as the client's task left it
         self._turn, self._yielded = threading.Event(), threading.Event()
         self._threads = torch.get_num_threads()  # a new thread starts with OpenMP's default, not the run's setting
         self._thread = threading.Thread(target=self._main, daemon=True)
@@ -65,6 +66,7 @@ class _Coroutine:
         except BaseException as err:  # noqa: BLE001 (any error, KeyboardInterrupt too, is raised again in the run's thread)
             self.error = err
         finally:
+            self.final_rng_state = random_state()
             self.done = True
             self._yielded.set()
 
@@ -116,11 +118,12 @@ class _Coroutine:
 
 
 class BatchedExecutor:
-    """Runs client tasks in chunks of ``chunk`` clients whose local fits are batched where possible."""
+    """Runs client tasks in chunks of ``chunk`` clients whose local fits are batched where possible (in
+    ``lockstep``: every client of a group at every step, batches padded)."""
 
-    def __init__(self, loop: LocalLoop, chunk: int):
+    def __init__(self, loop: LocalLoop, chunk: int, lockstep: bool = False):
         self.loop, self.chunk = loop, chunk
-        self.fits = BatchedFit(loop)
+        self.fits = BatchedFit(loop, lockstep)
 
     def run(self, jobs: list[Callable[[], Any]]) -> Iterator[Any]:
         """Runs ``jobs`` (each one client's task) a chunk at a time; their values in order."""
@@ -148,6 +151,8 @@ class BatchedExecutor:
             # a shared optimizer state carries on from the last client in task order, as one after another
             for _, request in last_fit.values():
                 restore_optimizer(self.loop, request)
+            # and so does torch's random state: what the server draws next (MergedCodist's distillation) follows it
+            set_random_state(coroutines[-1].final_rng_state)
         except BaseException:
             for coroutine in coroutines:
                 if not coroutine.done:

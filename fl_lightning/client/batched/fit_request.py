@@ -39,6 +39,12 @@ class FitRequest:
     result: dict[str, float] = field(default_factory=dict)
 
 
+def step_key(request: FitRequest) -> tuple:
+    """(role, step function's code): what the executor remembers about a step for the rest of the run (a first
+    step that failed: sequential; a step that does not honour padded rows: by shape)."""
+    return request.role, getattr(request.step_fn, "__func__", request.step_fn).__code__
+
+
 def snapshot_slots(loop: LocalLoop) -> dict[str, dict[str, Tensor]]:
     """Copies of every role's parameters and buffers, as the instances hold them now."""
     return {

@@ -28,7 +28,9 @@ import torch
 from torch import Tensor
 
 from .fit_request import FitRequest, random_state, restore, set_random_state, snapshot_optimizer, snapshot_slots
+from .fit_request import step_key as _step_key
 from .group_training import GroupTraining, NotBatchable, OutOfMemory
+from .lockstep import LockstepMemory
 from .stacked_optim import update_rule
 from .step_closures import closure_values, identity
 
@@ -41,8 +43,9 @@ log = logging.getLogger(__name__)
 class BatchedFit:
     """Runs groups of fit requests batched where they can be, sequentially where not."""
 
-    def __init__(self, loop: LocalLoop):
+    def __init__(self, loop: LocalLoop, lockstep: bool = False):
         self.loop = loop
+        self.lockstep = LockstepMemory() if lockstep else None  # runtime.lockstep: every client at every step
         self.unbatchable: dict[Any, str] = {}  # (role, step code) pairs whose first batched step failed, and why
         self.memory_limit: dict[str, int] = {}  # per role, the most clients batched since a larger group ran out
         self.counts = {"batched_fits": 0, "sequential_fits": 0}  # reported in summary.json
@@ -143,7 +146,7 @@ class BatchedFit:
         first = group[0]
         try:
             try:
-                training = GroupTraining(self.loop, group)
+                training = GroupTraining(self.loop, group, self.lockstep)
             except torch.OutOfMemoryError as err:  # stacking the group's state: nothing consumed yet
                 raise OutOfMemory(str(err)) from err
             training.run()  # converts running out of memory in its first step itself (later, it cannot)
@@ -158,11 +161,6 @@ class BatchedFit:
 
 
 _ALONE = "no other client of its chunk trained the same role, step and settings at the same point"
-
-
-def _step_key(request: FitRequest) -> tuple:
-    """(role, step function's code): what a failed first step marks as not batchable for the rest of the run."""
-    return request.role, getattr(request.step_fn, "__func__", request.step_fn).__code__
 
 
 def _default_step():

@@ -3,6 +3,8 @@
 Every client's parameters, buffers and optimizer moments are stacked in a :class:`~.flat_store.FlatStore`;
 each step gathers every member's batch from its own stream, computes all gradients in one
 ``vmap(grad_and_value(step))`` call and applies the optimizer's rule (``stacked_optim``) to whole rows.
+Clients step together while their batches have one shape, or, in lockstep (``lockstep``), all of them
+at every step with their batches padded.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ import torch
 from torch import Tensor
 
 from ...data.transforms import to_device
+from ...federation.padding import padded_rows
+from .fit_request import step_key
 from .flat_store import FlatStore, Selection
+from .gathering import gather, gatherable
+from .lockstep import Lockstep, LockstepMemory, PaddedStep
+from .masked_norm import masked_batch_norms, unmaskable_norm
+from .placement import norm_buffers_for_rows, shared_tensors
 from .reparametrize import Reparametrization, batch_norm_in_float32, tied_names
 from .stacked_optim import clip_per_client, fresh_state, sgd, update_rule
 from .step_closures import closure_values, rebuild
@@ -44,7 +52,7 @@ class GroupTraining:
     buffers instead of hundreds of tensors (its input and output handling was a fifth of a step on a GPU).
     """
 
-    def __init__(self, loop: LocalLoop, group: list[FitRequest]):
+    def __init__(self, loop: LocalLoop, group: list[FitRequest], lockstep: LockstepMemory | None = None):
         self.loop, self.group = loop, group
         first = group[0]
         self.role = first.role
@@ -63,7 +71,7 @@ class GroupTraining:
         trained = {("slot", self.role, n) for n in self.trainable}
         # a tensor that two roles share (one module in two roles) is stored once, under the trained role's name
         # when it is one of them: reparametrizing that name changes the module both roles hold
-        self.alias = _shared_tensors(loop, trained)
+        self.alias = shared_tensors(loop, trained)
         tensors: dict[tuple, Tensor] = {}
         for role, named in first.slots.items():
             for name in named:
@@ -95,7 +103,7 @@ class GroupTraining:
         self.moment_keys = sorted({key[1] for key in tensors if key[0] == "moment"})
         tensors[_TOTAL] = torch.zeros(self.clients, device=device)
 
-        in_rows, self.eval_norms = _norm_buffers_for_rows(loop, self.role, first.modes)
+        in_rows, self.eval_norms = norm_buffers_for_rows(loop, self.role, first.modes)
 
         def label(key: tuple) -> str:
             if key in buffers and key not in in_rows:
@@ -129,10 +137,22 @@ class GroupTraining:
         # plain SGD moves a tensor by its gradient alone: a zero gradient leaves it as torch's skipping would
         self.checked_use = self.rule is sgd and not self.options["momentum"] and not self.options["weight_decay"]
         self.pending_records: list[tuple[Callable, tuple]] | None = []  # step 0's, delivered once it has passed
+        self.mixed = str(getattr(loop.fabric.strategy.precision, "precision", "")).endswith("-mixed")
+        self.memory = lockstep  # None: lockstep is off for the run
+        self.lockstep = None  # None: the group's clients step together by batch shape
+        if lockstep is not None:
+            why = lockstep.refused.get(step_key(first)) or unmaskable_norm({r: s.module for r, s in loop.slots.items()})
+            if why is None:
+                self.lockstep = Lockstep(lockstep, step_key(first), device)
+            else:
+                lockstep.refuse(step_key(first), why)
 
     def run(self) -> None:
-        mixed = str(getattr(self.loop.fabric.strategy.precision, "precision", "")).endswith("-mixed")
-        with batch_norm_in_float32(self.roles) if mixed else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if self.mixed:
+                stack.enter_context(batch_norm_in_float32(self.roles))
+            if self.lockstep is not None:  # inside the float32 hooks: the masked statistics see the float32 input
+                stack.enter_context(masked_batch_norms(self.roles))
             self._run()
 
     def _run(self) -> None:
@@ -169,15 +189,8 @@ class GroupTraining:
                         )
                     shape = len(batch[0]) if gathered else tuple(tuple(t.shape) for t in batch)
                     by_shape.setdefault(shape, []).append(k)
-                for members in by_shape.values():
-                    self.step_index = step
-                    if gathered:
-                        batch = gather(streams[members[0]], [batches[k] for k in members])
-                    else:
-                        batch = tuple(torch.stack(parts) for parts in zip(*(batches[k] for k in members)))
-                    self._step(members, batch, step)
-                    for k in members:
-                        steps[k] += 1
+                self.step_index = step
+                self._step_every_client(streams, batches, by_shape, gathered, steps)
             except (NotBatchable, torch.OutOfMemoryError) as err:
                 if step > 0 and isinstance(err, torch.OutOfMemoryError):  # the group's state has moved on: no split
                     raise RuntimeError(
@@ -219,6 +232,29 @@ class GroupTraining:
                     values["step"] = views["step", self.kind_of[name]][k].clone()
             request.optimizer_state = state
 
+    def _step_every_client(self, streams, batches: dict, by_shape: dict, gathered: bool, steps: list[int]) -> None:
+        """This step of every client that has a batch: one padded call in lockstep, else one per batch shape."""
+        step, lockstep = self.step_index, self.lockstep
+        if lockstep is not None and batches and lockstep.applies(streams, batches, gathered):
+            batch, padded = lockstep.padded_batch(self.clients, streams, batches, gathered)
+            if padded.mask is None or lockstep.honoured(self, streams, batches, gathered, padded):
+                self._step(list(range(self.clients)), batch, step, padded)
+                for k in batches:
+                    steps[k] += 1
+                lockstep.count(batches, padded)
+                return
+            self.lockstep = None  # from this step on, by shape
+        for members in by_shape.values():
+            if gathered:
+                batch = gather(streams[members[0]], [batches[k] for k in members])
+            else:
+                batch = tuple(torch.stack(parts) for parts in zip(*(batches[k] for k in members)))
+            self._step(members, batch, step)
+            for k in members:
+                steps[k] += 1
+            if self.memory is not None:
+                self.memory.counts["by_shape_steps"] += 1
+
     def _next_batch(self, k: int, stream: Iterator[tuple]) -> tuple | None:
         """The client's next batch, drawn under its own global random state (as its sequential fit would)."""
         request = self.group[k]
@@ -227,17 +263,35 @@ class GroupTraining:
         request.rng_state = (torch.default_generator.get_state(), request.rng_state[1])
         return batch
 
-    def _step(self, members: list[int], batch: tuple, step: int) -> None:
+    def one_loss(self, k: int, batch: tuple, mask: Tensor | None) -> float:
+        """Client ``k``'s loss on ``batch`` (no gradient), on copies of its tensors (batch norm moves statistics)."""
+        selection = self.store.select(0, self.clients)
+        params, frozen = self.store.rows(selection, "params"), self.store.rows(selection, "frozen")
+        blocks = {key: view for key, view in self.store.views(selection).items() if key in self.store.blocks}
+        one = torch.utils._pytree.tree_map_only(Tensor, lambda t: t[k].detach().clone(), (params, frozen, blocks))
+        tensors = {**self.store.split("frozen", one[1]), **one[2], **self.store.split("params", one[0])}
+        cells = [self.cells[i][k] for i in self.tensor_cells]
+        loss, _ = self.loss_of(self._step_fn(cells), tensors, batch, self.step_index, mask)
+        return float(loss)
+
+    def _indices(self, clients: list[int]) -> Tensor:
+        return to_device(torch.tensor(clients), self.loop.fabric.device)
+
+    def _step(self, members: list[int], batch: tuple, step: int, padded: PaddedStep | None = None) -> None:
         """One optimizer step of the clients ``members`` (ascending) on their stacked batches ``[m, B, ...]``.
 
         Consecutive clients (all of them, or one) are views of the store, so the update writes in place;
-        scattered ones are gathered (one indexing call per buffer) and scattered back after.
+        scattered ones are gathered (one indexing call per buffer) and scattered back after. ``padded``: a
+        lockstep step of every client, under its mask; the clients that have finished their steps get their
+        state back after it (one gather before, one scatter after).
         """
         first, m = members[0], len(members)
         if members[-1] - first + 1 == m:  # consecutive: views, nothing copied
             selection = self.store.select(first, m)
         else:
-            selection = self.store.gather(to_device(torch.tensor(members), self.loop.fabric.device))
+            selection = self.store.gather(self._indices(members))
+        finished = self.store.gather(self._indices(padded.finished)) if padded and padded.finished else None
+        mask = padded.mask if padded is not None else None
         params = self.store.rows(selection, "params")
         frozen = self.store.rows(selection, "frozen")
         views = self.store.views(selection, ("blocks", "counters"))
@@ -246,9 +300,9 @@ class GroupTraining:
         cells = [self.cells[i][first : first + m] if index is None else self.cells[i][index] for i in self.tensor_cells]
         try:
             if not self.checked_use:
-                self._check_every_parameter_is_used(params, frozen, buffers, cells, batch)
+                self._check_every_parameter_is_used(params, frozen, buffers, cells, batch, mask)
             grads, (losses, record) = self._gradients(
-                params, frozen, buffers, cells, batch, unbatched=m == 1 and step > 0
+                params, frozen, buffers, cells, batch, unbatched=m == 1 and step > 0, mask=mask
             )
         except torch.OutOfMemoryError:
             raise  # not a step that cannot run batched: _run splits the group (first step) or stops
@@ -276,16 +330,21 @@ class GroupTraining:
             self.rule(params, grads, state, self.options)  # in place: the rows are the store's
             views[_TOTAL].add_(losses.detach().float())
         self.store.scatter(selection)
+        if finished is not None:  # their step is undone: parameters, moments, step counts, statistics, losses
+            self.store.scatter(finished)
         for j, k in enumerate(members):  # each client's record to its own callback, in client order
             on_record = self.group[k].on_record
-            if on_record is not None and record:
+            if on_record is not None and record and not (padded and padded.real[k] == 0):
                 observed = tuple(t[j].detach() for t in record)
+                observed = padded.cut(k, observed) if padded is not None else observed
                 if self.pending_records is None:
                     on_record(observed)
                 else:  # a later group of step 0 may still fail, and the sequential loop would record it again
                     self.pending_records.append((on_record, observed))
 
-    def _check_every_parameter_is_used(self, params: dict, frozen: dict, buffers: dict, cells: list, batch: tuple):
+    def _check_every_parameter_is_used(
+        self, params: dict, frozen: dict, buffers: dict, cells: list, batch: tuple, mask: Tensor | None = None
+    ):
         """Refuses a step that leaves a trained tensor without a gradient: torch's optimizer skips such a tensor
         (no decay, no momentum), while a whole-row update would move it. One client, copies of its tensors."""
         self.checked_use = True
@@ -294,7 +353,8 @@ class GroupTraining:
         cells_of_one, batch_of_one = torch.utils._pytree.tree_map_only(Tensor, lambda t: t[0], (cells, batch))
         tensors = {**self.store.split("frozen", one[1]), **one[2], **leaves}
         with torch.enable_grad():
-            loss, _ = self.loss_of(self._step_fn(cells_of_one), tensors, batch_of_one, self.step_index)
+            mask_of_one = mask[0] if mask is not None else None
+            loss, _ = self.loss_of(self._step_fn(cells_of_one), tensors, batch_of_one, self.step_index, mask_of_one)
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         unused = [key[2] for key, g in zip(leaves, grads) if g is None]
         if unused:
@@ -304,33 +364,36 @@ class GroupTraining:
         return {key: self.store.rows(selection, f"moment:{key}") for key in self.moment_keys}
 
     def _gradients(
-        self, params: dict, frozen: dict, buffers: dict, cells: list, batch: tuple, unbatched=False
+        self, params: dict, frozen: dict, buffers: dict, cells: list, batch: tuple, unbatched=False, mask=None
     ) -> tuple:
         """Every member's gradients (of the parameter rows) and (loss, record) in one vmapped call
         (benchmarks/probes/compile_probe.py replaces it with a compiled one). ``unbatched``: one member, computed
         by plain autograd on its own views (a client alone in its step, e.g. the only one with a short batch,
         needs neither vmap nor torch.func's wrapping) and given its client dimension back; never in a group's
-        first step, whose vmapped call checks that the step is pure."""
+        first step, whose vmapped call checks that the step is pure. ``mask``: ``[m, B]``, a padded batch's."""
         if not unbatched:
             compute = torch.func.grad_and_value(self._loss, has_aux=True)
-            return torch.func.vmap(compute, randomness="error")(params, frozen, buffers, cells, batch)
+            masks = () if mask is None else (mask,)  # vmap maps tensors only: no mask, no input
+            return torch.func.vmap(compute, randomness="error")(params, frozen, buffers, cells, batch, *masks)
         leaves = {kind: flat[0].detach().requires_grad_() for kind, flat in params.items()}  # aliases: no copy
         # comprehensions, not a pytree map: ~4 Python calls fewer per tensor, and a lone step is host-bound on a GPU
         frozen = {kind: flat[0] for kind, flat in frozen.items()}
         buffers = {key: view[0] for key, view in buffers.items()}
         cells, batch = [cell[0] for cell in cells], tuple(t[0] for t in batch)
         with torch.enable_grad():
-            loss, record = self._loss(leaves, frozen, buffers, cells, batch)
+            loss, record = self._loss(leaves, frozen, buffers, cells, batch, None if mask is None else mask[0])
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         # rows of a dtype the loss does not reach (every tensor was checked to be used: none, in practice)
         grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves.values(), grads)]
         grads = {kind: g.unsqueeze(0) for kind, g in zip(leaves, grads)}
         return grads, (loss.detach().unsqueeze(0), tuple(t.detach().unsqueeze(0) for t in record))
 
-    def _loss(self, params: dict, frozen: dict, buffers: dict, tensor_cells: list[Tensor], batch: tuple) -> tuple:
+    def _loss(
+        self, params: dict, frozen: dict, buffers: dict, tensor_cells: list[Tensor], batch: tuple, mask=None
+    ) -> tuple:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
         tensors = {**self.store.split("frozen", frozen), **buffers, **self.store.split("params", params)}
-        return self.loss_of(self._step_fn(tensor_cells), tensors, batch, self.step_index)
+        return self.loss_of(self._step_fn(tensor_cells), tensors, batch, self.step_index, mask)
 
     def _step_fn(self, tensor_cells: list[Tensor]) -> Callable:
         """The first client's own step function, with one client's closure tensors where they differ."""
@@ -342,84 +405,20 @@ class GroupTraining:
             step_fn = rebuild(step_fn, cells)
         return step_fn
 
-    def loss_of(self, step_fn: Callable, tensors: dict[tuple, Tensor], batch: tuple, step: int) -> tuple:
+    def loss_of(
+        self, step_fn: Callable, tensors: dict[tuple, Tensor], batch: tuple, step: int, mask: Tensor | None = None
+    ) -> tuple:
         """``step_fn``'s (loss, record) for one client, every role's module holding that client's tensors
-        (``tensors``: ``("slot", role, name)`` -> tensor)."""
+        (``tensors``: ``("slot", role, name)`` -> tensor), under its padded batch's ``mask`` ``[B]`` if any."""
         named = {f"{self.role_keys[key[1]]}.{key[2]}": value for key, value in tensors.items()}
         for names in self.tied:  # a tensor held under several names (tied weights, a module two roles share)
             given = next((named[n] for n in names if n in named), None)
             if given is not None:
                 named.update(dict.fromkeys(names, given))
-        with self.reparametrize(named), self.loop.fabric.autocast():  # autocast: the forward only
+        with padded_rows(mask), self.reparametrize(named), self.loop.fabric.autocast():  # autocast: the forward only
             loss = step_fn(self.slot.module, batch, step)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
         return loss.float(), tuple(record)
 
 
 _TOTAL = ("total",)  # the store's entry for each client's summed loss
-
-
-_NORM_FORWARDS = (torch.nn.modules.batchnorm._BatchNorm.forward, torch.nn.SyncBatchNorm.forward)
-
-
-def _norm_buffers_for_rows(loop: LocalLoop, trained_role: str, modes: tuple) -> tuple[set[tuple], list]:
-    """Batch-norm buffers that may sit in strided rows, and the batch norms whose mode a step must not change.
-
-    Only batch norm's own rule writes a buffer into a copy when the buffer is strided; every buffer passed to
-    vmap on its own costs a step ~30 Python calls of torch.func's input handling (the teacher's and the other
-    roles' statistics are half of a ResNet pair's ~136 inputs). So rows hold the running statistics of a batch
-    norm in evaluation mode (it only reads them: a teacher, a role the step does not train) and every batch
-    norm's ``num_batches_tracked``, which its forward increments with an ordinary in-place add.
-    """
-    keys, eval_norms = set(), []
-    # the trained role runs in training mode throughout, a module it shares with another role too
-    trained = {id(m) for m in loop.slots[trained_role].module.modules()}
-    for role, role_modes in zip(loop.slots, modes):
-        module = loop.slots[role].module
-        for (prefix, submodule), training in zip(module.named_modules(), role_modes):
-            # torch's own forward only: a subclass may update its statistics in evaluation mode (test-time adaptation)
-            if type(submodule).forward not in _NORM_FORWARDS:
-                continue
-            training = training or id(submodule) in trained
-            at = f"{prefix}." if prefix else ""
-            names = ["num_batches_tracked"] if training else ["running_mean", "running_var", "num_batches_tracked"]
-            keys |= {("slot", role, at + name) for name in names if submodule._buffers.get(name) is not None}
-            if not training:
-                eval_norms.append(submodule)
-    return keys, eval_norms
-
-
-def _shared_tensors(loop: LocalLoop, trained: set) -> dict[tuple, tuple]:
-    """``("slot", role, name)`` -> the key a group stores that tensor under, for tensors several roles hold."""
-    holders: dict[int, list[tuple]] = {}
-    for role, slot in loop.slots.items():
-        for name, t in [*slot.module.named_parameters(), *slot.module.named_buffers()]:
-            holders.setdefault(id(t), []).append(("slot", role, name))
-    alias = {}
-    for keys in holders.values():
-        if len(keys) > 1:
-            kept = next((key for key in keys if key in trained), keys[0])
-            alias |= {key: kept for key in keys if key != kept}
-    return alias
-
-
-def gatherable(streams: list) -> bool:
-    """Whether every client's batches come from one pool with one augmentation that can be drawn per client."""
-    from ..batches import BatchStream
-
-    if not all(type(s) is BatchStream for s in streams):
-        return False
-    first = streams[0]
-    augment_ok = first.augment is None or hasattr(first.augment, "draw")
-    return augment_ok and all(s.x is first.x and s.y is first.y and (s.augment == first.augment) for s in streams[1:])
-
-
-def gather(stream, parts: list[tuple[Tensor, Tensor | None]]) -> tuple[Tensor, ...]:
-    """The stacked batches ``[m, B, ...]`` of m clients: one gather from the pool, one augmentation call
-    with every client's own draws (bit-identical to gathering and augmenting client by client)."""
-    index = torch.stack([chosen for chosen, _ in parts])  # [m, B]
-    x = stream.x[index.reshape(-1)]
-    if stream.augment is not None:
-        x = stream.augment.apply(x, torch.cat([draws for _, draws in parts]))
-    x = x.reshape(*index.shape, *x.shape[1:])
-    return (x,) if stream.y is None else (x, stream.y[index])
