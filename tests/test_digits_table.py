@@ -93,5 +93,5 @@ def test_a_method_with_no_digits_recipe_of_the_set_up_runs_as_a_variant_of_it(di
     assert recipe == "digits_fedgh" and set(overrides) == {"strategy"}
     summary, derived = digits_table.run_once(recipe, overrides, seed=0, rounds=1)
     assert "personal/test_acc" in summary["final"]
-    # FD's traffic, not FedGH's: C x (C + 1) numbers up and down per client and round, 10 x 11 x 4 bytes each way
-    assert derived[digits_table.KIB] == pytest.approx(2 * 10 * 11 * 4 / 1024)
+    # FD's traffic, not FedGH's: in round 1 each client's 2 labels' logits and labels up, no teacher yet down
+    assert derived[digits_table.KIB] == pytest.approx(2 * 11 * 4 / 1024)
