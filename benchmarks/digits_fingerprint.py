@@ -8,7 +8,10 @@ of the strategy's server state and the clients' states in the final checkpoint.
     python benchmarks/digits_fingerprint.py --check benchmarks/digits_fingerprint.json   # compare
 
 ``--check`` exits 1 and names every recipe whose fingerprint changed. A change that is meant to alter
-numbers (a fidelity fix) re-records the file in the same commit and says so in the message.
+numbers (a fidelity fix) re-records the file in the same commit and says so in the message; with
+``--only``, ``--write`` re-records those recipes' entries and keeps the others of the file:
+
+    python benchmarks/digits_fingerprint.py --only digits_fd --write benchmarks/digits_fingerprint.json
 """
 
 from __future__ import annotations
@@ -79,7 +82,13 @@ def main() -> int:
         recipes = [r for r in recipes if r.stem in args.only]
     results = {r.stem: fingerprint(r, args.rounds) for r in recipes}
     if args.write:
-        args.write.write_text(json.dumps({"rounds": args.rounds, "recipes": results}, indent=1, sort_keys=True) + "\n")
+        recorded = results
+        if args.only and args.write.is_file():  # re-record these entries only
+            previous = json.loads(args.write.read_text())
+            if previous["rounds"] != args.rounds:
+                sys.exit(f"{args.write} records {previous['rounds']} rounds; --only entries must use the same --rounds.")
+            recorded = {**previous["recipes"], **results}
+        args.write.write_text(json.dumps({"rounds": args.rounds, "recipes": recorded}, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(results)} fingerprints to {args.write}")
     if args.check:
         expected = json.loads(args.check.read_text())["recipes"]

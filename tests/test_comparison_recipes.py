@@ -26,8 +26,8 @@ PAPER_004_TINY = ("--training.local_epochs", "1", "--training.batch_size", "8")
     [
         # LG-FedAvg: the heads both ways, the paper's 39.14 KB per client and round
         ("lg_fedavg", 10 * HEADER * 4, 10 * HEADER * 4),
-        # FD: C x (C + 1) numbers (per-label logits and the labels) both ways
-        ("fd", 10 * 10 * 11 * 4, 10 * 10 * 11 * 4),
+        # FD: each client's 2 labels' logits and the labels up (S x (C + 1) numbers), no teacher yet in round 1
+        ("fd", 10 * 2 * 11 * 4, 0),
         # FedProto: S = 2 class prototypes with their labels up, no global prototype yet in round 1
         ("fedproto", 10 * 2 * 501 * 4, 0),
         # FML: the meme model (CNN-5) both ways

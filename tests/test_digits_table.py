@@ -77,6 +77,23 @@ def test_check_passes_on_the_written_rows_and_fails_on_a_changed_value(digits_ta
     assert "paper-002/table-1 FedAdam:" in err and f"docs:  | FedAdam | `digits_fedadam` | {wrong}" in err
 
 
+def test_write_rows_remeasures_the_named_rows_only_and_redoes_the_ranking(digits_table, written, tmp_path):
+    changed = tmp_path / "rows.md"
+    text = written.read_text()
+    fedadam, merged = _row(text, "FedAdam"), _row(text, "MergedCodist")
+    # the docs claim FedAdam at 0.999 on both columns: the ranking line says PeriodicCodist fails
+    fake = "| FedAdam | `digits_fedadam` | 0.999 (0.999) | 0.999 (0.999) |"
+    stale = text.replace(fedadam, fake)
+    stale = re.sub(r"Ranking \(means over seeds\): .*\.", "Ranking (means over seeds): stale.", stale)
+    changed.write_text(stale)
+    assert digits_table.main(["--write", "--rows", "FedAdam", "--docs", str(changed)]) == 0
+    after = changed.read_text()
+    assert _row(after, "FedAdam") == fedadam and _row(after, "MergedCodist") == merged  # re-measured; untouched
+    ranking = next(line for line in text.splitlines() if line.startswith("Ranking"))
+    assert ranking in after and "stale" not in after  # as --write wrote it from the same rows
+    assert digits_table.main(["--write", "--rows", "no such row", "--docs", str(changed)]) == 1
+
+
 def test_check_without_a_generated_row_fails_and_write_needs_the_markers(digits_table, tmp_path, capsys):
     docs = tmp_path / "algorithms.md"
     docs.write_text(f"{BLOCK}\n")
@@ -93,5 +110,5 @@ def test_a_method_with_no_digits_recipe_of_the_set_up_runs_as_a_variant_of_it(di
     assert recipe == "digits_fedgh" and set(overrides) == {"strategy"}
     summary, derived = digits_table.run_once(recipe, overrides, seed=0, rounds=1)
     assert "personal/test_acc" in summary["final"]
-    # FD's traffic, not FedGH's: C x (C + 1) numbers up and down per client and round, 10 x 11 x 4 bytes each way
-    assert derived[digits_table.KIB] == pytest.approx(2 * 10 * 11 * 4 / 1024)
+    # FD's traffic, not FedGH's: in round 1 each client's 2 labels' logits and labels up, no teacher yet down
+    assert derived[digits_table.KIB] == pytest.approx(2 * 11 * 4 / 1024)

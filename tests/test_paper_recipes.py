@@ -1,5 +1,6 @@
 """Paper recipes: each family runs a round on tiny files in the real formats, through its own recipe."""
 
+import gzip
 import json
 
 import pytest
@@ -61,6 +62,7 @@ def test_flagship_ondevice_kd_cifar10_runs_a_round_and_keeps_the_paper_reference
     assert code == 0
     summary = read_summary(out)
     assert set(summary["final"]) >= {"aux/test_acc", "target/test_acc"}
+    assert summary["reference"].pop("setup")["local_steps"] == 30  # the set-up numbers travel too (Table 4's tau)
     assert summary["reference"] == {
         "paper": "paper-001 (Lim et al., on-device KD)",
         "table": "Table 4",
@@ -110,26 +112,44 @@ def test_fedhe_mnist_heterogeneous_recipe_uploads_class_logits_only(tmp_path):
     assert summary["reference"]["metrics"] == {"personal/test_acc": 0.985} and "personal/test_acc" in summary["final"]
 
 
+def test_fedmd_mnist_recipe_sends_paper_000s_logits_and_not_the_public_images(tmp_path):
+    """Paper 000's Tables III-IV count FedMD's traffic per client and round as n x 10 logits plus the n public
+    images a client obtains (n x 794 numbers on MNIST, n = 10); here every client holds the public set from
+    the start, so a round sends the n x 10 logits up and the consensus (n x 10) and the n positions down."""
+    _tiny_mnist(tmp_path)
+    fast = ["--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1"]
+    summary = _tiny_run(tmp_path, "fedmd_mnist_homogeneous", "--rounds", "2", "--eval_every", "2", *fast)
+    n, c, rounds = 10, 10, 2  # one client per round (paper 000's loop)
+    assert summary["comm"]["uplink_bytes"] == rounds * n * c * 4
+    assert summary["comm"]["downlink_bytes"] == rounds * (n * c * 4 + n * 4)
+
+
 def test_private_baseline_sends_nothing(tmp_path):
     _tiny_mnist(tmp_path)
     summary = _run_fedhe_family(tmp_path, "private_mnist_homogeneous")
     assert summary["comm"]["uplink_bytes"] == summary["comm"]["downlink_bytes"] == 0
 
 
-def test_codistillation_cifar100_recipe_with_cifar10_as_out_of_domain_server_set(tmp_path):
+def write_fed_cifar100(root, clients=4, per_client=6):
+    """TFF's Federated CIFAR-100 h5 files: ``clients`` natural clients of ``per_client`` images (client i's
+    labels all i), and a test client of 4."""
     import numpy as np
     from test_benchmark_data import write_tff
 
-    root = tmp_path / "fed_cifar100"
-    root.mkdir()
+    folder = root / "fed_cifar100"
+    folder.mkdir()
     rng = np.random.default_rng(0)
     image = lambda n: rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
     write_tff(
-        root / "fed_cifar100_train.h5",
-        {str(i): (image(6), np.full(6, i, dtype=np.int64)) for i in range(4)},
+        folder / "fed_cifar100_train.h5",
+        {str(i): (image(per_client), np.full(per_client, i, dtype=np.int64)) for i in range(clients)},
         ("image", "label"),
     )
-    write_tff(root / "fed_cifar100_test.h5", {"0": (image(4), np.arange(4, dtype=np.int64))}, ("image", "label"))
+    write_tff(folder / "fed_cifar100_test.h5", {"0": (image(4), np.arange(4, dtype=np.int64))}, ("image", "label"))
+
+
+def test_codistillation_cifar100_recipe_with_cifar10_as_out_of_domain_server_set(tmp_path):
+    write_fed_cifar100(tmp_path)
     write_cifar10(tmp_path, per_batch=4, test=2)
     population = _pools(4, 2)
     out = tmp_path / "run"
@@ -269,18 +289,19 @@ KD_TINY = (
 )
 
 
-def _femnist_files(root):
+def _femnist_files(root, writers=4, per_writer=12):
     import numpy as np
 
     folder = root / "femnist" / "all_data"
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    users = [f"w{i}" for i in range(4)]
+    users = [f"w{i}" for i in range(writers)]
     blob = {
         "users": users,
-        "num_samples": [12] * 4,
+        "num_samples": [per_writer] * writers,
         "user_data": {
-            u: {"x": rng.random((12, 784)).round(2).tolist(), "y": (np.arange(12) % 62).tolist()} for u in users
+            u: {"x": rng.random((per_writer, 784)).round(2).tolist(), "y": (np.arange(per_writer) % 62).tolist()}
+            for u in users
         },
     }
     (folder / "all_data_0.json").write_text(json.dumps(blob))
@@ -316,7 +337,8 @@ def _speech_files(root):
     return ()
 
 
-def _cifar100_files(root):
+def write_cifar100(root, train=40, test=8):
+    """CIFAR-100's python pickles with ``train`` and ``test`` random images, labels cycling over the 100 classes."""
     import pickle
 
     import numpy as np
@@ -324,10 +346,14 @@ def _cifar100_files(root):
     folder = root / "cifar-100-python"
     folder.mkdir()
     rng = np.random.default_rng(0)
-    for split, n in (("train", 40), ("test", 8)):
+    for split, n in (("train", train), ("test", test)):
         batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "fine_labels": (np.arange(n) % 100).tolist()}
         with (folder / split).open("wb") as f:
             pickle.dump(batch, f)
+
+
+def _cifar100_files(root):
+    write_cifar100(root)
     tiny_vit = {
         "builder": "vit_b16",
         "args": {
@@ -405,16 +431,27 @@ def test_paper_001_recipe_families_run_a_round(tmp_path, recipe, writer):
     assert summary["comm"]["downlink_bytes"] == uplink + (size["aux"] if len(size) == 2 else 0)
 
 
-def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
+def write_stackoverflow(root, users=8):
+    """TFF's StackOverflow h5 files and word counts: ``users`` users of 6 posts (questions and answers
+    alternating), a 30-word vocabulary, and a test user of 3 answers."""
     from test_benchmark_data import write_tff
 
-    root = tmp_path / "stackoverflow"
-    root.mkdir()
-    (root / "stackoverflow.word_count").write_text("".join(f"w{i} {100 - i}\n" for i in range(30)))
+    folder = root / "stackoverflow"
+    folder.mkdir()
+    (folder / "stackoverflow.word_count").write_text("".join(f"w{i} {100 - i}\n" for i in range(30)))
+    kinds = [b"question", b"answer"] * 3
+    posts = {f"u{i}": ([f"w{i % 27} w{i % 27 + 1} w{i % 27 + 2} w99".encode()] * 6, kinds) for i in range(users)}
+    write_tff(folder / "stackoverflow_train.h5", posts, ("tokens", "type"))
+    write_tff(folder / "stackoverflow_test.h5", {"t": ([b"w1 w2"] * 3, [b"answer"] * 3)}, ("tokens", "type"))
+    (root / "c4").mkdir()  # the first C4 validation shard: the out-of-domain distillation texts
+    with gzip.open(root / "c4" / "c4-validation.00000-of-00008.json.gz", "wt") as f:
+        for k in range(12):
+            f.write(json.dumps({"text": f"W{k % 10} w1 w2", "url": "x", "timestamp": "y"}) + "\n")
+
+
+def test_stackoverflow_codistillation_recipe_runs_a_round(tmp_path):
     # 8 users: the recipe's pool draws 6 of them, the other two hold the in-domain server set
-    posts = {f"u{i}": ([f"w{i} w{i + 1} w{i + 2} w99".encode()] * 6, [b"question"] * 6) for i in range(8)}
-    write_tff(root / "stackoverflow_train.h5", posts, ("tokens", "type"))
-    write_tff(root / "stackoverflow_test.h5", {"t": ([b"w1 w2"] * 3, [b"answer"] * 3)}, ("tokens", "type"))
+    write_stackoverflow(tmp_path, users=8)
     population = _pools(6, 2)
     out = tmp_path / "run"
     assert (
@@ -540,19 +577,24 @@ def test_fedhe_cifar10_heterogeneous_recipe_runs_a_round(tmp_path):
     assert {f"personal/model{k}/test_acc" for k in range(10)} <= set(summary["final"])
 
 
-def test_felo_cinic10_homogeneous_recipe_runs_a_round(tmp_path):
+def write_cinic10(root, train=2, test=1):
+    """CINIC-10's PNG folders with ``train`` and ``test`` random images per class."""
     import numpy as np
     from PIL import Image
 
     from fl_lightning.data import Cinic10Data
 
     rng = np.random.default_rng(0)
-    for split, n in (("train", 2), ("test", 1)):
+    for split, n in (("train", train), ("test", test)):
         for name in Cinic10Data.classes:
-            folder = tmp_path / "CINIC-10" / split / name
+            folder = root / "CINIC-10" / split / name
             folder.mkdir(parents=True)
             for i in range(n):
                 Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+
+
+def test_felo_cinic10_homogeneous_recipe_runs_a_round(tmp_path):
+    write_cinic10(tmp_path)
     summary = _tiny_run(
         tmp_path,
         "felo_cinic10_iid_homogeneous",
@@ -569,17 +611,7 @@ def test_felo_cinic10_homogeneous_recipe_runs_a_round(tmp_path):
 
 
 def test_fedgh_cifar100_heterogeneous_recipe_runs_a_round(tmp_path):
-    import pickle
-
-    import numpy as np
-
-    folder = tmp_path / "cifar-100-python"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 200), ("test", 50)):
-        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "fine_labels": (np.arange(n) % 100).tolist()}
-        with (folder / split).open("wb") as f:
-            pickle.dump(batch, f)
+    write_cifar100(tmp_path, train=200, test=50)
     summary = _tiny_run(
         tmp_path, "fedgh_cifar100_heterogeneous", "--training.local_epochs", "1", "--training.batch_size", "8"
     )

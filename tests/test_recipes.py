@@ -139,7 +139,7 @@ def test_every_paper_recipe_has_the_one_reference_shape():
     rows = paper_recipes()
     assert len(rows) >= 141
     for path, reference in rows:
-        assert set(reference) <= {"paper", "table", "row", "column", "metrics", "stds"}, path.name
+        assert set(reference) <= {"paper", "table", "row", "column", "metrics", "stds", "setup", "departures"}, path.name
     by_name = {path.name: reference for path, reference in rows}
     assert by_name["fedadam_cifar100_ph3100.yaml"]["metrics"] == {"large/test_acc": 0.2476, "small/test_acc": 0.3184}
 
@@ -160,6 +160,13 @@ def test_a_reference_in_another_shape_is_refused(tmp_path):
         check_reference(no_std, tmp_path / "r.yaml")
     with pytest.raises(ConfigError, match=r"numbers \(null where the paper prints none\)"):
         check_reference({"paper": "p", "table": "t", "column": "c", "metrics": {"m": "93%"}}, tmp_path / "r.yaml")
+    # the set-up numbers: numbers or printed forms (19K, <0.05%); departures: a reason per number
+    cell = {"paper": "p", "table": "t", "column": "c", "metrics": {"m": 0.5}}
+    check_reference({**cell, "setup": {"clients": 100, "message_numbers/aux": "19K"}, "departures": {"clients": "why"}}, tmp_path / "r.yaml")
+    with pytest.raises(ConfigError, match="`reference.setup` in .* must map set-up quantities to the paper's numbers"):
+        check_reference({**cell, "setup": {"clients": [100]}}, tmp_path / "r.yaml")
+    with pytest.raises(ConfigError, match="`reference.departures` in .* must map set-up quantities to the reason"):
+        check_reference({**cell, "departures": {"clients": 3}}, tmp_path / "r.yaml")
 
 
 def test_the_committed_readme_is_the_generated_one():

@@ -53,8 +53,9 @@ class DSFL(PersonalModels, Strategy):
     raw logits and took ``softmax`` of their average at T = 1, ordinary soft labels and no entropy
     reduction (``upload: logits, era_temperature: 1``); ``era_temperature=0.1`` came next, still on
     logits; since May 2022 clients upload softmax outputs and ERA is ``softmax(p_bar / 0.1)``, as the
-    paper (the defaults here). Paper 001's Table 13 lists "temperature 1" for DS-FL without saying whose;
-    read as ERA's T on probabilities (``era_temperature: 1``) it flattens the average.
+    paper (the defaults here). Paper 001's Tables 13-15 list "temperature 1" for DS-FL without saying whose;
+    read as ERA's T on probabilities (``era_temperature: 1``) it flattens the average, and paper 001's
+    recipes run it so (the tables' setting).
 
     Args:
         open_size: open-set examples per round (``None``: all of them).

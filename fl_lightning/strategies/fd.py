@@ -7,29 +7,61 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.padding import class_index
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import masked_row_mean
 from .base import PersonalModels, ServerContext, Strategy
+
+
+def fd_loss(z: Tensor, y: Tensor, targets: Tensor, available: Tensor, lam: float, temperature: float) -> Tensor:
+    """FD's local loss on a batch: ``CE(z, y) + lam * T^2 KL(softmax(t_y / T) || softmax(z / T))``.
+
+    The KL is summed over classes and averaged over the samples whose label has a teacher (``available``);
+    a batch without one is plain cross-entropy. A padded batch's padded rows (label PAD, batched clients in
+    lockstep) count in neither term.
+
+    Args:
+        z: the student's logits ``[B, C]``.
+        y: labels ``[B]``.
+        targets: the teacher's logits per label ``[C, C]`` (rows of labels without a teacher are ignored).
+        available: ``[C]`` bool, labels that have a teacher.
+        lam: gamma, the weight of the distillation term.
+        temperature: T of both softmaxes.
+    """
+    log_student = F.log_softmax(z.float() / temperature, dim=1)
+    c = class_index(y)  # a padded row's PAD label indexes class 0; the means below leave that row out
+    soft = F.softmax(targets[c] / temperature, dim=1)
+    rows = F.kl_div(log_student, soft, reduction="none").sum(1) * temperature**2
+    return F.cross_entropy(z, y) + lam * masked_row_mean(rows, available[c], "available")
 
 
 class FD(PersonalModels, Strategy):
     """Federated distillation: personal models that exchange per-label average logits, no public data.
 
     Client k keeps its own model. While it trains it sums the logits of each label (training-mode
-    forward, before each step) and uploads the per-label means ``z_k,c`` (``C x (C + 1)`` numbers with
-    the labels, Algorithm 1 line 6). The server averages, per label, the uploads of the last round
-    (unweighted: "global average logit vectors"). Client k's teacher for label c is that average
-    **without its own upload** (Algorithm 1 line 9: ``F_global - F_k``, the paper's choice;
-    ``exclude_own: false`` is the plain mean of HtFLlib's version). Local loss:
-    ``CE(z, y) + lam * KL(softmax(t_y / T) || softmax(z / T))`` over samples whose label has a
-    teacher. The paper writes the regulariser as a cross-entropy against the teacher's softmax;
-    the KL has the same gradient (they differ by the teacher's entropy, a constant).
+    forward, before each step) and uploads the per-label means ``z_k,c`` of the S labels it met, with
+    those labels (compact: ``S x (C + 1)`` numbers, Algorithm 1 line 6). The server averages, per label,
+    the uploads of the last round (unweighted: "global average logit vectors"). Client k's teacher for
+    label c is that average **without its own upload** (Algorithm 1 line 9: ``F_global - F_k``, the
+    paper's choice; ``exclude_own: false`` is the plain mean of HtFLlib's version). Local loss
+    (:func:`fd_loss`): ``CE(z, y) + lam * T^2 KL(softmax(t_y / T) || softmax(z / T))`` over samples whose
+    label has a teacher. The paper writes the regulariser as a cross-entropy against the teacher's
+    softmax; the KL has the same gradient (they differ by the teacher's entropy, a constant).
+
+    What goes down is the teacher of the client's own labels only, as paper 004 counts FD's traffic
+    (Table 3: 0.16 KB per client and round on CIFAR-10, the 2 labels' 10 logits each way): when the
+    server holds the client's upload of the last round and every label of it has a teacher, the S x C
+    teacher rows in the order of that upload's labels, which the client keeps, so no label is sent
+    (``TensorPayload``); otherwise (the client did not upload last round, or a label of it has no
+    teacher) the teacher rows of the labels that have one, with their labels (``ClassStatistics``,
+    compact). A label the client did not meet in its previous round's batches has no teacher in the
+    next round (with full local epochs, as paper 004's, it meets all of its labels).
 
     Personal models are evaluated on the global test set (``split: global``) or on each client's local
     test split (``split: test``, as paper 004 compares FD with FedGH).
@@ -59,16 +91,24 @@ class FD(PersonalModels, Strategy):
         self.last_uploads: dict[int, dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ server -> client
-    def teacher(self, client: ClientSpec) -> ClassStatistics:
-        """Per-label teacher logits ``[C, C]`` for ``client`` (label ABSENT where no other client has one)."""
+    def teacher(self, client: ClientSpec) -> ClassStatistics | TensorPayload:
+        """What ``client`` receives: its labels' teacher logits, in the order of its last upload (a
+        ``TensorPayload`` of ``[S, C]``), or the teacher rows that exist with their labels (compact
+        ``ClassStatistics``; no row before any upload)."""
         sums, counts = self.round_sums.clone(), self.round_counts.clone()
-        own = self.last_uploads.get(client.id) if self.exclude_own else None
-        if own is not None:
-            sums -= own["logits"].double() * own["present"][:, None]
-            counts -= own["present"].double()
+        own = self.last_uploads.get(client.id)
+        if own is not None and self.exclude_own:
+            labels = own["labels"].long()
+            sums.index_add_(0, labels, -own["logits"].double())
+            counts.index_add_(0, labels, -torch.ones(len(labels), dtype=torch.float64))
         present = counts > 0.5
-        mean = (sums / counts.clamp(min=1.0)[:, None]).float() * present[:, None]
-        return ClassStatistics.padded("teacher_logits", {"logits": mean}, present)
+        mean = (sums / counts.clamp(min=1.0)[:, None]).float()
+        if own is not None:
+            labels = own["labels"].long()
+            if bool(present[labels].all()):  # the client knows these labels: only the rows go down
+                return TensorPayload("teacher_logits", {"logits": mean[labels]})
+            present = present & torch.zeros_like(present).index_fill_(0, labels, True)
+        return ClassStatistics.padded("teacher_logits", {"logits": mean * present[:, None]}, present).compact()
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         return [ClientTask(c, rnd, {"teacher_logits": self.teacher(c)}) for c in clients]
@@ -77,10 +117,10 @@ class FD(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        teacher = task.downlink["teacher_logits"]
+        targets, available = self.received_teacher(task, ctx)
         device = ctx.data_x.device
         # at one address per name (CUDA graphs keep their key); absent labels' rows are zeros
-        targets, available = ctx.on_device("teacher", teacher.vectors["logits"]), ctx.on_device("has", teacher.present)
+        targets, available = ctx.on_device("teacher", targets), ctx.on_device("has", available)
         collector = ClassStatsCollector(self.num_classes, {"logits": self.num_classes}, device)
         lam, temperature = self.lam, self.temperature  # values, not the strategy, in the closure
 
@@ -88,19 +128,32 @@ class FD(PersonalModels, Strategy):
         def step(module, batch, i):
             x, y = batch
             z = module(x)  # [B, C]
-            loss = F.cross_entropy(z, y)  # ignores a padded row's label PAD (batched clients in lockstep)
-            # T^2 KL(softmax(t_y / T) || softmax(z / T)), averaged over the samples whose label has a teacher
-            log_student = F.log_softmax(z.float() / temperature, dim=1)
-            c = class_index(y)
-            soft = F.softmax(targets[c] / temperature, dim=1)
-            rows = F.kl_div(log_student, soft, reduction="none").sum(1) * temperature**2
-            loss = loss + lam * masked_row_mean(rows, available[c], "available")
-            return loss, (y, z)  # training-mode logits, before the step
+            return fd_loss(z, y, targets, available, lam, temperature), (y, z)  # training-mode logits, before the step
 
         stats = ctx.fit(role, step_fn=step, on_record=lambda record: collector.add(record[0], logits=record[1]))
         ctx.state["weights"] = ctx.weights(role)
-        upload = collector.result("class_logits")
+        upload = collector.result("class_logits").compact()
+        ctx.state["sent_labels"] = upload.labels.cpu()  # to read the next round's teacher rows
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
+
+    def received_teacher(self, task: ClientTask, ctx: ClientContext) -> tuple[Tensor, Tensor]:
+        """The downlink as per-label teacher logits ``[C, C]`` (zeros where none) and ``[C]`` bool."""
+        c = self.num_classes
+        received = task.downlink["teacher_logits"]
+        if isinstance(received, ClassStatistics):
+            labels, rows = received.labels.long().cpu(), received.vectors["logits"].cpu()
+        else:  # rows in the order of the labels this client uploaded last
+            labels, rows = ctx.state.get("sent_labels"), received.tensors["logits"].cpu()
+            if labels is None or len(labels) != len(rows):
+                raise RuntimeError(
+                    f"FD client {task.client.id} received {len(rows)} teacher rows for the labels of its last "
+                    f"upload, but it holds {None if labels is None else len(labels)}."
+                )
+            labels = labels.long()
+        targets = torch.zeros(c, c)
+        available = torch.zeros(c, dtype=torch.bool)
+        targets[labels], available[labels] = rows.float(), True
+        return targets, available
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
@@ -108,10 +161,10 @@ class FD(PersonalModels, Strategy):
         self.round_counts.zero_()
         self.last_uploads = {}
         for update in updates:
-            upload = update.uplink["class_logits"]
-            present = upload.present
+            upload = update.uplink["class_logits"].compact()
+            labels = upload.labels.cpu().long()
             logits = upload.vectors["logits"].detach().cpu()
-            self.round_sums += logits.double() * present.cpu()[:, None]
-            self.round_counts += present.cpu().double()
-            self.last_uploads[update.client.id] = {"logits": logits, "present": present.cpu()}
+            self.round_sums.index_add_(0, labels, logits.double())
+            self.round_counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
+            self.last_uploads[update.client.id] = {"labels": labels.to(torch.int32), "logits": logits}
         return {"server/labels_with_logits": float((self.round_counts > 0).sum())}

@@ -1,7 +1,7 @@
 """FedGEMS: Cheng et al., "FedGEMS: Federated Learning of Larger Server Models via Selective Knowledge Fusion",
-arXiv:2110.11027, 2021. The paper is not in ../shared/papers: the steps follow AIJack's implementation
-(``aijack/collaborative/fedgems``: server, client and API), read for this file, and paper 001's set-up
-(Appendix 6.3, Table 13)."""
+arXiv:2110.11027, 2021 (Sec. 3.3-3.4, eq. 1-6, Algorithm 1). The losses follow the paper's equations; the
+round's order follows AIJack's implementation (``aijack/collaborative/fedgems``: server, client and API),
+whose KL form is an option (``kl_form: aijack``), and paper 001's set-up (Appendix 6.3, Table 13)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,37 @@ def selective_fusion(client_logits: Tensor, labels: Tensor) -> tuple[Tensor, Ten
     return (weights[:, :, None] * client_logits.double()).sum(dim=0).float(), any_correct
 
 
+KL_FORMS = ("paper", "aijack")
+
+
+def kl_rows(student_logits: Tensor, teacher_logits: Tensor, form: str = "paper") -> Tensor:
+    """The server's per-example distillation term ``[B]`` (eq. 2 and 5, at T = 1).
+
+    ``paper``: ``KL(softmax(t) || softmax(s))`` summed over the classes, the paper's ``D_KL(l_teacher || l_s)``.
+    ``aijack``: AIJack's ``nn.KLDivLoss()(log softmax(t), softmax(s))``: the KL the other way,
+    ``KL(softmax(s) || softmax(t))``, divided by C (the ``mean`` reduction divides the batch's sum by B x C).
+    """
+    if form == "paper":
+        return F.kl_div(F.log_softmax(student_logits, 1), F.softmax(teacher_logits, 1), reduction="none").sum(1)
+    rows = F.kl_div(F.log_softmax(teacher_logits, 1), F.softmax(student_logits, 1), reduction="none").sum(1)
+    return rows / student_logits.shape[1]
+
+
+def client_distillation_loss(
+    z: Tensor, y: Tensor, server_logits: Tensor, epsilon: float, temperature: float = 1.0, form: str = "paper"
+) -> Tensor:
+    """A client's loss on public examples (eq. 6): ``eps CE(z, y) + (1 - eps) T^2 KL``, both averaged over the
+    batch. ``form: paper``: ``KL(softmax(s / T) || softmax(z / T))`` per example (the server's logits ``s``
+    teach); ``aijack``: ``KL(softmax(z / T) || softmax(s / T))`` divided by B x C, as AIJack's client."""
+    log_student = F.log_softmax(z / temperature, 1)
+    # the means leave out a padded batch's padded rows (batched clients in lockstep); unpadded, plain kl_div
+    if form == "paper":
+        kl = padded_loss(F.kl_div, log_student, F.softmax(server_logits / temperature, 1), reduction="batchmean")
+    else:
+        kl = padded_loss(F.kl_div, F.log_softmax(server_logits / temperature, 1), log_student.exp(), reduction="mean")
+    return epsilon * F.cross_entropy(z, real_labels(y)) + (1 - epsilon) * kl * temperature**2
+
+
 class FedGEMS(PersonalModels, Strategy):
     """A large server model trained by selective knowledge fusion on a labeled public set.
 
@@ -54,21 +85,26 @@ class FedGEMS(PersonalModels, Strategy):
       steps), then uploads its eval-mode logits on the round's public examples, ``n x C`` numbers;
     * the server trains its own model (``server_role``, a role no tier lists) for ``server_steps`` on
       those examples. Per example i with server logits ``s_i``: if the server is right, plain
-      ``CE(s_i, y_i)`` and ``s_i`` is kept in its logit pool (self-knowledge); if it is wrong,
+      ``CE(s_i, y_i)`` (eq. 1) and ``s_i`` is kept in its logit pool (self-knowledge); if it is wrong,
       ``eps CE(s_i, y_i) + (1 - eps) KL(softmax(t_i) || softmax(s_i))`` where the teacher ``t_i`` is the
-      pool's entry when it has one, else the selective fusion of the clients that predict i correctly
-      (:func:`selective_fusion`); if none does, plain CE. The loss is the mean over the batch (AIJack
-      sums the means of the three groups). It then sends its eval-mode logits on the examples back,
-      ``n x C`` numbers;
+      pool's entry when it has one (self-distillation, eq. 2), else the selective fusion of the clients
+      that predict i correctly (:func:`selective_fusion`, eq. 3-5); if none does, plain CE. The loss is the
+      mean over the batch (AIJack sums the means of the three groups). It then sends its eval-mode logits
+      on the examples back, ``n x C`` numbers;
     * ``distill``: the same clients train on the public examples with
-      ``eps CE(z, y) + (1 - eps) T^2 KL(softmax(s / T) || softmax(z / T))`` (AIJack's
-      ``culc_loss_on_public_dataset``, its KL arguments in the usual teacher-to-student order).
+      ``eps CE(z, y) + (1 - eps) T^2 KL(softmax(s / T) || softmax(z / T))``
+      (:func:`client_distillation_loss`, eq. 6).
 
-    ``epsilon`` weighs the cross-entropy and ``1 - epsilon`` the distillation, as in AIJack's server and
-    client; paper 001 (Appendix 6.3) calls it the weight "which determines how much KL contributes" and
-    sets 0.75, "as the original authors presented", the value used here. AIJack's fusion takes a softmax
-    over every client with score 0 for the wrong ones, which leaves them a weight of ``exp(0)``; here
-    they are masked, as the paper describes.
+    ``epsilon`` weighs the cross-entropy and ``1 - epsilon`` the KL, as the paper's equations 2 and 5 write
+    it (its text calls epsilon "a hyper-parameter to control the weight of knowledge distillation in all
+    the following formulations", the clients' eq. 6 included, and finds 0.75 best), and as AIJack's server
+    and client; paper 001 (Appendix 6.3) repeats the text's words ("determines how much KL contributes")
+    and sets 0.75, "as the original authors presented", the value used here (``epsilon: 0.25`` puts 0.75
+    on the KL instead). The KL runs from the teacher to the student per example (the paper's
+    ``D_KL(l_teacher || l_s)``, ``kl_form: paper``); AIJack computes ``KL(student || teacher)`` divided by
+    B x C (``kl_form: aijack``, server and clients). AIJack's fusion takes a softmax over every client
+    with score 0 for the wrong ones, which leaves them a weight of ``exp(0)``; here they are masked, as
+    the paper describes (eq. 4).
 
     The public set is the server's labeled split (``data.server_fraction``), held by every client;
     ``public_size: n`` draws n of its examples per round and sends their positions (n int32 down).
@@ -86,6 +122,8 @@ class FedGEMS(PersonalModels, Strategy):
         server_optimizer: ``adam`` or ``sgd`` (momentum 0.9).
         batch_size: public examples per server and distillation step.
         split: where the clients' own models are evaluated (``global`` or their local ``test`` split).
+        kl_form: ``paper`` (the KL from teacher to student per example) or ``aijack`` (student to teacher,
+            divided by C).
     """
 
     phases = ("train", "distill")
@@ -103,7 +141,10 @@ class FedGEMS(PersonalModels, Strategy):
         server_optimizer: str = "adam",
         batch_size: int = 32,
         split: str = "global",
+        kl_form: str = "paper",
     ):
+        if kl_form not in KL_FORMS:
+            raise ConfigError(f"FedGEMS kl_form must be paper or aijack, got {kl_form!r}.")
         if not 0.0 <= epsilon <= 1.0 or temperature <= 0 or server_lr <= 0:
             raise ConfigError(
                 f"FedGEMS needs 0 <= epsilon <= 1, temperature > 0 and server_lr > 0; got epsilon={epsilon}, "
@@ -121,6 +162,7 @@ class FedGEMS(PersonalModels, Strategy):
             batch_size,
             split,
         )
+        self.kl_form = kl_form
 
     def server_roles(self) -> tuple[str, ...]:
         return (self.server_role,)
@@ -178,17 +220,15 @@ class FedGEMS(PersonalModels, Strategy):
             # server knowledge and public labels at one address per name (CUDA graphs keep their key)
             y_public = ctx.on_device("public_labels", ctx.data_y[chosen])
             server_logits = task.downlink["server_logits"].tensors["logits"].to(x_public.device)
-            teacher = ctx.on_device("teacher", F.softmax(server_logits / self.temperature, 1))
+            teacher = ctx.on_device("teacher", server_logits)
             order = torch.arange(len(x_public), device=x_public.device)
             batches = target_batches(x_public, order, self.batch_size, self.distill_steps, ctx.generator)
-            temperature, epsilon = self.temperature, self.epsilon  # values, not the strategy, in the closure
+            temperature, epsilon, form = self.temperature, self.epsilon, self.kl_form  # values, not the strategy
 
             @vmappable  # pure: batched clients, CUDA graphs
             def distill(module, batch, i):
                 x, rows = batch
-                z = module(x)  # the means leave out a padded batch's padded rows (batched clients in lockstep)
-                kl = padded_loss(F.kl_div, F.log_softmax(z / temperature, 1), teacher[rows], reduction="batchmean")
-                return epsilon * F.cross_entropy(z, real_labels(y_public[rows])) + (1 - epsilon) * kl * temperature**2
+                return client_distillation_loss(module(x), y_public[rows], teacher[rows], epsilon, temperature, form)
 
             metrics[f"{role}/distill_loss"] = ctx.fit(role, step_fn=distill, batches=batches)["loss"]
         ctx.state["weights"] = ctx.weights(role)
@@ -226,7 +266,7 @@ class FedGEMS(PersonalModels, Strategy):
         teacher = torch.where(in_pool[:, None], pool_logits[rows], fused)
         has_teacher = ~right & (in_pool | any_correct)
         ce = F.cross_entropy(s, y, reduction="none")
-        kl = F.kl_div(F.log_softmax(s, 1), F.softmax(teacher, 1), reduction="none").sum(1)
+        kl = kl_rows(s, teacher, self.kl_form)
         mixed = self.epsilon * ce + (1 - self.epsilon) * kl
         loss = torch.where(has_teacher, mixed, ce).mean()
         self.pool_logits[rows[right].cpu()] = s[right].detach().float().cpu()
