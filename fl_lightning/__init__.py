@@ -16,7 +16,10 @@ import importlib.abc
 import importlib.util
 import sys
 
+from .federation.errors import ConfigError
+
 __version__ = "0.1.0"
+__all__ = ["ConfigError", "fit"]
 
 # Modules that moved when the package was laid out by concern: their old dotted paths (in users' code and in
 # recipes written before, e.g. ``class_path: fl_lightning.sampling.UniformSampler``) still import, as the
