@@ -13,7 +13,7 @@ HOWTO = ROOT / "docs" / "howto"
 
 
 def _blocks(page: str, language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", (HOWTO / page).read_text(), flags=re.S)
+    return re.findall(rf"```{language}\n(.*?)```", (HOWTO / page).read_text(), flags=re.DOTALL)
 
 
 @pytest.fixture
