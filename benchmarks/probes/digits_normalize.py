@@ -5,7 +5,7 @@ PyTorch implementation (20 clients, Dirichlet 0.1, MLPs of 32 / 128 hidden units
 60 rounds; weak-only samples 4 clients per round, strong-only trains the 4 strong clients), then
 strong-only with larger steps (lr 0.3, 0.5), and prints per run the final accuracy, the share of test
 examples given the most predicted class and how many hidden units of the final model are alive (positive
-on at least one test input). The numbers in docs/benchmarks.md ("Digits inputs") come from here.
+on at least one test input). The numbers in docs/reference/datasets_and_models.md ("Digits inputs") come from here.
 
     python benchmarks/probes/digits_normalize.py --seeds 0 1 2
 """

@@ -31,7 +31,7 @@ class DigitsData(FederatedData):
         normalize: ``pixel`` (default: per-pixel mean and std, the usual practice for this set; a
             pixel constant in the clients' data keeps std 1), ``channel`` (one mean and std over all
             pixels), ``mean_image`` (subtract the per-pixel mean) or ``none`` (values in [0, 1],
-            this set's behaviour before; it trains much worse, docs/benchmarks.md).
+            this set's behaviour before; it trains much worse, docs/reference/datasets_and_models.md).
         test_fraction: share of each class held out for the global test set.
         test_seed: seed of that hold-out.
         (the rest as in :class:`FederatedData`)

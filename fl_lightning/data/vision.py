@@ -224,7 +224,7 @@ class Cinic10Data(ImageData):
     """CINIC-10 (90,000 train / 90,000 test 32x32 PNGs), ``<data_dir>/CINIC-10/{train,test}/<class>/*.png``.
 
     The validation split is not used, as in paper 003. The archive's publishers give no checksum; the
-    download is checked against the SHA-256 that public CINIC-10 loaders pin (docs/benchmarks.md).
+    download is checked against the SHA-256 that public CINIC-10 loaders pin (docs/reference/datasets_and_models.md).
     """
 
     classes = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")

@@ -3,7 +3,7 @@
 Conv(16, 5x5) -> ReLU -> MaxPool2 -> Conv(c2, 5x5) -> ReLU -> MaxPool2 -> fc1 -> ReLU -> fc2(500) -> ReLU is
 the extractor; its 500-dimensional output is the representation and the header is Linear(500, C).
 On CIFAR-10 they have 2,621,558 / 1,815,142 / 1,320,558 / 1,060,358 / 670,058 parameters (10.00 / 6.92 /
-5.04 / 4.04 / 2.56 MiB; the paper prints 3.81 for CNN-4, docs/benchmarks.md).
+5.04 / 4.04 / 2.56 MiB; the paper prints 3.81 for CNN-4, docs/reference/datasets_and_models.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ is a typo for 192 (FIDELITY). Layout, from the reference Keras code:
 
 Model 9 has 306,496 trainable parameters on MNIST and 308,800 on CIFAR-10 (307,392 / 309,696 with
 BatchNorm statistics, as Keras counts); the paper's 324,672 / 326,976 are 17,280 higher, one extra dense
-matrix (docs/benchmarks.md).
+matrix (docs/reference/datasets_and_models.md).
 """
 
 from __future__ import annotations

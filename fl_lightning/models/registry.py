@@ -107,7 +107,7 @@ def resolve_builder(name: str) -> Builder:
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ConfigError(
             f"unknown model builder {name!r}.{hint} Registered models: {', '.join(builders)} "
-            "(or your own builder: see docs/usage.md, Models)."
+            "(or your own builder: see docs/howto/own_model.md)."
         )
     module_name, _, attr = name.rpartition(".")
     if not is_trusted(module_name):

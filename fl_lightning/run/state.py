@@ -35,7 +35,7 @@ SAFE_TO_CHANGE = (
     "reference",
     "monitor",
 )
-"""Recipe keys a resume may change (``rounds`` only upward); docs/usage.md says why each is safe."""
+"""Recipe keys a resume may change (``rounds`` only upward); docs/reference/resume.md says why each is safe."""
 
 NEWER_KEYS = {"runtime.lockstep": False}
 """Recipe keys newer than some checkpoints, with the value the code before them ran as: a run saved without the key
