@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from ..federation.errors import ConfigError
+from ..run.safe_yaml import read_file
 
 KIB_PER_CLIENT_ROUND = "comm/kib_per_client_round"
 ROUNDS_TO = "rounds_to/"  # rounds_to/<metric>@<target>: the first round the metric reaches the target
@@ -83,6 +83,16 @@ def read_curve(path: Path) -> list[dict[str, float]]:
             if "round" in values:
                 rows.append(values)
     return rows
+
+
+def read_config(root: Path) -> dict[str, Any] | None:
+    """A run's config.yaml as plain data (read as any YAML handed over: bounded, duplicate keys refused); None when
+    it is missing or unreadable."""
+    try:
+        config = read_file(root / "config.yaml", f"{root / 'config.yaml'}", "the config.yaml flrun fit wrote")
+    except ConfigError:
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def load_run(root: Path) -> dict[str, Any]:
@@ -182,8 +192,8 @@ def clients_per_round(config_path: Path) -> int | None:
     from ..federation.population import Population, Tier
     from ..federation.sampling import round_half
 
+    config = read_config(config_path.parent)
     try:
-        config = yaml.safe_load(config_path.read_text())
         sampler = config["sampler"] or {"class_path": "fl_lightning.federation.sampling.UniformSampler"}  # fit's default
         population = config["population"]
         if sampler.get("class_path") != "fl_lightning.federation.sampling.UniformSampler":
@@ -195,7 +205,7 @@ def clients_per_round(config_path: Path) -> int | None:
         if args.get("num_per_round") is not None:
             return int(args["num_per_round"])
         return max(1, round_half(float(args.get("fraction", 1.0)) * eligible))
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError, ConfigError):
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError):
         return None
 
 

@@ -22,12 +22,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..federation.errors import ConfigError
 from ..run.recipes import BASE_KEY, RECIPES_DIR, _read, load_recipe, natural_key, paper_recipes
 from .groups import differing_keys, experiment_digest, one_per_seed
-from .runs import find_runs, load_run, measured_value, number
+from .runs import find_runs, load_run, measured_value, number, read_config
 
 Key = tuple[str, str, str, str]  # (paper id, table id, row, column)
 
@@ -94,8 +92,8 @@ def _experiments(cells: list[dict]) -> dict[Key, set[Key]]:
 
 def _run_strategy(root: Path) -> str | None:
     try:
-        return _strategy(yaml.safe_load((root / "config.yaml").read_text()) or {})
-    except (OSError, yaml.YAMLError, AttributeError):
+        return _strategy(read_config(root) or {})
+    except AttributeError:
         return None
 
 

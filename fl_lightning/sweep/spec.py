@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..federation.errors import ConfigError
+from ..run.safe_yaml import read_file
 from .metric import check_metric
 
 SAMPLERS = ("tpe", "random")
@@ -85,19 +84,11 @@ def load_sweep(path: str | Path, check_recipe: bool = True, **cli: Any) -> Sweep
         **cli: command-line values that replace the file's.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():  # a directory, a FIFO or a link loop: read_file names it
         raise ConfigError(
             f"sweep file {path} does not exist; sweeps live in sweeps/, e.g. sweeps/digits_quickstart.yaml."
         )
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or "malformed YAML"
-        raise ConfigError(f"sweep file {path} is not valid YAML ({problem}{where}); fix the YAML there.") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"sweep file {path} is not a text file; give a YAML sweep file.") from None
+    raw = read_file(path, f"sweep file {path}", "a YAML sweep file, e.g. sweeps/digits_quickstart.yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"sweep file {path} must be a YAML mapping with base, metric and parameters.")
     known = set(SweepSpec.__dataclass_fields__)
