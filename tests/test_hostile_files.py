@@ -295,6 +295,24 @@ def test_a_report_into_a_read_only_folder_is_one_sentence(tmp_path, capsys):
     assert "Permission denied" in _one_line(capsys)
 
 
+def test_a_users_own_sqlite_database_is_not_taken_for_a_study(tmp_path, capsys):
+    database = tmp_path / "lab.db"
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE grades (student TEXT, grade REAL)")
+        connection.execute("INSERT INTO grades VALUES ('ada', 1.0)")
+    before = database.read_bytes()
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        f"base: {recipe}\nmetric: global/test_acc\nn_trials: 1\n"
+        "parameters: {training.optimizer.init_args.lr: {type: float, low: 0.01, high: 0.1}}\n"
+    )
+    argv = ["sweep", "--config", str(sweep), "--storage", f"sqlite:///{database}", "--output_dir", str(tmp_path / "s")]
+    assert run_cli(*argv) == 2
+    assert "holds tables that are not an Optuna study's (grades)" in _one_line(capsys)
+    assert database.read_bytes() == before
+
+
 # ---------------------------------------------------------------------------------------------- signals and ranks
 def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -361,6 +379,23 @@ def test_the_launcher_names_a_rank_that_ended_and_how_to_continue(tmp_path, stop
 
 
 # ---------------------------------------------------------------------------------------------- silent wrong results
+@pytest.mark.parametrize("damage", ["cut short", "missing"])
+def test_a_report_says_when_metrics_csv_lacks_rounds_the_summary_has(tmp_path, capsys, damage):
+    recipe = write_recipe(tmp_path / "r.yaml", **FAST)
+    run = tmp_path / "run"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run)) == 0
+    metrics = run / "metrics.csv"
+    if damage == "missing":
+        metrics.unlink()
+    else:
+        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-2]))  # rounds 3 and 4 gone
+    capsys.readouterr()
+    assert run_cli("report", str(run), "--output", str(tmp_path / "report.md")) == 0
+    err = capsys.readouterr().err
+    assert f"{metrics} is {damage}" in err and "summary.json" in err and "round 4" in err
+    assert f"{metrics} is {damage}" in (tmp_path / "report.md").read_text().replace("\\", "")
+
+
 def test_resumes_of_a_personalized_run_keep_only_the_client_files_a_checkpoint_names(tmp_path):
     from fl_lightning.run.checkpoint import load_checkpoint
     from fl_lightning.run.client_store import CLIENTS_DIR, MANIFEST

@@ -8,6 +8,7 @@ Markdown-escaped) and numbers are used only where they are numbers.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
@@ -69,19 +70,27 @@ def find_runs(paths: list[str], allow_empty: bool = False) -> tuple[list[Path], 
 
 def read_curve(path: Path) -> list[dict[str, float]]:
     """The numeric columns of a metrics.csv, one dict per logged round."""
-    if not path.is_file():
-        return []
+    return _curve_rows(_csv_text(path) or "")
+
+
+def _csv_text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace") if path.is_file() else None
+    except OSError:
+        return None
+
+
+def _curve_rows(text: str) -> list[dict[str, float]]:
     rows = []
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            values = {}
-            for key, text in row.items():
-                try:
-                    values[key] = float(text)
-                except (TypeError, ValueError):
-                    continue
-            if "round" in values:
-                rows.append(values)
+    for row in csv.DictReader(io.StringIO(text, newline="")):
+        values = {}
+        for key, cell in row.items():
+            try:
+                values[key] = float(cell)
+            except (TypeError, ValueError):
+                continue
+        if "round" in values:
+            rows.append(values)
     return rows
 
 
@@ -96,11 +105,33 @@ def read_config(root: Path) -> dict[str, Any] | None:
 
 
 def load_run(root: Path) -> dict[str, Any]:
+    """A run's summary and learning curve; ``warnings`` says when metrics.csv lacks rounds summary.json has."""
     summary = read_json(root / "summary.json")
     for key in ("final", "best"):
         if not isinstance(summary.get(key, {}), dict):
             raise ConfigError(f"{root / 'summary.json'} has no `{key}` metrics; re-run that run or leave it out.")
-    return {"root": root, "summary": summary, "curve": read_curve(root / "metrics.csv")}
+    path = root / "metrics.csv"
+    text = _csv_text(path)
+    curve = _curve_rows(text or "")
+    problem = _curve_problem(path, text, curve, summary.get("final_round"))
+    if problem:  # a shorter curve would pass for the run's: none is shown, and rounds-to-target read n/a
+        curve = []
+    return {"root": root, "summary": summary, "curve": curve, "warnings": [problem] if problem else []}
+
+
+def _curve_problem(path: Path, text: str | None, curve: list[dict[str, float]], last: Any) -> str | None:
+    """Why metrics.csv cannot be the run's curve: missing, cut off mid-line, or ending before summary.json's last
+    evaluated round; None when it is whole (or the summary names no round to compare with)."""
+    if isinstance(last, bool) or not isinstance(last, int):
+        return None
+    fix = "its learning curve is left out; restore the file or re-run the run"
+    if text is None:
+        return f"{path} is missing although summary.json records evaluations up to round {last}; {fix}."
+    ends = max((row["round"] for row in curve), default=None)
+    if not text.endswith("\n") or ends is None or ends < last:
+        shown = "no round" if ends is None else f"round {ends:g}"
+        return f"{path} is cut short (it ends at {shown}, summary.json at round {last}); {fix}."
+    return None
 
 
 def report_output(text: str) -> Path:

@@ -113,7 +113,7 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         raise ConfigError(f"no recipe or run names the table {wanted!r}; known tables: {', '.join(known)}.")
     experiments = _experiments(cells)
     table = [c for c in cells if f"{c['key'][0]}/{c['key'][1]}" == wanted]
-    warnings = []
+    warnings = [warning for run in runs for warning in run["warnings"]]
     for cell in table:
         same = experiments[cell["key"]]
         matching = [r for r in runs if cell_key(r["summary"].get("reference") or {}) in same]

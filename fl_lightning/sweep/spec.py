@@ -24,6 +24,8 @@ from typing import Any
 from ..federation.errors import ConfigError
 from ..run.safe_yaml import read_file
 from .metric import check_metric
+from .space_checks import check_parameter
+from .storage_check import check_storage
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "hyperband", "none")
@@ -119,6 +121,8 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
         raise ConfigError("direction must be maximize or minimize and use best or final.")
     if not isinstance(spec.parameters, dict) or not spec.parameters:
         raise ConfigError("the sweep has no parameters to search; give `parameters: {dotted.key: {type: ...}}`.")
+    if spec.storage is not None:
+        check_storage(spec.storage)
     for key in ("n_trials", "heartbeat_interval", "grace_period"):
         value = getattr(spec, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -135,19 +139,7 @@ def _validate(spec: SweepSpec, check_recipe: bool = True) -> None:
     if spec.sampler.get("name", "tpe") not in SAMPLERS or spec.pruner.get("name", "median") not in PRUNERS:
         raise ConfigError(f"sampler name must be one of {SAMPLERS} and pruner name one of {PRUNERS}.")
     for name, p in spec.parameters.items():
-        if not isinstance(p, dict):
-            raise ConfigError(f"parameter {name!r}: give a mapping such as {{type: float, low: 0.01, high: 0.1}}.")
-        kind = p.get("type")
-        if kind in ("float", "int"):
-            if "low" not in p or "high" not in p or not p["low"] < p["high"]:
-                raise ConfigError(f"parameter {name!r}: give low < high, got low={p.get('low')} high={p.get('high')}.")
-            if p.get("log") and p["low"] <= 0:
-                raise ConfigError(f"parameter {name!r}: a log scale needs low > 0, got {p['low']}.")
-        elif kind == "categorical":
-            if not p.get("choices"):
-                raise ConfigError(f"parameter {name!r}: categorical needs a non-empty `choices` list.")
-        else:
-            raise ConfigError(f"parameter {name!r}: type must be float, int or categorical, got {kind!r}.")
+        check_parameter(name, p)  # every field, before the first trial
     _check_overrides(spec)
     if not check_recipe:
         return
