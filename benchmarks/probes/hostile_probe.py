@@ -68,7 +68,7 @@ class Result:
 
 
 class Snapshot:
-    """The files under a folder, to tell whether anything of the user's changed."""
+    """The files under a folder, to tell whether anything of the user's changed or vanished."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -78,7 +78,9 @@ class Snapshot:
         return {str(p.relative_to(self.root)): p.read_bytes() for p in sorted(self.root.rglob("*")) if p.is_file()}
 
     def changed(self) -> bool:
-        return self._read() != self.files
+        """Whether a file that was there changed or vanished (files added are not data lost)."""
+        now = self._read()
+        return any(now.get(name) != content for name, content in self.files.items())
 
 
 class Lab:
@@ -236,7 +238,7 @@ case("data lost", "--resume another run's last.ckpt into a run directory that lo
 def _copied_in(lab: Lab) -> tuple[str, str]:
     a, b = lab.run("A"), lab.run("B", seed=7)
     shutil.copy(b / "checkpoints/last.ckpt", a / "other.ckpt")
-    kept = Snapshot(a / "checkpoints")
+    kept = Snapshot(a)
     result = lab.flrun(
         "fit", "--config", str(lab.dir / "B.yaml"), "--output_dir", str(a), "--resume", str(a / "other.ckpt")
     )

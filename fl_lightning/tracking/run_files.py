@@ -138,7 +138,7 @@ def write_synced(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         raise OSError(err.errno, err.strerror, str(path)) from None
-    except RuntimeError as err:  # torch.save reports a failed write of its file as a RuntimeError
+    except RuntimeError as err:  # in case a writer (torch.save) wraps the failed write in a RuntimeError
         with contextlib.suppress(OSError):
             os.unlink(path)
         cause = err.__cause__ or err.__context__
