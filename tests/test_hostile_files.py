@@ -68,6 +68,8 @@ FOREIGN = {
     "a user's folder": {"config.yaml": b"my settings\n", "metrics.csv": b"day,steps\n1,9000\n", "notes.txt": b"x"},
     "a Lightning log folder": {"metrics.csv": b"epoch,loss\n0,1.0\n", "checkpoints/epoch=0.ckpt.tmp": b"\x00" * 64},
     "a recipes folder": {"quickstart.yaml": (ROOT / "recipes/quickstart.yaml").read_bytes()},
+    # Lightning's own last.ckpt is not an flrun run's: the folder is not taken for a run written before run.json
+    "a Lightning checkpoint folder": {"hparams.yaml": b"lr: 0.1\n", "checkpoints/last.ckpt": b"PK\x03\x04" + bytes(60)},
 }
 
 
