@@ -55,6 +55,18 @@ def _tiers(*tiers) -> dict:
 
 
 SGD = "torch.optim.SGD"
+# ten levels of ten aliases: 10^10 values once anything walks them
+BOMB = b"a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + b"".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n".encode() for i in range(1, 10)
+)
+MARKER = b'{"kind": "flrun fit run directory", "run_id": "0123456789abcdef"}'
+SWEEP = f"""base: {ROOT / "recipes" / "quickstart.yaml"}
+metric: global/test_acc
+parameters:
+  training.optimizer.init_args.lr: {{type: float, low: 0.01, high: 0.5, log: true}}
+  training.batch_size: {{type: categorical, choices: [8, 16]}}
+  training.local_steps: {{type: int, low: 1, high: 8}}
+""".encode()
 CASES = [
     # ---------------------------------------------------------------- command-line options
     Case("unknown option", ["--bogus", "1"], ["--bogus", "flrun fit --help"]),
@@ -348,12 +360,121 @@ CASES = [
         ["--strategy", "fl_lightning.strategies.OnDeviceKD"],
         ["OnDeviceKD needs the model roles 'aux'", "models: {aux:"],
     ),
+    # ---------------------------------------------------------------- hostile files (more in test_hostile_files.py)
+    Case(
+        "recipe key given twice",
+        ["--config", "{tmp}/twice.yaml"],
+        ["twice.yaml", "'rounds' twice", "lines 1 and 3"],
+        files={"twice.yaml": b"rounds: 3\nseed: 1\nrounds: 30\n"},
+        no_recipe=True,
+    ),
+    Case(
+        "recipe alias bomb",
+        ["--config", "{tmp}/bomb.yaml"],
+        ["bomb.yaml", "aliases", "10,000"],
+        files={"bomb.yaml": BOMB},
+        no_recipe=True,
+    ),
+    Case(
+        "recipe nested too deep",
+        ["--config", "{tmp}/deep.yaml"],
+        ["deep.yaml", "deeper than 100 levels"],
+        files={"deep.yaml": b"rounds: " + b"[" * 100_000 + b"]" * 100_000 + b"\n"},
+        no_recipe=True,
+    ),
+    Case(
+        "option value with a key twice",
+        ["--models", "{global: {builder: digits_mlp}, global: {builder: digits_cnn}}"],
+        ["'global' twice"],
+    ),
+    Case(
+        "partition leaves a client empty",
+        [
+            "--population.num_clients",
+            "100",
+            "--data.init_args.partitioner.init_args.alpha",
+            "0.05",
+            "--data.init_args.partitioner.init_args.min_partition_size",
+            "0",
+        ],
+        ["of 100 clients without a training example", "min_partition_size"],
+    ),
+    Case(
+        "run file is a directory",
+        ["--output_dir", "{tmp}/run"],
+        ["metrics.csv is a directory", "move it away"],
+        files={"run/run.json": MARKER, "run/metrics.csv/keep": b""},
+    ),
+    Case(
+        "sweep file key given twice",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["sweep.yaml", "'metric' twice"],
+        files={"sweep.yaml": SWEEP + b"metric: global/test_loss\n"},
+        command="sweep",
+    ),
+    Case(
+        "sweep choices not a list",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["training.batch_size", "choices", "'816'"],
+        files={"sweep.yaml": SWEEP.replace(b"[8, 16]", b"'816'")},
+        command="sweep",
+    ),
+    Case(
+        "sweep bound not finite",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["training.optimizer.init_args.lr", "high must be a finite number", "inf"],
+        files={"sweep.yaml": SWEEP.replace(b"high: 0.5", b"high: .inf")},
+        command="sweep",
+    ),
+    Case(
+        "sweep int bound not whole",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["training.local_steps", "whole number", "2.5"],
+        files={"sweep.yaml": SWEEP.replace(b"low: 1, high: 8", b"low: 2.5, high: 8")},
+        command="sweep",
+    ),
+    Case(
+        "sweep int bound too large",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["training.local_steps", "whole number", "1e+20"],
+        files={"sweep.yaml": SWEEP.replace(b"high: 8", b"high: 1.0e+20")},
+        command="sweep",
+    ),
+    Case(
+        "sweep step wider than range",
+        ["--config", "{tmp}/sweep.yaml"],
+        ["training.local_steps", "step must be positive and at most high - low (7)", "20"],
+        files={"sweep.yaml": SWEEP.replace(b"high: 8}", b"high: 8, step: 20}")},
+        command="sweep",
+    ),
+    Case(
+        "storage not a database",
+        ["--config", "{tmp}/sweep.yaml", "--storage", "sqlite:///{tmp}/notes.txt"],
+        ["notes.txt is not an SQLite database"],
+        files={"sweep.yaml": SWEEP, "notes.txt": b"my notes\n"},
+        command="sweep",
+    ),
+    Case(
+        "storage driver missing",
+        ["--config", "{tmp}/sweep.yaml", "--storage", "postgresql+pg8000://me@localhost/studies"],
+        ["needs the Python driver pg8000", "not installed"],
+        files={"sweep.yaml": SWEEP},
+        command="sweep",
+    ),
+    Case(
+        "storage garbage",
+        ["--config", "{tmp}/sweep.yaml", "--storage", "not a url at all"],
+        ["'not a url at all' is not a database URL"],
+        files={"sweep.yaml": SWEEP},
+        command="sweep",
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_sentence_with_exit_2(case, tmp_path, capsys):
     for name, content in case.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(content)
     args = [a.replace("{tmp}", str(tmp_path)) for a in case.args]
     if case.command == "fit" and not case.no_recipe:

@@ -146,7 +146,7 @@ def test_a_sweep_file_with_a_yaml_error_names_the_file_and_line(tmp_path, capsys
     sweep.write_text("base: recipes/quickstart.yaml\nparameters: {lr: [1, 2\n")
     assert run_cli("sweep", "--config", str(sweep)) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"flrun sweep: error: sweep file {sweep} is not valid YAML (") and "line 3" in err
+    assert err.startswith(f"flrun sweep: error: sweep file {sweep} is not valid YAML: ") and "line 3" in err
     assert len(err.splitlines()) == 1
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from ..run.arguments import UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
+from .errors import Terminated, error_status, stopped_by_sigterm
 from .models import run_models
 
 _UserError, _recipe_name = UserError, recipe_name  # the names other modules and tests knew
@@ -78,6 +80,9 @@ def run_fit(argv: list[str]) -> int:
     if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
         check_shardable(runtime.devices, init.schedule, init.training.optimizer_state)
         root = Path(init.output_dir or Path("runs") / (init.name or "run") / f"seed{init.seed}")
+        from ..run.run_dir import check_output_dir
+
+        check_output_dir(root)  # a folder that is not this run's is refused before run.lock is put in it
         if root.is_dir():  # a run another process writes: refused here, not by rank 0 while the others wait
             from ..tracking.run_files import RunLock
 
@@ -394,16 +399,17 @@ def _main(argv: list[str]) -> int:
         print(f"flrun: error: unknown command {command!r}; use one of {', '.join(COMMANDS)}.", file=sys.stderr)
         return 2
     os.environ.setdefault("WANDB_SILENT", "true")
-    from ..federation.errors import ConfigError
-
     try:
-        return COMMANDS[command](rest)
-    except (_UserError, ConfigError) as err:
-        print(f"flrun {command}: error: {err}", file=sys.stderr)
-        return 2
+        with stopped_by_sigterm(command == "fit"):
+            return COMMANDS[command](rest)
     except KeyboardInterrupt:
         print(f"flrun {command}: interrupted{_AFTER_INTERRUPT.get(command, '.')}", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"flrun {command}: stopped by SIGTERM{_AFTER_INTERRUPT.get(command, '.')}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except Exception as err:  # noqa: BLE001 - a user error or the file system's: one line; anything else re-raised
+        return error_status(command, err)
 
 
 # what an interrupted command leaves, for its message (sweep and table say it themselves while they run)

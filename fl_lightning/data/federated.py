@@ -163,6 +163,7 @@ class FederatedData:
         groups = arrays.groups[pool] if arrays.groups is not None else None
         parts = self.partitioner(labels[pool], num_clients, rng, groups=groups)
         self.clients = [self._split_client(pool[part], rng) for part in parts]
+        self._require_training_examples()
         self._require_requested_splits()
         if self.server_examples is not None:  # drawn after the clients, who are then as without a server set
             self.server_idx = self._draw_unassigned(pool, parts, rng)
@@ -173,6 +174,17 @@ class FederatedData:
             extra = np.array_split(rng.permutation(np.arange(start, len(self.x))), len(self.clients))
             for client, more in zip(self.clients, extra):
                 client.unlabeled = torch.cat([client.unlabeled, torch.from_numpy(np.sort(more)).long()])
+
+    def _require_training_examples(self) -> None:
+        """A client without a training example could never train (FedAvg would weigh its update by 0): refused."""
+        empty = [i for i, client in enumerate(self.clients) if len(client.train) == 0]
+        if empty:
+            shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+            raise ConfigError(
+                f"the partition leaves {len(empty)} of {len(self.clients)} clients without a training example "
+                f"(client {shown}); raise the partitioner's min_partition_size or alpha, lower local_split's val "
+                "and test shares, or use fewer clients."
+            )
 
     def _require_requested_splits(self) -> None:
         """A local val / test share or an unlabeled share that rounds to no example on any client is refused

@@ -17,6 +17,8 @@ from typing import IO
 from .messages import MAILBOX_ENV, make_mailbox_folder
 
 GRACE_S = 30.0  # after a rank fails, how long the others get to stop on their own (rank 0 writes its summary)
+LAUNCHED_ENV = "FLRUN_LAUNCHED"  # set for the ranks this launcher starts
+LOST_STATUS = 3  # a rank's exit when it lost the others (it says nothing: the launcher names the rank that ended)
 
 
 def launch(argv: list[str], devices: int) -> int:
@@ -32,6 +34,7 @@ def launch(argv: list[str], devices: int) -> int:
         "LOCAL_WORLD_SIZE": str(devices),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
+        LAUNCHED_ENV: "1",
     }
     command = [sys.executable, "-m", "fl_lightning", *argv]
     with contextlib.ExitStack() as files:
@@ -54,23 +57,43 @@ def launch(argv: list[str], devices: int) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
         codes = [p.returncode for p in processes]
-        if codes[0] != 0 and 0 not in killed and (codes[0] == 2 or first_failure == 0):
+        said = codes[0] > 0 and codes[0] != LOST_STATUS and 0 not in killed
+        if said and (codes[0] == 2 or first_failure == 0):
             return codes[0]  # rank 0 said what went wrong (a user error, a divergence, its own traceback)
         if first_failure is None:
             return 0
-        code = codes[first_failure]
-        _show_log(first_failure, code, logs[first_failure])
-        return code if code > 0 else 1
+        ended = first_failure if codes[first_failure] != LOST_STATUS else _first_not_lost(codes, first_failure)
+        code = codes[ended]
+        _show_log(ended, code, logs[ended])
+        return code if code > 0 else 128 - code
+
+
+def _first_not_lost(codes: list[int | None], fallback: int) -> int:
+    """The rank that ended by itself (not one that stopped because it lost the others), else ``fallback``."""
+    return next((r for r, code in enumerate(codes) if code not in (0, None, LOST_STATUS)), fallback)
 
 
 def _show_log(rank: int, code: int, log: IO[bytes] | None) -> None:
-    """The end of a failed rank's output (rank 0's went to the terminal already)."""
-    how = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
+    """Which rank ended and how, after the end of its output (rank 0's went to the terminal already)."""
+    how = f"exit status {code}" if code > 0 else f"killed by {_signal_name(-code)}"
     tail = []
     if log is not None:
         log.seek(0)
         tail = log.read().decode(errors="replace").splitlines()[-40:]
-    print(f"flrun fit: rank {rank} failed ({how}){':' if tail else '.'}", *tail, sep="\n", file=sys.stderr)
+    if tail:
+        print(f"flrun fit: output of rank {rank}:", *tail, sep="\n", file=sys.stderr)
+    print(
+        f"flrun fit: rank {rank} ended ({how}) and the run stopped; the last checkpoint is intact: run the same "
+        "command with --resume auto to continue.",
+        file=sys.stderr,
+    )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _wait(processes: list[subprocess.Popen], stopping: bool = False) -> tuple[int | None, set[int]]:

@@ -25,6 +25,7 @@ Only rank 0 writes the run directory, logs and shows progress; the other ranks' 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..federation.errors import ConfigError
+from ..federation.errors import ConfigError, RankLost
 from .messages import Mailbox, pack, unpack
 
 TIMEOUT = timedelta(hours=2)  # one exchange's wait: a phase of a paper-scale model can run long on one rank
@@ -197,10 +198,26 @@ def leave_ranks() -> None:
         import torch.distributed as dist
 
         if _current.mailbox is not None:
-            dist.barrier()  # a rank that is done must not remove its last message before the others have read it
+            with lost_ranks_said():  # a rank that is done must not remove its last message before the others read it
+                dist.barrier()
             _current.mailbox.close()
         dist.destroy_process_group()
     _current = Ranks()
+
+
+@contextlib.contextmanager
+def lost_ranks_said():
+    """A collective that fails because another rank ended (gloo: "Connection reset by peer"; NCCL: a communicator
+    error) raises :class:`RankLost`, one sentence, instead of the backend's traceback."""
+    try:
+        yield
+    except (RuntimeError, OSError) as err:  # torch.distributed's errors are RuntimeErrors; a mailbox file, OSError
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RankLost(
+            f"rank {_current.rank} of {_current.world} lost contact with the other ranks ({cause[:160]}): one of them "
+            "ended, and its own output says why; the last checkpoint is intact, so run the same command with "
+            "--resume auto to continue."
+        ) from None
 
 
 def exchange(obj: Any) -> list[Any]:
@@ -219,16 +236,19 @@ def exchange(obj: Any) -> list[Any]:
     posted = mailbox is not None and mailbox.post(message)
     # a negative size: this rank's message is not in the mailbox
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_current.world)]
-    dist.all_gather(sizes, torch.tensor([message.numel() if posted else -message.numel()], dtype=torch.int64))
+    with lost_ranks_said():
+        dist.all_gather(sizes, torch.tensor([message.numel() if posted else -message.numel()], dtype=torch.int64))
     sizes = [int(size) for size in sizes]
     if all(size > 0 for size in sizes):
-        gathered = [message if i == me else mailbox.read(i, size) for i, size in enumerate(sizes)]
+        with lost_ranks_said():  # a rank that ended (SIGTERM, a crash) took its message file with it
+            gathered = [message if i == me else mailbox.read(i, size) for i, size in enumerate(sizes)]
     else:
         longest = max(abs(size) for size in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: message.numel()] = message
         gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(_current.world)]
-        dist.all_gather(gathered, padded)
+        with lost_ranks_said():
+            dist.all_gather(gathered, padded)
     if mailbox is not None:
         mailbox.done()
     return [obj if i == me else unpack(gathered[i], _current.device) for i in range(_current.world)]

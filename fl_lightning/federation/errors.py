@@ -7,3 +7,8 @@ class ConfigError(ValueError):
     The CLI prints its message as one line and exits non-zero, without a traceback, so every
     message must name what is wrong and how to fix it.
     """
+
+
+class RankLost(ConfigError):
+    """One of several ranks lost contact with the others mid-run (one of them ended): the run stops, its last
+    checkpoint intact. Under ``flrun fit --runtime.devices N`` the launcher says which rank ended and how."""

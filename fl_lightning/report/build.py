@@ -33,6 +33,7 @@ def build_report(paths: list[str]) -> dict[str, Any]:
             }
         )
         warnings += group_warnings(group)
+    warnings += [warning for run in runs for warning in run["warnings"]]
     sweeps = [load_sweep_dir(root) for root in sweep_dirs]
     return {"sections": sections, "sweeps": sweeps, "runs": len(runs), "warnings": warnings}
 

@@ -18,7 +18,7 @@ import hashlib
 import json
 from typing import Any
 
-import yaml
+from .runs import read_config
 
 UNKNOWN, MISSING = "config.yaml", "missing or unreadable"  # marks a run whose recipe is not known
 SHOWN_IN_LABEL = 3  # differing keys a label names; the section lists all of them
@@ -51,11 +51,8 @@ def recipe_of(run: dict, ignored: tuple[str, ...]) -> dict[str, Any]:
     """A run's experiment-defining recipe: flattened config.yaml without ``ignored`` keys, the resolved
     monitor; for a run without a readable config.yaml only its monitor, planned rounds and a marker."""
     summary = run["summary"]
-    try:
-        config = yaml.safe_load((run["root"] / "config.yaml").read_text())
-        flat = _flatten(config) if isinstance(config, dict) else None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
-        flat = None
+    config = read_config(run["root"])
+    flat = _flatten(config) if config is not None else None
     if flat is None:
         return {
             UNKNOWN: MISSING,

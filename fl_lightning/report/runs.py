@@ -8,15 +8,16 @@ Markdown-escaped) and numbers are used only where they are numbers.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from ..federation.errors import ConfigError
+from ..run.safe_yaml import read_file
 
 KIB_PER_CLIENT_ROUND = "comm/kib_per_client_round"
 ROUNDS_TO = "rounds_to/"  # rounds_to/<metric>@<target>: the first round the metric reaches the target
@@ -69,28 +70,68 @@ def find_runs(paths: list[str], allow_empty: bool = False) -> tuple[list[Path], 
 
 def read_curve(path: Path) -> list[dict[str, float]]:
     """The numeric columns of a metrics.csv, one dict per logged round."""
-    if not path.is_file():
-        return []
+    return _curve_rows(_csv_text(path) or "")
+
+
+def _csv_text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace") if path.is_file() else None
+    except OSError:
+        return None
+
+
+def _curve_rows(text: str) -> list[dict[str, float]]:
     rows = []
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            values = {}
-            for key, text in row.items():
-                try:
-                    values[key] = float(text)
-                except (TypeError, ValueError):
-                    continue
-            if "round" in values:
-                rows.append(values)
+    for row in csv.DictReader(io.StringIO(text, newline="")):
+        values = {}
+        for key, cell in row.items():
+            try:
+                values[key] = float(cell)
+            except (TypeError, ValueError):
+                continue
+        if "round" in values:
+            rows.append(values)
     return rows
 
 
+def read_config(root: Path) -> dict[str, Any] | None:
+    """A run's config.yaml as plain data (read as any YAML handed over: bounded, duplicate keys refused); None when
+    it is missing or unreadable."""
+    try:
+        config = read_file(root / "config.yaml", f"{root / 'config.yaml'}", "the config.yaml flrun fit wrote")
+    except ConfigError:
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def load_run(root: Path) -> dict[str, Any]:
+    """A run's summary and learning curve; ``warnings`` says when metrics.csv lacks rounds summary.json has."""
     summary = read_json(root / "summary.json")
     for key in ("final", "best"):
         if not isinstance(summary.get(key, {}), dict):
             raise ConfigError(f"{root / 'summary.json'} has no `{key}` metrics; re-run that run or leave it out.")
-    return {"root": root, "summary": summary, "curve": read_curve(root / "metrics.csv")}
+    path = root / "metrics.csv"
+    text = _csv_text(path)
+    curve = _curve_rows(text or "")
+    problem = _curve_problem(path, text, curve, summary.get("final_round"))
+    if problem:  # a shorter curve would pass for the run's: none is shown, and rounds-to-target read n/a
+        curve = []
+    return {"root": root, "summary": summary, "curve": curve, "warnings": [problem] if problem else []}
+
+
+def _curve_problem(path: Path, text: str | None, curve: list[dict[str, float]], last: Any) -> str | None:
+    """Why metrics.csv cannot be the run's curve: missing, cut off mid-line, or ending before summary.json's last
+    evaluated round; None when it is whole (or the summary names no round to compare with)."""
+    if isinstance(last, bool) or not isinstance(last, int):
+        return None
+    fix = "its learning curve is left out; restore the file or re-run the run"
+    if text is None:
+        return f"{path} is missing although summary.json records evaluations up to round {last}; {fix}."
+    ends = max((row["round"] for row in curve), default=None)
+    if not text.endswith("\n") or ends is None or ends < last:
+        shown = "no round" if ends is None else f"round {ends:g}"
+        return f"{path} is cut short (it ends at {shown}, summary.json at round {last}); {fix}."
+    return None
 
 
 def report_output(text: str) -> Path:
@@ -182,8 +223,8 @@ def clients_per_round(config_path: Path) -> int | None:
     from ..federation.population import Population, Tier
     from ..federation.sampling import round_half
 
+    config = read_config(config_path.parent)
     try:
-        config = yaml.safe_load(config_path.read_text())
         sampler = config["sampler"] or {"class_path": "fl_lightning.federation.sampling.UniformSampler"}  # fit's default
         population = config["population"]
         if sampler.get("class_path") != "fl_lightning.federation.sampling.UniformSampler":
@@ -195,7 +236,7 @@ def clients_per_round(config_path: Path) -> int | None:
         if args.get("num_per_round") is not None:
             return int(args["num_per_round"])
         return max(1, round_half(float(args.get("fraction", 1.0)) * eligible))
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError, ConfigError):
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError):
         return None
 
 

@@ -22,12 +22,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..federation.errors import ConfigError
 from ..run.recipes import BASE_KEY, RECIPES_DIR, _read, load_recipe, natural_key, paper_recipes
 from .groups import differing_keys, experiment_digest, one_per_seed
-from .runs import find_runs, load_run, measured_value, number
+from .runs import find_runs, load_run, measured_value, number, read_config
 from .table_render import write_table_html, write_table_markdown  # noqa: F401 (where the command line found them)
 
 Key = tuple[str, str, str, str]  # (paper id, table id, row, column)
@@ -95,8 +93,8 @@ def _experiments(cells: list[dict]) -> dict[Key, set[Key]]:
 
 def _run_strategy(root: Path) -> str | None:
     try:
-        return _strategy(yaml.safe_load((root / "config.yaml").read_text()) or {})
-    except (OSError, yaml.YAMLError, AttributeError):
+        return _strategy(read_config(root) or {})
+    except AttributeError:
         return None
 
 
@@ -116,7 +114,7 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         raise ConfigError(f"no recipe or run names the table {wanted!r}; known tables: {', '.join(known)}.")
     experiments = _experiments(cells)
     table = [c for c in cells if f"{c['key'][0]}/{c['key'][1]}" == wanted]
-    warnings = []
+    warnings = [warning for run in runs for warning in run["warnings"]]
     for cell in table:
         same = experiments[cell["key"]]
         matching = [r for r in runs if cell_key(r["summary"].get("reference") or {}) in same]

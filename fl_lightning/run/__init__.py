@@ -1,5 +1,6 @@
-"""One federated run, from a recipe to its files: the recipe loader (``base:`` families), the ``flrun fit``
-parser and its one-sentence errors, :func:`~fl_lightning.run.fit.fit` (and ``api``, the same run from
+"""One federated run, from a recipe to its files: the recipe loader (``base:`` families) and the bounded reading
+of any YAML a user hands over, the ``flrun fit`` parser and its one-sentence errors, the run directory a run may
+write (its own, marked by ``run.json``), :func:`~fl_lightning.run.fit.fit` (and ``api``, the same run from
 Python: ``fl_lightning.fit``), the :class:`FederationOrchestrator`
 (the only round loop), asynchronous rounds, the run's state and checkpoints, per-client state files,
 divergence and injected faults, and the phases of a round shared over several ranks.

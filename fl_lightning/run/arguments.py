@@ -28,7 +28,10 @@ def fit_parser(prog: str = "flrun fit"):
 
     from .fit import fit
     from .recipes import RecipeConfigFile
+    from .safe_yaml import use_for_jsonargparse
 
+    use_for_jsonargparse()  # option values and the files jsonargparse reads: bounded, duplicate keys refused
+    trust_class_paths()
     parser = ArgumentParser(
         prog=prog,
         description="Run a federated experiment from a recipe.",
@@ -44,6 +47,30 @@ def fit_parser(prog: str = "flrun fit"):
     return parser
 
 
+# class paths a recipe or option may name without being trusted explicitly: what the project and torch ship
+TRUSTED_CLASS_PATHS = ("fl_lightning", "torch.optim")
+_trusted_before: set[str] = set()
+
+
+def trust_class_paths() -> None:
+    """Makes jsonargparse refuse, before importing it, a ``class_path`` outside :data:`TRUSTED_CLASS_PATHS` and
+    the modules of ``FLRUN_TRUSTED_MODULES``: a recipe is a file one may be handed, and importing a module named
+    there runs its code (the rule of the models' builders, ``models/registry.py``)."""
+    from jsonargparse import set_parsing_settings
+
+    from ..models.registry import trusted_modules
+
+    trusted = {m for m in (*TRUSTED_CLASS_PATHS, *trusted_modules()) if _importable_name(m)}
+    revoked = sorted(_trusted_before - trusted)  # FLRUN_TRUSTED_MODULES changed in this process (tests)
+    set_parsing_settings(import_path_denylist=["*", *revoked], import_path_allowlist=sorted(trusted))
+    _trusted_before.clear()
+    _trusted_before.update(trusted)
+
+
+def _importable_name(module: str) -> bool:
+    return all(part.isidentifier() for part in module.split(".")) and module.split(".")[0] != "jsonargparse"
+
+
 def parse_fit(argv: list[str], prog: str = "flrun fit"):
     """Parses ``flrun fit`` arguments; returns (namespace, instantiated objects, resolved YAML).
 
@@ -54,7 +81,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     precheck(argv)  # the common mistakes, answered before the parser's imports (torch)
     from jsonargparse import ArgumentError
 
-    from .messages import readable, root_cause
+    from .messages import root_cause
 
     parser = fit_parser(prog)
     if not _optimizer_given(argv):  # first, so that --training.optimizer.init_args.lr 0.01 can change it
@@ -62,7 +89,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as err:
-        raise UserError(readable(str(err), parser)) from None
+        raise UserError(root_cause(err, parser)) from None
     if cfg.get("name") is None:
         cfg.name = recipe_name(argv)
     resolved = parser.dump(cfg, skip_none=False)

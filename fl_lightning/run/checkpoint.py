@@ -56,7 +56,10 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     digest = content_sha256(content)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    write_synced(tmp, lambda f: torch.save({**content, "sha256": digest}, f))
+    try:
+        write_synced(tmp, lambda f: torch.save({**content, "sha256": digest}, f))
+    except OSError as err:  # a full disk: write_synced took the partial file away; name the checkpoint itself
+        raise OSError(err.errno, err.strerror, str(path)) from None
     if path.exists():
         _keep_previous(path)
     os.replace(tmp, path)

@@ -81,6 +81,7 @@ class ClientStateStore:
         self.map_location = "cpu" if self.device.type == "cpu" else self._to_this_device
         self._writer = int.from_bytes(os.urandom(8), "little") >> 1  # fits int64; never seeds anything
         self._written = 0
+        self._checkpoint_names: dict[str, set[str]] | None = None  # read once, when the run starts or resumes
         self.bytes_written = 0  # client-file bytes written by this process (benchmarks/population.py)
         self._reset()
 
@@ -227,7 +228,21 @@ class ClientStateStore:
 
     def start(self) -> None:
         """A fresh run: deletes client files a killed run left behind (no kept checkpoint names them)."""
-        self._sweep(set())
+        self.free_leftovers(None)
+
+    def free_leftovers(self, manifest: Any) -> None:
+        """Deletes the client files that neither ``manifest`` (the checkpoint resumed, or None) nor the run's last /
+        previous checkpoint names: a killed or failed save's. Done once, before the run writes anything, so that a
+        disk that filled up gets that space back first."""
+        if self._checkpoint_names is None:
+            self._checkpoint_names = self._named_by_checkpoints()
+        if self._checkpoint_names is None:  # cannot tell what a checkpoint names: delete nothing
+            return
+        keep = set().union(*self._checkpoint_names.values(), _names(manifest))
+        if self.directory.is_dir():
+            for entry in os.scandir(self.directory):
+                if (_FILE.match(entry.name) or entry.name.endswith(".tmp")) and entry.name not in keep:
+                    os.unlink(entry.path)
 
     def restore(self, manifest: Any, loaded_from: str | None = None) -> None:
         """Takes the states a checkpoint names (read lazily); ``loaded_from`` is the checkpoint's path.
@@ -251,7 +266,19 @@ class ClientStateStore:
             _verified_bytes(source / name, version.sha256)
             if source.resolve() != self.directory.resolve():
                 self._import(source / name)
-        self._sweep({v.name(c) for c, v in self._files.items()})
+        self.free_leftovers(manifest)
+        self._retire_named_elsewhere()
+
+    def _retire_named_elsewhere(self) -> None:
+        """Files the run's last / previous checkpoint names but the resumed one does not: deleted once the saves of
+        this run have replaced those checkpoints (the previous one after one save, the last one after two)."""
+        named = self._checkpoint_names or {}
+        restored = {v.name(c) for c, v in self._files.items()}
+        last, previous = named.get("last", set()) - restored, named.get("previous", set()) - restored
+        for due, names in ((2, last), (1, previous - last)):
+            for name in sorted(names):
+                client, writer, number = _FILE.match(name).groups()
+                self._retired.append((due, int(client), _Version(int(writer, 16), int(number), b"", -1)))
 
     def _import(self, path: Path) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -264,22 +291,27 @@ class ClientStateStore:
             shutil.copyfile(path, target)
         self._unsynced = True
 
-    def _sweep(self, keep: set[str]) -> None:
-        """Deletes client files that neither ``keep`` nor the run's last / previous checkpoint names."""
-        if not self.directory.is_dir():
-            return
-        for checkpoint in (self.directory.parent / "last.ckpt", self.directory.parent / PREVIOUS):
+    def _named_by_checkpoints(self) -> dict[str, set[str]] | None:
+        """The client files the run's last and previous checkpoints name; None when one cannot be read."""
+        named: dict[str, set[str]] = {}
+        for key, checkpoint in (
+            ("last", self.directory.parent / "last.ckpt"),
+            ("previous", self.directory.parent / PREVIOUS),
+        ):
             if not checkpoint.is_file():
                 continue
             try:
-                manifest = load_checkpoint(checkpoint).get("client_states")
-            except ConfigError:  # cannot tell what it names: delete nothing
-                return
-            if isinstance(manifest, dict) and manifest.get("manifest") == MANIFEST:
-                keep |= {v.name(c) for c, v in _versions(manifest).items()}
-        for entry in os.scandir(self.directory):
-            if (_FILE.match(entry.name) or entry.name.endswith(".tmp")) and entry.name not in keep:
-                os.unlink(entry.path)
+                named[key] = _names(load_checkpoint(checkpoint).get("client_states"))
+            except ConfigError:
+                return None
+        return named
+
+
+def _names(manifest: Any) -> set[str]:
+    """The file names a checkpoint's manifest names (none for None or the older format)."""
+    if isinstance(manifest, dict) and manifest.get("manifest") == MANIFEST:
+        return {v.name(c) for c, v in _versions(manifest).items()}
+    return set()
 
 
 def _verified_bytes(path: Path, sha256: bytes) -> bytes:

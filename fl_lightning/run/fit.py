@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from .checkpoint import load_checkpoint
 from .orchestrator import FederationOrchestrator
 from .provenance import hardware, versions
 from .robustness import Faults
+from .run_dir import check_output_dir, check_resume_target, check_still_ours, free_leftovers, run_id
 from .runtime import Runtime, resolve_executor
 from .state import check_monitor, check_resume
 
@@ -117,6 +117,8 @@ def fit(
         if files.root.is_dir():  # before its checkpoint is read: another process may be writing the run
             lock.acquire()
         checkpoint = _find_checkpoint(resume, files)
+        if checkpoint is not None:
+            check_resume_target(checkpoint, resume, files)
         fabric = runtime.apply(ranks.local_rank)
         connect_ranks(ranks, fabric.device)
 
@@ -144,6 +146,7 @@ def fit(
         loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
         run_info = {
             "name": name,
+            "run_id": run_id(files, checkpoint),  # the directory's: its checkpoints resume only there (run_dir.py)
             "config_sha256": hashlib.sha256((resolved_config or "").encode()).hexdigest() if resolved_config else None,
             "partition_sha256": partition["sha256"],
             "reference": reference,
@@ -191,12 +194,10 @@ def fit(
         # every check has passed: only now is the run directory written (a refused start changes nothing)
         if ranks.writes:  # rank 0 alone writes it
             lock.acquire()  # a new directory: created here, locked before its first file
-            if checkpoint is None and (files.last_checkpoint.exists() or files.previous_checkpoint.exists()):
-                # another process made the directory and saved a run there while this one set up
-                raise ConfigError(
-                    f"{files.root} received another process's run while this one started; pass --resume auto to "
-                    "continue it or choose another --output_dir."
-                )
+            check_still_ours(files, run_info["run_id"], fresh=checkpoint is None)
+            free_leftovers(files)  # a disk that filled up gets the space of a failed write back first
+            orchestrator.state.client_states.free_leftovers(checkpoint["client_states"] if checkpoint else None)
+            files.mark(run_info["run_id"])
             files.write_json(files.partition, partition)
             if resolved_config is not None:
                 files.write_text(files.config, resolved_config)
@@ -222,28 +223,6 @@ def _check_counts(**counts: int | None) -> None:
     for key, value in counts.items():
         if value is not None and value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}; e.g. --{key} 1.")
-
-
-def check_output_dir(root: Path) -> None:
-    """Refuses a run directory that could never be written, before anything is loaded or trained.
-
-    Nothing is created here: a refused start leaves the file system as it was.
-    """
-    where = f"--output_dir {str(root)[:80]}{'...' if len(str(root)) > 80 else ''}"
-    longest = max((len(part.encode()) for part in root.parts), default=0)
-    if longest > 255 or len(str(root).encode()) > 3800:  # NAME_MAX and (under) PATH_MAX of common file systems
-        raise ConfigError(f"{where}: the path or one of its names is too long; choose a shorter output_dir.")
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(
-            f"{where}: {existing} is a file, not a directory; choose another output_dir or move the file away."
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{where}: {existing} is not writable; choose an output_dir you can write to.")
-    if (root / "sweep.json").is_file():  # a run's files would be mixed into the sweep's results
-        raise ConfigError(f"{where} holds a sweep (sweep.json); give the run a directory of its own.")
 
 
 def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:

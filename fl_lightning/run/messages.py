@@ -12,10 +12,10 @@ import importlib
 import inspect
 import re
 import typing
-from pathlib import Path
 from typing import Any
 
 from ..federation.errors import ConfigError
+from .safe_yaml import clip
 
 EXAMPLE_RECIPE = "recipes/quickstart.yaml"
 
@@ -29,27 +29,10 @@ def config_paths(argv: list[str]) -> list[str]:
 
 def check_config_file(path: str) -> None:
     """Raises ConfigError unless ``path`` is a readable YAML file holding a mapping of options."""
-    file = Path(path)
-    if file.is_dir():
-        raise ConfigError(f"--config {path} is a directory; give a recipe file, e.g. --config {EXAMPLE_RECIPE}.")
-    if not file.is_file():
-        raise ConfigError(
-            f"config file {path!r} does not exist; give an existing recipe, e.g. --config {EXAMPLE_RECIPE}."
-        )
-    try:
-        text = file.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        text = "\x00"
-    if "\x00" in text:
-        raise ConfigError(
-            f"config file {path} is not a text (YAML) file; pass a recipe .yaml, e.g. --config {EXAMPLE_RECIPE}."
-        )
-    import yaml
+    from .safe_yaml import load_text, read_text
 
-    try:
-        recipe = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(err)}.") from None
+    text = read_text(path, f"config file {path!r}", f"an existing recipe, e.g. --config {EXAMPLE_RECIPE}")
+    recipe = load_text(text, f"config file {path}")
     if recipe is None:
         raise ConfigError(
             f"config file {path} is empty; a recipe sets at least data, models and strategy (see {EXAMPLE_RECIPE})."
@@ -61,19 +44,6 @@ def check_config_file(path: str) -> None:
         )
     if "parameters" in recipe or "metric" in recipe:  # keys of a sweep file, never of a recipe
         raise ConfigError(f"{path} is a sweep file, not a recipe; run it with `flrun sweep --config {path}`.")
-
-
-def _yaml_problem(err: Exception) -> str:
-    """``problem at line L, column C`` (1-based) and the fix, from PyYAML's multi-line message."""
-    mark, start = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    context = getattr(err, "context", None)
-    if context and start is not None:  # an unclosed bracket is reported where the file ends: say where it opened
-        where += f" ({context} that starts at line {start.line + 1}, column {start.column + 1})"
-    tab = "'\\t'" in problem
-    fix = "use spaces to indent, never tabs" if tab else "check the indentation, colons, brackets and quotes there"
-    return f"{problem}{where}; {fix}"
 
 
 # ---------------------------------------------------------------------------------------------- parser errors
@@ -89,7 +59,7 @@ def readable(message: str, parser: Any = None) -> str:
         sentence = explain(text, keys, parser)
         if sentence:
             return sentence
-    for explain in (_unknown_class, _dotted_mapping, _bad_value):
+    for explain in (_untrusted_class, _unknown_class, _dotted_mapping, _bad_value):
         sentence = explain(text, key, keys, parser)
         if sentence:
             return sentence
@@ -200,6 +170,21 @@ def _unknown_class(text: str, key: str, keys: list[str], parser: Any) -> str | N
     return f"{reason}{where}{hint}{available} (or give the dotted class_path of your own {kind})."
 
 
+def _untrusted_class(text: str, key: str, keys: list[str], parser: Any) -> str | None:
+    """A class path outside the trusted modules, refused by jsonargparse's import policy before its import."""
+    denied = re.search(r"Importing '([\w.]+)' is not allowed", text)
+    if not denied:
+        return None
+    path = denied.group(1)
+    module = path.rpartition(".")[0]
+    where = f" for {key}" if key else ""
+    return (
+        f"class_path {path!r}{where} is not in a trusted module (fl_lightning, torch.optim or one named in "
+        f"FLRUN_TRUSTED_MODULES), so it was not imported: importing a module runs its code; if you trust it, set "
+        f"FLRUN_TRUSTED_MODULES={module}."
+    )
+
+
 def _dotted_mapping(text: str, key: str, keys: list[str], parser: Any) -> str | None:
     """A mapping option given one key at a time (``--models.global.args.width 0.5``), which jsonargparse passes
     on as a Namespace instead of merging it into the mapping: name the option and show the mapping to give."""
@@ -247,7 +232,7 @@ def _bad_value(text: str, key: str, keys: list[str], parser: Any) -> str | None:
     expected = [t for t in re.findall(r"Expected a <class '([\w.]+)'>", text) if t != "NoneType"]
     if not (given and expected):
         return None
-    value = given.group(1).strip()
+    value = clip(given.group(1).strip())
     key = _typed_key(key, keys, parser)
     kinds = " or ".join(dict.fromkeys({"dict": "a mapping (key: value)"}.get(t, t) for t in expected))
     return f"bad value {value!r} for {key or 'an option'}: expected {kinds}; fix it in the recipe or the command line."

@@ -28,17 +28,20 @@ action resolves the bases before jsonargparse reads the file. The rules:
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import ActionConfigFile, get_loader
+from jsonargparse import ActionConfigFile
 from jsonargparse import Path as ArgPath
 
 from ..federation.errors import ConfigError
+from .safe_yaml import clip, read_file
 
 BASE_KEY = "base"
+MAX_BASE_DEPTH = 64  # a chain of `base:` files longer than this is a mistake (and would exhaust the stack)
 OWN_KEYS = ("reference",)  # describe the file itself, never inherited
 # the one shape of a recipe's reference block: key -> required
 REFERENCE_KEYS = {
@@ -52,17 +55,22 @@ README_END = "<!-- end of generated tables -->"
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
     """The recipe at ``path`` with its ``base`` files merged in (see the module docstring)."""
-    return _resolve(Path(path), ())
+    return _Family().resolve(Path(path), ())
 
 
 def base_files(path: str | Path) -> list[Path]:
     """Every file ``path`` builds on, directly or through other bases (resolved paths, nearest first)."""
-    load_recipe(path)  # refuses loops and missing files before the walk
+    family = _Family()
+    family.resolve(Path(path), ())  # refuses loops and missing files before the walk
     found: list[Path] = []
-    bases = _read(Path(path)).get(BASE_KEY) or []
-    for base in [bases] if isinstance(bases, str) else bases:
-        base_path = (Path(path).parent / base).resolve()
-        found += [p for p in [base_path, *base_files(base_path)] if p not in found]
+
+    def walk(file: Path) -> None:
+        for base in family.bases[file]:
+            if base not in found:  # a file met again brings nothing new: its own bases were walked then
+                found.append(base)
+                walk(base)
+
+    walk(_resolved(Path(path)))
     return found
 
 
@@ -85,37 +93,75 @@ def _other_class(inherited: dict[str, Any], value: dict[str, Any]) -> bool:
     return None not in named and named[0] != named[1]
 
 
-def _read(path: Path) -> dict[str, Any]:
-    data = get_loader("yaml")(path.read_text()) or {}  # jsonargparse's own YAML reading (1e-3 is a float)
+def _read(path: Path, what: str | None = None) -> dict[str, Any]:
+    what = what or f"recipe {path}"
+    data = read_file(path, what, "a recipe file, e.g. recipes/quickstart.yaml") or {}
     if not isinstance(data, dict):
-        raise ConfigError(f"recipe {path} must be a YAML mapping of `flrun fit` options, not {type(data).__name__}.")
+        raise ConfigError(f"{what} must be a YAML mapping of `flrun fit` options, not {type(data).__name__}.")
     return data
 
 
-def _resolve(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    if path.resolve() in [p.resolve() for p in chain]:
-        loop = " -> ".join(str(p) for p in (*chain, path))
-        raise ConfigError(f"recipe {chain[0]} builds on itself ({loop}); remove the `base:` that closes the loop.")
-    if not path.is_file() and not chain:
-        raise ConfigError(f"recipe {path} does not exist; recipes live in recipes/, e.g. recipes/quickstart.yaml.")
-    if not path.is_file():
-        raise ConfigError(
-            f"base recipe {path} named in {chain[-1]} does not exist; `base:` paths are relative to the file "
-            "that names them, e.g. base: _base/paper001_cifar10.yaml."
-        )
-    data = _read(path)
-    bases = data.pop(BASE_KEY, None)
-    if bases is None:
-        return data
-    if isinstance(bases, str):
-        bases = [bases]
-    if not isinstance(bases, list) or not bases or not all(isinstance(b, str) for b in bases):
-        raise ConfigError(f"`base:` in {path} must be a file name or a list of file names, got {bases!r}.")
-    merged: dict[str, Any] = {}
-    for base in bases:
-        inherited = _resolve(path.parent / base, (*chain, path))
-        merged = merge(merged, {k: v for k, v in inherited.items() if k not in OWN_KEYS})
-    return merge(merged, data)
+def _resolved(path: Path) -> Path:
+    """``path`` made absolute with its links followed; a link loop stays as given (reading it says what it is)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError, ValueError):  # RuntimeError: a link loop (Python < 3.13); ValueError: a NUL byte
+        return Path(os.path.abspath(path))
+
+
+class _Family:
+    """One recipe's family of ``base:`` files, each read and resolved once (files shared by several bases, a
+    "diamond", cost one reading each, not one per path to them)."""
+
+    def __init__(self) -> None:
+        self.resolved: dict[Path, dict[str, Any]] = {}
+        self.bases: dict[Path, list[Path]] = {}  # each file's own bases, resolved
+
+    def resolve(self, path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+        key = _resolved(path)
+        if key in [_resolved(p) for p in chain]:
+            loop = " -> ".join(str(p) for p in (*chain, path))
+            raise ConfigError(
+                f"recipe {chain[0]} builds on itself ({clip(loop, 300)}); remove the `base:` that closes the loop."
+            )
+        if len(chain) > MAX_BASE_DEPTH:
+            raise ConfigError(
+                f"recipe {chain[0]} builds on more than {MAX_BASE_DEPTH} levels of `base:` files; merge some of them."
+            )
+        if key not in self.resolved:
+            self.resolved[key] = self._resolve_new(path, chain)
+        return self.resolved[key]
+
+    def _resolve_new(self, path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+        if chain:
+            what = f"base recipe {path} named in {chain[-1]}"
+            give = "a file path relative to the file naming it, e.g. base: _base/paper001_cifar10.yaml"
+            data = read_file(path, what, give) or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"{what} must be a YAML mapping of `flrun fit` options, not {type(data).__name__}.")
+        else:
+            data = _read(path)
+        bases = data.pop(BASE_KEY, None)
+        self.bases[_resolved(path)] = []
+        if bases is None:
+            return data
+        if isinstance(bases, str):
+            bases = [bases]
+        if not isinstance(bases, list) or not bases or not all(isinstance(b, str) for b in bases):
+            raise ConfigError(
+                f"`base:` in {path} must be a file name or a list of file names, got {clip(repr(bases))}."
+            )
+        merged: dict[str, Any] = {}
+        for base in bases:
+            if "://" in base:
+                raise ConfigError(
+                    f"`base: {clip(base, 100)}` in {path} is a URL, and base files are not downloaded; save the file "
+                    "and name it by its path relative to this one."
+                )
+            inherited = self.resolve(path.parent / base, (*chain, path))
+            self.bases[_resolved(path)].append(_resolved(path.parent / base))
+            merged = merge(merged, {k: v for k, v in inherited.items() if k not in OWN_KEYS})
+        return merge(merged, data)
 
 
 class RecipeConfigFile(ActionConfigFile):

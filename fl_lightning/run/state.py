@@ -273,9 +273,10 @@ def _safe(key: str, old: Any, new: Any) -> bool:
 
 
 def _load_yaml(text: str) -> dict[str, Any]:
-    import yaml
+    from .safe_yaml import load_text  # a checkpoint may come from anyone: its recipe is read as any handed-over YAML
 
-    return yaml.safe_load(text) or {}
+    loaded = load_text(text, "the recipe saved in the checkpoint")
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def _changed_keys(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:

@@ -27,20 +27,13 @@ from typing import Any
 import yaml
 
 from ..federation.errors import ConfigError
+from ..run.safe_yaml import read_file
 from .metric import check_metric, test_metric_warning, varies_between_evaluations
+from .space_checks import check_parameter
+from .storage_check import check_storage
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "hyperband", "none")
-# Optuna's old distribution names, as a sweep file may still write them: what to write instead
-OLD_TYPES = {
-    "loguniform": "{type: float, low: ..., high: ..., log: true}",
-    "uniform": "{type: float, low: ..., high: ...}",
-    "discrete_uniform": "{type: float, low: ..., high: ..., step: ...}",
-    "int_loguniform": "{type: int, low: ..., high: ..., log: true}",
-    "intloguniform": "{type: int, low: ..., high: ..., log: true}",
-    "int_uniform": "{type: int, low: ..., high: ...}",
-    "categorical_choices": "{type: categorical, choices: [...]}",
-}
 # set by the sweep for each trial, so not for the fit arguments after `--`
 TRIAL_ARGS = ("--config", "--output_dir", "--name", "--resume", "--logger")
 # keys only a recipe has: a file with them given to `flrun sweep` is a recipe
@@ -118,19 +111,11 @@ def read_sweep(path: str | Path, fit_args: list[str] | None = None, **cli: Any) 
     """The sweep file read and checked by itself, without importing torch: fast, so that the command can say
     what it does before the base recipe is parsed (:func:`check_against_recipe`)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():  # a directory, a FIFO or a link loop: read_file names it
         raise ConfigError(
             f"sweep file {path} does not exist; sweeps live in sweeps/, e.g. sweeps/digits_quickstart.yaml."
         )
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or "malformed YAML"
-        raise ConfigError(f"sweep file {path} is not valid YAML ({problem}{where}); fix the YAML there.") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"sweep file {path} is not a text file; give a YAML sweep file.") from None
+    raw = read_file(path, f"sweep file {path}", "a YAML sweep file, e.g. sweeps/digits_quickstart.yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"sweep file {path} must be a YAML mapping with base, metric and parameters.")
     _check_keys(raw, path)
@@ -183,6 +168,8 @@ def _validate(spec: SweepSpec) -> None:
         raise ConfigError("direction must be maximize or minimize and use best or final.")
     if not isinstance(spec.parameters, dict) or not spec.parameters:
         raise ConfigError("the sweep has no parameters to search; give `parameters: {dotted.key: {type: ...}}`.")
+    if spec.storage is not None:
+        check_storage(spec.storage)
     for key in ("n_trials", "heartbeat_interval", "grace_period"):
         value = getattr(spec, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -199,20 +186,7 @@ def _validate(spec: SweepSpec) -> None:
     if spec.sampler.get("name", "tpe") not in SAMPLERS or spec.pruner.get("name", "median") not in PRUNERS:
         raise ConfigError(f"sampler name must be one of {SAMPLERS} and pruner name one of {PRUNERS}.")
     for name, p in spec.parameters.items():
-        if not isinstance(p, dict):
-            raise ConfigError(f"parameter {name!r}: give a mapping such as {{type: float, low: 0.01, high: 0.1}}.")
-        kind = p.get("type")
-        if kind in ("float", "int"):
-            if "low" not in p or "high" not in p or not p["low"] < p["high"]:
-                raise ConfigError(f"parameter {name!r}: give low < high, got low={p.get('low')} high={p.get('high')}.")
-            if p.get("log") and p["low"] <= 0:
-                raise ConfigError(f"parameter {name!r}: a log scale needs low > 0, got {p['low']}.")
-        elif kind == "categorical":
-            if not p.get("choices"):
-                raise ConfigError(f"parameter {name!r}: categorical needs a non-empty `choices` list.")
-        else:
-            instead = f"; write {OLD_TYPES[kind]}" if kind in OLD_TYPES else ""
-            raise ConfigError(f"parameter {name!r}: type must be float, int or categorical, got {kind!r}{instead}.")
+        check_parameter(name, p)  # every field, before the first trial
     _check_overrides(spec)
     _check_fit_args(spec)
 

@@ -1,12 +1,17 @@
-"""The run directory: config.yaml, metrics.csv, summary.json, partition.json and checkpoints/.
+"""The run directory: run.json, config.yaml, metrics.csv, summary.json, partition.json and checkpoints/.
+
+``run.json`` marks the directory as a run's, with the run's id: a run writes only into a new or empty directory
+or one its own marker names (``run/run_dir.py``), never into a folder of the user's.
 
 Every file is replaced atomically (written to ``<name>.tmp``, fsynced, renamed over the old one, and the
 directory fsynced): a run killed at any moment, or a machine that loses power, leaves the old file or the
-new one, never a part of one.
+new one, never a part of one. A write that fails (a full disk) removes its ``.tmp`` file and raises an OSError
+that names the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fcntl
 import io
@@ -20,6 +25,10 @@ from typing import IO, Any
 
 from ..federation.errors import ConfigError
 
+MARKER = "run.json"  # what makes a directory a run's
+MARKER_KIND = "flrun fit run directory"
+LOCK = "run.lock"
+
 
 class RunFiles:
     """Paths and writers of one run's output directory.
@@ -29,6 +38,7 @@ class RunFiles:
 
     def __init__(self, output_dir: str | Path):
         self.root = Path(output_dir)
+        self.marker = self.root / MARKER
         self.config = self.root / "config.yaml"
         self.metrics = self.root / "metrics.csv"
         self.summary = self.root / "summary.json"
@@ -36,6 +46,15 @@ class RunFiles:
         self.checkpoints = self.root / "checkpoints"
         self.last_checkpoint = self.checkpoints / "last.ckpt"
         self.previous_checkpoint = self.checkpoints / "previous.ckpt"
+
+    def run_id(self) -> str | None:
+        """The id in this directory's marker; None when the directory holds no marker of a run."""
+        return marker_id(self.root)
+
+    def mark(self, run_id: str) -> None:
+        """Marks the directory as the run ``run_id``'s (its first write; a directory marked already keeps its id)."""
+        if self.run_id() is None:
+            self.write_json(self.marker, {"kind": MARKER_KIND, "run_id": run_id})
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         """Rewrites metrics.csv from the history (one row per evaluation round); columns are the union."""
@@ -69,8 +88,14 @@ class RunLock:
         """Takes the lock (creating the directory) unless held; refuses a directory another process holds."""
         if not self.enabled or self._file is not None:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = open(self.root / "run.lock", "ab")  # noqa: SIM115 - held open until release
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = open(self.root / LOCK, "ab")  # noqa: SIM115 - held open until release
+        except OSError as err:
+            raise ConfigError(
+                f"{err.filename or self.root} cannot be created ({err.strerror}); choose an --output_dir you can "
+                "write to."
+            ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -99,11 +124,27 @@ class RunLock:
 
 
 def write_synced(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Writes ``path`` with ``write(file)`` and fsyncs it, so its bytes are on disk when this returns."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes ``path`` with ``write(file)`` and fsyncs it, so its bytes are on disk when this returns.
+
+    A write that fails (a full disk, a quota) removes what it wrote and raises an OSError naming ``path``.
+    """
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        if not isinstance(err, (IsADirectoryError, PermissionError)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise OSError(err.errno, err.strerror, str(path)) from None
+    except RuntimeError as err:  # in case a writer (torch.save) wraps the failed write in a RuntimeError
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        cause = err.__cause__ or err.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, str(path)) from None
+        raise
 
 
 def fsync_directory(path: Path) -> None:
@@ -121,9 +162,28 @@ def replace_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Replaces ``path`` atomically and durably with what ``write(file)`` writes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    write_synced(tmp, write)
-    os.replace(tmp, path)
+    try:
+        write_synced(tmp, write)
+        os.replace(tmp, path)
+    except OSError as err:  # a full disk, a directory where the file goes: the new content is not left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OSError(err.errno, err.strerror, str(path)) from None  # the file the user knows, not its .tmp
     fsync_directory(path.parent)
+
+
+def marker_id(root: Path) -> str | None:
+    """The run id in ``root/run.json`` when flrun wrote it; None for no marker, or a file of someone else's."""
+    path = Path(root) / MARKER
+    try:
+        if not path.is_file() or path.stat().st_size > 4096:
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # unreadable or not JSON: not a marker this program wrote
+        return None
+    if not isinstance(data, dict) or data.get("kind") != MARKER_KIND or not isinstance(data.get("run_id"), str):
+        return None
+    return data["run_id"]
 
 
 def _finite(value: Any) -> Any:

@@ -1,0 +1,99 @@
+"""How ``flrun`` ends when something outside the input stops it: the file system saying no (a full disk, a read-only
+folder, a directory where a file goes) and SIGTERM, each as one line and an exit status, never a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import sys
+import threading
+
+# what a command that the file system stopped leaves
+AFTER_OS_ERROR = {
+    "fit": ", then run the same command with --resume auto: it continues from the last checkpoint written, which is intact.",
+    "sweep": ", then run the same command again to finish the study.",
+    "table": ", then run the same command again to resume the runs.",
+    "report": ".",
+    "data": ".",
+}
+
+
+def error_status(command: str, err: Exception) -> int:
+    """Prints the one line of an error the user can fix (their input, the file system) and returns the exit
+    status; re-raises any other error (a bug shows its traceback)."""
+    from ..federation.errors import ConfigError, RankLost
+    from ..run.arguments import UserError
+
+    if isinstance(err, RankLost):
+        from ..distributed.launch import LAUNCHED_ENV, LOST_STATUS
+
+        if os.environ.get(LAUNCHED_ENV):
+            return LOST_STATUS  # the launcher names the rank that ended, and how
+    if isinstance(err, (UserError, ConfigError)):
+        print(f"flrun {command}: error: {clipped(str(err))}", file=sys.stderr)
+        return 2
+    sentence = file_system_cause(err)
+    if sentence is None:
+        raise err
+    print(f"flrun {command}: error: {sentence}{AFTER_OS_ERROR.get(command, '')}", file=sys.stderr)
+    return 2
+
+
+class Terminated(BaseException):
+    """SIGTERM (a job scheduler's stop, ``kill``) while ``flrun fit`` runs: ends it like an interrupt, with a line."""
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm(enabled: bool):
+    """SIGTERM raises :class:`Terminated` in the main thread while the command runs (Python's default would end
+    the process without a word); the previous handler comes back afterwards."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def os_error_sentence(err: OSError) -> str:
+    """``<path>: <cause>; <fix>`` for an error of the file system."""
+    fixes = {
+        errno.ENOSPC: "free space on its disk",
+        errno.EDQUOT: "free space within your quota",
+        errno.EACCES: "give a place you may write to",
+        errno.EPERM: "give a place you may write to",
+        errno.EROFS: "give a place on a writable disk",
+        errno.EISDIR: "a directory stands where a file goes: move it away",
+        errno.ENOTDIR: "a file stands where a folder goes: move it away",
+        errno.EEXIST: "a file stands where a folder goes: move it away",
+    }
+    path = err.filename if err.filename is not None else "a file"
+    return f"{clipped(str(path))}: {err.strerror or err}; {fixes.get(err.errno, 'check that path')}"
+
+
+def file_system_cause(err: BaseException) -> str | None:
+    """The sentence for an error caused, somewhere down its chain, by the file system: an OSError, or a database
+    (a sweep's SQLite storage) that reports a full disk; None for any other error. Libraries may hide the cause
+    (Optuna raises ``AssertionError: Should not reach.`` when it cannot record a failed trial on a full disk)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return os_error_sentence(seen)
+        text = str(seen)
+        if "database or disk is full" in text or "disk I/O error" in text:
+            return f"the sweep's study database: {text.splitlines()[0][:200]}; free space on its disk"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def clipped(message: str, limit: int = 600) -> str:
+    """A message that quotes input stays a readable line (each quote is clipped where it is made; a last guard)."""
+    return message if len(message) <= limit else f"{message[: limit - 3]}..."
