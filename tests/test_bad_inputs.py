@@ -455,6 +455,13 @@ CASES = [
         command="sweep",
     ),
     Case(
+        "storage folder under a file",
+        ["--config", "{tmp}/sweep.yaml", "--storage", "sqlite:///{tmp}/notes.txt/sweeps/study.db"],
+        ["notes.txt is a file, so the folder", "cannot be made"],
+        files={"sweep.yaml": SWEEP, "notes.txt": b"my notes\n"},
+        command="sweep",
+    ),
+    Case(
         "storage driver missing",
         ["--config", "{tmp}/sweep.yaml", "--storage", "postgresql+pg8000://me@localhost/studies"],
         ["needs the Python driver pg8000", "not installed"],

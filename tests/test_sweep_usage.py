@@ -247,3 +247,12 @@ def test_importances_from_fewer_than_ten_completed_trials_are_flagged(tmp_path, 
 def test_a_metric_without_a_val_split_is_refused_before_any_trial():
     with pytest.raises(ConfigError, match="give them a val share"):
         load_sweep(ROOT / "sweeps" / "digits_quickstart.yaml", overrides={"rounds": 2})
+
+
+def test_an_sqlite_storage_in_folders_that_do_not_exist_yet_is_made_like_an_output_folder(tmp_path, capsys):
+    # the storage example every message gives, sqlite:///runs/sweeps/study.db, must work on a fresh clone
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=1, parameters=LR)
+    database = tmp_path / "studies" / "cifar" / "study.db"
+    assert run_cli("sweep", "--config", str(sweep), "--storage", f"sqlite:///{database}") == 0
+    assert database.read_bytes().startswith(b"SQLite format 3\x00")
+    assert len(trials(tmp_path / "sweep")) == 1

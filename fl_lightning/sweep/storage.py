@@ -74,6 +74,7 @@ def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
     import optuna
 
     url = storage_url(spec)
+    _make_sqlite_folder(url)
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     stale_key = (
         "heartbeat_stale_trial_callback"
@@ -98,6 +99,16 @@ def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
         direction=spec.direction,
         load_if_exists=True,
     )
+
+
+def _make_sqlite_folder(url: str) -> None:
+    """SQLite makes the database file but not its folders: a new ``sqlite:///runs/sweeps/study.db`` works as a new
+    output folder does."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
 def tally(trials) -> dict[str, int]:

@@ -65,10 +65,13 @@ def check_storage(url: str) -> None:
 
 
 def _check_sqlite_file(path: Path, shown: str) -> None:
-    if not path.parent.is_dir():
+    existing = next(folder for folder in path.parents if folder.exists())
+    if not existing.is_dir():
         raise ConfigError(
-            f"--storage {shown}: the folder {path.parent} does not exist; create it or give another path."
+            f"--storage {shown}: {existing} is a file, so the folder {path.parent} cannot be made; give another path."
         )
+    if existing != path.parent:
+        return  # the sweep makes the missing folders when it opens the study, as it makes its own output folder
     if not path.exists():
         return  # a new database: Optuna creates it
     if not path.is_file():
