@@ -96,6 +96,11 @@ CASES = [
         ["runtime.lockstep", "runtime.executor is sequential"],
     ),
     Case(
+        "lockstep with the default executor",
+        ["--runtime.lockstep", "true"],
+        ["runtime.lockstep", "runtime.executor is auto", "set runtime.executor batched"],
+    ),
+    Case(
         "lockstep with CUDA graphs",
         ["--runtime.cuda_graphs", "true", "--runtime.lockstep", "true"],
         ["runtime.lockstep", "runtime.cuda_graphs"],

@@ -2,8 +2,8 @@
 
 The CPU suite cannot see a tensor left on the wrong device: FedHe and Felo indexed the server's class
 knowledge (kept on the CPU) with labels on the GPU and failed in their first step on a GPU, which only a
-run on a GPU showed. Each recipe runs 2 rounds with the GPU's default executor (batched) and must end with
-finite metrics; the methods whose server keeps tensors also resume on the GPU (checkpoints load on the CPU,
+run on a GPU showed. Each recipe runs 2 rounds with each executor (the default, sequential, and batched) and
+must end with finite metrics; the methods whose server keeps tensors also resume on the GPU (checkpoints load on the CPU,
 so their server state must come back where a fresh run has it) and must equal the uninterrupted run.
 """
 
@@ -30,9 +30,10 @@ def _argv(recipe: str, out: Path, rounds: int) -> list[str]:
     return argv + ["--output_dir", str(out), "--runtime.progress", "false", "--runtime.accelerator", "cuda"]
 
 
+@pytest.mark.parametrize("executor", ["sequential", "batched"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_digits_recipe_runs_on_cuda(tmp_path, recipe):
-    summary = fit_from_argv(_argv(recipe, tmp_path, 2))
+def test_digits_recipe_runs_on_cuda(tmp_path, recipe, executor):
+    summary = fit_from_argv([*_argv(recipe, tmp_path, 2), "--runtime.executor", executor])
     metrics = {k: v for k, v in summary["final"].items() if k.endswith(("test_acc", "test_loss"))}
     assert metrics, summary["final"]
     assert all(math.isfinite(v) for v in metrics.values()), metrics

@@ -163,7 +163,7 @@ def fit(
                 print(_resuming_line(checkpoint, rounds, resume, files, stop_after), file=sys.stderr, flush=True)
         elif resume == "auto" and ranks.writes:
             print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
-        executor, sequential_why = resolve_executor(runtime, fabric.device, training)
+        executor = resolve_executor(runtime, training)
         orchestrator = FederationOrchestrator(
             strategy,
             clients,
@@ -185,7 +185,6 @@ def fit(
             evaluation=evaluation,
             client_state_memory_mb=runtime.client_state_memory_mb,
             executor=executor,
-            sequential_why=sequential_why,
             batch_clients=runtime.batch_clients,
             lockstep=runtime.lockstep,
             faults=faults,

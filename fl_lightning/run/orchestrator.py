@@ -61,8 +61,6 @@ class FederationOrchestrator:
             (``client_store.py``). None keeps it all in memory.
         executor: ``sequential`` (one client after another) or ``batched`` (clients' local fits batched
             with ``torch.func.vmap`` where their step allows it; ``client/batched/``).
-        sequential_why: why the run trains sequentially where ``runtime.executor auto`` would have batched
-            (summary.json's ``executor.why``).
         batch_clients: at most this many clients per batched computation.
         lockstep: batched clients take every step together, their batches padded (``runtime.lockstep``).
         faults: faults injected into the clients (``robustness.Faults``); none when None.
@@ -91,7 +89,6 @@ class FederationOrchestrator:
         evaluation: PersonalEvaluation | None = None,
         client_state_memory_mb: float | None = None,
         executor: str = "sequential",
-        sequential_why: str | None = None,
         batch_clients: int = 64,
         lockstep: bool = False,
         faults: Faults | None = None,
@@ -125,7 +122,7 @@ class FederationOrchestrator:
         batching = executor == "batched" and schedule is None
         self.batched = BatchedExecutor(loop, batch_clients, lockstep) if batching else None
         asked = executor == "batched" and schedule is not None
-        self.unbatched = "asynchronous rounds train one arrival at a time" if asked else sequential_why
+        self.unbatched = "asynchronous rounds train one arrival at a time" if asked else None
         self.asynchronous = (
             AsynchronousRounds(schedule, strategy, clients, self.state.ledger, seed, self._run_client, faults)
             if schedule is not None
@@ -203,7 +200,7 @@ class FederationOrchestrator:
                 summary["executor"]["sequential_reasons"] = dict(self.batched.fits.sequential_reasons)
             if self.batched.fits.lockstep is not None:  # steps of all of a group's clients, and how many padded
                 summary["executor"]["lockstep"] = self.batched.fits.lockstep.summary()
-        elif self.unbatched is not None:  # batched was asked for (or auto chose it) and could not be
+        elif self.unbatched is not None:  # batched was asked for and could not be
             summary["executor"] = {"mode": "sequential", "why": self.unbatched}
         if self.loop.graphs is not None:  # how many steps were replayed from CUDA graphs, and why others were not
             summary["cuda_graphs"] = self.loop.graphs.summary()

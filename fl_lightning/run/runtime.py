@@ -21,8 +21,8 @@ class Runtime:
         precision: Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``).
         executor: how a phase's clients train: ``sequential`` one after another; ``batched`` the clients of
             one architecture as one vmapped computation per step (``client/batched/``; same numbers to
-            float tolerance, not bit for bit); ``auto`` batched on a GPU, sequential on CPU (where batching
-            measured slower for small models, docs/performance.md).
+            float tolerance, not bit for bit); ``auto`` sequential for now: batching measured slower on a CPU
+            for small models and has not yet been measured faster on a GPU (docs/performance.md).
         batch_clients: at most this many clients per batched computation (bounds GPU memory).
         num_threads: torch CPU threads. 1 is the measured best for small models on 2 cores (up to 10x
             faster than torch's default, docs/performance.md); raise it for large CPU models.
@@ -92,10 +92,10 @@ class Runtime:
                 "runtime.lockstep pads the batched executor's steps, and runtime.cuda_graphs replays the sequential "
                 "loop's; set one of them false."
             )
-        if self.lockstep and self.executor == "sequential":
+        if self.lockstep and self.executor != "batched":
             raise ConfigError(
-                "runtime.lockstep pads the batched executor's steps, but runtime.executor is sequential; set "
-                "runtime.executor batched (or auto, which batches on a GPU) or runtime.lockstep false."
+                f"runtime.lockstep pads the batched executor's steps, but runtime.executor is {self.executor}; set "
+                "runtime.executor batched or runtime.lockstep false."
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(
@@ -137,25 +137,15 @@ class Runtime:
             ) from None
 
 
-SHARED_STATE_SEQUENTIAL = (
-    "optimizer_state shared: each client continues the previous client's optimizer state, so clients cannot "
-    "train at once (shared_per_phase can)"
-)
-
-
-def resolve_executor(runtime: Runtime, device: torch.device, training: LocalTraining) -> tuple[str, str | None]:
-    """``sequential`` or ``batched`` for this run (``auto``: batched on a GPU), and why ``auto`` chose
-    sequential where it would have batched (summary.json says so), else None."""
-    if training.optimizer_state == "shared":  # each client continues the previous client's optimizer state
-        if runtime.executor == "batched":
-            raise ConfigError(
-                "runtime.executor batched cannot train with training.optimizer_state shared (each client starts "
-                "from the previous client's optimizer state, so clients cannot train at once); use executor "
-                "sequential or auto, or optimizer_state shared_per_phase (one state per role taken at each phase's "
-                "start), reset or per_client."
-            )
-        would_batch = runtime.executor == "auto" and device.type == "cuda" and not runtime.cuda_graphs
-        return "sequential", SHARED_STATE_SEQUENTIAL if would_batch else None
-    if runtime.executor == "auto":
-        return "batched" if device.type == "cuda" and not runtime.cuda_graphs else "sequential", None
-    return runtime.executor, None
+def resolve_executor(runtime: Runtime, training: LocalTraining) -> str:
+    """``sequential`` or ``batched`` for this run. ``auto`` is sequential: on a CPU batching measured slower for
+    small models, and on a GPU the batched executor has yet to be measured faster than the sequential loop
+    (docs/performance.md); ``batched`` is an explicit choice."""
+    if runtime.executor == "batched" and training.optimizer_state == "shared":
+        raise ConfigError(
+            "runtime.executor batched cannot train with training.optimizer_state shared (each client starts "
+            "from the previous client's optimizer state, so clients cannot train at once); use executor "
+            "sequential or auto, or optimizer_state shared_per_phase (one state per role taken at each phase's "
+            "start), reset or per_client."
+        )
+    return "batched" if runtime.executor == "batched" else "sequential"
