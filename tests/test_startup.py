@@ -1,5 +1,5 @@
 """Start-up: a digits run imports neither Lightning's Trainer side nor packages a digits run does not use, and
-its first round imports nothing (an import there stalls the first step, docs/performance.md)."""
+its first round imports nothing (an import there stalls the first step, benchmarks/results/log.md)."""
 
 import json
 import operator

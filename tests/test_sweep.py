@@ -274,13 +274,14 @@ def test_workers_are_spread_over_the_gpus_and_a_replacement_takes_the_dead_worke
 
 def wait_for_running(storage, count=1, timeout=300):
     """Trials running in worker processes (their pid in the `process` attribute), once `count` run."""
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import IntegrityError, OperationalError
 
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
             running = [t for t in load(storage).trials if t.state.name == "RUNNING" and "process" in t.user_attrs]
-        except (KeyError, OperationalError):  # the study (or its SQLite directory) does not exist yet
+        # the study (or its SQLite directory) does not exist yet, or the sweep is making its tables as we look
+        except (KeyError, OperationalError, IntegrityError):
             running = []
         if len(running) >= count:
             return running

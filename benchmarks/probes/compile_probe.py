@@ -1,6 +1,6 @@
 """Probe: the batched executor's vmapped gradient step under ``torch.compile``, against the eager executor.
 
-Not an option of the framework (docs/performance.md, "CUDA graphs and torch.compile": tried, not kept).
+Not an option of the framework (benchmarks/results/log.md, "CUDA graphs and torch.compile": tried, not kept).
 This script swaps ``GroupTraining._gradients`` for a compiled version and runs the flagship recipe
 (``recipes/ondevice_kd_cifar10.yaml``, random-pixel CIFAR-10 in the real pickle format, batched executor,
 ``shared_per_phase``) shrunk to ``--clients`` clients, 8 per round, with and without it. Per mode it prints

@@ -1,6 +1,6 @@
 """Probe: the sequential loop with each role's model compiled (``torch.compile``), against the eager loop.
 
-Not an option of the framework (docs/performance.md, "CUDA graphs and torch.compile"). Each role's
+Not an option of the framework (benchmarks/results/log.md, "CUDA graphs and torch.compile"). Each role's
 ``features`` and ``head`` are compiled in place (``nn.Module.compile``, so parameter names and the
 one-instance-per-role pool are unchanged, and the forward, ``features`` and ``head`` calls of every step
 function go through the compiled code); the backward is compiled with them (AOTAutograd), the optimizer

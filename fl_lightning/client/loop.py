@@ -2,7 +2,7 @@
 
 Fabric decides the device and the precision (``setup_module``, ``autocast``, ``backward`` and the
 precision plugin's optimizer step). The hot loop calls the unwrapped module and optimizer: Fabric's
-module wrapper costs about 20% per step on the digits models (measured, docs/performance.md), and a
+module wrapper costs about 20% per step on the digits models (measured, benchmarks/results/log.md), and a
 single-device run needs none of what it adds.
 """
 
@@ -188,7 +188,7 @@ class LocalLoop:
         strategy = self.fabric.strategy
         optimizer_step = strategy.optimizer_step
         # 32-true on one device: Fabric's autocast is a no-op and its backward and optimizer step are the plain
-        # calls, so they are made directly (21 Python calls fewer per step, docs/performance.md)
+        # calls, so they are made directly (21 Python calls fewer per step, benchmarks/results/log.md)
         plain = type(strategy).__name__ == "SingleDeviceStrategy" and type(strategy.precision).__name__ == "Precision"
         module.train()
         total, steps = torch.zeros((), device=self.fabric.device), 0

@@ -81,15 +81,23 @@ def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
         if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
         else "failed_trial_callback"
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = optuna.storages.RDBStorage(
-            url,
-            engine_kwargs=kwargs,
-            heartbeat_interval=spec.heartbeat_interval,
-            grace_period=spec.grace_period,
-            **{stale_key: retry_callback(spec)},
-        )
+    from sqlalchemy.exc import IntegrityError
+
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(
+                    url,
+                    engine_kwargs=kwargs,
+                    heartbeat_interval=spec.heartbeat_interval,
+                    grace_period=spec.grace_period,
+                    **{stale_key: retry_callback(spec)},
+                )
+            break
+        except IntegrityError:  # another process (a worker, optuna-dashboard) made the new schema at the same time
+            if attempt == 2:
+                raise
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # the sweep prints each trial's outcome itself
     return optuna.create_study(
         study_name=spec.study_name,
