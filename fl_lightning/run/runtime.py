@@ -24,8 +24,8 @@ class Runtime:
             float tolerance, not bit for bit); ``auto`` sequential for now: batching measured slower on a CPU
             for small models and has not yet been measured faster on a GPU (docs/performance.md).
         batch_clients: at most this many clients per batched computation (bounds GPU memory).
-        num_threads: torch CPU threads. 1 is the measured best for small models on 2 cores (up to 10x
-            faster than torch's default, docs/performance.md); raise it for large CPU models.
+        num_threads: torch CPU threads. 1, the measured best for the smallest models, leaves the other cores
+            to ranks and sweep workers; convolutional models on a CPU gain from more (docs/performance.md).
         flush_denormal: flush denormal floats to zero, which near convergence otherwise halve CPU speed.
         deterministic: ask torch for deterministic kernels (identical numbers for a seed on CPU).
         progress: show the progress bar.
