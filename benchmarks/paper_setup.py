@@ -71,7 +71,7 @@ def stated(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     recipe merges them (its ``base`` list left to right, each after its own bases), then its own, then its
     per-round traffic metric; ``null`` drops an inherited number or note."""
     numbers, notes = _stated_files(path)
-    metrics = (_own_reference(path).get("metrics") or {})
+    metrics = _own_reference(path).get("metrics") or {}
     if metrics.get(KIB) is not None:
         numbers[KIB] = metrics[KIB]
     return {k: v for k, v in numbers.items() if v is not None}, {k: v for k, v in notes.items() if v is not None}
@@ -138,9 +138,14 @@ DATA_CONTEXT = {  # what a model of the data set is built with, and the layout o
     "Cifar10Data": {"num_classes": 10, "in_channels": 3, "train": 50_000, "test": 10_000},
     "Cifar100Data": {"num_classes": 100, "in_channels": 3, "train": 50_000, "test": 10_000},
     "MnistData": {  # MNIST's own class counts (the others are balanced)
-        "num_classes": 10, "in_channels": 1, "train": 60_000, "test": 10_000,
-        "counts": ([5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949],
-                   [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]),
+        "num_classes": 10,
+        "in_channels": 1,
+        "train": 60_000,
+        "test": 10_000,
+        "counts": (
+            [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949],
+            [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009],
+        ),
     },
     "Cinic10Data": {"num_classes": 10, "in_channels": 3, "train": 90_000, "test": 90_000},
     "FedCifar100Data": {"num_classes": 100, "in_channels": 3, "groups": (500, 100), "test": 10_000},
@@ -263,7 +268,9 @@ class Recipe:
         data.load = lambda: arrays
         if server is not None:  # an out-of-domain server set: its own layout, labels dropped
             outside = DATA_CONTEXT[server["class_path"].rsplit(".", 1)[-1]]
-            other = DataArrays(torch.zeros(outside["train"], 1), torch.zeros(outside["train"]), torch.zeros(1, 1), torch.zeros(1))
+            other = DataArrays(
+                torch.zeros(outside["train"], 1), torch.zeros(outside["train"]), torch.zeros(1, 1), torch.zeros(1)
+            )
             data.server_dataset = type("Outside", (), {"load": staticmethod(lambda: other)})()
         data.setup(len(self.clients), seed=self.get("seed", default=0))
         return data
@@ -340,10 +347,10 @@ def _share(r: Recipe, part: str) -> float | None:
         if sizes is None:
             return None
         clients = sizes["clients"]
-        get = lambda c, k: c[k]  # noqa: E731
+        get = lambda c, k: c[k]
     else:
         clients = data.clients
-        get = lambda c, k: len(getattr(c, k))  # noqa: E731
+        get = lambda c, k: len(getattr(c, k))
     total = {k: sum(get(c, k) for c in clients) for k in ("train", "unlabeled", "val", "test")}
     if part == "unlabeled":
         return total["unlabeled"] / (total["train"] + total["unlabeled"])
@@ -366,7 +373,7 @@ def _examples(r: Recipe, tier: str | None) -> int | None:
     data = r.layout
     if data is None:
         return None
-    held = lambda c: len(c.train) + len(c.unlabeled) + len(c.val) + len(c.test)  # noqa: E731
+    held = lambda c: len(c.train) + len(c.unlabeled) + len(c.val) + len(c.test)
     return sum(held(c) for c, spec in zip(data.clients, r.clients) if tier is None or spec.tier == tier)
 
 
@@ -414,7 +421,9 @@ QUANTITIES = {
     "message_numbers/": (lambda r, role: _model_payload(r.models[role]), False),
     "server_examples": (lambda r, _: None if r.layout is None else len(r.layout.server_idx), False),
     "server_share": (
-        lambda r, _: None if r.layout is None else len(r.layout.server_idx) / (_examples(r, None) + len(r.layout.server_idx)),
+        lambda r, _: (
+            None if r.layout is None else len(r.layout.server_idx) / (_examples(r, None) + len(r.layout.server_idx))
+        ),
         False,
     ),
     "pool_examples": (lambda r, _: _examples(r, None), False),
@@ -430,8 +439,13 @@ QUANTITIES = {
     "numbers_up_per_public_example": (lambda r, _: _run_value(r, "numbers_up_per_public_example"), False),
     "knowledge_share_of_weights": (lambda r, _: _run_value(r, "knowledge_share_of_weights"), False),
 }
-RUN_QUANTITIES = {KIB, "kib_per_client_round", "numbers_up_per_client_round", "numbers_up_per_public_example",
-                  "knowledge_share_of_weights"}
+RUN_QUANTITIES = {
+    KIB,
+    "kib_per_client_round",
+    "numbers_up_per_client_round",
+    "numbers_up_per_public_example",
+    "knowledge_share_of_weights",
+}
 
 
 def measure(r: Recipe, name: str) -> tuple[Any, bool]:
@@ -549,17 +563,25 @@ def _scaled_population(r: Recipe, total: int) -> list[str]:
     fixed = sum(t.get("count") or 0 for t in spec["tiers"])
     spec["num_clients"] = max(total, fixed + rest)
     clients = Population(
-        num_clients=spec["num_clients"], tiers=[Tier(**t) for t in spec["tiers"]], assignment=spec.get("assignment", "contiguous")
+        num_clients=spec["num_clients"],
+        tiers=[Tier(**t) for t in spec["tiers"]],
+        assignment=spec.get("assignment", "contiguous"),
     ).build(0)
     args = ["--population", json.dumps(spec)]
     sampler = (r.get("sampler") or {}).get("init_args") or {}
     if sampler.get("num_per_round") is not None:
         eligible = sum(sampler.get("tiers") is None or c.tier in sampler["tiers"] for c in clients)
-        args += ["--sampler.init_args.num_per_round", str(max(1, min(eligible, round(sampler["num_per_round"] * scale))))]
+        args += [
+            "--sampler.init_args.num_per_round",
+            str(max(1, min(eligible, round(sampler["num_per_round"] * scale)))),
+        ]
     per_role = r.strategy_args.get("clients_per_round")
     if isinstance(per_role, dict):
         held = {role: sum(role in c.roles for c in clients) for role in per_role}
-        args += ["--strategy.init_args.clients_per_round", json.dumps({k: max(1, min(v, held[k])) for k, v in per_role.items()})]
+        args += [
+            "--strategy.init_args.clients_per_round",
+            json.dumps({k: max(1, min(v, held[k])) for k, v in per_role.items()}),
+        ]
     data = r.get("data", "init_args") or {}
     if "max_clients" in data:
         args += ["--data.init_args.max_clients", str(spec["num_clients"])]
@@ -612,8 +634,14 @@ def _models_override(r: Recipe) -> list[str]:
                 "random_init": True,
                 "num_classes": 100,
                 "hidden": 8,
-                "config": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-                           "intermediate_size": 32, "image_size": 32, "patch_size": 8},
+                "config": {
+                    "hidden_size": 16,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "intermediate_size": 32,
+                    "image_size": 32,
+                    "patch_size": 8,
+                },
             }
             changed = True
         if spec.get("builder") == "torchvision_resnet50":
@@ -715,13 +743,19 @@ def check_recipe(r: Recipe) -> list[Line]:
             numeric = isinstance(measured, (int, float)) and not isinstance(measured, bool)
             paper = Value.parse(raw) if numeric or measured is None else None
         except KeyError:
-            lines.append(Line(r.name, name, raw, None, "MISMATCH", "no such quantity: paper_setup.py does not measure it"))
+            lines.append(
+                Line(r.name, name, raw, None, "MISMATCH", "no such quantity: paper_setup.py does not measure it")
+            )
             continue
         except Exception as err:  # a recipe that cannot be built or run here
             lines.append(Line(r.name, name, raw, None, "MISMATCH", f"not measured: {type(err).__name__}: {err}"[:300]))
             continue
         if measured is None:
-            why = "not run (--no-run)" if name in RUN_QUANTITIES and r.run_dir is None else "it does not apply to this recipe"
+            why = (
+                "not run (--no-run)"
+                if name in RUN_QUANTITIES and r.run_dir is None
+                else "it does not apply to this recipe"
+            )
             lines.append(Line(r.name, name, raw, None, "MISMATCH", f"not measured: {why}"))
             continue
         holds = paper.holds(float(measured), exact) if paper is not None else measured == raw
@@ -734,7 +768,9 @@ def check_recipe(r: Recipe) -> list[Line]:
         else:
             lines.append(Line(r.name, name, raw, measured, "MISMATCH"))
     for name in sorted(set(r.notes) - set(r.numbers)):
-        lines.append(Line(r.name, name, None, None, "STALE NOTE", "a departure note on a number the recipe does not state"))
+        lines.append(
+            Line(r.name, name, None, None, "STALE NOTE", "a departure note on a number the recipe does not state")
+        )
     return lines
 
 
@@ -782,11 +818,17 @@ def run_check(names: list[str] | None, run: bool, out=None, one_per_shape: bool 
                     found.append(Line(r.name, "runs one round", "", "yes", "match"))
                     shapes_run.add(recipe_shape)
                 except Exception as err:
-                    found.append(Line(r.name, "runs one round", "", "no", "MISMATCH", f"{type(err).__name__}: {err}"[:300]))
+                    found.append(
+                        Line(r.name, "runs one round", "", "no", "MISMATCH", f"{type(err).__name__}: {err}"[:300])
+                    )
             for line in found:
                 why = f" ({line.why})" if line.why else ""
-                print(f"{line.recipe:44s} {line.quantity:34s} paper {_shown(line.paper):>12s}  measured "
-                      f"{_shown(line.measured):>12s}  {line.verdict}{why}", file=out, flush=True)
+                print(
+                    f"{line.recipe:44s} {line.quantity:34s} paper {_shown(line.paper):>12s}  measured "
+                    f"{_shown(line.measured):>12s}  {line.verdict}{why}",
+                    file=out,
+                    flush=True,
+                )
             lines += found
     return lines
 
@@ -800,7 +842,9 @@ def summary_table(lines: list[Line]) -> str:
     for line in lines:
         if line.quantity == "runs one round":
             continue
-        row = rows.setdefault(paper_of[line.recipe], {"recipes": set(), "numbers": 0, "match": 0, "departure": 0, "fail": 0})
+        row = rows.setdefault(
+            paper_of[line.recipe], {"recipes": set(), "numbers": 0, "match": 0, "departure": 0, "fail": 0}
+        )
         row["recipes"].add(line.recipe)
         row["numbers"] += 1
         key = "match" if line.verdict == "match" else "departure" if line.verdict == "documented departure" else "fail"
@@ -810,7 +854,9 @@ def summary_table(lines: list[Line]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for paper, row in sorted(rows.items()):
-        out.append(f"| {paper} | {len(row['recipes'])} | {row['numbers']} | {row['match']} | {row['departure']} | {row['fail']} |")
+        out.append(
+            f"| {paper} | {len(row['recipes'])} | {row['numbers']} | {row['match']} | {row['departure']} | {row['fail']} |"
+        )
     departures: dict[tuple[str, str], list[Line]] = {}
     for line in lines:
         if line.verdict == "documented departure":
@@ -819,7 +865,9 @@ def summary_table(lines: list[Line]) -> str:
     for (quantity, why), group in sorted(departures.items(), key=lambda item: (paper_of[item[1][0].recipe], item[0])):
         papers = sorted({_shown(line.paper) for line in group})
         measured = sorted({_shown(line.measured) for line in group})
-        names = ", ".join(f"`{line.recipe}`" for line in group[:3]) + (f" and {len(group) - 3} more" if len(group) > 3 else "")
+        names = ", ".join(f"`{line.recipe}`" for line in group[:3]) + (
+            f" and {len(group) - 3} more" if len(group) > 3 else ""
+        )
         out.append(f"| {quantity} | {' / '.join(papers)} | {' / '.join(measured)} | {names} | {why} |")
     return "\n".join(out)
 

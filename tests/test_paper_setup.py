@@ -79,12 +79,17 @@ def test_the_ci_sample_checks_traffic_payloads_and_sizes_and_passes(paper_setup,
     assert paper_setup.main(["--check", "--sample"]) == 0
     out = capsys.readouterr().out
     rows = {tuple(line.split()[:2]): line for line in out.splitlines() if len(line.split()) > 2}
-    assert re.search(r"paper\s+0.16\s+measured\s+0.164062\s+match$", rows[("fd_cifar10_heterogeneous", "comm/kib_per_client_round")])
-    assert "documented departure (the paper counts the n = 10 public images" in rows[
-        ("fedmd_mnist_homogeneous", "numbers_up_per_client_round")
-    ]
+    assert re.search(
+        r"paper\s+0.16\s+measured\s+0.164062\s+match$", rows[("fd_cifar10_heterogeneous", "comm/kib_per_client_round")]
+    )
+    assert (
+        "documented departure (the paper counts the n = 10 public images"
+        in rows[("fedmd_mnist_homogeneous", "numbers_up_per_client_round")]
+    )
     assert re.search(r"measured\s+100\s+documented", rows[("fedmd_mnist_homogeneous", "numbers_up_per_client_round")])
-    assert re.search(r"paper\s+10\s+measured\s+10\s+match$", rows[("dsfl_cifar10_table2", "numbers_up_per_public_example")])
+    assert re.search(
+        r"paper\s+10\s+measured\s+10\s+match$", rows[("dsfl_cifar10_table2", "numbers_up_per_public_example")]
+    )
     assert re.search(r"0 failing$", out.strip())
 
 

@@ -10,6 +10,14 @@ from pathlib import Path
 from ..run.arguments import UserError
 
 
+def split_fit_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The command's own arguments, and those after ``--``, which go to every ``flrun fit`` it starts."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 def run_sweep_command(argv: list[str]) -> int:
     """``flrun sweep --config SWEEP.yaml [--n_trials N] [--timeout S] [--n_jobs K] [--storage URL] [-- FIT_ARGS]``."""
     import argparse
@@ -17,8 +25,7 @@ def run_sweep_command(argv: list[str]) -> int:
 
     from ..sweep.spec import check_against_recipe, read_sweep
 
-    fit_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, fit_args = split_fit_args(argv)
     parser = argparse.ArgumentParser(
         prog="flrun sweep",
         description="Optuna study over a base recipe. Arguments after -- go to every trial's flrun fit "
@@ -79,8 +86,7 @@ def run_table(argv: list[str]) -> int:
     from ..run.recipes import RECIPES_DIR
     from ..sweep.table import check_fit_args, plan, run_all
 
-    fit_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, fit_args = split_fit_args(argv)
     parser = argparse.ArgumentParser(
         prog="flrun table",
         description="Runs every recipe x seed a paper table still lacks (complete runs are skipped, interrupted "
