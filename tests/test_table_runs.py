@@ -156,7 +156,14 @@ def test_a_stopped_table_ends_its_runs_and_they_resume_next_time(tmp_path, stop)
     write_recipe(folder / "long.yaml", rounds=5000, eval_every=5000, checkpoint_every=20, reference=reference("A"))
     runs = tmp_path / "runs"
     command = [sys.executable, "-m", "fl_lightning", "table", "paper-9/table-1", "--recipes", str(folder)]
-    process = subprocess.Popen([*command, "--runs", str(runs), "--seeds", "0"], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [*command, "--runs", str(runs), "--seeds", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        # as from a terminal: a suite started in the background (`cmd &` in a script) ignores SIGINT, which its
+        # children would inherit, and Python keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - no threads here
+    )
     checkpoint = runs / "paper-9" / "long" / "seed0" / "checkpoints" / "last.ckpt"
     end = time.monotonic() + 120
     while not checkpoint.is_file() and time.monotonic() < end:
