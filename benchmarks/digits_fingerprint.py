@@ -86,7 +86,9 @@ def main() -> int:
         if args.only and args.write.is_file():  # re-record these entries only
             previous = json.loads(args.write.read_text())
             if previous["rounds"] != args.rounds:
-                sys.exit(f"{args.write} records {previous['rounds']} rounds; --only entries must use the same --rounds.")
+                sys.exit(
+                    f"{args.write} records {previous['rounds']} rounds; --only entries must use the same --rounds."
+                )
             recorded = {**previous["recipes"], **results}
         args.write.write_text(json.dumps({"rounds": args.rounds, "recipes": recorded}, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(results)} fingerprints to {args.write}")

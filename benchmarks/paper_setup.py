@@ -347,10 +347,15 @@ def _share(r: Recipe, part: str) -> float | None:
         if sizes is None:
             return None
         clients = sizes["clients"]
-        get = lambda c, k: c[k]
+
+        def get(c, k):
+            return c[k]
     else:
         clients = data.clients
-        get = lambda c, k: len(getattr(c, k))
+
+        def get(c, k):
+            return len(getattr(c, k))
+
     total = {k: sum(get(c, k) for c in clients) for k in ("train", "unlabeled", "val", "test")}
     if part == "unlabeled":
         return total["unlabeled"] / (total["train"] + total["unlabeled"])
@@ -373,7 +378,10 @@ def _examples(r: Recipe, tier: str | None) -> int | None:
     data = r.layout
     if data is None:
         return None
-    held = lambda c: len(c.train) + len(c.unlabeled) + len(c.val) + len(c.test)
+
+    def held(c):
+        return len(c.train) + len(c.unlabeled) + len(c.val) + len(c.test)
+
     return sum(held(c) for c, spec in zip(data.clients, r.clients) if tier is None or spec.tier == tier)
 
 
@@ -855,7 +863,8 @@ def summary_table(lines: list[Line]) -> str:
     ]
     for paper, row in sorted(rows.items()):
         out.append(
-            f"| {paper} | {len(row['recipes'])} | {row['numbers']} | {row['match']} | {row['departure']} | {row['fail']} |"
+            f"| {paper} | {len(row['recipes'])} | {row['numbers']} | {row['match']} | {row['departure']} "
+            f"| {row['fail']} |"
         )
     departures: dict[tuple[str, str], list[Line]] = {}
     for line in lines:

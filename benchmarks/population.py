@@ -59,7 +59,10 @@ def recipe(method: str, clients: int, args: argparse.Namespace) -> dict:
     config["population"]["num_clients"] = clients
     if method == "fedhe":
         config["population"]["tiers"] = FEDHE_TIERS
-    config["sampler"] = {"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"num_per_round": 10}}
+    config["sampler"] = {
+        "class_path": "fl_lightning.federation.sampling.UniformSampler",
+        "init_args": {"num_per_round": 10},
+    }
     config.update(rounds=args.rounds, eval_every=args.rounds, checkpoint_every=1)
     config["evaluation"] = {"untrained": args.untrained}
     if args.clients_per_batch != 1:  # left out at its default, so that the script also runs on older commits
@@ -203,7 +206,8 @@ def main() -> None:
                 print(
                     f"| {method} | {clients:,} | {result['s_per_round']:.3f} | {result['checkpoint_s_per_round']:.4f} "
                     f"| {result['checkpoint_bytes_per_round'] / 1e6:.3f} | {result['final_eval_s']:.3f} "
-                    f"| {_count(result['clients_evaluated'])} | {result['setup_s']:.1f} | {result['peak_rss_mb']:.0f} |",
+                    f"| {_count(result['clients_evaluated'])} | {result['setup_s']:.1f} "
+                    f"| {result['peak_rss_mb']:.0f} |",
                     flush=True,
                 )
 

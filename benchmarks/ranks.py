@@ -19,8 +19,8 @@ weights bit for bit.
 every client's model evaluated on the global test set after every round, the evaluation a personalized
 method pays (each rank evaluates its share of the clients and the ranks exchange the scores); it reports
 ``evaluating_every_round`` only. ``--eval_batch_size 45`` splits the 360 test examples into 8 batches, which
-ranks share when they evaluate a global model (a CIFAR test set is 20 batches of 512). ``--root DIR`` runs the fl-lightning tree at DIR (e.g. an earlier commit
-from ``git archive``) with this script's workload.
+ranks share when they evaluate a global model (a CIFAR test set is 20 batches of 512). ``--root DIR`` runs the
+fl-lightning tree at DIR (e.g. an earlier commit from ``git archive``) with this script's workload.
 
 On CPU each rank takes one core: run it on an otherwise idle machine with at least two cores (on a
 shared one the times only bound the idle ones from above).

@@ -2,7 +2,8 @@
 
 Each row is a bad command line, recipe value or file, run in-process through ``flrun fit``. Every row
 must fail before training (a missed check would run, and the row would fail on its exit status), in one
-line of stderr without a traceback, naming the option, key or file, with a fix. docs/reference/errors.md lists the same cases.
+line of stderr without a traceback, naming the option, key or file, with a fix. docs/reference/errors.md lists
+the same cases.
 """
 
 from __future__ import annotations
@@ -352,7 +353,9 @@ CASES = [
         },
         command="sweep",
     ),
-    Case("recipe given to sweep", ["--config", "recipes/quickstart.yaml"], ["is a recipe", "flrun fit"], command="sweep"),
+    Case(
+        "recipe given to sweep", ["--config", "recipes/quickstart.yaml"], ["is a recipe", "flrun fit"], command="sweep"
+    ),
     Case(
         "sweep file given to fit",
         ["--config", "sweeps/digits_quickstart.yaml"],

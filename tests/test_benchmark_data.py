@@ -92,7 +92,10 @@ def write_tff(path, clients, features):
 def test_fed_cifar100_h5_clients(tmp_path):
     root = tmp_path / "fed_cifar100"
     root.mkdir()
-    image = lambda n: RNG.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
+    def image(n):
+        return RNG.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
     write_tff(
         root / "fed_cifar100_train.h5",
         {str(i): (image(5), np.full(5, i, dtype=np.int64)) for i in range(4)},
@@ -135,7 +138,10 @@ def test_out_of_domain_server_set_comes_from_another_data_set(tmp_path):
 
     root = tmp_path / "fed_cifar100"
     root.mkdir()
-    image = lambda n: RNG.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
+    def image(n):
+        return RNG.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
     write_tff(
         root / "fed_cifar100_train.h5",
         {str(i): (image(5), np.full(5, i, dtype=np.int64)) for i in range(3)},

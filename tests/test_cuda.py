@@ -3,8 +3,9 @@
 The CPU suite cannot see a tensor left on the wrong device: FedHe and Felo indexed the server's class
 knowledge (kept on the CPU) with labels on the GPU and failed in their first step on a GPU, which only a
 run on a GPU showed. Each recipe runs 2 rounds with each executor (the default, sequential, and batched) and
-must end with finite metrics; the methods whose server keeps tensors also resume on the GPU (checkpoints load on the CPU,
-so their server state must come back where a fresh run has it) and must equal the uninterrupted run.
+must end with finite metrics; the methods whose server keeps tensors also resume on the GPU (checkpoints load
+on the CPU, so their server state must come back where a fresh run has it) and must equal the uninterrupted
+run.
 """
 
 import json

@@ -42,17 +42,23 @@ def test_the_readme_quotes_the_quickstart_of_three_seeds(tmp_path):
 
 def test_the_tutorial_quotes_what_its_commands_print(tmp_path):
     skewed = _fit(tmp_path, "alpha", "quickstart.yaml", "--data.init_args.partitioner.init_args.alpha", "0.1")
-    assert _quoted(TUTORIAL, r"final test accuracy drops to (\d\.\d{3})") == [f"{skewed['final']['global/test_acc']:.3f}"]
+    assert _quoted(TUTORIAL, r"final test accuracy drops to (\d\.\d{3})") == [
+        f"{skewed['final']['global/test_acc']:.3f}"
+    ]
 
     kd = _fit(tmp_path, "kd", "digits_ondevice_kd.yaml")["final"]["target/test_acc"]
     alone = _fit(tmp_path, "alone", "digits_strong_only.yaml")["final"]["target/test_acc"]
-    assert _quoted(TUTORIAL, r"target model reaches (\d\.\d{3}) with distillation .* and (\d\.\d{3}) when the four") == [
+    assert _quoted(
+        TUTORIAL, r"target model reaches (\d\.\d{3}) with distillation .* and (\d\.\d{3}) when the four"
+    ) == [
         f"{kd:.3f}",
         f"{alone:.3f}",
     ]
 
     sweep = tmp_path / "sweep"
-    assert run_cli("sweep", "--config", str(ROOT / "sweeps" / "digits_quickstart.yaml"), "--output_dir", str(sweep)) == 0
+    assert (
+        run_cli("sweep", "--config", str(ROOT / "sweeps" / "digits_quickstart.yaml"), "--output_dir", str(sweep)) == 0
+    )
     result = json.loads((sweep / "sweep.json").read_text())
     quoted = _quoted(TUTORIAL, r"\(validation accuracy (\d\.\d{4}); on the test set, (\d\.\d{4})\)")
     assert quoted == [f"{result['best_value']:.4f}", f"{result['best_test']['value']:.4f}"]

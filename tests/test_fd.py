@@ -107,7 +107,9 @@ def test_a_client_sends_its_labels_logits_and_reads_the_rows_it_gets_back_by_the
     assert bool(available.all())
     assert torch.equal(targets, updates[1].uplink["class_logits"].vectors["logits"])  # b's logits, a's own left out
     states[a.id]["sent_labels"] = torch.arange(9)  # a client that kept other labels is told so, not misled
-    with pytest.raises(RuntimeError, match="received 10 teacher rows for the labels of its last upload, but it holds 9"):
+    with pytest.raises(
+        RuntimeError, match="received 10 teacher rows for the labels of its last upload, but it holds 9"
+    ):
         strategy.received_teacher(task, _context(server, task, states[a.id]))
 
 

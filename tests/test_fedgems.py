@@ -71,7 +71,8 @@ def test_server_loss_mixes_ce_and_kl_where_the_server_is_wrong_and_keeps_its_rig
         torch.tensor([[9.0, 0.0]]),
         torch.tensor([True]),
     )
-    # wrong: teacher is the pool's (0, 0) from the step above -> KL(uniform || softmax(0, 1)) = 0.5 (1.313262 + 0.313262) - ln 2
+    # wrong: teacher is the pool's (0, 0) from the step above
+    # -> KL(uniform || softmax(0, 1)) = 0.5 (1.313262 + 0.313262) - ln 2
     kl = 0.5 * (1.313262 + 0.313262) - 0.693147
     assert loss.item() == pytest.approx(0.75 * 1.313262 + 0.25 * kl, abs=1e-5)
 
@@ -86,7 +87,10 @@ CE = (math.log(math.exp(3) + 2) - 3 + math.log(2 + math.exp(4)) - 4) / 2
 # = 0.270369; KL(student || teacher) = log 3 - H(student) = 0.266789
 # example 1, teacher p = (1, e, 1) / (e + 2), student q = (1, 1, e^2) / (e^2 + 2):
 # KL(p || q) = log(e^2 + 2) - log(e + 2) + (e - 2) / (e + 2) = 0.840334; KL(q || p) = 0.779365
-KL_PAPER = [math.log(math.exp(1.5) + 2) - math.log(3) - 0.5, math.log(math.exp(2) + 2) - math.log(math.e + 2) + (math.e - 2) / (math.e + 2)]
+KL_PAPER = [
+    math.log(math.exp(1.5) + 2) - math.log(3) - 0.5,
+    math.log(math.exp(2) + 2) - math.log(math.e + 2) + (math.e - 2) / (math.e + 2),
+]
 
 
 def _entropy(logits):
@@ -133,7 +137,9 @@ def test_a_clients_distillation_step_trains_on_that_loss(form):
     z = torch.arange(10.0).expand(n, 10)
     expected = client_distillation_loss(z, strategy.public_y, strategy.server_logits, 0.75, 2.0, form).item()
     assert update.metrics["m/distill_loss"] == pytest.approx(expected, rel=1e-5)
-    other = client_distillation_loss(z, strategy.public_y, strategy.server_logits, 0.75, 2.0, {"paper": "aijack", "aijack": "paper"}[form])
+    other = client_distillation_loss(
+        z, strategy.public_y, strategy.server_logits, 0.75, 2.0, {"paper": "aijack", "aijack": "paper"}[form]
+    )
     assert abs(other.item() - expected) > 1e-3  # the two forms differ here: the step ran the one asked for
 
 

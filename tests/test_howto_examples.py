@@ -61,8 +61,10 @@ def test_the_own_data_page_class_and_recipe_block_run_on_a_real_npz(user_folder,
     (user_folder / "my_data.yaml").write_text(yaml.safe_dump(recipe))
     monkeypatch.setenv("FLRUN_TRUSTED_MODULES", "my_data")
     out = user_folder / "run"
-    code = run_cli("fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--config", "my_data.yaml",
-                   "--rounds", "20", "--eval_every", "20", "--output_dir", str(out), "--runtime.progress", "false")  # fmt: skip
+    code = run_cli(
+        "fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--config", "my_data.yaml",
+        "--rounds", "20", "--eval_every", "20", "--output_dir", str(out), "--runtime.progress", "false",
+    )  # fmt: skip
     assert code == 0
     final = json.loads((out / "summary.json").read_text())["final"]
     assert final["global/test_acc"] > 0.8  # real digits: 20 rounds of FedAvg learn them (chance: 0.1)

@@ -25,7 +25,12 @@ CASES = [
     ("digits_feddf", 20, "small/test_acc", 0.7),  # 0.81 measured
     ("digits_moon", 40, "small/test_acc", 0.7),  # 0.928 measured (lr 0.02)
     ("digits_heterofl", 20, "a/test_acc", 0.8),  # 0.96 measured
-    ("digits_dsfl", 60, "personal/test_acc", 0.15),  # 0.228 measured at ERA's T = 1 (Tables 13-15): below Standalone, as in paper 001; chance 0.1
+    (
+        "digits_dsfl",
+        60,
+        "personal/test_acc",
+        0.15,
+    ),  # 0.228 measured at ERA's T = 1 (Tables 13-15): below Standalone, as in paper 001; chance 0.1
     ("digits_fedmd", 20, "personal/test_acc", 0.4),  # 0.66 measured
     ("digits_fedgems", 20, "server/test_acc", 0.75),  # 0.90 measured
     ("digits_fedgkt", 15, "server/test_acc", 0.5),  # 0.60 measured

@@ -139,7 +139,10 @@ def write_fed_cifar100(root, clients=4, per_client=6):
     folder = root / "fed_cifar100"
     folder.mkdir()
     rng = np.random.default_rng(0)
-    image = lambda n: rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
+    def image(n):
+        return rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
     write_tff(
         folder / "fed_cifar100_train.h5",
         {str(i): (image(per_client), np.full(per_client, i, dtype=np.int64)) for i in range(clients)},

@@ -488,7 +488,8 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
 
 def test_two_ranks_of_fedadam_do_not_stop_on_a_spurious_server_state_difference(tmp_path, monkeypatch):
     """The moments of FedAdam's server optimizer are filled from a set of names, whose order differs per process,
-    so the fingerprint sorts dict keys. Each rank's interpreter hashes strings with its own seed (unless PYTHONHASHSEED is set), as in a real launch."""
+    so the fingerprint sorts dict keys. Each rank's interpreter hashes strings with its own seed (unless
+    PYTHONHASHSEED is set), as in a real launch."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     argv = ["fit", "--config", str(ROOT / "recipes/digits_fedadam.yaml"), "--rounds", "2"]
     argv += ["--eval_every", "2", "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2"]

@@ -139,7 +139,9 @@ def test_every_paper_recipe_has_the_one_reference_shape():
     rows = paper_recipes()
     assert len(rows) >= 141
     for path, reference in rows:
-        assert set(reference) <= {"paper", "table", "row", "column", "metrics", "stds", "setup", "departures"}, path.name
+        assert set(reference) <= {"paper", "table", "row", "column", "metrics", "stds", "setup", "departures"}, (
+            path.name
+        )
     by_name = {path.name: reference for path, reference in rows}
     assert by_name["fedadam_cifar100_ph3100.yaml"]["metrics"] == {"large/test_acc": 0.2476, "small/test_acc": 0.3184}
 
@@ -162,7 +164,10 @@ def test_a_reference_in_another_shape_is_refused(tmp_path):
         check_reference({"paper": "p", "table": "t", "column": "c", "metrics": {"m": "93%"}}, tmp_path / "r.yaml")
     # the set-up numbers: numbers or printed forms (19K, <0.05%); departures: a reason per number
     cell = {"paper": "p", "table": "t", "column": "c", "metrics": {"m": 0.5}}
-    check_reference({**cell, "setup": {"clients": 100, "message_numbers/aux": "19K"}, "departures": {"clients": "why"}}, tmp_path / "r.yaml")
+    check_reference(
+        {**cell, "setup": {"clients": 100, "message_numbers/aux": "19K"}, "departures": {"clients": "why"}},
+        tmp_path / "r.yaml",
+    )
     with pytest.raises(ConfigError, match="`reference.setup` in .* must map set-up quantities to the paper's numbers"):
         check_reference({**cell, "setup": {"clients": [100]}}, tmp_path / "r.yaml")
     with pytest.raises(ConfigError, match="`reference.departures` in .* must map set-up quantities to the reason"):

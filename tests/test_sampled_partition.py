@@ -21,7 +21,10 @@ def test_dirichlet_proportions_skew_each_client_towards_few_classes():
     rng = np.random.default_rng(0)
     skewed = SampledPartitioner(examples_per_client=50, alpha=0.05)(labels, 200, rng)
     flat = SampledPartitioner(examples_per_client=50, alpha=100.0)(labels, 200, rng)
-    classes = lambda parts: np.mean([len(np.unique(labels[p])) for p in parts])
+
+    def classes(parts):
+        return np.mean([len(np.unique(labels[p])) for p in parts])
+
     assert classes(skewed) < 3 < 9 < classes(flat)
     assert all(len(p) == 50 and np.all(np.diff(p) >= 0) for p in skewed)
 

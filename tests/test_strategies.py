@@ -40,8 +40,10 @@ def test_fedhe_server_averages_per_class_over_uploads():
     labels_a = torch.tensor([0] + [-1] * 9, dtype=torch.int32)
     labels_b = torch.tensor([0, 1] + [-1] * 8, dtype=torch.int32)
     updates = [
-        ClientUpdate(server.clients[i], 1, {"class_logits": ClassStatistics("class_logits", {"logits": z}, l)})
-        for i, (z, l) in enumerate([(first, labels_a), (second, labels_b)])
+        ClientUpdate(
+            server.clients[i], 1, {"class_logits": ClassStatistics("class_logits", {"logits": z}, client_labels)}
+        )
+        for i, (z, client_labels) in enumerate([(first, labels_a), (second, labels_b)])
     ]
     strategy.aggregate(1, iter(updates))
     task = strategy.configure_round(2, [server.clients[2]])[0]

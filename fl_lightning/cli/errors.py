@@ -12,7 +12,8 @@ import threading
 
 # what a command that the file system stopped leaves
 AFTER_OS_ERROR = {
-    "fit": ", then run the same command with --resume auto: it continues from the last checkpoint written, which is intact.",
+    "fit": ", then run the same command with --resume auto: it continues from the last checkpoint written, "
+    "which is intact.",
     "sweep": ", then run the same command again to finish the study.",
     "table": ", then run the same command again to resume the runs.",
     "report": ".",

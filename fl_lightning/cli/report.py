@@ -29,7 +29,9 @@ def run_report(argv: list[str]) -> int:
         "--wandb_run", nargs="?", const="fl-lightning", metavar="PROJECT",
         help="also log the tables and figures into a W&B run of PROJECT (default fl-lightning; works offline)",
     )  # fmt: skip
-    parser.add_argument("--table", help="render one paper table instead, e.g. paper-001/table-5 (docs/howto/paper_tables.md)")
+    parser.add_argument(
+        "--table", help="render one paper table instead, e.g. paper-001/table-5 (docs/howto/paper_tables.md)"
+    )
     parser.add_argument("--recipes", help="recipe folder whose reference blocks define the table (default: recipes/)")
     args = parser.parse_args(argv)
     output = report_output(args.output)  # .html or .md, refused before anything is read

@@ -123,8 +123,9 @@ class Evaluator:
         ``acc_<name>`` on each of the data set's extra test sets).
 
         With local val splits (:attr:`validating`) it also scores ``weights`` on them, for
-        :meth:`validation_metrics`. ``top_class_share`` is the share of test examples given the most predicted class; a model that
-        gives one class to at least 95% of them (where the labels are not that skewed) has collapsed, a
+        :meth:`validation_metrics`. ``top_class_share`` is the share of test examples given the most predicted
+        class; a model that gives one class to at least 95% of them (where the labels are not that skewed) has
+        collapsed, a
         warning says so (docs/algorithms.md, "What the digits recipes reach").
         """
         result = self._on_test_sets(role, weights)

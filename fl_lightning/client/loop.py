@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # annotations only: Fabric is imported when a run starts (fab
 
     from .graphs import StepGraphs
 
+
 def role_seed(seed: int, role: str) -> int:
     """A stable seed per (run seed, role), so a role's initial weights do not depend on build order."""
     return (seed * 1_000_003 + zlib.crc32(role.encode())) % (2**31)

@@ -195,7 +195,8 @@ class FederatedData:
                 largest = max(len(c.train) + len(c.val) + len(c.test) for c in self.clients)
                 raise ConfigError(
                     f"local_split {list(self.local_split)} leaves every client no local {name} examples (the "
-                    f"largest holds {largest}); raise the {name} share (e.g. [0.8, 0.1, 0.1]) or give clients more examples."
+                    f"largest holds {largest}); raise the {name} share (e.g. [0.8, 0.1, 0.1]) "
+                    "or give clients more examples."
                 )
         if self.unlabeled_fraction > 0 and not any(len(client.unlabeled) for client in self.clients):
             raise ConfigError(
@@ -224,7 +225,10 @@ class FederatedData:
         train, val, test = np.split(idx, [len(idx) - n_val - n_test, len(idx) - n_test])
         n_unlabeled = int(round(len(train) * self.unlabeled_fraction))
         unlabeled, train = train[:n_unlabeled], train[n_unlabeled:]
-        as_tensor = lambda a: torch.from_numpy(np.sort(a)).long()
+
+        def as_tensor(a):
+            return torch.from_numpy(np.sort(a)).long()
+
         return ClientData(as_tensor(train), as_tensor(unlabeled), as_tensor(val), as_tensor(test))
 
     def to(self, device: torch.device | str) -> None:

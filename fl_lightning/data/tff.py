@@ -72,7 +72,7 @@ class FedCifar100Data(FederatedData):
                 if images.shape[1:] != (32, 32, 3) or len(images) != sum(len(label) for label in labels):
                     raise ValueError(f"images {images.shape}, not [N, 32, 32, 3] with one label each")
             x = torch.from_numpy(images).float().div_(255).permute(0, 3, 1, 2)
-            groups = np.concatenate([[c] * len(l) for c, l in zip(clients, labels)])
+            groups = np.concatenate([[c] * len(client_labels) for c, client_labels in zip(clients, labels)])
             m, s = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
             parts.append(((x - m) / s, torch.from_numpy(np.concatenate(labels)).long().flatten(), groups))
         (x, y, groups), (tx, ty, _) = parts

@@ -74,8 +74,9 @@ def lightning_version() -> str:
 def single_process_environment() -> Any:
     """A cluster environment that makes Fabric see one process, whatever launched it.
 
-    Ranks are this framework's own (:mod:`fl_lightning.distributed.ranks`); Fabric only picks a device and a precision. Left
-    to detect its environment, Fabric reads Slurm's variables and refuses a batch script's ``--ntasks`` ("use
+    Ranks are this framework's own (:mod:`fl_lightning.distributed.ranks`); Fabric only picks a device and a
+    precision. Left to detect its environment, Fabric reads Slurm's variables and refuses a batch script's
+    ``--ntasks`` ("use
     ``--ntasks-per-node``"), which is a valid way to get ``srun flrun fit`` ranks.
     """
     root = fabric_class().__module__.split(".")[0]

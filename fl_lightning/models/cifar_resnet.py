@@ -3,8 +3,9 @@
 The paper uses "ResNet10, 14, 18, 22 and 26 from the PyTorch source codes" (and 34, 50 for the extreme
 setting). torchvision defines 18 [2,2,2,2], 34 [3,4,6,3] and 50 (bottleneck [3,4,6,3]); the official
 code's comments give 22 [2,3,3,2] and 26 [3,3,3,3]; ResNet10 and 14 are defined nowhere, so we take
-[1,1,1,1] and [1,2,2,1] (docs/reference/datasets_and_models.md). For 32x32 inputs the stem is Conv3x3(64, stride 1) with no
-max-pool. Felo compares features across architectures, so ``feature_dim`` adds a Linear + ReLU projection
+[1,1,1,1] and [1,2,2,1] (docs/reference/datasets_and_models.md). For 32x32 inputs the stem is Conv3x3(64,
+stride 1) with no max-pool. Felo compares features across architectures, so ``feature_dim`` adds a Linear +
+ReLU projection
 of the pooled vector (512, or 2048 for ResNet50) to a common size.
 
 HeteroFL (paper 003 slices ResNet26) needs ``rate``: the rate-r network keeps the first ``ceil(r * n)``

@@ -176,7 +176,8 @@ def group_warnings(group: dict[str, Any]) -> list[str]:
     for dup in group["duplicates"]:
         counted = next(r for r in group["runs"] if _seed(r) == _seed(dup))
         warnings.append(
-            f"{dup['root']} is seed {value_text(dup['summary'].get('seed'))} of {group['label']} again (as {counted['root']}): "
+            f"{dup['root']} is seed {value_text(dup['summary'].get('seed'))} of {group['label']} again "
+            f"(as {counted['root']}): "
             "counted once; remove the copy or give it another seed."
         )
     references = {_digest({"r": r["summary"].get("reference")}) for r in group["runs"]}

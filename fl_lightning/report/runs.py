@@ -225,7 +225,9 @@ def clients_per_round(config_path: Path) -> int | None:
 
     config = read_config(config_path.parent)
     try:
-        sampler = config["sampler"] or {"class_path": "fl_lightning.federation.sampling.UniformSampler"}  # fit's default
+        sampler = config["sampler"] or {
+            "class_path": "fl_lightning.federation.sampling.UniformSampler"
+        }  # fit's default
         population = config["population"]
         if sampler.get("class_path") != "fl_lightning.federation.sampling.UniformSampler":
             return None

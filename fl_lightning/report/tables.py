@@ -157,7 +157,8 @@ def _one_experiment(runs: list[dict], cell: str) -> tuple[list[dict], str | None
     left_out = [str(r["root"]) for group in ranked[1:] for r in group]
     keys = differing_keys([group[0] for group in ranked])
     return ranked[0], (
-        f"cell {cell}: its runs ran {len(ranked)} different recipes (they differ in {', '.join(keys[:4]) or 'config.yaml'}); "
+        f"cell {cell}: its runs ran {len(ranked)} different recipes "
+        f"(they differ in {', '.join(keys[:4]) or 'config.yaml'}); "
         f"shown: the {len(ranked[0])} run(s) like {ranked[0][0]['root']}; left out: {', '.join(left_out[:4])}"
         f"{f' and {len(left_out) - 4} more' if len(left_out) > 4 else ''}."
     )

@@ -94,7 +94,8 @@ def _check_recipe_keys(path: str) -> None:
                 if field not in group_fields(key):
                     hint = _did_you_mean(f"{key}.{field}", [f"{key}.{name}" for name in group_fields(key)], quote=True)
                     raise ConfigError(
-                        f"unknown key '{key}.{field}' in the recipe{hint}; check its spelling against `flrun fit --help`."
+                        f"unknown key '{key}.{field}' in the recipe{hint}; "
+                        "check its spelling against `flrun fit --help`."
                     )
 
 

@@ -81,7 +81,7 @@ def shard(tasks: list[ClientTask], rank: int, world: int) -> list[int]:
     """The task positions ``rank`` trains: round-robin, but all tasks of one client on the same rank, in order
     (a client's second task starts from the state its first one left)."""
     owner: dict[int, int] = {}
-    for position, task in enumerate(tasks):
+    for task in tasks:
         owner.setdefault(task.client.id, len(owner) % world)
     return [p for p, task in enumerate(tasks) if owner[task.client.id] == rank]
 

@@ -263,7 +263,8 @@ def check_evaluation_split(strategy: Strategy, server: ServerContext) -> None:
         if empty:
             raise ConfigError(
                 f"{method} evaluates each client on its local {split} split, but client(s) {empty[:5]} have none; "
-                f"set data.local_split (train, val, test shares), e.g. [0.8, 0.1, 0.1], or the strategy's split: global."
+                "set data.local_split (train, val, test shares), e.g. [0.8, 0.1, 0.1], "
+                "or the strategy's split: global."
             )
 
 

@@ -92,7 +92,8 @@ class DSFL(PersonalModels, Strategy):
             )
         if distill_batch_size is not None and not distill_batch_size >= 1:
             raise ConfigError(
-                f"DS-FL distill_batch_size must be at least 1 (or null: the training batch size), got {distill_batch_size}."
+                "DS-FL distill_batch_size must be at least 1 (or null: the training batch size), "
+                f"got {distill_batch_size}."
             )
         self.open_size, self.aggregation, self.era_temperature = open_size, aggregation, era_temperature
         self.distill_steps, self.distill_batch_size, self.split = distill_steps, distill_batch_size, split

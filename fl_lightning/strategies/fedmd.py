@@ -85,7 +85,8 @@ class FedMD(PersonalModels, Strategy):
             raise ConfigError(f"FedMD needs non-negative epoch and step counts and temperature > 0; got {counts}.")
         if digest_batch_size is not None and not digest_batch_size >= 1:
             raise ConfigError(
-                f"FedMD digest_batch_size must be at least 1 (or null: the training batch size), got {digest_batch_size}."
+                "FedMD digest_batch_size must be at least 1 (or null: the training batch size), "
+                f"got {digest_batch_size}."
             )
         self.public_size, self.public_epochs, self.private_epochs = public_size, public_epochs, private_epochs
         self.digest_loss, self.temperature, self.split = digest_loss, temperature, split

@@ -73,8 +73,9 @@ class FedProto(Strategy):
     class means, for the ``S`` classes it holds: ``S x (D + 1)`` numbers with the labels.
 
     The server averages the uploads of the round per class. The paper weights client k's prototype by its
-    class count ``|D_k,c|`` (the global-prototype equation, as BASELINES.md recalls it; ``weighting: samples``, which adds the ``S``
-    counts to each upload); the official code takes the plain mean over the clients that hold the class
+    class count ``|D_k,c|`` (the global-prototype equation, as BASELINES.md recalls it; ``weighting: samples``,
+    which adds the ``S`` counts to each upload); the official code takes the plain mean over the clients that
+    hold the class
     (``lib/utils.py`` ``proto_aggregation``, copied by HtFLlib; ``weighting: uniform``). Paper 004 does not
     say which it ran; the default is the official code. Global prototypes are rebuilt every round from
     that round's uploads only, as in both codes; the downlink carries the ``R`` classes that have one,

@@ -71,7 +71,8 @@ class OnDeviceKD(Strategy):
             raise ConfigError("OnDeviceKD kd_mode must be sequential or joint and teacher_mode train or eval.")
         if not (temperature > 0 and kd_weight >= 0 and ramp_rounds >= 0):
             raise ConfigError(
-                f"OnDeviceKD needs temperature > 0, kd_weight >= 0 and ramp_rounds >= 0; got temperature={temperature}, "
+                "OnDeviceKD needs temperature > 0, kd_weight >= 0 and ramp_rounds >= 0; "
+                f"got temperature={temperature}, "
                 f"kd_weight={kd_weight}, ramp_rounds={ramp_rounds}."
             )
         self.aux_role, self.target_role = aux_role, target_role

@@ -3,15 +3,17 @@
 A sweep file names the base recipe (relative to the sweep file's folder, as a recipe's ``base:`` is), the
 search space (dotted recipe keys, as on the command line), the objective and the sampler / pruner;
 ``flrun sweep --config S -- ARGS`` adds ``flrun fit`` arguments for every trial (``-- --rounds 4``). Each
-trial is an ordinary run directory under the sweep's directory, run through ``flrun fit`` (:mod:`fl_lightning.sweep.trial`); a pruning logger reports the monitored metric
-every evaluation round so bad trials stop early. The study lives in an RDB storage (SQLite file in the
+trial is an ordinary run directory under the sweep's directory, run through ``flrun fit``
+(:mod:`fl_lightning.sweep.trial`); a pruning logger reports the monitored metric every evaluation round so
+bad trials stop early. The study lives in an RDB storage (SQLite file in the
 sweep directory by default, or any Optuna URL such as PostgreSQL), so re-running the command resumes it
 and several processes or machines can work on one study; a re-run that changes what a trial means is
 refused (:mod:`fl_lightning.sweep.study`).
 
 ``n_trials`` is the study's total: trials that completed, were pruned or failed on their own count (not
-those whose run lacked the sweep's metric: the sweep stops at the first); a trial whose process died (a heartbeat that stopped, a killed worker, an interrupt) is failed and queued
-again with the same parameters, and only its retry counts. Worker processes (``--n_jobs``) ask the
+those whose run lacked the sweep's metric: the sweep stops at the first); a trial whose process died (a
+heartbeat that stopped, a killed worker, an interrupt) is failed and queued again with the same parameters,
+and only its retry counts. Worker processes (``--n_jobs``) ask the
 command for permission before each trial (:mod:`fl_lightning.sweep.workers`), so the total is exact.
 """
 

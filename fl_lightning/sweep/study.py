@@ -40,6 +40,8 @@ NOT_DEFINING = (
     "runtime.client_state_memory_mb",
     "runtime.devices",
 )
+
+
 def trial_recipe(spec) -> dict[str, Any]:
     """The resolved recipe every trial starts from (base recipe and overrides), as ``{dotted.key: value}``,
     without the searched keys and :data:`NOT_DEFINING`: a change of an included ``base:`` file shows here."""
@@ -136,5 +138,3 @@ def check_definition(study, spec, current: dict[str, Any], note) -> None:
         f"{where} in {shown_storage(spec)} was run with another sweep definition ({shown}); give the changed sweep "
         "a new study_name (and output_dir) or storage, or revert the sweep file."
     )
-
-

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..loop import LocalLoop
     from ..steps import ModelSlot, StepFn
 
+
 class _Cancelled(BaseException):
     """Raised inside a paused client when the chunk stops (another client failed)."""
 

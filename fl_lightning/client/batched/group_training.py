@@ -311,7 +311,8 @@ class GroupTraining:
                 raise NotBatchable(str(err)) from err
             raise
         if any(norm.training for norm in self.eval_norms):
-            # a batch norm put into training mode updates statistics that sit in strided rows, where vmap's rule drops it
+            # a batch norm put into training mode updates statistics that sit in strided rows, where vmap's rule
+            # drops it
             message = "the step switches a batch norm of another role into training mode"
             if step == 0:
                 raise NotBatchable(message)

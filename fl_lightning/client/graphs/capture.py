@@ -88,7 +88,8 @@ def fit_key_of(trainee: Trainee, step_fn: Callable, clip) -> tuple[tuple | None,
         if isinstance(optimizer, CAPTURABLE) and not all(group.get("capturable") for group in optimizer.param_groups):
             return (
                 None,
-                f"the {type(optimizer).__name__} optimizer is not in capturable mode (an optimizer of the method's own)",
+                f"the {type(optimizer).__name__} optimizer is not in capturable mode "
+                "(an optimizer of the method's own)",
             )
     hyper = tuple(
         tuple((k, frozen(v, 0)) for k, v in group.items() if k != "params")

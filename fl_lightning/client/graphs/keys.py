@@ -21,8 +21,9 @@ _CONTAINER_LIMIT = 256  # larger closure containers are keyed by identity and le
 
 
 def module_key(module: nn.Module) -> tuple:
-    """Every submodule's tensors' addresses, which parameters train, and training modes (walked directly: ``named_modules`` and its
-    generators made this a few thousand Python calls per fit of a ResNet20 and its teacher)."""
+    """Every submodule's tensors' addresses, which parameters train, and training modes (walked directly:
+    ``named_modules`` and its generators made this a few thousand Python calls per fit of a ResNet20 and its
+    teacher)."""
     modules, stack = [], [module]
     while stack:
         m = stack.pop()

@@ -37,8 +37,9 @@ client's restored optimizer state is copied into them, a fresh one zeroes them (
 starts from; SGD's first step then adds the gradient to zero: the copy it would make). Graphs
 share one memory pool: they are replayed one at a time, and a replay's loss and record are read before
 the next; beyond ``capacity`` they are all dropped at once (one freed graph clears the capture stream's
-cuBLAS workspace, which the others use: pytorch/pytorch#193402). On a CPU, :class:`CheckedReruns` stands in for CUDA graphs: it reruns a step and fails when the
-rerun's operations, Python values or tensor addresses differ from the capture's, which is what a real
+cuBLAS workspace, which the others use: pytorch/pytorch#193402). On a CPU, :class:`CheckedReruns` stands in
+for CUDA graphs: it reruns a step and fails when the rerun's operations, Python values or tensor addresses
+differ from the capture's, which is what a real
 graph would silently get wrong (``tests/test_cuda_graphs.py``).
 """
 
