@@ -43,7 +43,10 @@ CIFAR_FIX = r"replace it with the published archive's file, e\.g\. by deleting i
         (pickle.dumps({"data": "abc", "labels": [0]}), "invalid literal for int"),
         (pickle.dumps({"data": np.zeros((2, 100), np.uint8), "labels": [0, 1]}), "cannot reshape array of size 200"),
         (pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "labels": [0]}), "2 images but 1 labels"),
-        (pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "labels": [0, 12]}), "labels outside 0..9: 0 to 12"),
+        (
+            pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "labels": [0, 12]}),
+            "label 12 at index 1 is outside 0..9",
+        ),
     ],
     ids=["text", "empty", "truncated", "list", "no_data", "text_data", "wrong_size", "fewer_labels", "label_12"],
 )
