@@ -272,6 +272,17 @@ CASES = [
         recipe=_models(hidden=32, num_classes=8),
     ),
     Case(
+        "model in_channels not the data's",
+        ["--models", "{global: {builder: digits_cnn, args: {in_channels: 3}}}"],
+        ["model role 'global' takes 3 input channels but the data's examples have 1", "in_channels"],
+    ),
+    Case(
+        "model in_features not the data's",
+        [],
+        ["model role 'global' takes 100 input features but the data's examples flatten to 64", "in_features"],
+        recipe=_models(hidden=32, in_features=100),
+    ),
+    Case(
         "partitioner option misspelled",
         ["--data.init_args.partitioner.init_args.alhpa", "0.3"],
         ["alhpa", "data.partitioner", "'alpha'"],

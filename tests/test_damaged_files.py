@@ -191,7 +191,8 @@ def test_tff_h5_and_word_count_files_that_are_not(tmp_path):
         FedCifar100Data(data_dir=str(tmp_path)).load()
     write_tff(root / "fed_cifar100_train.h5", {"0": (image[:, :16], np.arange(2))}, ("image", "label"))
     with pytest.raises(
-        ConfigError, match=r"fed_cifar100_train.h5 is not a TFF h5 file \(images \(2, 16, 32, 3\), not \[N, 32, 32, 3\]"
+        ConfigError,
+        match=r"fed_cifar100_train.h5 is not a TFF h5 file \(client 0: images \(2, 16, 32, 3\) and 2 labels, not \[N",
     ):
         FedCifar100Data(data_dir=str(tmp_path)).load()
     write_tff(root / "fed_cifar100_train.h5", {"0": (image, np.arange(2))}, ("picture", "label"))

@@ -10,9 +10,11 @@ import json
 import os
 import pickle
 import resource
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
+import h5py
 import numpy as np
 import pandas as pd
 import pytest
@@ -319,6 +321,44 @@ def test_fed_cifar100_labels_and_pixels_outside_the_format(tmp_path):
         FedCifar100Data(data_dir=str(tmp_path / "c")).load()
 
 
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` RGB pixels and holds none (a decompression bomb's header)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("size", [40_000, 10_000])  # beyond PIL's bomb limit, and below it (it would decode)
+def test_images_declaring_a_huge_size_are_refused_from_their_header(tmp_path, size, bounded_memory):
+    write_cinic(tmp_path)
+    png = tmp_path / "CINIC-10" / "train" / "cat" / "0.png"
+    png.write_bytes(_png_header(size, size))
+    with pytest.raises(ConfigError, match=rf"cat/0.png is not a CINIC-10 image \((Image size|a {size}x{size} image)"):
+        Cinic10Data(data_dir=str(tmp_path)).load()
+    hub = tmp_path / "femnist" / "hub"
+    hub.mkdir(parents=True)
+    cells = [{"bytes": _png_header(size, 28), "path": None}]
+    pd.DataFrame({"image": cells, "writer_id": ["a"], "character": [0]}).to_parquet(hub / "train-0.parquet")
+    with pytest.raises(
+        ConfigError, match=rf"train-0.parquet is not a FEMNIST parquet file \(a {size}x28 image, not 28x28"
+    ):
+        FemnistData(data_dir=str(tmp_path)).load()
+
+
+def test_an_h5_file_declaring_more_images_than_it_holds_is_refused_before_reading(tmp_path, bounded_memory):
+    folder = write_fed_cifar100(tmp_path)
+    path = folder / "fed_cifar100_train.h5"
+    with h5py.File(path, "w") as f:  # 10^7 images (30 GB) of fill values in a file of a few kilobytes
+        f.create_dataset("examples/0/image", shape=(10**7, 32, 32, 3), dtype=np.uint8)
+        f.create_dataset("examples/0/label", shape=(10**7,), dtype=np.int64)
+    assert path.stat().st_size < 100_000
+    with pytest.raises(ConfigError, match=r"\(its clients declare 10,000,000 images, more than Federated CIFAR-100's"):
+        FedCifar100Data(data_dir=str(tmp_path)).load()
+
+
 def test_a_speech_clip_holding_nan_and_a_test_list_without_clips(tmp_path):
     wave = np.zeros(16_000, dtype=np.float32)
     wave[123] = np.nan
@@ -416,6 +456,10 @@ DOOR = {
     "test examples of another shape": ({"test_x": torch.rand(8, 5)}, "shape [5] (torch.float32), the training pool"),
     "test examples of another type": ({"test_x": torch.rand(8, 4).double()}, "[4] (torch.float64), the training"),
     "natural ids of another length": ({"groups": np.zeros(19)}, "gives 19 natural ids for 20 training examples"),
+    "numpy arrays instead of tensors": (
+        {"test_y": np.arange(8) % 4},
+        "gives test_y as ndarray; DataArrays holds torch",
+    ),
     "num_classes zero": ({"num_classes": 0}, "gives num_classes 0; it must be a positive whole number"),
     "num_classes fractional": ({"num_classes": 2.5}, "gives num_classes 2.5"),
     "sequence target outside the vocabulary": (
@@ -474,14 +518,69 @@ def test_a_model_predicting_fewer_classes_than_the_data_has_is_refused():
     check_models_fit_data(_slots(own=nn.Linear(64, 3)), 10, torch.rand(4, 64))  # a module that declares no count
 
 
+@pytest.mark.parametrize(
+    "features, x, said",
+    [
+        (
+            nn.Sequential(nn.Conv2d(3, 4, 3)),
+            torch.rand(2, 1, 8, 8),
+            "takes 3 input channels but the data's examples have 1",
+        ),
+        (
+            nn.Sequential(nn.Flatten(), nn.Linear(100, 4)),
+            torch.rand(2, 1, 8, 8),
+            "takes 100 input features but the data's examples flatten to 64",
+        ),
+        (nn.Sequential(nn.Linear(5, 4)), torch.rand(2, 6), "takes 5 input features but the data's examples end in 6"),
+        (
+            nn.Sequential(nn.Sequential(nn.Conv1d(2, 4, 3)), nn.Flatten()),
+            torch.rand(2, 3, 9),
+            "takes 2 input channels but the data's examples have 3",
+        ),
+    ],
+    ids=["conv_channels", "flattened_features", "linear_features", "nested_conv1d"],
+)
+def test_a_model_whose_first_layer_cannot_take_the_examples_is_refused(features, x, said):
+    model = FeatureClassifier(features, nn.Linear(4, 10), 4, 10)
+    with pytest.raises(ConfigError) as err:
+        check_models_fit_data(_slots(m=model), 10, x, input_roles=["m"])
+    assert str(err.value).startswith(f"model role 'm' {said} (shape {list(x.shape[1:])}); set the builder's input size")
+
+
+def test_a_first_layer_the_examples_fit_or_one_the_model_hides_passes():
+    fits = [
+        (nn.Sequential(nn.Conv2d(1, 4, 3)), torch.rand(2, 1, 8, 8)),
+        (nn.Sequential(nn.Flatten(), nn.Linear(64, 4)), torch.rand(2, 1, 8, 8)),
+        (nn.Sequential(nn.Linear(8, 4)), torch.rand(2, 1, 8, 8)),  # applied to the last dimension
+        (nn.Sequential(nn.Flatten(start_dim=2), nn.Linear(7, 4)), torch.rand(2, 1, 8, 8)),  # not the usual flatten
+    ]
+    for features, x in fits:
+        check_models_fit_data(_slots(m=FeatureClassifier(features, nn.Linear(4, 10), 4, 10)), 10, x, ["m"])
+
+    server = FeatureClassifier(nn.Sequential(nn.Conv2d(16, 4, 3)), nn.Linear(4, 10), 4, 10)  # FedGKT's: feature maps
+    check_models_fit_data(_slots(server=server), 10, torch.rand(2, 1, 8, 8), input_roles=["client"])
+
+    class Pooled(nn.Module):  # what a custom forward does first is unknown: no check, no false refusal
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.linear(nn.functional.avg_pool2d(x, 2).flatten(1))
+
+    check_models_fit_data(
+        _slots(m=FeatureClassifier(Pooled(), nn.Linear(4, 10), 4, 10)), 10, torch.rand(2, 1, 8, 8), ["m"]
+    )
+
+
 def test_a_model_embedding_fewer_token_ids_than_the_data_uses_is_refused():
     model = imdb_bilstm(num_classes=2, vocab_size=50, embedding=4, hidden=4)
     tokens = _set(torch.randint(0, 50, (6, 9)), (0, 0), 0)
-    check_models_fit_data(_slots(text=model), 2, tokens)
+    check_models_fit_data(_slots(text=model), 2, tokens, ["text"])
     with pytest.raises(
         ConfigError, match=r"model role 'text' embeds token ids 0..49 but the data's inputs hold ids 0..80; "
     ):
-        check_models_fit_data(_slots(text=model), 2, _set(tokens, (3, 3), 80))
+        check_models_fit_data(_slots(text=model), 2, _set(tokens, (3, 3), 80), ["text"])
 
 
 def test_valid_data_passes_the_door_unchanged():

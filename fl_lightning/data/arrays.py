@@ -106,6 +106,13 @@ def check_arrays(arrays: DataArrays, source: str) -> int:
     targets may also be -100, ignored); finite floating-point features.
     """
     splits = {"training pool": (arrays.x, arrays.y), "global test set": (arrays.test_x, arrays.test_y)}
+    given = {"x": arrays.x, "y": arrays.y, "test_x": arrays.test_x, "test_y": arrays.test_y}
+    for name, value in {**given, "unlabeled_x": arrays.unlabeled_x}.items():
+        if not isinstance(value, Tensor) and (value is not None or name != "unlabeled_x"):
+            raise ConfigError(
+                f"{source}'s load() gives {name} as {type(value).__name__}; DataArrays holds torch tensors, e.g. "
+                f"torch.from_numpy({name})."
+            )
     for split, (x, y) in splits.items():
         if len(x) != len(y):
             raise ConfigError(

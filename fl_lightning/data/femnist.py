@@ -135,4 +135,7 @@ def _pixels(cell) -> np.ndarray:
     from PIL import Image
 
     data = cell["bytes"] if isinstance(cell, dict) else cell
-    return np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float32) / 255.0
+    with Image.open(io.BytesIO(data)) as image:
+        if image.size != (28, 28):  # read from the header: a huge image is never decoded
+            raise ValueError(f"a {image.size[0]}x{image.size[1]} image, not 28x28")
+        return np.asarray(image.convert("L"), dtype=np.float32) / 255.0

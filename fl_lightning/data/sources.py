@@ -129,6 +129,11 @@ def reading(path: Path | str, what: str, name: str | None, data_dir: Path | str)
         raise
     except MALFORMED as err:
         raise damaged(path, what, err, name, data_dir) from None
+    except Exception as err:
+        image = sys.modules.get("PIL.Image")  # imported by the readers of images; not here, to start fast
+        if image is not None and isinstance(err, image.DecompressionBombError):  # a PNG claiming 40000x40000
+            raise damaged(path, what, err, name, data_dir) from None
+        raise
 
 
 def ensure(name: str, data_dir: Path | str, download: bool, revision: str | None = None) -> None:

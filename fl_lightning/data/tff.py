@@ -65,18 +65,32 @@ class FedCifar100Data(FederatedData):
             path = require(self.root / f"fed_cifar100_{split}.h5", self.download, "fed_cifar100")
             with sources.reading(path, "a TFF h5 file", "fed_cifar100", self.root.parent):
                 with h5py.File(path, "r") as f:
-                    clients = sorted(f["examples"])
-                    images = [_client_images(f["examples"][c]["image"][()], c) for c in clients]
-                    labels = [_client_labels(f["examples"][c]["label"][()], c) for c in clients]
+                    clients, images, labels = _client_arrays(f["examples"])
                 images = np.concatenate(images)
-                if images.shape[1:] != (32, 32, 3) or len(images) != sum(len(label) for label in labels):
-                    raise ValueError(f"images {images.shape}, not [N, 32, 32, 3] with one label each")
             x = torch.from_numpy(images).float().div_(255).permute(0, 3, 1, 2)
             groups = np.concatenate([[c] * len(client_labels) for c, client_labels in zip(clients, labels)])
             m, s = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
             parts.append(((x - m) / s, torch.from_numpy(np.concatenate(labels)).long().flatten(), groups))
         (x, y, groups), (tx, ty, _) = parts
         return DataArrays(x.contiguous(), y, tx.contiguous(), ty, groups=groups, num_classes=100)
+
+
+FED_CIFAR100_IMAGES = 60_000  # TFF's 50,000 training and 10,000 test images
+
+
+def _client_arrays(examples) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+    """Every client's images ``[n, 32, 32, 3]`` and labels ``[n]`` of an h5 file's ``examples`` group, the
+    shapes it declares checked before a byte is read: a small file may declare terabytes of fill values."""
+    clients = sorted(examples)
+    shapes = {c: (examples[c]["image"].shape, examples[c]["label"].size) for c in clients}
+    for client, (shape, labels) in shapes.items():
+        if tuple(shape[1:]) != (32, 32, 3) or labels != shape[0]:
+            raise ValueError(f"client {client}: images {shape} and {labels} labels, not [N, 32, 32, 3] and N labels")
+    declared = sum(shape[0] for shape, _ in shapes.values())
+    if declared > FED_CIFAR100_IMAGES:
+        raise ValueError(f"its clients declare {declared:,} images, more than Federated CIFAR-100's 60,000")
+    images = [_client_images(examples[c]["image"][()], c) for c in clients]
+    return clients, images, [_client_labels(examples[c]["label"][()], c) for c in clients]
 
 
 def _client_images(images: np.ndarray, client: str) -> np.ndarray:
