@@ -357,6 +357,10 @@ def test_an_h5_file_declaring_more_images_than_it_holds_is_refused_before_readin
     assert path.stat().st_size < 100_000
     with pytest.raises(ConfigError, match=r"\(its clients declare 10,000,000 images, more than Federated CIFAR-100's"):
         FedCifar100Data(data_dir=str(tmp_path)).load()
+    with h5py.File(path, "w") as f:
+        f.create_group("examples")
+    with pytest.raises(ConfigError, match=r"fed_cifar100_train.h5 is not a TFF h5 file \(its examples group holds no"):
+        FedCifar100Data(data_dir=str(tmp_path)).load()
 
 
 def test_a_speech_clip_holding_nan_and_a_test_list_without_clips(tmp_path):

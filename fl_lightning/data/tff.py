@@ -82,6 +82,8 @@ def _client_arrays(examples) -> tuple[list[str], list[np.ndarray], list[np.ndarr
     """Every client's images ``[n, 32, 32, 3]`` and labels ``[n]`` of an h5 file's ``examples`` group, the
     shapes it declares checked before a byte is read: a small file may declare terabytes of fill values."""
     clients = sorted(examples)
+    if not clients:
+        raise ValueError("its examples group holds no client")
     shapes = {c: (examples[c]["image"].shape, examples[c]["label"].size) for c in clients}
     for client, (shape, labels) in shapes.items():
         if tuple(shape[1:]) != (32, 32, 3) or labels != shape[0]:
