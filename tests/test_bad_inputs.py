@@ -9,9 +9,11 @@ the same cases.
 from __future__ import annotations
 
 import copy
+import gzip
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import yaml
 from conftest import ROOT, TINY, run_cli
@@ -56,6 +58,20 @@ def _tiers(*tiers) -> dict:
 
 
 SGD = "torch.optim.SGD"
+
+
+def _idx(array: np.ndarray) -> bytes:
+    """A gzipped idx file (MNIST's format) holding ``array`` as uint8."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(size).to_bytes(4, "big") for size in array.shape)
+    return gzip.compress(header + array.astype(np.uint8).tobytes())
+
+
+MNIST_LABEL_10 = {  # MNIST whose training labels hold a 10 at index 3
+    "data/MNIST/raw/train-images-idx3-ubyte.gz": _idx(np.zeros((12, 28, 28))),
+    "data/MNIST/raw/train-labels-idx1-ubyte.gz": _idx(np.where(np.arange(12) == 3, 10, np.arange(12) % 10)),
+    "data/MNIST/raw/t10k-images-idx3-ubyte.gz": _idx(np.zeros((4, 28, 28))),
+    "data/MNIST/raw/t10k-labels-idx1-ubyte.gz": _idx(np.arange(4)),
+}
 # ten levels of ten aliases: 10^10 values once anything walks them
 BOMB = b"a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + b"".join(
     f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n".encode() for i in range(1, 10)
@@ -137,6 +153,29 @@ CASES = [
         ["fast", "lr"],
         recipe={"training": {"optimizer": {"class_path": SGD, "init_args": {"lr": "fast"}}}},
     ),
+    Case(
+        "lr not a number",
+        [],
+        ["training.optimizer.init_args.lr is nan", "finite number"],
+        recipe={"training": {"optimizer": {"class_path": SGD, "init_args": {"lr": float("nan")}}}},
+    ),
+    Case(
+        "momentum infinite",
+        ["--training.optimizer.init_args.momentum", ".inf"],
+        ["training.optimizer.init_args.momentum is inf", "finite number"],
+    ),
+    Case(
+        "optimizer init_args a list",
+        [],
+        ["training.optimizer.init_args must be a mapping", "not a list", "lr, momentum"],
+        recipe={"training": {"optimizer": {"class_path": SGD, "init_args": [0.1]}}},
+    ),
+    Case(
+        "strategy init_args a list",
+        [],
+        ["strategy.init_args must be a mapping", "not a list", "its options: roles"],
+        recipe={"strategy": {"class_path": "fl_lightning.strategies.FedAvg", "init_args": [1]}},
+    ),
     Case("optimizer unknown", ["--training.optimizer", "torch.optim.Sgd"], ["torch.optim.Sgd", "training.optimizer"]),
     Case("batch_size zero", ["--training.batch_size", "0"], ["training.batch_size", "at least 1"]),
     Case("local_steps zero", ["--training.local_steps", "0"], ["training.local_steps", "at least 1"]),
@@ -206,6 +245,43 @@ CASES = [
     Case("test_fraction above one", ["--data.init_args.test_fraction", "1.5"], ["test_fraction", "1.5"]),
     Case("partitioner unknown", ["--data.init_args.partitioner", "Dirichlet"], ["Dirichlet", "DirichletPartitioner"]),
     Case("data option misspelled", ["--data.init_args.test_fractoin", "0.3"], ["test_fractoin", "'test_fraction'"]),
+    Case(
+        "alpha not a number",
+        ["--data.init_args.partitioner.init_args.alpha", ".nan"],
+        ["data.init_args.partitioner.init_args.alpha is nan", "finite number"],
+    ),
+    Case(
+        "partitioner init_args a list",
+        [],
+        ["data.partitioner.init_args must be a mapping", "not a list", "alpha"],
+        recipe={"data": {"init_args": {"partitioner": {"class_path": "DirichletPartitioner", "init_args": [0.5]}}}},
+    ),
+    Case(
+        "data file label outside the classes",
+        ["--data", "MnistData", "--data.init_args.data_dir", "{tmp}/data"],
+        [
+            "train-labels-idx1-ubyte.gz is not an MNIST idx file (label 10 at index 3 is outside 0..9)",
+            "flrun data fetch",
+        ],
+        files=MNIST_LABEL_10,
+    ),
+    Case(
+        "model num_classes below the data's",
+        [],
+        ["model role 'global' predicts 8 classes", "the data has 10", "models.global.args"],
+        recipe=_models(hidden=32, num_classes=8),
+    ),
+    Case(
+        "model in_channels not the data's",
+        ["--models", "{global: {builder: digits_cnn, args: {in_channels: 3}}}"],
+        ["model role 'global' takes 3 input channels but the data's examples have 1", "in_channels"],
+    ),
+    Case(
+        "model in_features not the data's",
+        [],
+        ["model role 'global' takes 100 input features but the data's examples flatten to 64", "in_features"],
+        recipe=_models(hidden=32, in_features=100),
+    ),
     Case(
         "partitioner option misspelled",
         ["--data.init_args.partitioner.init_args.alhpa", "0.3"],
@@ -301,6 +377,12 @@ CASES = [
         "FedHe alpha negative",
         ["--config", "recipes/digits_fedhe.yaml", "--strategy.init_args.alpha", "-1"],
         ["FedHe", "alpha >= 0"],
+        no_recipe=True,
+    ),
+    Case(
+        "strategy server_lr infinite",
+        ["--config", "recipes/digits_fedadam.yaml", "--strategy.init_args.server_lr", ".inf"],
+        ["strategy.init_args.server_lr is inf", "finite number"],
         no_recipe=True,
     ),
     Case(

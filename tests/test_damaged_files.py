@@ -43,7 +43,10 @@ CIFAR_FIX = r"replace it with the published archive's file, e\.g\. by deleting i
         (pickle.dumps({"data": "abc", "labels": [0]}), "invalid literal for int"),
         (pickle.dumps({"data": np.zeros((2, 100), np.uint8), "labels": [0, 1]}), "cannot reshape array of size 200"),
         (pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "labels": [0]}), "2 images but 1 labels"),
-        (pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "labels": [0, 12]}), "labels outside 0..9: 0 to 12"),
+        (
+            pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "labels": [0, 12]}),
+            "label 12 at index 1 is outside 0..9",
+        ),
     ],
     ids=["text", "empty", "truncated", "list", "no_data", "text_data", "wrong_size", "fewer_labels", "label_12"],
 )
@@ -188,7 +191,8 @@ def test_tff_h5_and_word_count_files_that_are_not(tmp_path):
         FedCifar100Data(data_dir=str(tmp_path)).load()
     write_tff(root / "fed_cifar100_train.h5", {"0": (image[:, :16], np.arange(2))}, ("image", "label"))
     with pytest.raises(
-        ConfigError, match=r"fed_cifar100_train.h5 is not a TFF h5 file \(images \(2, 16, 32, 3\), not \[N, 32, 32, 3\]"
+        ConfigError,
+        match=r"fed_cifar100_train.h5 is not a TFF h5 file \(client 0: images \(2, 16, 32, 3\) and 2 labels, not \[N",
     ):
         FedCifar100Data(data_dir=str(tmp_path)).load()
     write_tff(root / "fed_cifar100_train.h5", {"0": (image, np.arange(2))}, ("picture", "label"))

@@ -15,21 +15,9 @@ import torch
 from torch import Tensor
 
 from ..federation.errors import ConfigError
+from .arrays import DataArrays, check_arrays, check_features
 from .partition import IidPartitioner, Partitioner
 from .transforms import CropFlip
-
-
-@dataclass
-class DataArrays:
-    """Raw arrays of a data set: the training pool, the global test set, optional natural ids."""
-
-    x: Tensor  # [N, ...]
-    y: Tensor  # [N] int64
-    test_x: Tensor
-    test_y: Tensor
-    groups: np.ndarray | None = None  # [N] natural client id per example, if any
-    num_classes: int | None = None
-    unlabeled_x: Tensor | None = None  # extra examples without labels (IMDB's 50k unsupervised reviews)
 
 
 @dataclass
@@ -123,14 +111,9 @@ class FederatedData:
     def setup(self, num_clients: int, seed: int) -> None:
         """Loads the arrays and builds every client's index sets, deterministically from the seed."""
         arrays = self.load()
+        self.num_classes = check_arrays(arrays, type(self).__name__)  # the door: one sentence, never a traceback
         self.x, self.y = arrays.x, arrays.y.long()
         self.test_x, self.test_y = arrays.test_x, arrays.test_y.long()
-        if len(self.test_y) == 0:  # every global metric would be computed on nothing and read 0.0
-            raise ConfigError(
-                f"{type(self).__name__} has no global test examples (of {len(self.y):,} loaded); check its "
-                "files and its test share or size."
-            )
-        self.num_classes = arrays.num_classes or int(torch.cat([self.y, self.test_y]).max()) + 1
         self.groups = arrays.groups
         rng = np.random.default_rng(self.partition_seed if self.partition_seed is not None else seed)
         # sequence targets (language modelling) are partitioned by natural id; their first token stands in
@@ -152,6 +135,7 @@ class FederatedData:
             pool = np.setdiff1d(pool, server)
         if self.server_dataset is not None:
             outside = self.server_dataset.load().x
+            check_features(outside, f"server_dataset {type(self.server_dataset).__name__}'s examples")
             if outside.shape[1:] != self.x.shape[1:]:
                 raise ConfigError(
                     f"server_dataset examples have shape {tuple(outside.shape[1:])}, the federated data "

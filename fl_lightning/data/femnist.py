@@ -11,8 +11,11 @@ import torch
 
 from ..federation.errors import ConfigError
 from . import sources
+from .arrays import class_labels, unit_interval_problem
 from .federated import DataArrays, FederatedData
 from .partition import NaturalIdPartitioner
+
+CLASSES = 62  # digits, upper- and lower-case letters
 
 
 class FemnistData(FederatedData):
@@ -83,7 +86,7 @@ class FemnistData(FederatedData):
             )
         x = torch.from_numpy(images).float().view(-1, 1, 28, 28)
         y = torch.from_numpy(labels).long()
-        return DataArrays(x[~test], y[~test], x[test], y[test], groups=writers[~test], num_classes=62)
+        return DataArrays(x[~test], y[~test], x[test], y[test], groups=writers[~test], num_classes=CLASSES)
 
     def _read_leaf(self, files: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         images, labels, writers = [], [], []
@@ -91,12 +94,10 @@ class FemnistData(FederatedData):
             with sources.reading(path, "a LEAF FEMNIST JSON file", None, self.data_dir):
                 blob = json.loads(path.read_text())
                 for user in blob["users"]:
-                    data = blob["user_data"][user]
-                    images.append(np.asarray(data["x"], dtype=np.float32).reshape(-1, 784))
-                    labels.append(np.asarray(data["y"], dtype=np.int64).reshape(-1))
-                    if len(images[-1]) != len(labels[-1]):
-                        raise ValueError(f"writer {user} has {len(images[-1])} images but {len(labels[-1])} labels")
-                    writers += [user] * len(labels[-1])
+                    x, y = _leaf_writer(blob["user_data"][user], user)
+                    images.append(x)
+                    labels.append(y)
+                    writers += [user] * len(y)
         return np.concatenate(images), np.concatenate(labels), np.asarray(writers)
 
     def _read_hub(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -108,8 +109,25 @@ class FemnistData(FederatedData):
             with sources.reading(path, "a FEMNIST parquet file", "femnist", self.data_dir):
                 table = pd.read_parquet(path, columns=["image", "writer_id", "character"])
                 images = np.stack([_pixels(cell) for cell in table["image"]]).reshape(len(table), 784)
-                parts.append((images, np.array(table["character"], dtype=np.int64), table["writer_id"].astype(str)))
+                characters = class_labels(table["character"].to_numpy(), CLASSES)
+                parts.append((images, characters, table["writer_id"].astype(str)))
         return tuple(np.concatenate([np.asarray(part[i]) for part in parts]) for i in range(3))
+
+
+def _leaf_writer(data: dict, writer: str) -> tuple[np.ndarray, np.ndarray]:
+    """One writer's images ``[n, 784]`` (LEAF's values in [0, 1]) and labels ``[n]`` (0..61); a ValueError names
+    the writer and the first image or label that breaks the format."""
+    x = np.asarray(data["x"], dtype=np.float32).reshape(-1, 784)
+    try:
+        y = class_labels(data["y"], CLASSES)
+    except ValueError as err:
+        raise ValueError(f"writer {writer}: {err}") from None
+    if len(x) != len(y):
+        raise ValueError(f"writer {writer} has {len(x)} images but {len(y)} labels")
+    problem = unit_interval_problem(x)
+    if problem is not None:
+        raise ValueError(f"writer {writer}: {problem}")
+    return x, y
 
 
 def _pixels(cell) -> np.ndarray:
@@ -117,4 +135,7 @@ def _pixels(cell) -> np.ndarray:
     from PIL import Image
 
     data = cell["bytes"] if isinstance(cell, dict) else cell
-    return np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float32) / 255.0
+    with Image.open(io.BytesIO(data)) as image:
+        if image.size != (28, 28):  # read from the header: a huge image is never decoded
+            raise ValueError(f"a {image.size[0]}x{image.size[1]} image, not 28x28")
+        return np.asarray(image.convert("L"), dtype=np.float32) / 255.0

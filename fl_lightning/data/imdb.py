@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from . import sources
+from .arrays import class_labels
 from .federated import DataArrays, FederatedData
 
 TOKEN = re.compile(r"[a-z0-9']+")
@@ -74,6 +75,8 @@ class ImdbData(FederatedData):
                     raise TypeError("its text column holds values that are not strings")
                 if not pd.api.types.is_integer_dtype(tables[-1]["label"]):
                     raise TypeError(f"its label column is {tables[-1]['label'].dtype}, not integers")
+                if name != "unsupervised":  # whose labels are all -1
+                    class_labels(tables[-1]["label"].to_numpy(), 2)
         return pd.concat(tables, ignore_index=True)
 
     def load(self) -> DataArrays:

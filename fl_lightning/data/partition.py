@@ -9,6 +9,8 @@ and raises :class:`ConfigError` with a fix when the requested split is impossibl
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..federation.errors import ConfigError
@@ -52,7 +54,7 @@ class DirichletPartitioner(Partitioner):
     """
 
     def __init__(self, alpha: float = 0.5, min_partition_size: int = 10, max_tries: int = 10):
-        if alpha <= 0:
+        if not 0 < alpha < math.inf:  # NaN too: numpy's Dirichlet would fail inside
             raise ConfigError(f"Dirichlet alpha must be positive, got {alpha}.")
         if min_partition_size < 0 or max_tries < 1:
             raise ConfigError(
@@ -176,7 +178,7 @@ class SampledPartitioner(Partitioner):
     def __init__(self, examples_per_client: int = 20, alpha: float | None = None):
         if examples_per_client < 1:
             raise ConfigError(f"examples_per_client must be at least 1, got {examples_per_client}.")
-        if alpha is not None and alpha <= 0:
+        if alpha is not None and not 0 < alpha < math.inf:
             raise ConfigError(f"SampledPartitioner alpha must be positive or null, got {alpha}.")
         self.examples_per_client, self.alpha = examples_per_client, alpha
 

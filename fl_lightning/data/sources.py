@@ -10,6 +10,7 @@ import fnmatch
 import os
 import pickle
 import shutil
+import stat
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,10 @@ from .download import NetworkError, download, hub_download, hub_files, hub_resol
 
 def present(src: Source, data_dir: Path) -> bool:
     """Whether every expected file (or at least one match of each pattern) is under ``data_dir``."""
-    return all(any(Path(data_dir).glob(pattern)) for pattern in src.expected)
+    # a link to nothing counts (glob skips it), so that its reader names it instead of calling the file missing
+    return all(
+        any(Path(data_dir).glob(pattern)) or os.path.lexists(Path(data_dir) / pattern) for pattern in src.expected
+    )
 
 
 def fetch_command(name: str, data_dir: Path | str) -> str:
@@ -55,6 +59,14 @@ def missing(name: str, data_dir: Path | str, failure: BaseException | None = Non
 MALFORMED = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, OSError, RuntimeError)
 
 
+def _fix(name: str | None, data_dir: Path | str) -> str:
+    if name is None:
+        return "check the file or give another one"
+    return (
+        f"replace it with the published archive's file, e.g. by deleting it and running {fetch_command(name, data_dir)}"
+    )
+
+
 def damaged(path: Path | str, what: str, err: BaseException, name: str | None, data_dir: Path | str) -> ConfigError:
     """The one sentence for a file that is there but cannot be read as ``what`` (with its article: "a CIFAR
     batch file"): the file, why, the fix.
@@ -72,23 +84,56 @@ def damaged(path: Path | str, what: str, err: BaseException, name: str | None, d
     else:  # h5py's KeyError carries a sentence, as the other errors do: its first line
         lines = (key if isinstance(key, str) else str(err)).strip().splitlines()
         reason = (lines[0] if lines else type(err).__name__).rstrip(".")[:200]
-    fix = (
-        f"replace it with the published archive's file, e.g. by deleting it and running {fetch_command(name, data_dir)}"
-        if name is not None
-        else "check the file or give another one"
-    )
-    return ConfigError(f"{path} is not {what} ({reason}); {fix}.")
+    return ConfigError(f"{path} is not {what} ({reason}); {_fix(name, data_dir)}.")
+
+
+KINDS = {  # what stat says a path is, when it is not a regular file
+    stat.S_ISDIR: "a directory",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISFIFO: "a named pipe (FIFO)",
+    stat.S_ISSOCK: "a socket",
+}
+
+
+def require_regular_file(path: Path | str, what: str, name: str | None, data_dir: Path | str) -> None:
+    """Refuses, before a byte is read, a data file that is a directory, a device (a link to ``/dev/zero`` would
+    be read forever), a pipe or a link to nothing, in one sentence naming it; a missing file is left to the
+    reader (and its message)."""
+    path = Path(path)
+    link = f", a symbolic link to {os.readlink(path)}" if path.is_symlink() else ""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if link:
+            raise ConfigError(
+                f"{path} is not {what} ({link[2:]}, which does not exist); {_fix(name, data_dir)}."
+            ) from None
+        return
+    except OSError as err:  # a loop of links, a name too long: the reader would fail the same way
+        raise ConfigError(f"{path} cannot be read ({err.strerror}); {_fix(name, data_dir)}.") from None
+    if stat.S_ISREG(mode):
+        return
+    kind = next((kind for test, kind in KINDS.items() if test(mode)), "neither a file nor a folder")
+    raise ConfigError(f"{path} is {link[2:] + ', ' if link else ''}{kind}, not {what}; {_fix(name, data_dir)}.")
 
 
 @contextmanager
 def reading(path: Path | str, what: str, name: str | None, data_dir: Path | str) -> Iterator[None]:
-    """Turns any error a malformed ``path`` raises while it is read into :func:`damaged`'s sentence."""
+    """Turns any error a malformed ``path`` raises while it is read into :func:`damaged`'s sentence; a path
+    that is not a regular file is refused before it is opened (:func:`require_regular_file`)."""
+    require_regular_file(path, what, name, data_dir)
     try:
         yield
     except ConfigError:
         raise
     except MALFORMED as err:
         raise damaged(path, what, err, name, data_dir) from None
+    except Exception as err:
+        image = sys.modules.get("PIL.Image")  # imported by the readers of images; not here, to start fast
+        if image is not None and isinstance(err, image.DecompressionBombError):  # a PNG claiming 40000x40000
+            raise damaged(path, what, err, name, data_dir) from None
+        raise
 
 
 def ensure(name: str, data_dir: Path | str, download: bool, revision: str | None = None) -> None:

@@ -66,6 +66,9 @@ class SpeechCommandsData(FederatedData):
             for wav in sorted((root / word).glob("*.wav")):
                 with sources.reading(wav, "a WAV file", "speech_commands", self.data_dir):
                     audio, rate = soundfile.read(wav, dtype="float32")
+                    if not np.isfinite(audio).all():  # a float WAV may hold NaN: its spectrogram would be NaN
+                        at = int(np.argmax(~np.isfinite(audio).reshape(-1)))
+                        raise ValueError(f"sample {at} holds {audio.reshape(-1)[at]}, not a finite number")
                 if audio.ndim != 1:
                     raise ConfigError(f"{wav} has {audio.shape[1]} channels, expected one (mono).")
                 if rate != SAMPLE_RATE:
@@ -74,6 +77,8 @@ class SpeechCommandsData(FederatedData):
                 labels.append(label)
                 speakers.append(wav.name.split("_nohash_")[0])
                 is_test.append(f"{word}/{wav.name}" in test_set)
+        if not waves:
+            raise sources.missing("speech_commands", self.data_dir)  # a test list without a word folder of clips
         x = spectrogram(torch.from_numpy(np.stack(waves)), self.n_fft, self.hop_length)
         y, test = torch.tensor(labels), np.asarray(is_test)
         self.words = words

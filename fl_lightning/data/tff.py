@@ -14,6 +14,7 @@ import torch
 
 from ..federation.errors import ConfigError
 from . import sources
+from .arrays import class_labels, uint8_pixels
 from .federated import DataArrays, FederatedData
 from .partition import NaturalIdPartitioner
 from .transforms import CropFlip
@@ -64,19 +65,50 @@ class FedCifar100Data(FederatedData):
             path = require(self.root / f"fed_cifar100_{split}.h5", self.download, "fed_cifar100")
             with sources.reading(path, "a TFF h5 file", "fed_cifar100", self.root.parent):
                 with h5py.File(path, "r") as f:
-                    clients = sorted(f["examples"])
-                    images = [f["examples"][c]["image"][()] for c in clients]
-                    labels = [f["examples"][c]["label"][()] for c in clients]
+                    clients, images, labels = _client_arrays(f["examples"])
                 images = np.concatenate(images)
-                labels = [np.asarray(label, dtype=np.int64).reshape(-1) for label in labels]
-                if images.shape[1:] != (32, 32, 3) or len(images) != sum(len(label) for label in labels):
-                    raise ValueError(f"images {images.shape}, not [N, 32, 32, 3] with one label each")
             x = torch.from_numpy(images).float().div_(255).permute(0, 3, 1, 2)
             groups = np.concatenate([[c] * len(client_labels) for c, client_labels in zip(clients, labels)])
             m, s = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
             parts.append(((x - m) / s, torch.from_numpy(np.concatenate(labels)).long().flatten(), groups))
         (x, y, groups), (tx, ty, _) = parts
         return DataArrays(x.contiguous(), y, tx.contiguous(), ty, groups=groups, num_classes=100)
+
+
+FED_CIFAR100_IMAGES = 60_000  # TFF's 50,000 training and 10,000 test images
+
+
+def _client_arrays(examples) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+    """Every client's images ``[n, 32, 32, 3]`` and labels ``[n]`` of an h5 file's ``examples`` group, the
+    shapes it declares checked before a byte is read: a small file may declare terabytes of fill values."""
+    clients = sorted(examples)
+    if not clients:
+        raise ValueError("its examples group holds no client")
+    shapes = {c: (examples[c]["image"].shape, examples[c]["label"].size) for c in clients}
+    for client, (shape, labels) in shapes.items():
+        if tuple(shape[1:]) != (32, 32, 3) or labels != shape[0]:
+            raise ValueError(f"client {client}: images {shape} and {labels} labels, not [N, 32, 32, 3] and N labels")
+    declared = sum(shape[0] for shape, _ in shapes.values())
+    if declared > FED_CIFAR100_IMAGES:
+        raise ValueError(f"its clients declare {declared:,} images, more than Federated CIFAR-100's 60,000")
+    images = [_client_images(examples[c]["image"][()], c) for c in clients]
+    return clients, images, [_client_labels(examples[c]["label"][()], c) for c in clients]
+
+
+def _client_images(images: np.ndarray, client: str) -> np.ndarray:
+    """A client's images as TFF stores them, uint8 pixels: float images (already in [0, 1], say) would be
+    divided by 255 a second time, so every value that is not a whole number 0..255 is refused."""
+    try:
+        return uint8_pixels(images)
+    except ValueError as err:
+        raise ValueError(f"client {client}: {err}") from None
+
+
+def _client_labels(labels: np.ndarray, client: str) -> np.ndarray:
+    try:
+        return class_labels(labels, 100)
+    except ValueError as err:
+        raise ValueError(f"client {client}: {err}") from None
 
 
 class StackOverflowData(FederatedData):
@@ -199,7 +231,9 @@ class StackOverflowData(FederatedData):
         path = require(self.root / "stackoverflow.word_count", self.download, "stackoverflow")
         words = []
         with sources.reading(path, "a word count file", "stackoverflow", self.root.parent), path.open() as f:
-            for line in f:
+            for number, line in enumerate(f, 1):
+                if not line.split():
+                    raise ValueError(f"line {number} is empty, not a word and its count")
                 words.append(line.split()[0])
                 if len(words) == self.vocab_size:
                     break
@@ -249,13 +283,14 @@ class StackOverflowData(FederatedData):
         ):
             clients, outside = self.pool_and_outside_users(sorted(f["examples"]))
         posts, owners, self.post_types = self._read(train_path, clients, self.max_examples_per_client)
-        test_posts, _, test_types = self._read(
-            require(self.root / "stackoverflow_test.h5", self.download, "stackoverflow"), None, None
-        )
+        test_path = require(self.root / "stackoverflow_test.h5", self.download, "stackoverflow")
+        test_posts, _, test_types = self._read(test_path, None, None)
         rng = np.random.default_rng(self.test_seed)
         chosen = np.sort(rng.choice(len(test_posts), min(self.test_examples, len(test_posts)), replace=False))
-        x, y = self.encode(posts)
-        tx, ty = self.encode([test_posts[i] for i in chosen])
+        with sources.reading(train_path, "a TFF h5 file", "stackoverflow", self.root.parent):
+            x, y = self.encode(posts)  # tokens that are not UTF-8 name their file
+        with sources.reading(test_path, "a TFF h5 file", "stackoverflow", self.root.parent):
+            tx, ty = self.encode([test_posts[i] for i in chosen])
         if self.domain_test_sets:  # paper 002 Table 2 reports answers-only and questions-only accuracy too
             for kind in ("question", "answer"):
                 keep = torch.from_numpy(test_types[chosen] == kind)
@@ -312,18 +347,24 @@ class StackOverflowData(FederatedData):
         if path.suffix == ".parquet":
             import pandas as pd
 
-            return [t.lower() for t in pd.read_parquet(path)["text"].tolist()[:n]]
+            return [_text(t, f"row {i}").lower() for i, t in enumerate(pd.read_parquet(path)["text"].tolist()[:n])]
         import gzip
         import json
 
         opener = gzip.open if path.suffix == ".gz" else open
         documents = []
         with opener(path, "rt") as f:
-            for line in f:
-                documents.append(json.loads(line)["text"].lower())  # StackOverflow tokens are lower case
+            for number, line in enumerate(f, 1):  # StackOverflow tokens are lower case
+                documents.append(_text(json.loads(line)["text"], f"line {number}").lower())
                 if len(documents) == n:
                     break
         return documents
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"the text of {where} is {type(value).__name__}, not a string")
+    return value
 
 
 class _EncodedTexts(FederatedData):

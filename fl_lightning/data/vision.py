@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..federation.errors import ConfigError
 from . import sources
+from .arrays import class_labels, uint8_pixels
 from .federated import DataArrays, FederatedData
 from .transforms import CropFlip
 
@@ -119,12 +120,10 @@ def read_cifar_batch(path: Path, label_key: str, num_classes: int, source: str) 
         batch = _ArraysOnly(f, encoding="latin1").load()
         if not isinstance(batch, dict):
             raise TypeError(f"it holds a {type(batch).__name__}, not a dict of data and {label_key}")
-        images = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-        labels = np.asarray(batch[label_key], dtype=np.int64).reshape(-1)
+        images = uint8_pixels(batch["data"]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        labels = class_labels(batch[label_key], num_classes)
         if len(labels) != len(images):
             raise ValueError(f"{len(images)} images but {len(labels)} {label_key}")
-        if len(labels) and not 0 <= labels.min() <= labels.max() < num_classes:
-            raise ValueError(f"{label_key} outside 0..{num_classes - 1}: {labels.min()} to {labels.max()}")
     return images, labels
 
 
@@ -183,41 +182,65 @@ class MnistData(ImageData):
         root = self.data_dir / "MNIST" / "raw"
         if not all(self._find(root, name) for name in self.files):  # unpacked idx files count too
             self.ensure_files("mnist")
-        arrays = []
-        for name in self.files:
-            path = self._find(root, name)
-            with sources.reading(path, "an MNIST idx file", "mnist", self.data_dir):
-                arrays.append(read_idx(path))
-        x, y, tx, ty = arrays
+        x, y, tx, ty = (self._read(root, name) for name in self.files)
         for images, labels, split in ((x, y, "train"), (tx, ty, "t10k")):
-            if len(images) != len(labels) or images.ndim != 3:
+            if len(images) != len(labels):
                 raise ConfigError(
                     f"MNIST's {split} files in {root} do not match ({images.shape} images, {len(labels)} labels); "
                     f"replace them, e.g. by deleting them and running {sources.fetch_command('mnist', self.data_dir)}."
                 )
         return self._finish(x, y, tx, ty, 10, mean=(0.1307,), std=(0.3081,))
 
+    def _read(self, root: Path, name: str) -> np.ndarray:
+        """One idx file: labels ``[N]`` in 0..9 or images ``[N, 28, 28]``, as its name says."""
+        path = self._find(root, name)
+        if path is None:  # present as fetch counts files, but not under a name read here
+            raise sources.missing("mnist", self.data_dir)
+        labels = "labels" in name
+        with sources.reading(path, "an MNIST idx file", "mnist", self.data_dir):
+            array = read_idx(path, ndim=1 if labels else 3)
+            if labels:
+                class_labels(array, 10)
+            elif array.shape[1:] != (28, 28):
+                raise ValueError(f"its images are {array.shape[2]}x{array.shape[1]}, not 28x28")
+        return array
+
     @staticmethod
     def _find(root: Path, name: str) -> Path | None:
+        """The file of ``name`` (gzipped or not); whatever stands at that name counts (a folder, a link to a
+        device), so that the reader names it instead of the loader calling the file missing."""
         for candidate in (root / name, root / f"{name}.gz"):
-            if candidate.is_file():
+            if candidate.exists() or candidate.is_symlink():
                 return candidate
         return None
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """An idx file (big-endian header: zero, zero, type 0x08 = uint8, number of dimensions, sizes).
+IDX_LIMIT = 1 << 30  # values an idx file's header may promise: MNIST's largest file holds 47 million
+
+
+def read_idx(path: Path, ndim: int) -> np.ndarray:
+    """An idx file (big-endian header: zero, zero, type 0x08 = uint8, number of dimensions, sizes) of ``ndim``
+    dimensions, read no further than its header says.
 
     Raises ValueError (or gzip's OSError, EOFError) for a file that is not one; the loader words it.
     """
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        data = f.read()
-    if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] != 0x08:
-        raise ValueError("no uint8 idx header")
-    ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+        magic = f.read(4)
+        if len(magic) < 4 or magic[:2] != b"\x00\x00" or magic[2] != 0x08:
+            raise ValueError("no uint8 idx header")
+        if magic[3] != ndim:
+            kind = "labels" if ndim == 1 else "images"
+            raise ValueError(f"its header says {magic[3]} dimensions, not the {ndim} of an idx {kind} file")
+        sizes = f.read(4 * ndim)
+        if len(sizes) < 4 * ndim:
+            raise EOFError("the header is cut short")
+        shape = tuple(int.from_bytes(sizes[4 * i : 4 * i + 4], "big") for i in range(ndim))
+        count = int(np.prod(shape, dtype=object))
+        if count > IDX_LIMIT:
+            raise ValueError(f"its header says {count:,} values {list(shape)}, more than an MNIST file holds")
+        data = f.read(count + 1)  # one more than promised: a longer file is refused, not cut
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
 
 class Cinic10Data(ImageData):
@@ -245,9 +268,9 @@ class Cinic10Data(ImageData):
         for label, name in enumerate(self.classes):
             for png in sorted((folder / name).glob("*.png")):
                 with sources.reading(png, "a CINIC-10 image", "cinic10", self.data_dir), Image.open(png) as image:
+                    if image.size != (32, 32):  # read from the header: a huge image is never decoded
+                        raise ValueError(f"a {image.size[0]}x{image.size[1]} image, not 32x32")
                     pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
-                    if pixels.shape != (32, 32, 3):
-                        raise ValueError(f"a {pixels.shape[1]}x{pixels.shape[0]} image, not 32x32")
                 images.append(pixels)
                 labels.append(label)
         if not images:

@@ -6,6 +6,7 @@ neither, so the two never import each other.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..federation.errors import ConfigError
@@ -90,6 +91,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
         cfg = parser.parse_args(argv)
     except ArgumentError as err:
         raise UserError(root_cause(err, parser)) from None
+    refuse_non_finite(cfg.as_dict())
     if cfg.get("name") is None:
         cfg.name = recipe_name(argv)
     resolved = parser.dump(cfg, skip_none=False)
@@ -98,6 +100,22 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     except Exception as err:  # noqa: BLE001 - a component's own validation, wrapped by jsonargparse in any type
         raise UserError(root_cause(err, parser)) from None
     return cfg, init, resolved
+
+
+def refuse_non_finite(options: object, key: str = "") -> None:
+    """Refuses NaN and infinities anywhere in the parsed options (YAML's ``.nan`` and ``.inf``, ``--x nan``),
+    naming the key, before anything is built: no option means either, and each would fail late and elsewhere
+    (``lr: .nan`` trains a round, then blames divergence; a Dirichlet ``alpha: .nan`` fails inside numpy)."""
+    if isinstance(options, dict):
+        for name, value in options.items():
+            refuse_non_finite(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(options, (list, tuple)):
+        for i, value in enumerate(options):
+            refuse_non_finite(value, f"{key}[{i}]")
+    elif isinstance(options, float) and not math.isfinite(options):
+        raise UserError(
+            f"{key} is {options}, not a finite number; give it a number in the recipe or on the command line."
+        )
 
 
 def _optimizer_given(argv: list[str]) -> bool:

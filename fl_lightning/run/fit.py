@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+from ..client.data_fit import check_models_fit_data
 from ..client.evaluation import PersonalEvaluation
 from ..client.lightning import check_model_parts
 from ..client.loop import LocalLoop, LocalTraining
@@ -137,6 +138,7 @@ def fit(
             fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
         )
         check_model_parts(loop.slots, type(strategy).__name__, strategy.needs_split)
+        check_models_fit_data(loop.slots, data.num_classes, data.x, input_roles=population.roles())
         if runtime.cuda_graphs:
             from ..client.graphs import StepGraphs, backend_for, prepare_optimizer
 

@@ -59,7 +59,7 @@ def readable(message: str, parser: Any = None) -> str:
         sentence = explain(text, keys, parser)
         if sentence:
             return sentence
-    for explain in (_untrusted_class, _unknown_class, _dotted_mapping, _bad_value):
+    for explain in (_init_args_not_mapping, _untrusted_class, _unknown_class, _dotted_mapping, _bad_value):
         sentence = explain(text, key, keys, parser)
         if sentence:
             return sentence
@@ -168,6 +168,22 @@ def _unknown_class(text: str, key: str, keys: list[str], parser: Any) -> str | N
     hint = _did_you_mean(given.rpartition(".")[2], names)
     available = f"; available: {', '.join(names)}" if names and len(names) <= 40 else ""
     return f"{reason}{where}{hint}{available} (or give the dotted class_path of your own {kind})."
+
+
+def _init_args_not_mapping(text: str, key: str, keys: list[str], parser: Any) -> str | None:
+    """``init_args: [0.1]``: a class's options given as a list (or a value), not a mapping of names."""
+    kind = re.search(r"'(\w+)' object has no attribute 'keys'", text)
+    class_path = re.findall(r"class_path[ =]'([^']+)'", text)
+    if not (kind and class_path):
+        return None
+    behind_callable = "callable class" in text  # an optimizer: the code gives its first argument (params)
+    params = _init_params(class_path[-1])[1 if behind_callable else 0 :]
+    example = f"init_args: {{{params[0]}: ...}}" if params else "init_args: {name: value}"
+    takes = f" (its options: {', '.join(params)})" if params else ""
+    return (
+        f"{key or 'a component'}.init_args must be a mapping of option names to values, not a {kind.group(1)}; "
+        f"give e.g. {example}{takes}."
+    )
 
 
 def _untrusted_class(text: str, key: str, keys: list[str], parser: Any) -> str | None:
