@@ -4,6 +4,7 @@ directories; everything read from files is escaped."""
 import csv
 import json
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 import yaml
@@ -204,6 +205,18 @@ def test_a_sweep_directory_gets_a_sweep_section_with_pruned_trials(runs, tmp_pat
     assert page.images == 1 + 3  # the recipe's curve; history, importances, every trial's curve
     db = tmp_path / "sweeps" / "s" / "study.db"
     assert f"optuna-dashboard sqlite:///{db}" in page.cells
+
+
+def test_the_dashboard_command_names_a_study_below_the_working_folder_relative_to_it(tmp_path, monkeypatch):
+    from fl_lightning.report.sweeps import dashboard_command
+
+    monkeypatch.chdir(tmp_path)
+    here = {"info": {"storage": f"sqlite:///{tmp_path}/runs/sweeps/s/study.db"}, "root": tmp_path / "runs/sweeps/s"}
+    assert dashboard_command(here) == "optuna-dashboard sqlite:///runs/sweeps/s/study.db"  # as run from here
+    elsewhere = {"info": {"storage": "sqlite:////data/studies/s.db"}, "root": Path("/data/studies")}
+    assert dashboard_command(elsewhere) == "optuna-dashboard sqlite:////data/studies/s.db"
+    server = {"info": {"storage": "postgresql+psycopg2://me@db/optuna"}, "root": tmp_path}
+    assert dashboard_command(server) == "optuna-dashboard postgresql+psycopg2://me@db/optuna"
 
 
 def test_markdown_report_writes_figures_and_wandb_logs_offline(runs, tmp_path, monkeypatch, capsys):
