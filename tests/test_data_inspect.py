@@ -46,14 +46,17 @@ def test_the_default_chart_goes_to_runs_inspect_and_a_second_never_replaces_the_
                                                                        "quickstart_seed0_2.png"]  # fmt: skip
 
 
-def test_a_recipe_run_folder_stays_fit_s_own(tmp_path, monkeypatch):
-    """The own-data how-to's order: inspect, then fit into the recipe's run folder, which must not be refused."""
+def test_a_later_fit_into_the_recipe_s_folders_is_not_refused(tmp_path, monkeypatch):
+    """The own-data how-to's order: inspect, then fit into a folder of the recipe's name (inspect's chart used
+    to land in runs/<name>/, and the fit was refused as a folder holding no run)."""
     monkeypatch.chdir(tmp_path)
+    assert run_cli("data", "inspect", "--config", QUICKSTART) == 0
     assert run_cli("data", "inspect", "--config", QUICKSTART, "--output_dir", "runs/mine") == 0
-    assert not (tmp_path / "runs/mine").exists()  # --output_dir is fit's: inspect writes nothing there
-    code = run_cli("fit", "--config", QUICKSTART, "--rounds", "1", "--output_dir", "runs/mine",
-                   "--runtime.progress", "false")  # fmt: skip
-    assert code == 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["inspect"]  # --output_dir is fit's
+    for folder in ("runs/quickstart", "runs/mine"):
+        code = run_cli("fit", "--config", QUICKSTART, "--rounds", "1", "--output_dir", folder,
+                       "--runtime.progress", "false")  # fmt: skip
+        assert code == 0
 
 
 def test_a_named_chart_is_replaced_whole_and_a_failed_write_keeps_the_old_one(tmp_path, monkeypatch):
