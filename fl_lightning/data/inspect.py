@@ -91,26 +91,32 @@ def save_figure(fig, path: Path, replace: bool) -> Path:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f"{path.suffix}.tmp")
+    target = None
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format=path.suffix.lstrip(".").lower(), dpi=120)
         target = path if replace else _reserve_free_name(path)
         os.replace(tmp, target)
         return target
+    except BaseException:
+        if target is not None and not replace:  # the reserved name, still empty
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
 
 
 def _reserve_free_name(path: Path) -> Path:
-    for k in itertools.count(1):
+    k = 1
+    while True:
         candidate = path if k == 1 else path.with_name(f"{path.stem}_{k}{path.suffix}")
         try:
             with open(candidate, "x"):
                 return candidate
         except FileExistsError:
-            continue
-    raise AssertionError("unreachable")
+            k += 1
 
 
 def print_summary(data: FederatedData, rows: list[dict]) -> None:
