@@ -240,6 +240,16 @@ def test_every_page_of_the_manual_is_listed_and_its_skip_list_names_its_commands
             assert command_words(command) in shown, f"{name} shows no command {command!r} (its skip list is stale)"
 
 
+def test_the_terminal_keeps_exports_skips_what_is_listed_and_fails_on_a_failing_command(tmp_path):
+    terminal = Terminal.open(tmp_path)
+    block = "export GREETING=hello\nfor n in 1 2; do\n  flrun fit --gpus $n   # needs a GPU\ndone"
+    terminal.bash(without_skipped(block, {"flrun fit --gpus $n": "a GPU"}), "block 1")
+    assert terminal.bash('echo "$GREETING"', "block 2") == "hello\n"  # one terminal: the export carried over
+    assert terminal.python("import os; print(os.environ['WANDB_MODE'])", "block 3") == "offline\n"
+    with pytest.raises(AssertionError, match="block 4 failed with exit status 1"):
+        terminal.bash("true\nfalse\necho never", "block 4")
+
+
 @pytest.fixture(scope="session")
 def after_readme(tmp_path_factory) -> Path:
     """A folder holding what the README's quickstart leaves: ``runs/quickstart/seed0``."""
