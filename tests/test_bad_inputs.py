@@ -565,6 +565,32 @@ CASES = [
         files={"sweep.yaml": SWEEP},
         command="sweep",
     ),
+    Case(
+        "inspect output without a name",
+        ["inspect", "--config", "recipes/quickstart.yaml", "--output"],
+        ["--output needs the chart's file name", "e.g. --output partition.png"],
+        command="data",
+    ),
+    Case(
+        "inspect output not a chart",
+        ["inspect", "--config", "recipes/quickstart.yaml", "--output", "{tmp}/partition.txt"],
+        ["partition.txt is not a chart file", "suffix .png, .pdf or .svg"],
+        command="data",
+    ),
+    Case(
+        "inspect output a folder",
+        ["inspect", "--config", "recipes/quickstart.yaml", "--output", "{tmp}/charts.png"],
+        ["charts.png is a folder", "give a file name"],
+        files={"charts.png/keep": b""},
+        command="data",
+    ),
+    Case(
+        "inspect output in a run folder",
+        ["inspect", "--config", "recipes/quickstart.yaml", "--output", "{tmp}/run/partition.png"],
+        ["run/partition.png lies in the run folder", "give a path outside it"],
+        files={"run/summary.json": b"{}"},
+        command="data",
+    ),
 ]
 
 

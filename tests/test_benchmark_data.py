@@ -155,16 +155,6 @@ def test_out_of_domain_server_set_comes_from_another_data_set(tmp_path):
     assert set(torch.cat([c.train for c in data.clients]).tolist()).isdisjoint(data.server_idx.tolist())
 
 
-def test_flrun_data_inspect_prints_statistics_and_writes_the_chart(tmp_path, capsys):
-    from conftest import ROOT, run_cli
-
-    chart = tmp_path / "chart.png"
-    assert run_cli("data", "inspect", "--config", str(ROOT / "recipes/digits_fedgh.yaml"), "--output", str(chart)) == 0
-    out = capsys.readouterr().out
-    assert "15 clients, 10 classes" in out and "classes per client: mean 2.0" in out
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_stackoverflow_c4_slice_becomes_the_server_set(tmp_path):
     import gzip
 
@@ -213,22 +203,3 @@ def test_stackoverflow_domain_shifted_pools_and_per_domain_test_sets(tmp_path):
     assert len(data.extra_tests["questions"][1]) == 1 and len(data.extra_tests["answers"][1]) == 2
     with pytest.raises(ConfigError, match="no posts of their pool's kind"):
         StackOverflowData(data_dir=str(tmp_path), vocab_size=3, question_clients=3).setup(num_clients=3, seed=0)
-
-
-def test_flrun_data_inspect_never_writes_into_a_run_folder(tmp_path, capsys):
-    """The chart goes beside the recipe's run folder by default; an --output inside a run's folder is refused
-    (a run's folder holds what its run wrote: a later run there would be refused, its own chart replaced)."""
-    from conftest import ROOT, run_cli
-
-    run = tmp_path / "runs" / "seed0"
-    run.mkdir(parents=True)
-    (run / "summary.json").write_text("{}")  # a run is there
-    argv = ["data", "inspect", "--config", str(ROOT / "recipes/quickstart.yaml"), "--output_dir", str(run)]
-    assert run_cli(*argv) == 0
-    assert f"client-by-class chart: {tmp_path / 'runs' / 'seed0.partition.png'}" in capsys.readouterr().out
-    assert (tmp_path / "runs" / "seed0.partition.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in run.iterdir()) == ["summary.json"]
-    assert run_cli(*argv, "--output", str(run / "partition.png")) == 2
-    err = capsys.readouterr().err
-    assert f"--output {run / 'partition.png'} lies in the run folder {run}, which holds a run's files" in err
-    assert sorted(p.name for p in run.iterdir()) == ["summary.json"]

@@ -1,19 +1,19 @@
 """The how-to pages' code runs as written: a user's own model builder and data set, trusted, in a recipe."""
 
 import json
-import re
 import sys
 
 import numpy as np
 import pytest
 import yaml
 from conftest import ROOT, run_cli
+from doc_blocks import page_blocks
 
 HOWTO = ROOT / "docs" / "howto"
 
 
 def _blocks(page: str, language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", (HOWTO / page).read_text(), flags=re.DOTALL)
+    return [b.code for b in page_blocks((HOWTO / page).read_text()) if b.language == language]
 
 
 @pytest.fixture
@@ -48,14 +48,11 @@ def test_the_own_model_page_refuses_the_builder_without_trust(user_folder, monke
 
 
 def test_the_own_data_page_class_and_recipe_block_run_on_a_real_npz(user_folder, monkeypatch):
-    from sklearn.datasets import load_digits
-
-    (user_folder / "my_data.py").write_text(_blocks("own_data.md", "python")[0])
-    digits = load_digits()
-    x = digits.images[:, None].astype(np.float32)
-    (user_folder / "data").mkdir()
-    np.savez(user_folder / "data/my_data.npz", x_train=x[:1400], y_train=digits.target[:1400],
-             x_test=x[1400:], y_test=digits.target[1400:])  # fmt: skip
+    my_data, make_file = _blocks("own_data.md", "python")[:2]
+    (user_folder / "my_data.py").write_text(my_data)
+    exec(make_file, {"__name__": "__main__"})  # the page's block that writes data/my_data.npz from digits
+    with np.load(user_folder / "data/my_data.npz") as f:
+        assert f["x_train"].shape == (1400, 1, 8, 8) and f["x_test"].shape == (397, 1, 8, 8)
     recipe = yaml.safe_load(_blocks("own_data.md", "yaml")[0])
     assert recipe["data"]["class_path"] == "my_data.NpzData"
     (user_folder / "my_data.yaml").write_text(yaml.safe_dump(recipe))

@@ -4,6 +4,7 @@ directories; everything read from files is escaped."""
 import csv
 import json
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 import yaml
@@ -206,23 +207,41 @@ def test_a_sweep_directory_gets_a_sweep_section_with_pruned_trials(runs, tmp_pat
     assert f"optuna-dashboard sqlite:///{db}" in page.cells
 
 
-def test_markdown_report_writes_figures_and_wandb_logs_offline(runs, tmp_path, monkeypatch):
+def test_the_dashboard_command_names_a_study_below_the_working_folder_relative_to_it(tmp_path, monkeypatch):
+    from fl_lightning.report.sweeps import dashboard_command
+
+    monkeypatch.chdir(tmp_path)
+    here = {"info": {"storage": f"sqlite:///{tmp_path}/runs/sweeps/s/study.db"}, "root": tmp_path / "runs/sweeps/s"}
+    assert dashboard_command(here) == "optuna-dashboard sqlite:///runs/sweeps/s/study.db"  # as run from here
+    elsewhere = {"info": {"storage": "sqlite:////data/studies/s.db"}, "root": Path("/data/studies")}
+    assert dashboard_command(elsewhere) == "optuna-dashboard sqlite:////data/studies/s.db"
+    server = {"info": {"storage": "postgresql+psycopg2://me@db/optuna"}, "root": tmp_path}
+    assert dashboard_command(server) == "optuna-dashboard postgresql+psycopg2://me@db/optuna"
+
+
+def test_markdown_report_writes_figures_and_wandb_logs_offline(runs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
     assert run_cli("report", str(runs), "--output", "out/report.md", "--wandb_run") == 0
     text = (tmp_path / "out/report.md").read_text()
     assert "| cell | global/test_acc | 0.9000 | 0.0100 |" in text
     assert (tmp_path / "out/report_figures/cell_curve.png").read_bytes()[:4] == b"\x89PNG"
-    assert list((tmp_path / "out/wandb").glob("offline-run-*"))  # the W&B run beside the report
+    (offline,) = (tmp_path / "out/report_wandb/wandb").glob("offline-run-*")  # the W&B run beside the report
+    where = offline.relative_to(tmp_path)
+    assert f"W&B run (offline): {where}; upload it with: wandb sync {where}\n" in capsys.readouterr().out
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "out/wandb").exists()
 
 
-def test_wandb_run_gets_the_partition_chart(tmp_path, monkeypatch):
+def test_wandb_run_gets_the_partition_chart_and_says_how_to_sync(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
     recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
-    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run"), "--logger", "wandb") == 0
-    assert (tmp_path / "run/partition.png").read_bytes()[:4] == b"\x89PNG"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", "run", "--logger", "wandb") == 0
     media = list((tmp_path / "run/wandb").glob("offline-run-*/files/media/images/partition/*.png"))
-    assert media, "the partition chart was not logged to W&B"
+    assert len(media) == 1 and media[0].read_bytes()[:4] == b"\x89PNG", "the partition chart was not logged to W&B"
+    assert not (tmp_path / "run/partition.png").exists()  # drawn for W&B, not left in the run folder
+    offline = media[0].relative_to(tmp_path).parents[-4]  # run/wandb/offline-run-*
+    assert f"W&B run saved offline; upload it with: wandb sync {offline}\n" in capsys.readouterr().err
 
 
 def test_report_without_runs_is_a_clear_error(tmp_path, capsys):

@@ -14,7 +14,7 @@ def run_report(argv: list[str]) -> int:
     import argparse
 
     from ..report.build import build_report, headline
-    from ..report.render import log_to_wandb, write_html, write_markdown
+    from ..report.render import write_html, write_markdown
     from ..report.runs import report_output
     from ..report.wandb_report import build_wandb_report, report_target, save_wandb_report
 
@@ -44,12 +44,28 @@ def run_report(argv: list[str]) -> int:
         print(f"flrun report: warning: {warning}", file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
     (write_markdown if output.suffix == ".md" else write_html)(report, output)
-    if args.wandb_run:
-        log_to_wandb(report, args.wandb_run, output.parent)
     print(f"report of {headline(report)}: {output}")
+    if args.wandb_run:
+        _log_run(report, args.wandb_run, output)
     if target is not None:
         print(f"W&B Report: {save_wandb_report(build_wandb_report(report, *target))}")
     return 0
+
+
+def _log_run(report: dict, project: str, output: Path) -> None:
+    """``--wandb_run``: the W&B run's files go beside the report, in ``<report>_wandb/`` (as a Markdown report's
+    figures go in ``<report>_figures/``), not into a folder of runs or the working folder's ``wandb/``."""
+    from ..report.render import log_to_wandb
+    from ..tracking.loggers import shown_path
+
+    folder = output.with_name(f"{output.stem}_wandb")
+    folder.mkdir(parents=True, exist_ok=True)  # wandb falls back to a temporary folder for one that is missing
+    run = log_to_wandb(report, project, folder)
+    where = shown_path(run.settings.sync_dir)
+    if run.offline:  # flrun silences wandb's own lines, its sync hint among them
+        print(f"W&B run (offline): {where}; upload it with: wandb sync {where}")
+    else:
+        print(f"W&B run: {run.url}")
 
 
 def _report_table(args) -> int:

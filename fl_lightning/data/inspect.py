@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,32 +32,91 @@ def client_table(data: FederatedData) -> list[dict]:
     return rows
 
 
-def bubble_chart(data: FederatedData, path: Path, max_clients: int = 100, max_classes: int = 100) -> Path:
-    """Client-by-class bubble chart (paper 001 Fig. 1): a bubble's area is the client's count of that class."""
+def bubble_chart(
+    data: FederatedData, path: Path, replace: bool = False, max_clients: int = 100, max_classes: int = 100
+) -> Path:
+    """Client-by-class bubble chart (paper 001 Fig. 1): a bubble's area is the client's count of that class.
+
+    Written atomically (a temporary file in the same folder, then renamed): a reader never sees half a chart.
+    With ``replace`` the file at ``path`` is replaced; without it a file already there is kept and the chart
+    takes the first free name ``<stem>_2``, ``<stem>_3``, ... Returns the path written.
+    """
+    fig = chart_figure(data.client_class_counts()[:max_clients, :max_classes])
+    try:
+        return save_figure(fig, path, replace)
+    finally:
+        from matplotlib import pyplot as plt
+
+        plt.close(fig)
+
+
+def chart_figure(counts: np.ndarray):
+    """The bubble chart of ``counts`` ``[clients, classes]``; its ticks name existing clients and classes only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = data.client_class_counts()[:max_clients, :max_classes]
     clients, classes = np.nonzero(counts)
     sizes = counts[clients, classes]
     fig, ax = plt.subplots(figsize=(max(6, counts.shape[0] * 0.12), max(3, counts.shape[1] * 0.3)))
-    ax.scatter(clients, classes, s=300 * sizes / max(sizes.max(), 1), alpha=0.6, color="tab:blue", edgecolors="none")
+    area = 300 * sizes / max(sizes.max(initial=0), 1)
+    ax.scatter(clients, classes, s=area, alpha=0.6, color="tab:blue", edgecolors="none")
     ax.set_xlabel("client")
     ax.set_ylabel("class")
     ax.set_title(f"labeled examples per client and class ({counts.shape[0]} clients)")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    # fixed ticks: a locator on the padded limits would also label -1 and C, a client or class that does not exist
+    ax.set_xticks(index_ticks(counts.shape[0]))
+    ax.set_yticks(index_ticks(counts.shape[1]))
     ax.set_xlim(-1, counts.shape[0])
     ax.set_ylim(-1, counts.shape[1])
     fig.tight_layout()
+    return fig
+
+
+def index_ticks(n: int, most: int = 25) -> list[int]:
+    """Ticks for the indices ``0 .. n-1``: each one, or every 2nd, 5th, 10th, 20th, ... to show at most ``most``."""
+    step, factors = 1, itertools.cycle((2, 2.5, 2))
+    while n > most * step:
+        step = int(step * next(factors))
+    return list(range(0, n, step))
+
+
+def save_figure(fig, path: Path, replace: bool) -> Path:
+    """Saves ``fig`` at ``path`` (its suffix is the format) through a temporary file in the same folder.
+
+    ``replace``: an existing ``path`` is replaced by the rename. Otherwise the first free name of ``path``,
+    ``<stem>_2``, ``<stem>_3``, ... is reserved (created exclusively, so two processes never pick the same)
+    and the rename fills it. Returns the path written.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f"{path.suffix}.tmp")
+    target = None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format=path.suffix.lstrip(".").lower(), dpi=120)
+        target = path if replace else _reserve_free_name(path)
+        os.replace(tmp, target)
+        return target
+    except BaseException:
+        if target is not None and not replace:  # the reserved name, still empty
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _reserve_free_name(path: Path) -> Path:
+    k = 1
+    while True:
+        candidate = path if k == 1 else path.with_name(f"{path.stem}_{k}{path.suffix}")
+        try:
+            with open(candidate, "x"):
+                return candidate
+        except FileExistsError:
+            k += 1
 
 
 def print_summary(data: FederatedData, rows: list[dict]) -> None:

@@ -163,9 +163,9 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def log_to_wandb(report: dict, project: str, directory: Path) -> None:
+def log_to_wandb(report: dict, project: str, directory: Path):
     """The comparison table, the sweeps' trials and the figures as one W&B run (offline with
-    WANDB_MODE=offline), whose files go under ``directory`` (beside the report)."""
+    WANDB_MODE=offline), whose files go under ``directory``; returns the finished run."""
     import wandb
     from PIL import Image
 
@@ -194,3 +194,4 @@ def log_to_wandb(report: dict, project: str, directory: Path) -> None:
         if sweep["history"]:
             run.log({f"sweeps/{sweep['study']}/history": wandb.Image(Image.open(io.BytesIO(sweep["history"])))})
     run.finish()
+    return run

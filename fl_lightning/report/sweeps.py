@@ -8,6 +8,7 @@ study's storage shows the live study.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 from pathlib import Path
 from typing import Any
@@ -203,7 +204,13 @@ def _facts(sweep: dict) -> list[str]:
 
 
 def dashboard_command(sweep: dict) -> str:
-    return f"optuna-dashboard {sweep['info'].get('storage', 'sqlite:///' + str(sweep['root'] / 'study.db'))}"
+    """``optuna-dashboard`` on the study's storage. An SQLite file below the current folder is named relative to
+    it, as the report names run folders: the command runs from where flrun ran, and shows no machine's paths."""
+    storage = sweep["info"].get("storage", "sqlite:///" + str(sweep["root"] / "study.db"))
+    if storage.startswith("sqlite:///") and Path(storage[len("sqlite:///") :]).is_absolute():
+        with contextlib.suppress(ValueError):
+            storage = "sqlite:///" + str(Path(storage[len("sqlite:///") :]).relative_to(Path.cwd()))
+    return f"optuna-dashboard {storage}"
 
 
 def notes(sweep: dict) -> list[str]:

@@ -207,17 +207,26 @@ def fit(
             previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
             run_logger.start(files.root, name, config_dict, previous)
         if any(run_logger.wants_images for run_logger in loggers):
-            from ..data.inspect import bubble_chart
-
-            chart = bubble_chart(data, files.root / "partition.png")
-            for run_logger in loggers:
-                run_logger.log_image("partition/client_by_class", chart)
+            _log_partition_chart(data, loggers)
         summary = orchestrator.run(checkpoint)
         leave_ranks()
         for run_logger in loggers:
             run_logger.log_files([files.last_checkpoint])
             run_logger.finish(summary)
         return summary
+
+
+def _log_partition_chart(data, loggers) -> None:
+    """The client-by-class chart, to the loggers that take images (W&B copies it into its run): drawn in a
+    temporary folder, so the run folder holds only the files docs/reference/run_files.md lists."""
+    import tempfile
+
+    from ..data.inspect import bubble_chart
+
+    with tempfile.TemporaryDirectory(prefix="flrun-chart-") as folder:
+        chart = bubble_chart(data, Path(folder) / "partition.png", replace=True)
+        for run_logger in loggers:
+            run_logger.log_image("partition/client_by_class", chart)
 
 
 def _check_counts(**counts: int | None) -> None:

@@ -7,6 +7,7 @@ them, e.g. ``{class_path: fl_lightning.tracking.WandbLogger, init_args: {project
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,10 @@ class WandbLogger(RunLogger):
 
     def log_image(self, key, path):
         import wandb
+        from PIL import Image
 
-        self.run.log({key: wandb.Image(str(path))}, commit=False)
+        with Image.open(path) as image:  # read now: the file may be gone when W&B writes the logged row
+            self.run.log({key: wandb.Image(image.copy())}, commit=False)
 
     def log_files(self, paths):
         if self.log_checkpoints and paths:
@@ -115,10 +118,22 @@ class WandbLogger(RunLogger):
         for key, value in summary.get("comm", {}).items():
             if isinstance(value, (int, float)):
                 self.run.summary[f"comm/{key}"] = value
+        offline, folder = self.run.offline, self.run.settings.sync_dir
         self.run.finish()
+        if offline:  # flrun silences wandb's own lines (WANDB_SILENT), its sync hint among them
+            print(f"W&B run saved offline; upload it with: wandb sync {shown_path(folder)}", file=sys.stderr)
 
     def state_dict(self):
         return {"run_id": self.run.id} if self.run is not None else {}
+
+
+def shown_path(path: str | Path) -> str:
+    """``path`` relative to the current folder when it lies below it (as the user gave the run's folder)."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 class TensorBoardLogger(RunLogger):

@@ -1,0 +1,289 @@
+"""Every command block and Python block of README.md, docs/tutorial.md and docs/howto/*.md runs as written, in
+order, and the numbers a page quotes are what its commands give.
+
+Each page runs in a fresh folder laid out as the root of a clone: copies of the repository's recipes/ and
+sweeps/ (a page may save a file into sweeps/), a link to fl_lightning/ (so a page's ``export PYTHONPATH=.``
+finds this tree's package, as in a clone), and, for every page but the README, the run that the README's
+quickstart leaves in ``runs/quickstart/seed0``: a user who followed the README has it, and no page may
+collide with it. The blocks run as ``tests/doc_blocks.py`` says (one terminal, ``WANDB_MODE=offline``).
+
+A command that cannot run here is in its page's ``skipped`` list below, with the reason; every entry must
+name a command the page shows. Nothing is shortened: a page's commands are the digits runs it shows, which
+is why the pages that train are in the slow suite. The one page with nothing to run here is in the default
+suite, and so is the check of every page's blocks and skip lists.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from doc_blocks import Terminal, command_words, commands, page_blocks, without_skipped
+from test_docs_images import results_are_recorded
+
+NEEDS_ACCOUNT = "needs a W&B account online (the tests have none: WANDB_MODE=offline)"
+PAPER_SCALE = "a paper-scale run: CIFAR-10 (flrun data fetch cifar10) and a GPU"
+TESTS_THEMSELVES = "the test suite's own commands: CI runs them (.ci/run)"
+
+
+@dataclass(frozen=True)
+class Page:
+    """A page: the commands not run here (command as the page writes it -> why), and what to check after."""
+
+    skipped: dict[str, str] = field(default_factory=dict)
+    check: Callable[[Path, str], None] | None = None
+    slow: bool = True
+
+
+def _summary(folder: Path, run: str) -> dict:
+    return json.loads((folder / run / "summary.json").read_text())
+
+
+def _quoted(page: str, pattern: str) -> list[str]:
+    """The numbers ``pattern`` (a regular expression with groups around them) finds in ``page``."""
+    match = re.search(pattern, " ".join((ROOT / page).read_text().split()))  # sentences as they read
+    assert match, f"{page} no longer has the sentence {pattern!r}"
+    return list(match.groups())
+
+
+def check_readme(folder: Path, log: str) -> None:
+    run = folder / "runs/quickstart/seed0"
+    for name in ("config.yaml", "metrics.csv", "summary.json", "partition.json", "checkpoints/last.ckpt"):
+        assert (run / name).is_file(), f"the README says the quickstart writes {name}"
+    # the README quotes seeds 1 and 2 as well, which no block runs as quoted: the test runs them
+    terminal = Terminal.open(folder)
+    for seed in (1, 2):
+        terminal.bash(f"flrun fit --config recipes/quickstart.yaml --seed {seed} --output_dir runs/seed{seed}", "seed")
+    measured = [_summary(folder, path)["final"]["global/test_acc"] for path in (run, "runs/seed1", "runs/seed2")]
+    quoted = _quoted("README.md", r"\((\d\.\d{3}) on a CPU; (\d\.\d{3}) and (\d\.\d{3}) with `--seed 1` and `--seed 2`")
+    assert [f"{value:.3f}" for value in measured] == quoted
+    assert list((folder / "runs/qs-seed1/wandb").glob("offline-run-*")), "--logger wandb logged no W&B run"
+    assert (folder / "runs/inspect/quickstart_seed0.png").is_file() and (folder / "report.html").is_file()
+
+
+def check_tutorial(folder: Path, log: str) -> None:
+    runs = folder / "runs/tutorial"
+    skewed = _summary(runs, "alpha0.1")["final"]["global/test_acc"]
+    assert _quoted("docs/tutorial.md", r"final test accuracy drops to (\d\.\d{3})") == [f"{skewed:.3f}"]
+    kd, alone = (_summary(runs, name)["final"]["target/test_acc"] for name in ("ondevice_kd", "strong_only"))
+    pattern = r"target model reaches (\d\.\d{3}) with distillation .* and (\d\.\d{3}) when the four"
+    assert _quoted("docs/tutorial.md", pattern) == [f"{kd:.3f}", f"{alone:.3f}"]
+    sweep = json.loads((folder / "runs/sweeps/digits_quickstart/sweep.json").read_text())
+    assert sweep["trials"] == 6 and "Six trials run" in (ROOT / "docs/tutorial.md").read_text()
+    quoted = _quoted("docs/tutorial.md", r"\(validation accuracy (\d\.\d{4}); on the test set, (\d\.\d{4})\)")
+    assert quoted == [f"{sweep['best_value']:.4f}", f"{sweep['best_test']['value']:.4f}"]
+    assert (runs / "report.html").is_file()
+    results_are_recorded("report.png", folder)  # docs/img/report.png is the report of these runs
+    _check_the_table_plan(log, "It lists the 63 runs (21 recipes x 3 seeds)", "docs/tutorial.md")
+    _run_the_sweep_file_comment(folder)
+
+
+def _check_the_table_plan(log: str, sentence: str, page: str) -> None:
+    """``flrun table paper-001/table-5 --dry_run`` printed the plan the page describes."""
+    assert sentence in " ".join((ROOT / page).read_text().split())
+    *total, recipes, seeds = (int(n) for n in re.findall(r"\d+", sentence))  # [63 runs] (21 recipes x 3 seeds)
+    assert total in ([], [recipes * seeds]) and f"\n{recipes * seeds} runs: " in log
+    planned = set(re.findall(r"^\s+\w+\s+(\w+) seed (\d+)\s", log, flags=re.MULTILINE))
+    assert len({recipe for recipe, _ in planned}) == recipes and len({seed for _, seed in planned}) == seeds
+
+
+def _run_the_sweep_file_comment(folder: Path) -> None:
+    """The commands the shipped digits sweep file names in its header run too, after the tutorial's own study
+    (its quick variant is a study of its own, not refused as a changed one)."""
+    header = [line for line in (ROOT / "sweeps/digits_quickstart.yaml").read_text().splitlines() if line[:1] == "#"]
+    shown = [line.lstrip("# ").split("  (")[0] for line in header if line.lstrip("# ").startswith("flrun sweep")]
+    assert len(shown) == 2 and "--study_name quick -- --rounds 4" in shown[1]
+    Terminal.open(folder).bash("\n".join(shown), "sweeps/digits_quickstart.yaml's header")
+    assert json.loads((folder / "runs/sweeps/quick/sweep.json").read_text())["trials"] == 6
+
+
+def check_paper_tables(folder: Path, log: str) -> None:
+    assert "model:" in log or "models:" in log  # --print_config printed the recipe
+    _check_the_table_plan(log, "the runs it needs (21 experiments x 3 seeds)", "docs/howto/paper_tables.md")
+
+
+def check_new_method(folder: Path, log: str) -> None:
+    assert "FD" in (folder / "runs/fd/config.yaml").read_text()
+    assert 0.0 < _summary(folder, "runs/fd")["final"]["personal/test_acc"] <= 1.0
+
+
+def check_own_data(folder: Path, log: str) -> None:
+    assert (folder / "runs/inspect/my_data_seed0.png").is_file()
+    final = _summary(folder, "runs/my_data/seed0")["final"]
+    assert final["global/test_acc"] > 0.8 and "global/val_acc" in final  # real digits; the val split is there
+    assert "my_data.NpzData" in (folder / "runs/my_data/seed0/config.yaml").read_text()
+    assert _summary(folder, "runs/my_data/short")["rounds"] == 10
+
+
+def check_own_model(folder: Path, log: str) -> None:
+    assert "my_models.tiny_cnn" in (folder / "runs/tiny_cnn/config.yaml").read_text()
+    assert _summary(folder, "runs/tiny_cnn")["final"]["global/test_acc"] > 0.5
+
+
+def check_lightning_module(folder: Path, log: str) -> None:
+    """The page says the run gives the built-in quickstart's numbers: the README's run is in the folder."""
+    ours, builtin = _summary(folder, "runs/lightning"), _summary(folder, "runs/quickstart/seed0")
+    assert ours["final"] == builtin["final"] and ours["best"] == builtin["best"]
+
+
+def check_python_api(folder: Path, log: str) -> None:
+    for run in ("runs/notebook/seed0", "runs/notebook/batch16", "runs/notebook/batch32"):
+        assert _summary(folder, run)["rounds"] == 5
+    page = (ROOT / "docs/howto/python_api.md").read_text()
+    said = re.search(r"print\(err\)  # (.*?); \.\.\.", page).group(1)
+    assert said in log  # the error the page shows is the one printed
+
+
+def check_sweep_on_validation(folder: Path, log: str) -> None:
+    def trials(study: str) -> int:
+        return json.loads((folder / "runs/sweeps" / study / "sweep.json").read_text())["trials"]
+
+    assert (trials("my_sweep"), trials("quick")) == (20, 10)
+    for seed in (0, 1, 2):
+        assert _summary(folder, f"runs/my_sweep_best/seed{seed}")["rounds"] == 40
+    assert (folder / "report.html").is_file()
+
+
+def check_wandb(folder: Path, log: str) -> None:
+    for run in ("wandb_online/seed0", "wandb_offline/seed0", *(f"wandb_report/seed{s}" for s in (0, 1, 2))):
+        (offline,) = (folder / "runs" / run / "wandb").glob("offline-run-*")
+        assert f"upload it with: wandb sync {offline.relative_to(folder)}\n" in log
+    (report_run,) = (folder / "report_wandb/wandb").glob("offline-run-*")
+    assert f"upload it with: wandb sync {report_run.relative_to(folder)}\n" in log
+
+
+PAGES: dict[str, Page] = {
+    "README.md": Page(
+        skipped={
+            'pip install -e ".[dev]"': "installs the package: the tests run in the environment it made",
+            "optuna-dashboard sqlite:///runs/sweeps/digits_quickstart/study.db": "a web server that runs until "
+            "stopped, from a package that is not a dependency",
+            "flrun table paper-001/table-5 --n_jobs 8": "63 paper-scale runs: CIFAR-10, FEMNIST, Speech Commands "
+            "and GPUs",
+            "flrun data fetch cifar10 --data_dir data": "downloads CIFAR-10 over the network",
+            "lint-imports": TESTS_THEMSELVES,
+            "python -m pytest -q": TESTS_THEMSELVES,
+            "python -m pytest -q -m slow": TESTS_THEMSELVES,
+        },
+        check=check_readme,
+    ),
+    "docs/tutorial.md": Page(
+        skipped={'pip install -e ".[dev]"': "installs the package: the tests run in the environment it made"},
+        check=check_tutorial,
+    ),
+    "docs/howto/gpus_and_slurm.md": Page(
+        skipped={
+            "flrun fit --config recipes/ondevice_kd_cifar10.yaml --runtime.devices 4": f"4 ranks of {PAPER_SCALE}",
+            "torchrun --nproc_per_node 4 --local-ranks-filter 0 -m fl_lightning fit --config R": "R stands for "
+            "your recipe; 4 ranks on 4 GPUs",
+            "torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint HOST:29500 "
+            "--local-ranks-filter 0 -m fl_lightning fit --config R": "two machines with 4 GPUs each",
+            "srun flrun fit --config recipes/ondevice_kd_cifar10.yaml --output_dir runs/kd_c10/seed0 --resume auto": (
+                "a Slurm allocation"
+            ),
+            "sbatch --array 1-4%1 job.sh": "a Slurm cluster",
+            "flrun table paper-001/table-5 --seeds 0 1 2 --n_jobs 8": "63 paper-scale runs on GPUs",
+            "flrun sweep --config sweeps/ondevice_kd_cifar10.yaml --n_jobs 4": f"trials of {PAPER_SCALE}",
+            "CUDA_VISIBLE_DEVICES=0,1 flrun sweep --config S --n_jobs 4": "S stands for your sweep file; two GPUs",
+        },
+        slow=False,
+    ),
+    "docs/howto/lightning_module.md": Page(check=check_lightning_module),
+    "docs/howto/new_method.md": Page(check=check_new_method),
+    "docs/howto/own_data.md": Page(check=check_own_data),
+    "docs/howto/own_model.md": Page(check=check_own_model),
+    "docs/howto/paper_tables.md": Page(
+        skipped={
+            "flrun fit --config recipes/ondevice_kd_cifar10.yaml": PAPER_SCALE,
+            "flrun fit --config recipes/ondevice_kd_cifar10.yaml --seed $seed --output_dir runs/kd_c10/seed$seed": (
+                PAPER_SCALE
+            ),
+            "flrun data inspect --config recipes/ondevice_kd_cifar10.yaml": "needs CIFAR-10's files "
+            "(flrun data fetch cifar10)",
+            "flrun table paper-001/table-5 --seeds 0 1 2 --n_jobs 8": "63 paper-scale runs on GPUs",
+            "flrun table paper-001/table-5 -- --rounds 20": "63 runs on CIFAR-10, FEMNIST and Speech Commands",
+        },
+        check=check_paper_tables,
+    ),
+    "docs/howto/python_api.md": Page(check=check_python_api),
+    "docs/howto/sweep_on_validation.md": Page(
+        skipped={
+            "optuna-dashboard sqlite:///runs/sweeps/my_sweep/study.db": "a web server that runs until stopped, from "
+            "a package that is not a dependency"
+        },
+        check=check_sweep_on_validation,
+    ),
+    "docs/howto/wandb.md": Page(
+        skipped={
+            "wandb login": NEEDS_ACCOUNT,
+            "flrun report runs/wandb_report --output report.html --wandb my-team/fl-lightning": "saves a W&B Report: "
+            + NEEDS_ACCOUNT,
+        },
+        check=check_wandb,
+    ),
+}
+
+
+def test_every_page_of_the_manual_is_listed_and_its_skip_list_names_its_commands():
+    pages = {"README.md", "docs/tutorial.md", *(str(p.relative_to(ROOT)) for p in (ROOT / "docs/howto").glob("*.md"))}
+    assert set(PAGES) == pages
+    for name, page in PAGES.items():
+        blocks = page_blocks((ROOT / name).read_text())
+        shown = [words for block in blocks if block.language == "bash" for words in commands(block.code)]
+        for command in page.skipped:
+            assert command_words(command) in shown, f"{name} shows no command {command!r} (its skip list is stale)"
+
+
+def test_the_terminal_keeps_exports_skips_what_is_listed_and_fails_on_a_failing_command(tmp_path):
+    terminal = Terminal.open(tmp_path)
+    block = "export GREETING=hello\nfor n in 1 2; do\n  flrun fit --gpus $n   # needs a GPU\ndone"
+    terminal.bash(without_skipped(block, {"flrun fit --gpus $n": "a GPU"}), "block 1")
+    assert terminal.bash('echo "$GREETING"', "block 2") == "hello\n"  # one terminal: the export carried over
+    assert terminal.python("import os; print(os.environ['WANDB_MODE'])", "block 3") == "offline\n"
+    with pytest.raises(AssertionError, match="block 4 failed with exit status 1"):
+        terminal.bash("true\nfalse\necho never", "block 4")
+
+
+@pytest.fixture(scope="session")
+def after_readme(tmp_path_factory) -> Path:
+    """A folder holding what the README's quickstart leaves: ``runs/quickstart/seed0``."""
+    folder = _clone_root(tmp_path_factory.mktemp("readme"))
+    Terminal.open(folder).bash("flrun fit --config recipes/quickstart.yaml", "the README's quickstart")
+    return folder / "runs/quickstart/seed0"
+
+
+def _clone_root(folder: Path) -> Path:
+    for name in ("recipes", "sweeps"):
+        shutil.copytree(ROOT / name, folder / name)
+    (folder / "fl_lightning").symlink_to(ROOT / "fl_lightning", target_is_directory=True)
+    return folder
+
+
+def _cases():
+    for name, page in PAGES.items():
+        yield pytest.param(name, marks=[pytest.mark.slow] if page.slow else [], id=name)
+
+
+@pytest.mark.parametrize("name", _cases())
+def test_the_page_runs_as_written(name, tmp_path, request):
+    page = PAGES[name]
+    folder = _clone_root(tmp_path)
+    if name != "README.md" and page.slow:  # the pages with nothing to run need no quickstart run
+        shutil.copytree(request.getfixturevalue("after_readme"), folder / "runs/quickstart/seed0")
+    terminal = Terminal.open(folder)
+    for i, block in enumerate(page_blocks((ROOT / name).read_text()), start=1):
+        where = f"{name}, block {i} ({block.language})"
+        if block.file_name:
+            terminal.save(block.file_name, block.code)
+        elif block.language == "bash":
+            terminal.bash(without_skipped(block.code, page.skipped), where)
+        elif block.language == "python":
+            terminal.python(block.code, where)
+    if page.check:
+        page.check(folder, "".join(terminal.log))
