@@ -11,11 +11,14 @@ from ..run.arguments import UserError
 
 
 def split_fit_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The command's own arguments, and those after ``--``, which go to every ``flrun fit`` it starts."""
+    """The command's own arguments, and those after ``--``, which go to every ``flrun fit`` it starts (``-c`` in
+    them written as ``--config``, as ``flrun fit`` reads it)."""
+    from ..run.messages import long_config
+
     if "--" not in argv:
         return argv, []
     cut = argv.index("--")
-    return argv[:cut], argv[cut + 1 :]
+    return argv[:cut], long_config(argv[cut + 1 :])
 
 
 def run_sweep_command(argv: list[str]) -> int:
@@ -32,7 +35,7 @@ def run_sweep_command(argv: list[str]) -> int:
         "(e.g. -- --rounds 4); like the sweep file's overrides, they are part of what defines the study.",
         allow_abbrev=False,
     )
-    parser.add_argument("--config", required=True, help="sweep file (sweeps/*.yaml)")
+    parser.add_argument("-c", "--config", required=True, help="sweep file (sweeps/*.yaml)")
     parser.add_argument("--n_trials", type=int, help="trials in the study in total (re-running resumes up to it)")
     parser.add_argument("--timeout", type=float, help="seconds to keep starting trials")
     parser.add_argument("--n_jobs", type=int, default=1, help="worker processes sharing the study's storage")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -295,8 +294,3 @@ def _config_dict(resolved_config: str | None) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load(resolved_config) or {}
-
-
-def summary_metrics(summary: dict[str, Any]) -> str:
-    """The final and best metrics as compact JSON, for the CLI's last line."""
-    return json.dumps({"final": summary["final"], "best": summary["best"]}, sort_keys=True)
