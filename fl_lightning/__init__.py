@@ -120,7 +120,8 @@ def fit(config=None, **options):
         The summary: ``final`` and ``best`` metrics, ``best_round``, ``output_dir``, communication, versions.
 
     Raises:
-        ConfigError: a mistake in the recipe or the options, in the same one sentence ``flrun fit`` prints.
+        ConfigError: a mistake in the recipe or the options, in the one sentence ``flrun fit`` prints, naming
+            keyword arguments (``rounds=1``, ``resume="auto"``) where the command line names options.
     """
     from .run.api import fit_recipe
 

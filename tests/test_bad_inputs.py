@@ -76,6 +76,14 @@ MNIST_LABEL_10 = {  # MNIST whose training labels hold a 10 at index 3
 BOMB = b"a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + b"".join(
     f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n".encode() for i in range(1, 10)
 )
+# a paper table's only recipe, reading CIFAR-10 from a folder that does not exist
+TABLE_RECIPE = yaml.safe_dump(
+    {
+        **TINY,
+        "data": {"class_path": "fl_lightning.data.Cifar10Data", "init_args": {"data_dir": "no_such_folder"}},
+        "reference": {"paper": "paper-9", "table": "Table 1", "column": "A", "metrics": {"global/test_acc": 0.9}},
+    }
+).encode()
 MARKER = b'{"kind": "flrun fit run directory", "run_id": "0123456789abcdef"}'
 SWEEP = f"""base: {ROOT / "recipes" / "quickstart.yaml"}
 metric: global/test_acc
@@ -590,6 +598,13 @@ CASES = [
         ["run/partition.png lies in the run folder", "give a path outside it"],
         files={"run/summary.json": b"{}"},
         command="data",
+    ),
+    Case(
+        "table data missing",
+        ["paper-9/table-1", "--recipes", "{tmp}/recipes", "--runs", "{tmp}/runs", "--seeds", "0"],
+        ["no run was started: 1 of the 1 runs to do lack their data", "CIFAR-10 (1 run) is not in no_such_folder"],
+        files={"recipes/cifar.yaml": TABLE_RECIPE},
+        command="table",
     ),
 ]
 

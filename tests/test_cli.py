@@ -233,3 +233,75 @@ def test_wandb_without_account_is_one_sentence(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip() and "Warning" not in line]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "wandb login" in lines[0] and "WANDB_MODE=offline" in lines[0]
+
+
+def test_version_and_the_short_config_option(tmp_path, capsys):
+    import json
+
+    from conftest import read_summary, run_cli
+
+    import fl_lightning
+
+    assert run_cli("--version") == 0
+    assert capsys.readouterr().out.strip() == f"flrun (fl-lightning) {fl_lightning.__version__}"
+    recipe = write_recipe(tmp_path / "tiny.yaml", rounds=2)
+    assert run_cli("fit", "-c", str(recipe), "--output_dir", str(tmp_path / "run"), "--json") == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == read_summary(tmp_path / "run") and printed["name"] == "tiny"  # the recipe's name, as --config
+    # sweep and data inspect take -c too, and the arguments after -- of sweep and table read it as --config
+    assert run_cli("sweep", "-c", str(tmp_path / "missing.yaml")) == 2
+    assert "sweep file" in capsys.readouterr().err
+    chart = tmp_path / "chart.png"
+    assert run_cli("data", "inspect", "-c", str(recipe), "--output", str(chart)) == 0 and chart.is_file()
+    capsys.readouterr()
+    table = ["table", "paper-9/table-1", "--recipes", str(tmp_path), "--", "-c", str(recipe)]
+    assert run_cli(*table) == 2 and "may not set --config" in capsys.readouterr().err
+
+
+def test_the_end_of_a_run_is_a_short_summary_and_json_on_request(tmp_path, capsys):
+    from conftest import read_summary, run_cli
+
+    recipe = write_recipe(tmp_path / "tiny.yaml", rounds=4, eval_every=1)
+    out = tmp_path / "run"
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), "--stop_after", "3") == 0
+    summary = read_summary(out)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tiny seed 0: 3 of 4 rounds (--resume auto continues) in ")
+    acc = "global/test_acc"
+    assert lines[1] == (
+        f"  {acc}: final {summary['final'][acc]:.4f} (round 3), best {summary['best'][acc]:.4f} "
+        f"(round {summary['best_round']})"
+    )
+    assert lines[2] == (
+        f"  other final metrics: global/test_loss {summary['final']['global/test_loss']:.4g}, "
+        f"global/test_top_class_share {summary['final']['global/test_top_class_share']:.4g}"
+    )
+    assert lines[3] == f"run folder: {out} (every number in summary.json; --json prints it)"
+    assert len(lines) == 4
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), "--resume", "auto") == 0
+    assert capsys.readouterr().out.startswith("tiny seed 0: 4 rounds in ")
+
+
+def test_fit_help_starts_with_a_usage_line_and_requires_nothing_a_recipe_gives():
+    from fl_lightning.run.arguments import FIT_SUMMARY, fit_parser
+
+    text = fit_parser().format_help()
+    assert text.startswith("usage: flrun fit [-c RECIPE ...] [--KEY VALUE ...] [--print_config] [-h|--help]\n")
+    words = " ".join(text.split())  # as wrapped at any terminal width
+    assert "(required" not in words and "(set by the recipe or here, type: <class 'FederatedData'>" in words
+    # the summary names options that exist (or --json, which flrun fit reads itself)
+    options = {o for action in fit_parser()._actions for o in action.option_strings} | {"--json"}
+    named = {word for line in FIT_SUMMARY.splitlines() for word in line.split() if word.startswith("-")}
+    named = {word.strip(",();`") for word in named if not word.startswith("--training.batch_size")}
+    assert named <= options and {"-c", "--config", "--json", "--resume"} <= named
+
+
+def test_fit_h_is_the_summary_without_the_parser():
+    script = (
+        "import sys\nfrom fl_lightning.cli.commands import main\nassert main(['fit', '-h']) == 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.startswith("usage: flrun fit [-c RECIPE ...]")
+    assert "`flrun fit --help` adds every option" in result.stdout
+    assert result.stdout.split()[-1] == "False" and len(result.stdout.splitlines()) < 30

@@ -63,6 +63,12 @@ def check_readme(folder: Path, log: str) -> None:
     measured = [_summary(folder, path)["final"]["global/test_acc"] for path in (run, "runs/seed1", "runs/seed2")]
     quoted = _quoted("README.md", r"\((\d\.\d{3}) on a CPU; (\d\.\d{3}) and (\d\.\d{3}) with `--seed 1` and `--seed 2`")
     assert [f"{value:.3f}" for value in measured] == quoted
+    # the end of the quickstart as docs/reference/cli.md shows it (the time aside)
+    from fl_lightning.tracking.progress import run_summary
+
+    shown = (ROOT / "docs/reference/cli.md").read_text().split("\nquickstart seed 0: ", 1)[1].split("```")[0]
+    printed = run_summary({**_summary(folder, str(run)), "output_dir": "runs/quickstart/seed0"}).split("\n", 1)[1]
+    assert shown.split("\n", 1)[1] == printed + "\n"
     assert list((folder / "runs/qs-seed1/wandb").glob("offline-run-*")), "--logger wandb logged no W&B run"
     assert (folder / "runs/inspect/quickstart_seed0.png").is_file() and (folder / "report.html").is_file()
 

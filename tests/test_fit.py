@@ -127,6 +127,40 @@ def test_resume_says_where_it_continues(tmp_path, capsys):
     assert "all 3 rounds are done; only the summary is rewritten" in capsys.readouterr().err
 
 
+def test_a_resume_keeps_the_runs_identity_byte_for_byte(tmp_path, capsys):
+    """config.yaml and partition.json are the run's identity: resuming an interrupted run, then the finished one,
+    leaves them as they were, and the report and the table still see one complete experiment."""
+    import hashlib
+
+    from fl_lightning.report.build import build_report
+    from fl_lightning.sweep.table import TableRun
+
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=3, eval_every=1)
+    run = TableRun(recipe, 0, tmp_path / "runs" / "r" / "seed0")  # as flrun table starts it: --resume auto
+    assert run_cli("fit", *run.fit_argv([]), "--stop_after", "1") == 0
+    identity = {name: (run.output_dir / name).read_bytes() for name in ("config.yaml", "partition.json")}
+    started = read_summary(run.output_dir)
+    assert started["config_sha256"] == hashlib.sha256(identity["config.yaml"]).hexdigest()
+    assert run_cli("fit", *run.fit_argv([])) == 0  # the interrupted run continues
+    finished = read_summary(run.output_dir)
+    assert finished["complete"] and finished["resumed_with"] == [{"round": 1, "changed": {"stop_after": [1, None]}}]
+    capsys.readouterr()
+    assert run_cli("fit", *run.fit_argv([]), "--runtime.progress", "true") == 0  # the finished run, again
+    assert "all 3 rounds are done; only the summary is rewritten" in capsys.readouterr().err
+    assert {name: (run.output_dir / name).read_bytes() for name in identity} == identity
+    again = read_summary(run.output_dir)  # how it was resumed is recorded; the hash, versions and hardware stay
+    assert again["resumed_with"][1:] == [{"round": 3, "changed": {"runtime.progress": [False, True]}}]
+    assert {**again, "resumed_with": finished["resumed_with"]} == finished
+    assert finished["config_sha256"] == started["config_sha256"]
+    assert run.state([]) == "done"
+    # beside an uninterrupted run of another seed: one experiment of two seeds
+    other = TableRun(recipe, 1, tmp_path / "runs" / "r" / "seed1")
+    assert run_cli("fit", *other.fit_argv([])) == 0
+    report = build_report([str(tmp_path / "runs")])
+    assert [s["comparison"]["seeds"] for s in report["sections"]] == [[0, 1]]
+    assert report["sections"][0]["comparison"]["complete"]
+
+
 def test_a_loss_monitor_picks_the_lowest_loss_and_a_resume_may_change_the_monitor(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=4, eval_every=1)
     common = ("fit", "--config", str(recipe))

@@ -13,6 +13,7 @@ from conftest import ROOT, read_summary, run_cli, write_recipe
 
 import fl_lightning
 from fl_lightning.federation.errors import ConfigError
+from fl_lightning.run.api import python_words
 from fl_lightning.tracking import RunLogger
 
 HOWTO = ROOT / "docs" / "howto" / "python_api.md"
@@ -81,8 +82,44 @@ def test_a_mistake_raises_the_command_lines_sentence_and_writes_nothing(tmp_path
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), *argv) == 2
     printed = capsys.readouterr().err.strip()
     assert printed.startswith("flrun fit: error: ")
-    assert str(raised.value) == printed[len("flrun fit: error: ") :]
+    assert str(raised.value) == python_words(printed[len("flrun fit: error: ") :])
     assert "\n" not in str(raised.value) and not out.exists()
+    assert "--" not in str(raised.value).replace("`flrun fit --help`", "")  # Python's words, not the options'
+
+
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        ({"rounds": 0}, "rounds must be at least 1, got 0; e.g. rounds=1."),
+        ({"round": 5}, "unknown option round (did you mean rounds?); see `flrun fit --help` for the options."),
+        (
+            {"training.batch_sise": 8},
+            "unknown option 'training.batch_sise' (did you mean 'training.batch_size'?); see `flrun fit --help` for "
+            "the options.",
+        ),
+    ],
+)
+def test_a_mistake_from_python_names_the_keyword_arguments(tmp_path, options, said):
+    with pytest.raises(ConfigError) as raised:
+        fl_lightning.fit(config=str(write_recipe(tmp_path / "tiny.yaml")), output_dir=str(tmp_path / "run"), **options)
+    assert str(raised.value) == said
+
+
+def test_python_words_translates_options_with_and_without_values():
+    assert python_words("pass --resume auto to continue it or choose another --output_dir.") == (
+        'pass resume="auto" to continue it or choose another output_dir.'
+    )
+    assert python_words("continue with --resume auto and --monitor set to one of them") == (
+        'continue with resume="auto" and monitor set to one of them'
+    )
+    assert python_words("with --resume RUN/checkpoints/previous.ckpt.") == (
+        'with resume="RUN/checkpoints/previous.ckpt".'
+    )
+    assert python_words("lower --training.optimizer.init_args.lr 0.01, or set --runtime.progress false") == (
+        'lower **{"training.optimizer.init_args.lr": 0.01}, or set **{"runtime.progress": False}'
+    )
+    shell = "e.g. `for seed in 0 1; do flrun fit --config r.yaml --seed $seed; done`"
+    assert python_words(f"--seed takes one seed, {shell}") == f"seed takes one seed, {shell}"  # a command stays
 
 
 def test_bad_python_values_are_one_sentence(tmp_path):
@@ -109,7 +146,8 @@ def test_a_run_already_in_the_directory_is_kept(tmp_path):
     recipe = str(write_recipe(tmp_path / "tiny.yaml", rounds=1))
     fl_lightning.fit(config=recipe, output_dir=str(tmp_path / "run"))
     before = (tmp_path / "run" / "summary.json").read_bytes()
-    with pytest.raises(ConfigError, match="already holds a run; pass --resume auto"):
+    with pytest.raises(ConfigError, match='already holds a run; pass resume="auto" to continue it or choose another '
+                       "output_dir"):  # fmt: skip
         fl_lightning.fit(config=recipe, output_dir=str(tmp_path / "run"), rounds=2)
     assert (tmp_path / "run" / "summary.json").read_bytes() == before
     assert fl_lightning.fit(config=recipe, output_dir=str(tmp_path / "run"), rounds=2, resume="auto")["rounds"] == 2
@@ -167,7 +205,7 @@ def test_the_howto_example_runs_as_written(tmp_path):
     assert sizes == str(measured)
     config = yaml.safe_load((tmp_path / "runs/notebook/batch32/config.yaml").read_text())
     assert (config["rounds"], config["training"]["batch_size"], config["runtime"]["num_threads"]) == (5, 32, 1)
-    assert error.startswith("unknown option --round (did you mean --rounds?)")
+    assert error.startswith("unknown option round (did you mean rounds?)")
     assert not (tmp_path / "runs/quickstart").exists()  # the mistake ran nothing
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import read_summary, run_cli, write_recipe
+from conftest import ROOT, read_summary, run_cli, write_recipe
 
 REFERENCE = {
     "paper": "paper-001 (test)",
@@ -88,6 +88,7 @@ def test_html_report_compares_the_final_round_mean_over_seeds_with_the_paper(run
     page = report_page([runs], tmp_path / "report.html")
     finals = [read_summary(runs / "cell" / f"seed{s}")["final"]["global/test_acc"] for s in (0, 1)]
     bests = [read_summary(runs / "cell" / f"seed{s}")["best"]["global/test_acc"] for s in (0, 1)]
+    rounds = [read_summary(runs / "cell" / f"seed{s}")["best_round"] for s in (0, 1)]
     mean = sum(finals) / 2
     std = abs(finals[0] - finals[1]) / 2**0.5  # the sample std of two values
     header = page.rows[0]
@@ -100,9 +101,11 @@ def test_html_report_compares_the_final_round_mean_over_seeds_with_the_paper(run
         f"{mean:.4f}",
         f"{std:.4f}",
         f"{sum(bests) / 2:.4f}",
+        str(rounds[0]) if rounds[0] == rounds[1] else f"{rounds[0]}, {rounds[1]}",  # rounds, each a seed's
         "2",
         f"{mean - 0.9:.4f}",
     ]
+    assert header[6:8] == ["at the best round", "best round"]
     assert "2 runs in 1 recipe." in page.cells
     assert any(c.startswith("Measured = the value after the last round") for c in page.cells)
     assert page.images >= 1  # the learning curve, embedded
@@ -116,7 +119,7 @@ def test_html_report_compares_the_final_round_mean_over_seeds_with_the_paper(run
 def test_one_seed_has_no_std_and_one_run_is_one_run(tmp_path):
     runs = fit_seeds(tmp_path, (0,))
     page = report_page([runs], tmp_path / "report.html")
-    assert page.rows[1][5] == "n/a" and page.rows[1][7] == "1"
+    assert page.rows[1][5] == "n/a" and page.rows[1][8] == "1"
     assert "1 run in 1 recipe." in page.cells
 
 
@@ -152,6 +155,47 @@ def test_a_truncated_summary_is_one_sentence(runs, tmp_path, capsys):
     assert run_cli("report", str(runs), "--output", str(tmp_path / "r.html")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{path} is not valid JSON" in err
+
+
+def test_learning_curves_span_the_page_with_each_roles_curve_the_training_loss_and_one_legible_legend(tmp_path):
+    from fl_lightning.report.figures import learning_curve_figure, png, pyplot
+
+    def run(seed, shift):  # an on-device KD run's metrics.csv rows: evaluated from round 3 on
+        rows = [{"round": r, "train/loss": 2.0 / r, "target/test_acc": 0.5 + shift + r / 100} for r in (1, 2)]
+        rows = [{k: v for k, v in row.items() if not k.endswith("acc")} for row in rows]
+        rows += [
+            {"round": r, "train/loss": 2.0 / r, "target/test_acc": 0.5 + shift + r / 100, "aux/test_acc": 0.6 + r / 100}
+            for r in (3, 6, 9)
+        ]
+        return {"summary": {"seed": seed}, "curve": rows}
+
+    group = [run(0, 0.0), run(1, 0.01)]
+    fig = learning_curve_figure(group, "target/test_acc", paper=0.55)
+    assert [ax.get_title() for ax in fig.axes] == ["target/test_acc", "aux/test_acc", "train/loss"]
+    target, aux, loss = fig.axes
+    expected = [0.6 + r / 100 for r in (3, 6, 9)]
+    assert [line.get_ydata().tolist() for line in aux.get_lines()] == [expected] * 2  # both seeds
+    pad = 0.03 * (9 - 3)  # the end points' markers whole
+    assert target.get_xlim() == pytest.approx((3 - pad, 9 + pad))  # from the first evaluation, not from 0
+    assert target.get_xlim() == aux.get_xlim() == loss.get_xlim()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["seed 0", "seed 1", "paper"]
+    assert all(t.get_fontsize() >= 10 for t in legend.get_texts())
+    image = png(fig)
+    width = int.from_bytes(image[16:20], "big")  # the PNG header's width in pixels
+    assert width >= 950  # the page's width (1100 px less its margins), not a thumbnail
+    pyplot().close("all")
+
+
+def test_a_reports_curves_are_as_wide_as_the_page_and_its_versions_are_words(runs, tmp_path):
+    page_text = (report_page([runs], tmp_path / "report.html"), (tmp_path / "report.html").read_text())[1]
+    assert '<figure class="wide"><img alt="learning curves: global/test_acc, train/loss"' in page_text
+    css = (ROOT / "fl_lightning" / "report" / "templates" / "report.css").read_text()
+    assert "figure.wide img{width:100%" in css
+    versions = read_summary(runs / "cell" / "seed0")["versions"]
+    shown = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "git_commit")
+    page = Page(page_text)
+    assert shown in page.cells and not any(c.startswith("{") for c in page.cells)
 
 
 def test_figures_have_whole_round_ticks_and_an_accuracy_axis_from_0_to_1():

@@ -256,3 +256,71 @@ def test_an_sqlite_storage_in_folders_that_do_not_exist_yet_is_made_like_an_outp
     assert run_cli("sweep", "--config", str(sweep), "--storage", f"sqlite:///{database}") == 0
     assert database.read_bytes().startswith(b"SQLite format 3\x00")
     assert len(trials(tmp_path / "sweep")) == 1
+
+
+def _progress_of(study, n_trials, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from fl_lightning.sweep.results import Progress
+
+    spec = SimpleNamespace(
+        study_name="s", n_trials=n_trials, metric="m", use="best", direction="maximize", parameters={},
+        storage=f"sqlite:///{tmp_path / 'study.db'}", output_dir=str(tmp_path),
+    )  # fmt: skip
+    capsys.readouterr()
+    return Progress(spec, study)
+
+
+def test_trials_that_end_before_their_lines_are_shown_each_get_their_own_place(tmp_path, capsys):
+    import optuna
+
+    study = optuna.create_study(direction="maximize")
+    asked = [study.ask() for _ in range(3)]
+    for trial, value in zip([asked[0], asked[2], asked[1]], [0.5, 0.7, 0.6]):  # ended in this order
+        study.tell(trial, value)
+    progress = _progress_of(study, 4, tmp_path, capsys)
+    for number in (2, 0, 1):  # shown in another order, all after the three ended (two workers, a busy reader)
+        progress("finished", number)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" in ")[0] for line in lines] == [
+        "[2/4] trial 2 COMPLETE m (best) 0.7000",
+        "[1/4] trial 0 COMPLETE m (best) 0.5000",
+        "[3/4] trial 1 COMPLETE m (best) 0.6000",
+    ]  # the count when shown would say [3/4] three times
+
+
+def test_a_study_holding_more_trials_than_asked_says_so_instead_of_k_of_n(tmp_path, capsys):
+    import optuna
+
+    study = optuna.create_study(direction="maximize")
+    for value in (0.1, 0.2, 0.3):
+        study.tell(study.ask(), value)
+    _progress_of(study, 2, tmp_path, capsys).header(2)
+    out = capsys.readouterr().out
+    assert out.startswith("sweep s: the study already holds 3 trials, n_trials is 2: nothing to run (a larger ")
+    assert "3 of 2" not in out
+
+
+def test_a_warning_during_a_trial_names_the_trial(tmp_path, capsys):
+    import logging
+    import warnings
+
+    from fl_lightning.sweep.trial import messages_named
+
+    package = logging.getLogger("fl_lightning")
+    before = (list(package.handlers), package.propagate, warnings.showwarning)
+    with messages_named(3):
+        logging.getLogger("fl_lightning.client.evaluation").warning("global has collapsed")
+        warnings.warn("an odd value", UserWarning, stacklevel=1)
+    assert capsys.readouterr().err.splitlines() == [
+        "flrun sweep: trial 3: warning: global has collapsed",
+        "flrun sweep: trial 3: warning: UserWarning: an odd value",
+    ]
+    assert (list(package.handlers), package.propagate, warnings.showwarning) == before  # as it was after the trial
+    # a run's own warning in a sweep: a model that gives every input one class (constant logits)
+    constant = {"global": {"builder": "conftest.constant_logits_model"}}
+    sweep = write_sweep(tmp_path / "s.yaml", n_trials=1, parameters=LR)
+    write_recipe(tmp_path / "base.yaml", rounds=6, runtime={"num_threads": 1}, models=constant)
+    assert run_cli("sweep", "--config", str(sweep), "--", "--rounds", "2") == 0
+    err = capsys.readouterr().err
+    assert "flrun sweep: trial 0: warning: global gives one class to 100% of the" in err

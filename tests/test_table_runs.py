@@ -273,3 +273,81 @@ def test_a_dry_run_counts_the_runs_estimates_their_time_and_names_missing_data(r
         f"time: about {duration(wall)} for the 1 run whose recipe has a finished run here, about "
         f"{duration(wall / 2)} with --n_jobs 2; no estimate for the other 4 (none of their recipe has finished yet)."
     )
+
+
+@pytest.fixture
+def no_data(recipes, tmp_path, monkeypatch):
+    """A third experiment of the table reading CIFAR-10 from an empty folder; starting a run process fails the
+    test."""
+    nodata = tmp_path / "nodata"
+    cifar = {"class_path": "fl_lightning.data.Cifar10Data", "init_args": {"data_dir": str(nodata)}}
+    write_recipe(recipes / "cifar.yaml", rounds=2, data=cifar, reference=reference("C"))
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    return nodata
+
+
+def test_a_table_whose_data_are_missing_is_refused_before_any_run_starts(recipes, tmp_path, capsys, no_data):
+    runs = tmp_path / "runs"
+    argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(runs), "--seeds", "0", "1"]
+    assert run_cli(*argv, "--n_jobs", "2") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "flrun table: error: no run was started: 2 of the 6 runs to do lack their data: CIFAR-10 (2 runs) is not in "
+        f"{no_data}; get it with `flrun data fetch cifar10 --data_dir {no_data}` on a machine with internet, then "
+        "copy the data folder here, or run the other 4 with --skip_missing; --dry_run lists the runs."
+    )
+    assert not runs.exists()
+
+
+def test_skip_missing_runs_only_the_runs_whose_data_are_there(recipes, tmp_path, capsys, no_data, monkeypatch):
+    from fl_lightning.sweep import table
+
+    started = []
+    monkeypatch.setattr(table, "run_all", lambda runs, *args, **kwargs: (started.extend(runs), ([], []))[1])
+    argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(tmp_path / "runs"), "--seeds", "0"]
+    assert run_cli(*argv, "--skip_missing") == 0
+    assert [run.name for run in started] == ["mlp_a seed 0", "mlp_b seed 0"]
+    out = capsys.readouterr().out
+    assert out.startswith(
+        f"skipping 1 of the 3 runs to do, whose data are missing: CIFAR-10 (1 run) is not in {no_data};"
+    )
+    assert out.splitlines()[-1] == "1 runs skipped: their data are missing (--dry_run lists them)"
+
+
+def test_data_the_recipes_download_are_fetched_once_before_the_runs(recipes, tmp_path, capsys, no_data, monkeypatch):
+    from fl_lightning.data import catalog, sources
+    from fl_lightning.data.download import NetworkError
+    from fl_lightning.sweep import table
+
+    recipe = yaml.safe_load((recipes / "cifar.yaml").read_text())
+    recipe["data"]["init_args"]["download"] = True
+    (recipes / "cifar.yaml").write_text(yaml.safe_dump(recipe))
+    fetched = []
+
+    def offline(name, data_dir, *args, **kwargs):
+        fetched.append(name)
+        raise NetworkError("https://example.invalid/cifar", OSError("Name or service not known"))
+
+    monkeypatch.setattr(sources, "fetch", offline)
+    argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(tmp_path / "runs")]
+    assert run_cli(*argv, "--seeds", "0", "1") == 2
+    err = capsys.readouterr().err
+    assert fetched == ["cifar10"]  # once for both seeds
+    assert f"CIFAR-10 (2 runs) is not in {no_data} and could not be downloaded (OSError: " in err
+    assert "Name or service not known" in err
+
+    def online(name, data_dir, *args, **kwargs):  # the files where the loader looks for them
+        for pattern in catalog.source(name).expected:
+            (Path(data_dir) / pattern).parent.mkdir(parents=True, exist_ok=True)
+            (Path(data_dir) / pattern).touch()
+
+    monkeypatch.setattr(sources, "fetch", online)
+    started = []
+    monkeypatch.setattr(table, "run_all", lambda runs, *args, **kwargs: (started.extend(runs), ([], []))[1])
+    assert run_cli(*argv, "--seeds", "0") == 0
+    assert [run.name for run in started] == ["cifar seed 0", "mlp_a seed 0", "mlp_b seed 0"]
+    assert "CIFAR-10: not in " in capsys.readouterr().out

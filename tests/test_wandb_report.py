@@ -88,7 +88,7 @@ def test_each_experiment_gets_its_runs_grouped_by_recipe_a_plot_per_round_and_a_
     )
     assert summaries[0]["monitor"] == "global/test_acc"  # the plotted metric is the one the runs monitor
     provenance = cell[-1].text.splitlines()
-    assert provenance[0].startswith("| seed | final | best | wandb run id | git commit | config sha256 |")
+    assert provenance[0].startswith("| seed | final | best (round) | wandb run id | git commit | config sha256 |")
     for seed, summary in enumerate(summaries):
         run_id = wandb_id(runs / "cell" / f"seed{seed}")
         row = next(line for line in provenance if line.startswith(f"| {seed} |"))
@@ -96,6 +96,9 @@ def test_each_experiment_gets_its_runs_grouped_by_recipe_a_plot_per_round_and_a_
             f"| {run_id} | {summary['versions'].get('git_commit', 'n/a')[:12]} | {summary['config_sha256'][:12]} |"
             in row
         )
+        versions = summary["versions"]
+        assert f"(round {summary['best_round']}) |" in row
+        assert f"| fl_lightning {versions['fl_lightning']}, torch {versions['torch']}, " in row  # words, not JSON
 
 
 def test_runs_logged_without_wandb_are_selected_by_recipe_name_and_seed_and_the_report_says_so(runs):

@@ -14,7 +14,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..run.arguments import UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
+from .. import __version__
+from ..run.arguments import FIT_SUMMARY, UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
+from ..run.arguments import USAGE as USAGE_FIT
 from .data import run_data
 from .errors import Terminated, error_status, stopped_by_sigterm
 from .models import run_models
@@ -24,10 +26,10 @@ from .studies import run_sweep_command, run_table
 _UserError, _recipe_name = UserError, recipe_name  # the names other modules and tests knew
 __all__ = ["fit_from_argv", "fit_parser", "main", "parse_fit"]
 
-USAGE = """usage: flrun COMMAND [options]
+USAGE = """usage: flrun COMMAND [options]    (flrun --version: the installed version)
 
 commands:
-  fit      run a federated experiment from a recipe: flrun fit --config recipes/quickstart.yaml
+  fit      run a federated experiment from a recipe: flrun fit -c recipes/quickstart.yaml
   models   list the registered model builders with their parameter counts (--json; --count builds them)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
            flrun data fetch DATASET [--data_dir data]: download and verify a data set (on a machine online)
@@ -72,12 +74,17 @@ def _end_start_up(freeze: bool = True) -> None:
 
 
 def run_fit(argv: list[str]) -> int:
-    if argv in (["--help"], ["-h"]):
+    if argv == ["-h"]:  # the usage and the common options, at once
+        print(f"usage: {USAGE_FIT % {'prog': 'flrun fit'}}\n\n{FIT_SUMMARY}")
+        return 0
+    if argv == ["--help"]:
         return _fit_help()
+    given, as_json = argv, "--json" in argv  # --json is this command's own, not a recipe key
+    argv = [arg for arg in argv if arg != "--json"]
     _, init, resolved = parse_fit(argv)  # first: a mistake is answered before the imports a run needs
     from ..distributed.launch import launch
     from ..distributed.ranks import check_shardable, from_env, needs_launch
-    from ..run.fit import fit, summary_metrics
+    from ..run.fit import fit
 
     runtime = init.runtime
     if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
@@ -91,7 +98,7 @@ def run_fit(argv: list[str]) -> int:
 
             with RunLock(root) as probe:
                 probe.acquire()
-        return launch(["fit", *argv], runtime.devices)
+        return launch(["fit", *given], runtime.devices)
     from ..distributed.fabric import fabric_class
 
     fabric_class()  # the last import of start-up: fit() makes its Fabric from it
@@ -99,8 +106,12 @@ def run_fit(argv: list[str]) -> int:
     summary = fit(**{k: v for k, v in vars(init).items() if k not in ("config", "__path__")}, resolved_config=resolved)
     if from_env().rank > 0:  # under torchrun or srun every rank ends here: rank 0 reports
         return 0
-    print(summary_metrics(summary))
-    print(f"run files: {summary['output_dir']}")
+    if as_json:  # summary.json as written (its NaNs as nulls)
+        print((Path(summary["output_dir"]) / "summary.json").read_text(), end="")
+    else:
+        from ..tracking.progress import run_summary
+
+        print(run_summary(summary))
     return 0
 
 
@@ -141,6 +152,9 @@ def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        print(f"flrun (fl-lightning) {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"flrun: error: unknown command {command!r}; use one of {', '.join(COMMANDS)}.", file=sys.stderr)

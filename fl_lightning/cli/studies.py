@@ -11,11 +11,14 @@ from ..run.arguments import UserError
 
 
 def split_fit_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The command's own arguments, and those after ``--``, which go to every ``flrun fit`` it starts."""
+    """The command's own arguments, and those after ``--``, which go to every ``flrun fit`` it starts (``-c`` in
+    them written as ``--config``, as ``flrun fit`` reads it)."""
+    from ..run.messages import long_config
+
     if "--" not in argv:
         return argv, []
     cut = argv.index("--")
-    return argv[:cut], argv[cut + 1 :]
+    return argv[:cut], long_config(argv[cut + 1 :])
 
 
 def run_sweep_command(argv: list[str]) -> int:
@@ -32,7 +35,7 @@ def run_sweep_command(argv: list[str]) -> int:
         "(e.g. -- --rounds 4); like the sweep file's overrides, they are part of what defines the study.",
         allow_abbrev=False,
     )
-    parser.add_argument("--config", required=True, help="sweep file (sweeps/*.yaml)")
+    parser.add_argument("-c", "--config", required=True, help="sweep file (sweeps/*.yaml)")
     parser.add_argument("--n_trials", type=int, help="trials in the study in total (re-running resumes up to it)")
     parser.add_argument("--timeout", type=float, help="seconds to keep starting trials")
     parser.add_argument("--n_jobs", type=int, default=1, help="worker processes sharing the study's storage")
@@ -78,7 +81,10 @@ def run_sweep_command(argv: list[str]) -> int:
 
 
 def run_table(argv: list[str]) -> int:
-    """``flrun table PAPER/TABLE [--seeds ...] [--runs DIR] [--n_jobs K] [--dry_run] [-- FIT_ARGS...]``."""
+    """``flrun table PAPER/TABLE [--seeds ...] [--runs DIR] [--n_jobs K] [--dry_run] [--skip_missing] [-- FIT_ARGS]``.
+
+    The data of every run to do are checked before any starts (:mod:`fl_lightning.sweep.table_data`).
+    """
     import argparse
 
     from ..report.runs import report_output
@@ -104,6 +110,12 @@ def run_table(argv: list[str]) -> int:
         action="store_true",
         help="list the runs, whether each is done and whether its data is there, their total and a time estimate",
     )
+    parser.add_argument(
+        "--skip_missing",
+        action="store_true",
+        help="run only the runs whose data sets are there and say how many were skipped (without it, runs that "
+        "lack their data stop the command before any run starts)",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -122,8 +134,13 @@ def run_table(argv: list[str]) -> int:
 
         preview(runs, fit_args, args.n_jobs, sys.stdout)
         return 0
+    from ..sweep.table_data import check_data
+
+    states = {id(run): run.state(fit_args) for run in runs}
+    _, skipped = check_data([r for r in runs if states[id(r)] != "done"], fit_args, args.skip_missing, sys.stdout)
+    runs = [run for run in runs if run not in skipped]
     try:
-        done, failed = run_all(runs, fit_args, args.n_jobs, sys.stdout)
+        done, failed = run_all(runs, fit_args, args.n_jobs, sys.stdout, states)
     except KeyboardInterrupt:
         print("flrun table: interrupted; run the same command again to resume the runs.", file=sys.stderr)
         return 130
@@ -137,4 +154,6 @@ def run_table(argv: list[str]) -> int:
     print(f"{table['id']}: {len(table['cells'])} cells, {table['runs']} runs: {output}")
     for run, reason in failed:
         print(f"flrun table: {run.name} failed: {reason} (log {run.log})", file=sys.stderr)
+    if skipped:
+        print(f"{len(skipped)} runs skipped: their data are missing (--dry_run lists them)")
     return 1 if failed else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .figures import client_histogram_figure, learning_curve_figure, png
+from .figures import client_histogram_figure, curve_panels, learning_curve_figure, png
 from .groups import group_experiments, group_warnings
 from .runs import compare, find_runs, load_run, plural
 from .sweeps import load_sweep_dir
@@ -29,6 +29,7 @@ def build_report(paths: list[str]) -> dict[str, Any]:
                 "comparison": comparison,
                 "monitor": str(group["runs"][0]["summary"].get("monitor") or row["metric"]),
                 "curve": png(learning_curve_figure(group["runs"], row["metric"], row["paper"])),
+                "panels": curve_panels(group["runs"], row["metric"]),
                 "clients": png(client_histogram_figure(group["runs"])),
             }
         )

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 from .build import headline
@@ -19,6 +18,7 @@ SUMMARY_HEADER = [
     "paper std",
     "measured (final round)",
     "std over seeds",
+    "at the best round",
     "best round",
     "runs",
     "measured − paper",
@@ -34,9 +34,21 @@ def _summary_cells(s: dict, row: dict) -> list[str]:
         fmt(row["mean"]),
         fmt(row["std"]),
         fmt(row["best_mean"]),
+        _rounds_text(s["comparison"]["best_rounds"]),
         str(row["n"]),
         fmt(row["delta"]),
     ]
+
+
+def _rounds_text(rounds: list) -> str:
+    """Each seed's best round, in seed order (``35, 38``), once when they agree; ``n/a`` where none is known."""
+    shown = [str(r) if isinstance(r, int) and not isinstance(r, bool) else "n/a" for r in rounds]
+    return shown[0] if len(set(shown)) == 1 else ", ".join(shown) if shown else "n/a"
+
+
+def versions_text(versions: dict) -> str:
+    """``fl_lightning 0.1.0, torch 2.6.0, lightning 2.5.1, python 3.11.7``: a run's package versions as words."""
+    return ", ".join(f"{name} {version}" for name, version in versions.items()) or "n/a"
 
 
 def summary_rows(report: dict) -> list[list[str]]:
@@ -101,11 +113,11 @@ def section_view(s: dict) -> dict:
         [
             (_seed_text(p), "num"),
             (fmt(p["final"]), "num"),
-            (f"{fmt(p['best'])} (round {p['best_round']})", "num"),
+            (f"{fmt(p['best'])} (round {_rounds_text([p['best_round']])})", "num"),
             (p["dir"], ""),
             (p["config_sha256"], ""),
             (p["git_commit"], ""),
-            (json.dumps(p["versions"]), ""),
+            (versions_text(p["versions"]), ""),
             (p["hardware"], ""),
         ]
         for p in c["provenance"]
@@ -117,8 +129,18 @@ def section_view(s: dict) -> dict:
         "experiment": _experiment_text(s),
         "metric": metric,
         "curve": s["curve"],
+        "panels": s["panels"],
         "clients": s["clients"],
-        "header": ["seed", f"{metric} final", "best", "run", "config sha256", "git commit", "versions", "hardware"],
+        "header": [
+            "seed",
+            f"{metric} final",
+            "best (round)",
+            "run",
+            "config sha256",
+            "git commit",
+            "versions",
+            "hardware",
+        ],
         "rows": rows,
     }
 
@@ -145,14 +167,15 @@ def write_markdown(report: dict, path: Path) -> None:
                 lines.append(f"![{kind}]({figures.name}/{save_figure(figures, s['name'], kind, image)})")
         lines.append("")
         lines += md_table(
-            ["seed", "final", "best", "config sha256", "git commit", "hardware"],
+            ["seed", "final", "best (round)", "config sha256", "git commit", "versions", "hardware"],
             [
                 [
                     md(_seed_text(p)),
                     fmt(p["final"]),
-                    fmt(p["best"]),
+                    f"{fmt(p['best'])} ({_rounds_text([p['best_round']])})",
                     md(p["config_sha256"]),
                     md(p["git_commit"]),
+                    md(versions_text(p["versions"])),
                     md(p["hardware"]),
                 ]
                 for p in c["provenance"]

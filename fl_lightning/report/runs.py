@@ -277,6 +277,7 @@ def compare(group: list[dict], duplicates: list[dict] | None = None) -> dict[str
         "rows": rows,
         "reference": reference,
         "seeds": [r["summary"].get("seed") for r in group],
+        "best_rounds": [r["summary"].get("best_round") for r in group],  # by each run's monitor
         "complete": all(r["summary"].get("complete", True) is True for r in group),
         "uplink_mb": _mib([number(c.get("uplink_bytes")) for c in comm]),
         "downlink_mb": _mib([number(c.get("downlink_bytes")) for c in comm]),

@@ -124,7 +124,7 @@ def _experiment_blocks(wr, section: dict, entity: str, project: str) -> list:
         )
     runset = wr.Runset(entity=entity, project=project, name=view["name"], filters=filters, groupby=["config.name"])
     blocks.append(wr.PanelGrid(runsets=[runset], panels=_panels(wr, _plotted(section))))
-    header = ["seed", "final", "best", "wandb run id", "git commit", "config sha256", "versions", "hardware"]
+    header = ["seed", "final", "best (round)", "wandb run id", "git commit", "config sha256", "versions", "hardware"]
     rows = [
         [md(text) for text, _ in row[:3]]
         + [md(", ".join(ids.get(p["dir"], [])) or "n/a"), md(p["git_commit"]), md(p["config_sha256"])]

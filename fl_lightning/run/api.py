@@ -2,7 +2,8 @@
 
 The keyword arguments are turned into the ``flrun fit`` command line they stand for and parsed by the same
 parser, so a run from Python is checked, resolved, recorded and resumed exactly as ``flrun fit`` would do it,
-and a mistake raises the same one-sentence :class:`~fl_lightning.federation.errors.ConfigError`.
+and a mistake raises the same one-sentence :class:`~fl_lightning.federation.errors.ConfigError`, its options
+written as the keyword arguments of the call (:func:`python_words`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,9 +30,13 @@ def fit_recipe(config: ConfigArg = None, **options: Any) -> dict[str, Any]:
     if loggers:  # logger objects cannot travel as text: the rest of --logger goes to the parser, they go along
         kept = [item for item in _as_list(options["logger"]) if not isinstance(item, RunLogger)]
         options = {**options, "logger": kept or "csv"}
-    argv = [*config_arguments(config), *option_arguments(options)]
-    os.environ.setdefault("WANDB_SILENT", "true")  # as flrun does: wandb's banner is not the run's output
-    return fit_from_argv(argv, extra_loggers=loggers)
+    try:
+        argv = [*config_arguments(config), *option_arguments(options)]
+        os.environ.setdefault("WANDB_SILENT", "true")  # as flrun does: wandb's banner is not the run's output
+        return fit_from_argv(argv, extra_loggers=loggers)
+    except ConfigError as err:  # the command line's sentence, in the words of the call that was made
+        err.args = (python_words(str(err)), *err.args[1:])
+        raise
 
 
 def config_arguments(config: ConfigArg) -> list[str]:
@@ -102,3 +108,45 @@ def _as_list(value: Any) -> list:
 
 def _logger_objects(value: Any, logger_type: type) -> list:
     return [item for item in _as_list(value) if isinstance(item, logger_type)] if value is not None else []
+
+
+# words after an option that are the sentence going on, not the option's value ("--monitor set to one of them")
+_PROSE = frozenset(
+    "a an and are as at but by does for from given goes if in is it more must not of on only or set so takes than "
+    "that the then to was which with writes you".split()
+)
+_OPTION = re.compile(r"--([A-Za-z_]\w*(?:\.[\w-]+)*)(?:( )('[^']*'|\S+))?")
+
+
+def python_words(message: str) -> str:
+    """``message`` with the ``flrun fit`` options it names written as the keyword arguments of
+    ``fl_lightning.fit``: ``--resume auto`` as ``resume="auto"``, ``--rounds 1`` as ``rounds=1``, a nested one as
+    ``**{"training.batch_size": 32}``, a name alone as ``rounds``. Commands in backquotes stay as they are."""
+
+    parts = message.split("`")
+    for i in range(0, len(parts), 2):  # the text outside backquotes
+        parts[i] = _OPTION.sub(_keyword, parts[i])
+    return "`".join(parts)
+
+
+def _keyword(match: re.Match) -> str:
+    """One option (every one: an unknown option is a keyword the call gave) as a keyword argument."""
+    key, space, value = match.groups()
+    tail = ""
+    if value is not None:
+        stripped = value.rstrip(".,;:)?")
+        value, tail = stripped, value[len(stripped) :]
+    if not value or value.lower() in _PROSE or (value.startswith(("-", "(")) and not _is_number(value)):
+        shown = key if key.isidentifier() else repr(key)
+        return shown + (f"{space}{value}{tail}" if space else "")
+    constants = {"true": "True", "false": "False", "null": "None"}
+    literal = value if value.startswith("'") or _is_number(value) else constants.get(value, json.dumps(value))
+    return (f"{key}={literal}" if key.isidentifier() else f"**{{{json.dumps(key)}: {literal}}}") + tail
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

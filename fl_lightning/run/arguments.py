@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from ..federation.errors import ConfigError
-from .messages import config_paths
+from .messages import config_paths, long_config
 
 
 class UserError(ConfigError):
@@ -24,6 +24,28 @@ class UserError(ConfigError):
 DEFAULT_OPTIMIZER = "{class_path: torch.optim.SGD, init_args: {lr: 0.05}}"
 
 
+USAGE = "%(prog)s [-c RECIPE ...] [--KEY VALUE ...] [--print_config] [-h|--help]"
+
+FIT_SUMMARY = """Run a federated experiment from a recipe, a YAML file whose keys are this
+command's options. The recipe (-c; several are merged in order) sets data,
+models and strategy; an option given here overrides it, nested keys with dots
+(--training.batch_size 32).
+
+common options:
+  -c, --config RECIPE   recipe YAML file, e.g. recipes/quickstart.yaml
+  --seed N              the run seed (default 0)
+  --rounds N            communication rounds
+  --output_dir DIR      the run folder (default runs/<recipe>/seed<seed>)
+  --resume auto         continue the run in output_dir from its last checkpoint
+  --logger wandb        W&B (or tensorboard) besides the CSV and JSON files
+  --print_config        print the resolved recipe and exit
+  --json                print the summary as JSON at the end, not as text
+
+`flrun fit -h` prints this summary; `flrun fit --help` adds every option;
+`flrun fit --strategy.help FedAvg` the options of one component (also
+--data.help DigitsData, --training.optimizer.help SGD)."""
+
+
 def fit_parser(prog: str = "flrun fit"):
     from jsonargparse import ArgumentParser
 
@@ -35,17 +57,38 @@ def fit_parser(prog: str = "flrun fit"):
     trust_class_paths()
     parser = ArgumentParser(
         prog=prog,
-        description="Run a federated experiment from a recipe.",
+        usage=USAGE,
+        description=FIT_SUMMARY if prog == "flrun fit" else "Run a federated experiment from a recipe.",
+        formatter_class=help_formatter(),
         exit_on_error=False,
         env_prefix="FLRUN",
         default_env=False,
         allow_abbrev=False,  # `--round 10` must not silently mean --rounds: an unknown option gets "did you mean"
     )
     parser.add_argument(
-        "--config", action=RecipeConfigFile, help="recipe YAML file (may be given more than once; `base:` inherits)"
+        "-c",
+        "--config",
+        action=RecipeConfigFile,
+        metavar="RECIPE",
+        help="recipe YAML file (may be given more than once; `base:` inherits)",
     )
     parser.add_function_arguments(fit, skip={"resolved_config"})
     return parser
+
+
+def help_formatter():
+    """jsonargparse's help formatter, but the summary keeps its lines, and data, models and strategy, which fit's
+    signature requires, read as what a recipe sets rather than as options required on the command line."""
+    from jsonargparse import DefaultHelpFormatter
+
+    class FitHelpFormatter(DefaultHelpFormatter):
+        def _fill_text(self, text, width, indent):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+
+        def _get_help_string(self, action):
+            return super()._get_help_string(action).replace("(required, ", "(set by the recipe or here, ", 1)
+
+    return FitHelpFormatter
 
 
 # class paths a recipe or option may name without being trusted explicitly: what the project and torch ship
@@ -79,6 +122,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     """
     from .precheck import precheck
 
+    argv = long_config(argv)
     precheck(argv)  # the common mistakes, answered before the parser's imports (torch)
     from jsonargparse import ArgumentError
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +28,7 @@ from .provenance import hardware, versions
 from .robustness import Faults
 from .run_dir import check_output_dir, check_resume_target, check_still_ours, free_leftovers, run_id
 from .runtime import Runtime, resolve_executor
-from .state import check_monitor, check_resume
+from .state import check_monitor, check_resume, planned_rounds
 
 
 def fit(
@@ -161,10 +160,13 @@ def fit(
                 check_monitor(monitor, checkpoint["last_eval"]["metrics"])
             if resumes:
                 run_info["resumed_with"] = resumes
+            rewrite_config = _resumed_identity(checkpoint, run_info, resolved_config, rounds, stop_after, files)
             if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
                 print(_resuming_line(checkpoint, rounds, resume, files, stop_after), file=sys.stderr, flush=True)
-        elif resume == "auto" and ranks.writes:
-            print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
+        else:
+            rewrite_config = True
+            if resume == "auto" and ranks.writes:
+                print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
         executor = resolve_executor(runtime, training)
         orchestrator = FederationOrchestrator(
             strategy,
@@ -199,8 +201,9 @@ def fit(
             free_leftovers(files)  # a disk that filled up gets the space of a failed write back first
             orchestrator.state.client_states.free_leftovers(checkpoint["client_states"] if checkpoint else None)
             files.mark(run_info["run_id"])
-            files.write_json(files.partition, partition)
-            if resolved_config is not None:
+            if checkpoint is None or not files.partition.is_file():  # a resume checked that it is the same
+                files.write_json(files.partition, partition)
+            if resolved_config is not None and rewrite_config:
                 files.write_text(files.config, resolved_config)
         config_dict = _config_dict(resolved_config)
         for i, run_logger in enumerate(loggers):
@@ -254,6 +257,33 @@ def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | No
     return load_checkpoint(Path(resume))
 
 
+def _resumed_identity(
+    checkpoint: dict[str, Any],
+    run_info: dict[str, Any],
+    resolved_config: str | None,
+    rounds: int,
+    stop_after: int | None,
+    files: RunFiles,
+) -> bool:
+    """What a resume keeps of the run's identity; returns whether ``config.yaml`` is to be written again.
+
+    ``config.yaml`` (and ``partition.json``, checked equal) stay byte for byte as they were, and ``config_sha256``
+    stays their recipe's: a resume changes how the run goes on (``resumed_with`` records it), not which experiment
+    it is. Only a resume that changes ``rounds`` makes it another experiment (a longer run), and one into a
+    directory without ``config.yaml`` (a copy resumed elsewhere) has none to keep: both write this invocation's
+    recipe. A resume that trains nothing also keeps the versions and hardware that computed the numbers.
+    """
+    saved = checkpoint["run_info"]
+    done = checkpoint["rounds_done"]
+    if done >= rounds or (stop_after is not None and stop_after <= done):
+        run_info.update({k: saved[k] for k in ("versions", "hardware") if k in saved})
+    if resolved_config is None or not files.config.is_file() or planned_rounds(checkpoint) != rounds:
+        return True
+    kept = saved.get("config_sha256") or hashlib.sha256(files.config.read_bytes()).hexdigest()
+    run_info["config_sha256"] = kept
+    return False
+
+
 def _resuming_line(
     checkpoint: dict[str, Any], rounds: int, resume: str | None, files: RunFiles, stop_after: int | None
 ) -> str:
@@ -275,8 +305,3 @@ def _config_dict(resolved_config: str | None) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load(resolved_config) or {}
-
-
-def summary_metrics(summary: dict[str, Any]) -> str:
-    """The final and best metrics as compact JSON, for the CLI's last line."""
-    return json.dumps({"final": summary["final"], "best": summary["best"]}, sort_keys=True)

@@ -21,6 +21,12 @@ EXAMPLE_RECIPE = "recipes/quickstart.yaml"
 
 
 # ---------------------------------------------------------------------------------------------- config files
+def long_config(argv: list[str]) -> list[str]:
+    """``argv`` with ``-c`` (LightningCLI's short form of ``--config``) written as ``--config``, so that every
+    check and the parser see one spelling."""
+    return ["--config" if arg == "-c" else f"--config={arg[3:]}" if arg.startswith("-c=") else arg for arg in argv]
+
+
 def config_paths(argv: list[str]) -> list[str]:
     """The files given with ``--config PATH`` or ``--config=PATH``, in order."""
     paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]

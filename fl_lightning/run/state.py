@@ -212,6 +212,14 @@ class RunState:
         }
 
 
+def planned_rounds(checkpoint: dict[str, Any]) -> int | None:
+    """The ``rounds`` of the recipe saved in ``checkpoint`` (None when it has none: ``fit`` called without the CLI)."""
+    if checkpoint.get("config") is None:
+        return None
+    rounds = _load_yaml(checkpoint["config"]).get("rounds")
+    return rounds if isinstance(rounds, int) else None
+
+
 def check_resume(
     checkpoint: dict[str, Any], run_info: dict[str, Any], config: str | None, rounds: int, where: Path
 ) -> list[dict[str, Any]]:

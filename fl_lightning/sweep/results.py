@@ -72,6 +72,23 @@ def _seconds(trial) -> float | None:
     return None
 
 
+def finished_by(trials, trial) -> int:
+    """How many of the study's finished trials (as :func:`~fl_lightning.sweep.storage.tally` counts them) had ended
+    when ``trial`` did: each trial's own place, even when two end before the progress line of either is shown
+    (two workers), where the count at the moment of showing would give both the same."""
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+
+    def counted(t) -> bool:
+        state = t.state.name
+        wrong = state == "FAIL" and t.user_attrs.get("wrong_metric")
+        return state in ("COMPLETE", "PRUNED", "FAIL") and t.number not in retried and not wrong
+
+    def ended(t) -> tuple:
+        return (t.datetime_complete is None, t.datetime_complete or 0, t.number)
+
+    return sum(1 for t in trials if counted(t) and ended(t) <= ended(trial))
+
+
 class Progress:
     """One line per trial as it starts and ends: "[k/n] trial 3 COMPLETE 0.9123 | best ... | pruned ..."."""
 
@@ -93,12 +110,15 @@ class Progress:
         workers = f"{n_jobs} worker processes" if n_jobs > 1 else "in this process"
         if gpus:
             workers += f" (each on one GPU of CUDA_VISIBLE_DEVICES {','.join(gpus)})"
-        self.print(
-            f"sweep {self.spec.study_name}: {counts['finished']} of {self.spec.n_trials} trials done, {workers}; "
-            f"storage {shown_storage(self.spec)}; trial runs under {self.spec.output_dir}"
-        )
-        if counts["finished"] >= self.spec.n_trials:
-            self.print(f"the study already holds {counts['finished']} trials; give a larger --n_trials to add more.")
+        where = f"storage {shown_storage(self.spec)}; trial runs under {self.spec.output_dir}"
+        if counts["finished"] >= self.spec.n_trials:  # n_trials is the study's total, not trials to add
+            self.print(
+                f"sweep {self.spec.study_name}: the study already holds {counts['finished']} trials, n_trials is "
+                f"{self.spec.n_trials}: nothing to run (a larger --n_trials adds more); {where}"
+            )
+            return
+        done = f"{counts['finished']} of {self.spec.n_trials} trials done"
+        self.print(f"sweep {self.spec.study_name}: {done}, {workers}; {where}")
 
     def _trial(self, number: int):
         storage = self.study._storage
@@ -114,6 +134,7 @@ class Progress:
         trials = self.study.get_trials(deepcopy=False)
         counts = tally(trials)
         state, metric = trial.state.name, f"{self.spec.metric} ({self.spec.use})"
+        position = finished_by(trials, trial)
         if state == "COMPLETE":
             outcome = f"COMPLETE {metric} {trial.value:.4f}"
         elif state == "PRUNED":
@@ -129,7 +150,7 @@ class Progress:
         seconds = _seconds(trial)
         best = _best(trials, self.spec)
         self.print(
-            f"[{counts['finished']}/{self.spec.n_trials}] trial {number} {outcome}"
+            f"[{position}/{self.spec.n_trials}] trial {number} {outcome}"
             + (f" in {seconds:.{0 if seconds >= 10 else 1}f} s" if seconds is not None else "")
             + (f" | best {best.value:.4f} (trial {best.number})" if best else " | no completed trial yet")
             + f" | {counts['PRUNED']} pruned, {counts['FAIL']} failed"
@@ -152,8 +173,13 @@ class Progress:
         if result.get("importances_note"):
             self.print(f"  {result['importances_note']}")
         wrong = f", {result['wrong_metric']} without the metric (not counted)" if result["wrong_metric"] else ""
+        of = (
+            f"of {self.spec.n_trials} "
+            if result["trials"] <= self.spec.n_trials
+            else f"(n_trials {self.spec.n_trials}) "
+        )
         self.print(
-            f"{result['trials']} of {self.spec.n_trials} trials: {result['complete']} complete, {result['pruned']} "
+            f"{result['trials']} {of}trials: {result['complete']} complete, {result['pruned']} "
             f"pruned, {result['failed']} failed{wrong}; all trials: {Path(self.spec.output_dir) / 'trials.csv'}"
         )
         if result.get("outside_space"):

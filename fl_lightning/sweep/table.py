@@ -140,24 +140,28 @@ def plan(table: str, seeds: list[int], runs_root: Path, recipes_dir: Path) -> li
     return [TableRun(recipes_dir / r, s, folder / Path(r).stem / f"seed{s}") for r in sorted(recipes) for s in seeds]
 
 
-def run_all(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO) -> tuple[list, list]:
+def run_all(
+    runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO, states: dict[int, str] | None = None
+) -> tuple[list, list]:
     """Starts every run that is not done, ``n_jobs`` at a time; returns the runs that are done and the failed
-    ones with a reason.
+    ones with a reason. ``states``: each run's :meth:`TableRun.state` by ``id``, when known already.
 
     Ctrl-C or SIGTERM (raising KeyboardInterrupt here) or any error ends the running processes, each to
     resume from its last checkpoint next time; they also end if this process is killed (Linux).
     """
     previous = signal.signal(signal.SIGTERM, raise_interrupt)  # `kill PID` must not leave the runs going on alone
     try:
-        return _Runner(runs, fit_args, n_jobs, out).run()
+        return _Runner(runs, fit_args, n_jobs, out, states).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 class _Runner:
-    def __init__(self, runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO):
+    def __init__(
+        self, runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO, states: dict[int, str] | None
+    ):
         self.fit_args, self.n_jobs, self.out = fit_args, n_jobs, out
-        states = {id(run): run.state(fit_args) for run in runs}
+        states = states or {id(run): run.state(fit_args) for run in runs}
         self.done = [run for run in runs if states[id(run)] == "done"]
         self.pending = [(run, states[id(run)]) for run in runs if states[id(run)] != "done"]
         self.todo = len(self.pending)

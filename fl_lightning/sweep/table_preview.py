@@ -1,6 +1,6 @@
 """``flrun table --dry_run``: the runs a table needs and whether each is done, their total, how long the rest
-may take where that can be told (from finished runs of the same recipes), and which runs lack their data set,
-with the command that fetches it."""
+may take where that can be told (from finished runs of the same recipes), and which runs lack their data set
+(:mod:`fl_lightning.sweep.table_data`), with the command that fetches it."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
-import yaml
-
-from ..data import catalog, sources
+from ..data import sources
 from ..tracking.progress import duration
 from .table import TableRun
+from .table_data import lacking_by_recipe
 
 
 def preview(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO) -> None:
     """Prints one line per run, then the totals, the time estimate and the missing data sets."""
     states = {id(run): run.state(fit_args) for run in runs}
-    lacking = {recipe: missing_data(run, fit_args) for recipe, run in {r.recipe: r for r in runs}.items()}
+    lacking = lacking_by_recipe(runs, fit_args)
     for run in runs:
         flag = "  (data missing)" if lacking[run.recipe] and states[id(run)] != "done" else ""
         print(f"{states[id(run)]:>7}  {run.name}  {run.output_dir}{flag}", file=out)
@@ -30,11 +29,13 @@ def preview(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO)
     )
     if pending:
         print(time_estimate(runs, pending, states, n_jobs), file=out)
-    for (title, name, data_dir), recipes in _by_data_set(pending, lacking).items():
+    for (title, name, data_dir, download), recipes in _by_data_set(pending, lacking).items():
         count = sum(1 for run in pending if run.recipe in recipes)
+        fetched = " (or let flrun table download it before the runs: their recipes set download: true)"
         print(
             f"data missing for {count} of the runs to do ({', '.join(sorted(r.stem for r in recipes))}): {title}, "
-            f"not found in {data_dir}; fetch it with {sources.fetch_command(name, data_dir)}.",
+            f"not found in {data_dir}; fetch it with {sources.fetch_command(name, data_dir)}"
+            f"{fetched if download else ''}.",
             file=out,
         )
 
@@ -64,23 +65,6 @@ def time_estimate(runs: list[TableRun], pending: list[TableRun], states: dict[in
         f"time: about {duration(total)} for {runs_of} a finished run here{at_once}; no estimate for the other "
         f"{len(pending) - len(known)} (none of their recipe has finished yet)."
     )
-
-
-def missing_data(run: TableRun, fit_args: list[str]) -> list[tuple[str, str, str]]:
-    """The data sets ``run``'s recipe reads that are not under their ``data_dir``: (title, fetch name, data_dir)."""
-    from ..run.arguments import parse_fit
-
-    _, _, resolved = parse_fit(run.fit_argv(fit_args))
-    found = []
-    data = (yaml.safe_load(resolved) or {}).get("data")
-    while isinstance(data, dict):  # the data set, then the one its server set comes from (out-of-domain)
-        init = data.get("init_args") or {}
-        source = catalog.NAMES.get(str(data.get("class_path", "")).rsplit(".", 1)[-1].lower())
-        data_dir = str(init.get("data_dir") or "data")
-        if source is not None and not sources.present(source, Path(data_dir)):
-            found.append((source.title, source.name, data_dir))
-        data = init.get("server_dataset")
-    return found
 
 
 def _by_data_set(pending: list[TableRun], lacking: dict[Path, list]) -> dict[tuple, set[Path]]:

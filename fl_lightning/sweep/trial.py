@@ -3,8 +3,12 @@ parameters; a pruning logger reports the sweep's metric every evaluation round."
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,43 @@ def _suggest(trial, name: str, p: dict[str, Any]):
 PROCESS = f"{socket.gethostname()}:{os.getpid()}"
 
 
+def warm_up(spec: SweepSpec) -> None:
+    """Imports what a trial's run needs (torch, Fabric, the parser and the recipe's classes) by parsing the base
+    recipe once, before a worker process asks for its first trial: a worker starts without them, and its first
+    trial's time (the trials table, the pruner's view of it) would include seconds of imports that a sweep in one
+    process pays in its recipe check instead. A recipe that fails here fails its trials, which say why."""
+    from ..distributed.fabric import fabric_class
+    from ..run.arguments import parse_fit
+
+    fabric_class()
+    with contextlib.suppress(ConfigError):
+        parse_fit(["--config", spec.base, *shared_args(spec)])
+
+
+@contextlib.contextmanager
+def messages_named(number: int):
+    """The warnings a trial's run gives (the package's log warnings, Python's warnings) go to stderr as
+    ``flrun sweep: trial 3: warning: ...``: with several workers, lines of several trials interleave, and one
+    without its trial cannot be told apart."""
+    prefix = f"flrun sweep: trial {number}: warning: "
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    package = logging.getLogger("fl_lightning")
+    propagate, package.propagate = package.propagate, False  # shown once, here, not again by a root handler
+    package.addHandler(handler)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{prefix}{category.__name__}: {message}", file=sys.stderr, flush=True)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            yield
+    finally:
+        package.removeHandler(handler)
+        package.propagate = propagate
+
+
 def run_trial(spec: SweepSpec, trial, notify) -> float:
     """The objective: one ``flrun fit`` run in ``trial_NNNN/`` with the trial's parameters."""
     import optuna
@@ -96,7 +137,8 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
         *as_args({"logger": logger}),
     ]
     try:
-        summary = fit_from_argv(argv, [PruningLogger(trial, spec.metric)])
+        with messages_named(trial.number):
+            summary = fit_from_argv(argv, [PruningLogger(trial, spec.metric)])
         value = trial_value(summary, spec)
         test = test_counterpart(spec.metric)
         if test is not None and test in (summary.get(spec.use) or {}):  # reported for the best trial only

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from ..distributed.gpu_share import end_with_parent, environment_for, least_used, raise_interrupt
 from .spec import SweepSpec
 from .storage import open_slots, open_study, requeue, tally
-from .trial import PROCESS, run_trial
+from .trial import PROCESS, run_trial, warm_up
 
 
 class Interrupts:
@@ -347,6 +347,7 @@ def run_worker(spec: SweepSpec, info: dict) -> int:
     with interruptible() as interrupts:
         threading.Thread(target=_follow_parent, args=(info["parent"], interrupts), daemon=True).start()
         try:
+            warm_up(spec)  # before the first trial starts its clock
             study = open_study(spec, epoch=info["epoch"], worker=info["serial"])
             work(spec, study, channel.may_start, channel.send, interrupts)
         except KeyboardInterrupt:

@@ -130,3 +130,35 @@ class RoundProgress:
     def close(self) -> None:
         if self.interactive:
             self.bar.stop()
+
+
+SHOWN_METRICS = 6  # other final metrics the end of a run names; summary.json holds them all
+
+
+def run_summary(summary: dict) -> str:
+    """The end of ``flrun fit`` on the terminal, from its ``summary.json``::
+
+    quickstart seed 0: 40 rounds in 3.1 s
+      global/test_acc: final 0.9889 (round 40), best 0.9917 (round 36)
+      other final metrics: global/test_loss 0.04121, global/test_top_class_share 0.1034
+    run folder: runs/quickstart/seed0 (every number in summary.json; --json prints it)
+    """
+    seconds = float(summary.get("wall_time_s") or 0.0)
+    took = f"{seconds:.1f} s" if seconds < 10 else duration(seconds)
+    done, planned = summary.get("rounds"), summary.get("rounds_planned")
+    rounds = f"{done} rounds" if summary.get("complete") else f"{done} of {planned} rounds (--resume auto continues)"
+    lines = [f"{summary.get('name')} seed {summary.get('seed')}: {rounds} in {took}"]
+    monitor, final, best = summary.get("monitor"), summary.get("final") or {}, summary.get("best") or {}
+    if monitor in final:
+        shown = f"final {final[monitor]:.4f} (round {summary.get('final_round')})"
+        if monitor in best:
+            shown += f", best {best[monitor]:.4f} (round {summary.get('best_round')})"
+        lines.append(f"  {monitor}: {shown}")
+    else:
+        lines.append("  no evaluation yet")
+    others = [f"{key} {value:.4g}" for key, value in final.items() if key != monitor]
+    if others:
+        more = f" and {len(others) - SHOWN_METRICS} more" if len(others) > SHOWN_METRICS else ""
+        lines.append(f"  other final metrics: {', '.join(others[:SHOWN_METRICS])}{more}")
+    lines.append(f"run folder: {summary.get('output_dir')} (every number in summary.json; --json prints it)")
+    return "\n".join(lines)
