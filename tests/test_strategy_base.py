@@ -13,8 +13,9 @@ from torch import nn
 from fl_lightning.client import ClientContext, LocalTraining
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.federation.population import Tier
-from fl_lightning.federation.types import ClientSpec, ClientUpdate, ModelWeights, clone_state
+from fl_lightning.federation.types import ClientSpec, ClientUpdate, ModelWeights, TensorPayload, clone_state
 from fl_lightning.knowledge.class_stats import ClassStatistics
+from fl_lightning.knowledge.public_set import mean_upload, received_positions, subset_downlink
 from fl_lightning.models import FeatureClassifier, ModelSpec
 from fl_lightning.models.registry import register_model
 from fl_lightning.strategies import DSFL, MOON, FedAvg, Velo
@@ -189,3 +190,17 @@ def test_personal_models_evaluate_a_clients_own_role():
     assert role == "p" and weights["features.1.weight"].shape == (8, 64)
     stored = {"weights": {"features.1.weight": torch.ones(8, 64)}}
     assert strategy.personal_weights(client, stored) == ("p", stored["weights"])
+
+
+def test_a_public_subset_travels_as_positions_and_uploads_average_in_arrival_order():
+    positions = torch.tensor([1, 4], dtype=torch.int32)
+    down = subset_downlink("public_positions", positions)
+    assert down["public_positions"].nbytes == 8 and torch.equal(received_positions(down, "public_positions"), positions)
+    assert subset_downlink("public_positions", None) == {} and received_positions({}, "public_positions") is None
+
+    a, b = ClientSpec(0, "all", ("m",)), ClientSpec(1, "all", ("m",))
+    sent = [(b, torch.tensor([[1.0, 2.0]])), (a, torch.tensor([[2.0, 5.0]]))]
+    updates = [ClientUpdate(c, 1, {"public_logits": TensorPayload("public_logits", {"logits": z})}) for c, z in sent]
+    mean, senders = mean_upload(iter(updates), "public_logits", "logits")
+    assert torch.equal(mean, torch.tensor([[1.5, 3.5]])) and mean.dtype == torch.float32 and senders == [b, a]
+    assert mean_upload(iter([]), "public_logits", "logits") == (None, [])

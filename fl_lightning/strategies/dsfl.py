@@ -16,7 +16,15 @@ from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.distillation import kl_to_targets
-from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
+from ..knowledge.public_set import (
+    eval_logits,
+    mean_upload,
+    public_inputs,
+    received_positions,
+    round_subset,
+    subset_downlink,
+    target_batches,
+)
 from .base import PersonalModels, ServerContext, Split, Strategy
 
 
@@ -102,11 +110,7 @@ class DSFL(PersonalModels, Strategy):
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         if phase == "train":
             positions = round_subset(self.server.seed, rnd, self.num_public, self.open_size)
-            down = (
-                {}
-                if positions is None
-                else {"open_positions": TensorPayload("open_positions", {"positions": positions})}
-            )
+            down = subset_downlink("open_positions", positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
         if not self.uploaders:
             return []
@@ -119,7 +123,7 @@ class DSFL(PersonalModels, Strategy):
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         if task.phase == "train":
             loss = ctx.fit(role)["loss"]
-            positions = task.downlink["open_positions"].tensors["positions"] if task.downlink else None
+            positions = received_positions(task.downlink, "open_positions")
             x_open = public_inputs(ctx.data_x, ctx.public_indices, positions)
             outputs = eval_logits(module, x_open, ctx.eval_batch_size)
             if self.upload == "probs":
@@ -150,15 +154,10 @@ class DSFL(PersonalModels, Strategy):
             for _ in updates:  # the clients distilled locally; nothing comes back
                 pass
             return {}
-        total, self.uploaders = None, []
-        for update in updates:
-            outputs = update.uplink["open_outputs"].tensors["outputs"].double()
-            total = outputs if total is None else total + outputs
-            self.uploaders.append(update.client)
-        if not self.uploaders:
+        mean, self.uploaders = mean_upload(updates, "open_outputs", "outputs")
+        if mean is None:
             self.global_probs = None
             return {}
-        mean = (total / len(self.uploaders)).float()
         self.global_probs = entropy_reduction(mean, self.era_temperature) if self.aggregation == "era" else mean
         entropy = -(self.global_probs * self.global_probs.clamp_min(1e-12).log()).sum(1).mean()
         return {"server/soft_label_entropy": float(entropy)}

@@ -19,7 +19,14 @@ from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.padding import padded_loss, real_labels
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
-from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
+from ..knowledge.public_set import (
+    eval_logits,
+    public_inputs,
+    received_positions,
+    round_subset,
+    subset_downlink,
+    target_batches,
+)
 from ..knowledge.server_optim import ServerOptimizer, server_optimizer
 from .base import PersonalModels, ServerContext, Split, Strategy, global_metrics
 
@@ -174,11 +181,7 @@ class FedGEMS(PersonalModels, Strategy):
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         if phase == "train":
             self.positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-            down = (
-                {}
-                if self.positions is None
-                else {"public_positions": TensorPayload("public_positions", {"positions": self.positions})}
-            )
+            down = subset_downlink("public_positions", self.positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
         if not self.uploaders:
             return []
@@ -191,7 +194,7 @@ class FedGEMS(PersonalModels, Strategy):
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         uplink, metrics = {}, {}
         if task.phase == "train":
-            positions = task.downlink["public_positions"].tensors["positions"] if task.downlink else None
+            positions = received_positions(task.downlink, "public_positions")
             if positions is not None:
                 ctx.state["public_positions"] = positions  # remembered until the distillation
             metrics[f"{role}/loss"] = ctx.fit(role)["loss"]

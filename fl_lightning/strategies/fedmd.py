@@ -15,7 +15,15 @@ from ..federation.errors import ConfigError
 from ..federation.padding import padded_loss
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.distillation import kl_to_targets
-from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
+from ..knowledge.public_set import (
+    eval_logits,
+    mean_upload,
+    public_inputs,
+    received_positions,
+    round_subset,
+    subset_downlink,
+    target_batches,
+)
 from .base import PersonalModels, ServerContext, Split, Strategy
 
 
@@ -95,11 +103,7 @@ class FedMD(PersonalModels, Strategy):
             return [ClientTask(c, rnd, {}, phase) for c in self.server.clients] if rnd == 1 else []
         if phase == "communicate":
             positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-            down = (
-                {}
-                if positions is None
-                else {"public_positions": TensorPayload("public_positions", {"positions": positions})}
-            )
+            down = subset_downlink("public_positions", positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
         if not self.uploaders:
             return []
@@ -117,7 +121,7 @@ class FedMD(PersonalModels, Strategy):
             metrics[f"{role}/transfer_public_loss"] = ctx.fit(role, "public", steps=public_steps)["loss"]
             metrics[f"{role}/transfer_private_loss"] = ctx.fit(role, steps=private_steps)["loss"]
         elif task.phase == "communicate":
-            positions = task.downlink["public_positions"].tensors["positions"] if task.downlink else None
+            positions = received_positions(task.downlink, "public_positions")
             x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
             if positions is not None:
                 ctx.state["public_positions"] = positions  # the client remembers its subset until the digest
@@ -140,12 +144,7 @@ class FedMD(PersonalModels, Strategy):
             for _ in updates:  # transfer learning and digest / revisit stay on the clients
                 pass
             return {}
-        total, self.uploaders = None, []
-        for update in updates:
-            logits = update.uplink["public_logits"].tensors["logits"].double()
-            total = logits if total is None else total + logits
-            self.uploaders.append(update.client)
-        self.consensus = (total / len(self.uploaders)).float() if self.uploaders else None
+        self.consensus, self.uploaders = mean_upload(updates, "public_logits", "logits")
         return {}
 
 
