@@ -394,6 +394,12 @@ CASES = [
         no_recipe=True,
     ),
     Case(
+        "strategy choice unknown",
+        ["--config", "recipes/digits_fedhe.yaml", "--strategy.init_args.logit_loss", "l2"],
+        ["'l2'", "strategy.logit_loss", "mse, kl"],
+        no_recipe=True,
+    ),
+    Case(
         "FD temperature negative",
         ["--config", "recipes/digits_fd.yaml", "--strategy.init_args.temperature", "-1"],
         ["FD", "temperature > 0"],

@@ -122,8 +122,6 @@ def test_bad_settings_are_refused_in_one_sentence():
         method_env(DSFL(), CONSTANT, [Tier("all", ["m"])])
     with pytest.raises(ConfigError, match="open_size 100000 must be between 1 and the open set's"):
         _env(DSFL(open_size=100_000))
-    with pytest.raises(ConfigError, match="aggregation must be era or sa and upload probs or logits"):
-        DSFL(aggregation="mean")
     with pytest.raises(ConfigError, match="sa averages probabilities; with upload: logits use aggregation: era"):
         DSFL(aggregation="sa", upload="logits")
 

@@ -46,7 +46,7 @@ def test_teacher_is_the_plain_mean_of_logits_and_the_start_the_weighted_average(
     assert strategy.teacher.shape == (len(server.data.server_idx), 10)
     assert torch.allclose(strategy.teacher, expected.expand_as(strategy.teacher), atol=1e-6)
     # no distillation steps: the global model is FedAvg's (1 x 2 + 3 x 0) / 4 = 0.5
-    bias = strategy.global_weights["m"]["head.bias"]
+    bias = strategy.state.global_weights["m"]["head.bias"]
     assert torch.allclose(bias, torch.tensor([0.5] + [0.0] * 9))
 
 
@@ -57,7 +57,7 @@ def test_one_adam_step_moves_the_averaged_model_towards_the_ensemble():
     strategy.aggregate(1, iter([_upload(server, c[0], 2.0, 1), _upload(server, c[1], 0.0, 3)]))
     # start 0.5 < teacher 1 on class 0: its probability is too low, the KL's gradient p - q is negative
     # there and positive elsewhere; Adam's first step moves each coordinate by lr against the sign
-    bias = strategy.global_weights["m"]["head.bias"]
+    bias = strategy.state.global_weights["m"]["head.bias"]
     assert torch.allclose(bias, torch.tensor([0.501] + [-0.001] * 9), atol=1e-6)
 
 
@@ -68,8 +68,12 @@ def test_each_prototype_learns_from_the_ensemble_of_all_prototypes():
     b = next(c for c in server.clients if c.roles == ("b",))
     strategy.aggregate(1, iter([_upload(server, a, 2.0, 1), _upload(server, b, 0.0, 1)]))
     # teacher (1, 0, ...): a starts above it on class 0 and moves down, b starts below and moves up
-    assert torch.allclose(strategy.global_weights["a"]["head.bias"], torch.tensor([1.999] + [0.001] * 9), atol=1e-6)
-    assert torch.allclose(strategy.global_weights["b"]["head.bias"], torch.tensor([0.001] + [-0.001] * 9), atol=1e-6)
+    assert torch.allclose(
+        strategy.state.global_weights["a"]["head.bias"], torch.tensor([1.999] + [0.001] * 9), atol=1e-6
+    )
+    assert torch.allclose(
+        strategy.state.global_weights["b"]["head.bias"], torch.tensor([0.001] + [-0.001] * 9), atol=1e-6
+    )
 
 
 def test_the_model_goes_each_way_and_nothing_else():

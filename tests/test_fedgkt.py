@@ -51,7 +51,7 @@ def test_sizes_sent_and_server_logits_aligned_with_the_clients_examples():
     down = strategy.configure_round(2, [client])[0].downlink["server_logits"]
     assert down.nbytes == n * 10 * 4
     # example i's teacher is the server's output on example i's features, in the client's order
-    expected = server.predict("server", strategy.server_weights, sent.tensors["features"])
+    expected = server.predict("server", strategy.state.server_weights, sent.tensors["features"])
     assert torch.allclose(down.tensors["logits"], expected)
     assert strategy.configure_round(2, [server.clients[0]])[0].downlink == {}  # client 0 never uploaded
     client_update(strategy, server, strategy.configure_round(2, [client])[0], state)  # distills from them
@@ -80,7 +80,7 @@ def test_fedgkt_resnet8_sends_its_stem_feature_maps_and_the_server_resnet_contin
     strategy.aggregate(1, iter([update]))
     down = strategy.configure_round(2, [client])[0].downlink["server_logits"].tensors["logits"]
     assert down.shape == (len(idx), 10)
-    assert torch.allclose(down, server.predict("server", strategy.server_weights, sent["features"]))
+    assert torch.allclose(down, server.predict("server", strategy.state.server_weights, sent["features"]))
 
 
 def test_bad_settings_are_refused_in_one_sentence():

@@ -129,5 +129,3 @@ def test_needs_one_representation_size_and_one_model_per_client():
         method_env(FedProto(), models, [Tier("a", ["a"], count=2), Tier("b", ["b"])])
     with pytest.raises(ConfigError, match="exactly one model"):
         method_env(FedProto(), models, [Tier("ab", ["a", "b"])])
-    with pytest.raises(ConfigError, match="weighting"):
-        FedProto(weighting="median")

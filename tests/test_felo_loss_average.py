@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from conftest import client_update, method_env
 from test_fidelity import CONSTANT, ONE_FROZEN_BATCH
 
-from fl_lightning.federation.errors import ConfigError
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
@@ -34,7 +33,7 @@ def _server_knows_class_zero(strategy, server):
     """One upload of class 0 only: logits 0 (uniform softmax), features 1 (4-dimensional)."""
     labels = torch.tensor([0] + [-1] * 9, dtype=torch.int32)
     vectors = {"features": torch.ones(10, 4), "logits": torch.zeros(10, 10)}
-    weights = ModelWeights("m", strategy.global_weights["m"])
+    weights = ModelWeights("m", strategy.state.global_weights["m"])
     knowledge = ClassStatistics("class_knowledge", vectors, labels)
     update = ClientUpdate(server.clients[3], 10, {"class_knowledge": knowledge, "weights": weights})
     strategy.aggregate(1, iter([update]))
@@ -77,8 +76,3 @@ def test_velo_averages_its_logit_term_over_the_batch_before_features_exist():
     share = (y == 0).float().mean().item()
     loss = client_update(strategy, server, strategy.configure_round(2, [client])[0]).metrics["m/loss"]
     assert loss == pytest.approx(cross_entropy_of(y) + 0.5 * share * KL_FROM_UNIFORM, rel=1e-5)
-
-
-def test_unknown_loss_average_is_refused_in_one_sentence():
-    with pytest.raises(ConfigError, match="Velo loss_average must be batch or available, got 'mean'"):
-        Velo(loss_average="mean")

@@ -44,7 +44,7 @@ def test_without_distillation_the_two_models_train_as_if_alone():
     task = strategy.configure_round(1, [client])[0]
     state = {}
     update = client_update(strategy, server, task, state)
-    alone_meme = _trained_alone(server, task, "meme", strategy.meme_weights)
+    alone_meme = _trained_alone(server, task, "meme", strategy.state.meme_weights)
     alone_private = _trained_alone(server, task, "p", server.initial_weights("p", client.id))
     assert all(torch.allclose(update.uplink["meme"].state[k], v) for k, v in alone_meme.items())
     assert all(torch.allclose(state["weights"][k], v) for k, v in alone_private.items())
@@ -57,7 +57,7 @@ def test_a_detached_partner_gets_no_gradient_from_the_other_loss(detach):
     server = method_env(strategy, MODELS, PAIR, training=TRAINING)
     task = strategy.configure_round(1, [server.clients[0]])[0]
     meme = client_update(strategy, server, task).uplink["meme"].state
-    alone = _trained_alone(server, task, "meme", strategy.meme_weights)
+    alone = _trained_alone(server, task, "meme", strategy.state.meme_weights)
     same = all(torch.allclose(meme[k], v) for k, v in alone.items())
     assert same == detach  # backpropagating the private loss through the meme (HtFLlib) changes it
 
@@ -70,8 +70,8 @@ def test_meme_is_averaged_and_is_all_that_is_sent():
     assert task.downlink["meme"].nbytes == MEME_NUMBERS * 4
     update = client_update(strategy, server, task)
     assert list(update.uplink) == ["meme"] and update.uplink["meme"].nbytes == MEME_NUMBERS * 4
-    ones = {k: torch.full_like(v, 1.0) for k, v in strategy.meme_weights.items()}
-    fives = {k: torch.full_like(v, 5.0) for k, v in strategy.meme_weights.items()}
+    ones = {k: torch.full_like(v, 1.0) for k, v in strategy.state.meme_weights.items()}
+    fives = {k: torch.full_like(v, 5.0) for k, v in strategy.state.meme_weights.items()}
     strategy.aggregate(
         1,
         iter(
@@ -81,7 +81,7 @@ def test_meme_is_averaged_and_is_all_that_is_sent():
             ]
         ),
     )
-    assert torch.equal(strategy.meme_weights["head.bias"], torch.full((10,), 4.0))  # (1 + 5 x 3) / 4
+    assert torch.equal(strategy.state.meme_weights["head.bias"], torch.full((10,), 4.0))  # (1 + 5 x 3) / 4
 
 
 def test_private_model_stays_on_the_client_and_is_what_gets_evaluated():
@@ -103,5 +103,3 @@ def test_every_client_needs_a_private_and_the_meme_role():
         method_env(FML(), MODELS, [Tier("alone", ["p"], count=2), Tier("pair", ["p", "meme"])])
     with pytest.raises(ConfigError, match="alpha and beta"):
         FML(alpha=1.5)
-    with pytest.raises(ConfigError, match="kl_reduction"):
-        FML(kl_reduction="sum")

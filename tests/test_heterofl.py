@@ -107,7 +107,7 @@ def test_a_half_width_client_sends_its_slice_without_batch_norm_statistics():
     # rate 1/2: conv 8*9+8 = 80, norm 16, conv 16*8*9+16 = 1168, norm 32, dense 32*256+32 = 8224,
     # head 10*32+10 = 330: 9850 numbers, against 38,378 at rate 1 (0.257, about r^2)
     assert task.downlink["b"].nbytes == 9850 * 4
-    assert sum(v.numel() for v in strategy.global_weights.values()) == 38378
+    assert sum(v.numel() for v in strategy.state.global_weights.values()) == 38378
     update = client_update(strategy, server, task)
     assert update.uplink["b"].nbytes == 9850 * 4 and update.uplink["label_split"].nbytes == 10
     assert not any("running" in k or "num_batches" in k for k in update.uplink["b"].state)
@@ -128,7 +128,10 @@ def test_masked_classes_leave_their_output_rows_alone():
         update = client_update(strategy, server, strategy.configure_round(1, [client])[0])
         absent = ~update.uplink["label_split"].tensors["classes"]
         assert torch.equal(absent, torch.bincount(data.y[data.clients[client.id].train], minlength=10) == 0)
-        rows[mask] = update.uplink["a"].state["head.weight"][absent], strategy.global_weights["head.weight"][absent]
+        rows[mask] = (
+            update.uplink["a"].state["head.weight"][absent],
+            strategy.state.global_weights["head.weight"][absent],
+        )
     assert torch.equal(*rows[True])  # a constant 0 logit gets no gradient
     assert not torch.equal(*rows[False])
 
@@ -136,7 +139,7 @@ def test_masked_classes_leave_their_output_rows_alone():
 def test_aggregate_averages_each_entry_over_its_holders_and_rows_over_their_classes():
     strategy = HeteroFL(mode="fixed")
     server = method_env(strategy, HALVES, FIXED_TIERS)
-    before = {k: v.clone() for k, v in strategy.global_weights.items()}
+    before = {k: v.clone() for k, v in strategy.state.global_weights.items()}
     full = {k: torch.full_like(v, 4.0) for k, v in before.items()}
     half = {k: torch.full(s, 2.0) for k, s in strategy.shapes["b"].items()}
     has = torch.zeros(10, dtype=torch.bool)
@@ -158,13 +161,13 @@ def test_aggregate_averages_each_entry_over_its_holders_and_rows_over_their_clas
             ]
         ),
     )
-    new = strategy.global_weights
+    new = strategy.state.global_weights
     assert new["features.0.weight"][:8].eq(3.0).all() and new["features.0.weight"][8:].eq(4.0).all()
     assert new["features.3.weight"][:16, :8].eq(3.0).all() and new["features.3.weight"][:16, 8:].eq(4.0).all()
     assert new["head.weight"][:3, :32].eq(3.0).all() and new["head.weight"][3:].eq(4.0).all()
     assert new["head.bias"].tolist() == [3.0] * 3 + [4.0] * 7
     strategy.aggregate(2, iter([upload(server.clients[2], "b", half, has)]))  # entries nobody holds keep theirs
-    assert strategy.global_weights["features.0.weight"][8:].eq(4.0).all()
+    assert strategy.state.global_weights["features.0.weight"][8:].eq(4.0).all()
 
 
 def test_missing_needs_are_refused_in_one_sentence():
@@ -177,8 +180,6 @@ def test_missing_needs_are_refused_in_one_sentence():
         method_env(HeteroFL(mode="fixed"), mixed, FIXED_TIERS)
     with pytest.raises(ConfigError, match="every tier must list every rate role"):
         method_env(HeteroFL(mode="dynamic"), HALVES, FIXED_TIERS)
-    with pytest.raises(ConfigError, match="mode must be 'dynamic' or 'fixed'"):
-        HeteroFL(mode="static")
 
 
 def test_dynamic_rates_are_drawn_per_round_from_the_shares():

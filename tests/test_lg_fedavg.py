@@ -27,8 +27,8 @@ def test_head_is_the_sample_weighted_or_plain_mean(weighted, expected):
     c = server.clients
     strategy.aggregate(1, iter([_upload(c[0], 1.0, 1), _upload(c[1], 5.0, 3)]))
     # weighted: (1 x 1 + 5 x 3) / 4 = 4; plain: (1 + 5) / 2 = 3
-    assert sorted(strategy.global_weights) == ["head.bias", "head.weight"]
-    assert torch.allclose(strategy.global_weights["head.weight"], torch.full((10, 4), expected))
+    assert sorted(strategy.state.global_weights) == ["head.bias", "head.weight"]
+    assert torch.allclose(strategy.state.global_weights["head.weight"], torch.full((10, 4), expected))
 
 
 def test_client_trains_its_own_layers_under_the_global_head_and_sends_only_the_head():
@@ -56,7 +56,7 @@ def test_top_layers_are_matched_by_position_across_architectures():
     server = method_env(strategy, models, [Tier("a", ["a"], count=2), Tier("b", ["b"])], training=FROZEN)
     assert strategy.names == ["features.3.weight", "features.3.bias", "head.weight", "head.bias"]
     assert strategy.keys["b"] == ["features.5.weight", "features.5.bias", "head.weight", "head.bias"]
-    strategy.global_weights = {k: torch.full_like(v, 7.0) for k, v in strategy.global_weights.items()}
+    strategy.state.global_weights = {k: torch.full_like(v, 7.0) for k, v in strategy.state.global_weights.items()}
     b_client = next(c for c in server.clients if c.tier == "b")
     task = strategy.configure_round(1, [b_client])[0]
     assert task.downlink["global_layers"].nbytes == (4 * 4 + 4 + 4 * 10 + 10) * 4
@@ -71,7 +71,7 @@ def test_evaluation_uses_the_current_global_part_or_the_last_trained_model():
         strategy = LGFedAvg(evaluate_with=evaluate_with)
         server = method_env(strategy, MLP, [Tier("all", ["m"])])
         trained = {**server.initial_weights("m", 0), "head.bias": torch.full((10,), 2.0)}
-        strategy.global_weights = {k: torch.full_like(v, 3.0) for k, v in strategy.global_weights.items()}
+        strategy.state.global_weights = {k: torch.full_like(v, 3.0) for k, v in strategy.state.global_weights.items()}
         _, weights = strategy.personal_weights(server.clients[0], {"weights": trained})
         assert torch.equal(weights["head.bias"], torch.full((10,), expected))
         assert torch.equal(weights["features.1.weight"], trained["features.1.weight"])

@@ -64,15 +64,15 @@ def test_felo_averages_weights_only_within_an_architecture():
     )
 
     def update(client, role, value, n):
-        state = {k: torch.full_like(v, value) for k, v in strategy.global_weights[role].items()}
+        state = {k: torch.full_like(v, value) for k, v in strategy.state.global_weights[role].items()}
         return ClientUpdate(client, n, {"class_knowledge": knowledge, "weights": ModelWeights(role, state)})
 
     c = server.clients
     strategy.aggregate(1, iter([update(c[0], "a", 1.0, 1), update(c[1], "a", 4.0, 3), update(c[2], "b", 10.0, 5)]))
     assert all(
-        torch.allclose(v, torch.full_like(v, 3.25)) for v in strategy.global_weights["a"].values()
+        torch.allclose(v, torch.full_like(v, 3.25)) for v in strategy.state.global_weights["a"].values()
     )  # (1 + 12) / 4
-    assert all(torch.allclose(v, torch.full_like(v, 10.0)) for v in strategy.global_weights["b"].values())
+    assert all(torch.allclose(v, torch.full_like(v, 10.0)) for v in strategy.state.global_weights["b"].values())
 
 
 def test_fedgh_lars_are_class_means_of_representations():

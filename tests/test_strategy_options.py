@@ -37,6 +37,51 @@ CASES = [
 ]
 
 
+# every choice a strategy offers is a Literal in its signature: the parser refuses a value outside it and names
+# the option and the choices (and `flrun fit --strategy.help <Strategy>` lists them)
+CHOICES = [
+    ("digits_fedhe", "logit_loss", "mse, kl"),
+    ("digits_fedhe", "logit_average", "batch, available"),
+    ("digits_felo", "logit_loss", "kl, mse"),
+    ("digits_velo", "loss_average", "batch, available"),  # Felo's option, through Velo's **kwargs
+    ("digits_fedkd", "kl_reduction", "batchmean, mean"),
+    ("digits_fedkd", "compression", "none, svd"),
+    ("digits_fml", "kl_reduction", "batchmean, mean"),
+    ("digits_fedproto", "weighting", "uniform, samples"),
+    ("digits_fedproto", "inference", "prototypes, local_head"),
+    ("digits_fedproto", "split", "global, test, val"),
+    ("digits_fedgh", "header_update", "per_lar, per_client"),
+    ("digits_fedgh", "evaluate_with", "local, global_header"),
+    ("digits_lg_fedavg", "evaluate_with", "global, local"),
+    ("digits_dsfl", "aggregation", "era, sa"),
+    ("digits_dsfl", "upload", "probs, logits"),
+    ("digits_fedmd", "digest_loss", "l1, mse, kl"),
+    ("digits_fedgems", "kl_form", "paper, aijack"),
+    ("digits_fedgems", "server_optimizer", "adam, sgd"),
+    ("digits_fedgkt", "server_optimizer", "adam, sgd"),
+    ("digits_heterofl", "mode", "dynamic, fixed"),
+    ("digits_ondevice_kd", "kd_mode", "sequential, joint"),
+    ("digits_ondevice_kd", "teacher_mode", "train, eval"),
+]
+
+
+@pytest.mark.parametrize("recipe, option, choices", CHOICES, ids=[f"{r}-{o}" for r, o, _ in CHOICES])
+def test_a_value_outside_a_strategys_choices_is_refused_naming_them(tmp_path, capsys, recipe, option, choices):
+    out = tmp_path / "out"
+    code = run_cli(
+        "fit", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), S + option, "nope", "--output_dir", str(out)
+    )
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and not out.exists()
+    assert lines == [f"flrun fit: error: bad value 'nope' for strategy.{option}: use one of {choices}."]
+
+
+def test_a_strategys_choices_are_listed_by_its_help(capsys):
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--strategy.help", "FedHe")
+    assert "--strategy.logit_loss {mse,kl}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("recipe, args, expected", CASES, ids=[f"{r}-{a[0].rsplit('.', 1)[1]}" for r, a, _ in CASES])
 def test_impossible_option_is_refused_before_training(tmp_path, capsys, recipe, args, expected):
     out = tmp_path / "out"
@@ -75,7 +120,7 @@ def test_codistillation_per_role_options_must_name_every_role(tmp_path, capsys, 
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        ([S + "split", "tset"], "FML split must be global, test or val, got 'tset'."),
+        ([S + "split", "tset"], "bad value 'tset' for strategy.split: use one of global, test, val."),
         (["--data.init_args.local_split", "[1.0, 0.0, 0.0]"], "FML evaluates each client on its local test split"),
     ],
 )

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..data import ClientData, FederatedData
 from ..federation.seeding import Stream, derive_seed, seed_torch  # noqa: F401 (re-exported: strategies import them from here)
-from ..federation.types import ClientSpec, StateDict
+from ..federation.types import ClientSpec, StateDict, clone_state
 from .batches import batch_stream
 from .loop import LocalLoop
 from .steps import ModelSlot, StepFn
@@ -92,17 +92,41 @@ class ClientContext:
     def num_examples(self, split: str = "train") -> int:
         return len(getattr(self.indices, split))
 
+    # ------------------------------------------------------------------ the recipe's training settings
+    @property
+    def batch_size(self) -> int:
+        """Examples per training step (``training.batch_size``)."""
+        return self.loop.training.batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Examples per forward pass outside training (``training.eval_batch_size``): uploads of logits,
+        features or representations."""
+        return self.loop.training.eval_batch_size
+
+    def local_steps(self, num_examples: int | None = None) -> int:
+        """The steps of one local training on ``num_examples`` examples (the training split's when None):
+        ``training.local_steps``, or ``training.local_epochs`` passes of :attr:`batch_size`."""
+        return self.loop.num_steps(self.num_examples() if num_examples is None else num_examples)
+
+    def epoch_steps(self, num_examples: int) -> int:
+        """The steps of one pass over ``num_examples`` examples at :attr:`batch_size` (the last batch partial).
+
+        Example: 100 examples at batch size 32 take 4 steps.
+        """
+        return -(-num_examples // self.batch_size)
+
     def batches(self, split: str = "train", steps: int | None = None, batch_size: int | None = None) -> Iterator[tuple]:
         """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``), or of the
         labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels)."""
         idx = self.public_indices if split == "public" else getattr(self.indices, split)
-        steps = steps if steps is not None else self.loop.num_steps(len(idx))
+        steps = steps if steps is not None else self.local_steps(len(idx))
         y = None if split == "unlabeled" else self._data.y
         # a data set's own CropFlip can be drawn per client and applied to many clients at once (batched
         # executor); a data set that overrides augment() is called as it is
         data = self._data
         augment = data.augmentation if type(data).augment is FederatedData.augment else data.augment
-        return batch_stream(data.x, y, idx, batch_size or self.loop.training.batch_size, steps, self.generator, augment)
+        return batch_stream(data.x, y, idx, batch_size or self.batch_size, steps, self.generator, augment)
 
     # ------------------------------------------------------------------ models
     def load(self, role: str, weights: StateDict | None = None) -> ClientModule:
@@ -150,7 +174,7 @@ class ClientContext:
 
     def weights(self, role: str) -> StateDict:
         """A copy of the role's current weights, safe to keep after the next client reuses the instance."""
-        return {k: v.detach().clone() for k, v in self.slot(role).module.model.state_dict().items()}
+        return clone_state(self.slot(role).module.model.state_dict())
 
     def slot(self, role: str) -> ModelSlot:
         if role not in self.client.roles:

@@ -57,6 +57,14 @@ class ModelWeights(Payload):
             return cls(role, {k: state[k].clone() for k in keys})
 
 
+def clone_state(state: Mapping[str, torch.Tensor]) -> StateDict:
+    """A detached copy of ``state`` (e.g. ``module.state_dict()``), safe to keep while the module trains on.
+
+    Example: ``saved = clone_state(model.state_dict())``.
+    """
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
 def exchanged_keys(model: torch.nn.Module) -> list[str]:
     """State-dict keys of ``model`` that a real deployment exchanges, in state-dict order.
 

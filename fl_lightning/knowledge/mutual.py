@@ -4,14 +4,16 @@ FedKD's hidden-state loss. The training procedure that steps both models on one 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-KL_REDUCTIONS = ("batchmean", "mean")
+KLReduction = Literal["batchmean", "mean"]  # the KL per example, or divided by B x C as nn.KLDivLoss()
 
 
 def mutual_kl(
-    student_logits: Tensor, teacher_logits: Tensor, reduction: str = "batchmean", detach: bool = True
+    student_logits: Tensor, teacher_logits: Tensor, reduction: KLReduction = "batchmean", detach: bool = True
 ) -> Tensor:
     """``KL(softmax(teacher) || softmax(student))`` between two models' logits ``[B, C]``.
 

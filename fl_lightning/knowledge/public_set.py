@@ -7,12 +7,13 @@ positions into the set, drawn by the server from the round's own random stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from ..federation.seeding import Owner, Stream, derive_seed
+from ..federation.types import ClientSpec, ClientUpdate, Payload, TensorPayload
 
 
 def round_subset(seed: int, rnd: int, num_public: int, size: int | None) -> Tensor | None:
@@ -25,6 +26,29 @@ def round_subset(seed: int, rnd: int, num_public: int, size: int | None) -> Tens
         return None
     generator = torch.Generator().manual_seed(derive_seed(seed, rnd, Owner.SERVER, Stream.PUBLIC_SUBSET))
     return torch.randperm(num_public, generator=generator)[:size].sort().values.to(torch.int32)
+
+
+def subset_downlink(name: str, positions: Tensor | None) -> dict[str, Payload]:
+    """What tells a client the round's subset: a ``name`` payload of its positions (``n`` int32), or nothing
+    when the round uses the whole set."""
+    return {} if positions is None else {name: TensorPayload(name, {"positions": positions})}
+
+
+def received_positions(downlink: dict[str, Payload], name: str) -> Tensor | None:
+    """The positions a :func:`subset_downlink` sent, or ``None`` for the whole set."""
+    payload = downlink.get(name)
+    return None if payload is None else payload.tensors["positions"]
+
+
+def mean_upload(updates: Iterable[ClientUpdate], name: str, key: str) -> tuple[Tensor | None, list[ClientSpec]]:
+    """The clients' ``name`` payloads' ``key`` tensors averaged in float64 (returned as float32), and the clients
+    that sent them in arrival order; ``None`` when nobody did (DS-FL's soft labels, FedMD's consensus)."""
+    total, senders = None, []
+    for update in updates:
+        values = update.uplink[name].tensors[key].double()
+        total = values if total is None else total + values
+        senders.append(update.client)
+    return (None if total is None else (total / len(senders)).float()), senders
 
 
 def public_inputs(data_x: Tensor, public_indices: Tensor, positions: Tensor | None) -> Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from ..federation.types import StateDict
@@ -58,10 +60,10 @@ class ServerAdam:
         self.m, self.v = state["m"], state["v"]
 
 
-SERVER_OPTIMIZERS = ("adam", "sgd")
+ServerOptimizer = Literal["adam", "sgd"]
 
 
-def server_optimizer(kind: str, lr: float):
+def server_optimizer(kind: ServerOptimizer, lr: float):
     """A factory of a server model's optimizer: ``adam``, or ``sgd`` with momentum 0.9 (FedGEMS, FedGKT)."""
     if kind == "adam":
         return lambda params: torch.optim.Adam(params, lr=lr)

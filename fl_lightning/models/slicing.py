@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
-from ..federation.types import StateDict
+from ..federation.types import StateDict, clone_state
 
 SLICEABLE_BUILDERS = ("digits_cnn", "digits_mlp", "resnet20") + tuple(
     f"cifar_resnet{depth}" for depth in (10, 14, 18, 22, 26, 34, 50)
@@ -105,4 +105,4 @@ def batch_norm_statistics(model: nn.Module, parameters: Mapping[str, Tensor], ba
     for norm, momentum in zip(norms, momenta):
         norm.momentum = momentum
     model.train(was_training)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return clone_state(model.state_dict())

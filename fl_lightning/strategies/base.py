@@ -17,9 +17,9 @@ communication ledger counts them without any help from the strategy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -32,7 +32,16 @@ from ..data import FederatedData
 from ..federation.errors import ConfigError
 from ..federation.schedules import round_progress
 from ..federation.seeding import Stream, derive_seed
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    Role,
+    StateDict,
+    clone_state,
+    exchanged_keys,
+)
 from ..models import FeatureClassifier
 
 
@@ -43,6 +52,9 @@ class ServerContext:
     Strategies read model facts (feature size, head, parameter names), get initial weights, and train or
     evaluate a role's model on the server (distillation, codistillation) only through these methods, so
     server-side training runs in the same Fabric loop, device and precision as the clients.
+
+    ``method`` is the strategy's name, which :meth:`Strategy.setup` sets; the checks below name it in their
+    messages (``DS-FL needs unlabeled server data; ...``).
     """
 
     clients: list[ClientSpec]
@@ -51,36 +63,42 @@ class ServerContext:
     rounds: int
     seed: int
     _loop: LocalLoop
+    method: str = "the strategy"
 
     # ------------------------------------------------------------------ the run
     def progress(self, rnd: int) -> float:
         """How far round ``rnd`` is through the run: 0 in round 1, 1 in the last round."""
         return round_progress(rnd, self.rounds)
 
-    def server_inputs(self, method: str) -> Tensor:
-        """The server's unlabeled examples ``[N, ...]`` (labels are never read); ``method`` names who needs them."""
+    def round_generator(self) -> torch.Generator:
+        """A generator for server-side randomness (batch orders), seeded from torch's global generator, which the
+        orchestrator seeds per round and phase: what it draws depends on the run's seed and the round only."""
+        return torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+
+    def server_inputs(self) -> Tensor:
+        """The server's unlabeled examples ``[N, ...]`` (labels are never read)."""
         if len(self.data.server_idx) == 0:
             raise ConfigError(
-                f"{method} needs unlabeled server data; set data.init_args.server_fraction (e.g. 0.2) or "
+                f"{self.method} needs unlabeled server data; set data.init_args.server_fraction (e.g. 0.2) or "
                 "an out-of-domain server set."
             )
         return self.data.x[self.data.server_idx]
 
-    def server_labeled(self, method: str) -> tuple[Tensor, Tensor]:
+    def server_labeled(self) -> tuple[Tensor, Tensor]:
         """The server's public examples with their labels ``([N, ...], [N])``, for methods whose public set
-        is labeled (FedMD's transfer learning); ``method`` names who needs them.
+        is labeled (FedMD's transfer learning).
 
         It is the same set as :meth:`server_inputs` (``data.server_fraction``); an out-of-domain
         ``server_dataset`` has no labels and is refused.
         """
         if len(self.data.server_idx) == 0:
             raise ConfigError(
-                f"{method} needs labeled public data on the server; set data.init_args.server_fraction (e.g. 0.2)."
+                f"{self.method} needs labeled public data on the server; set data.init_args.server_fraction (e.g. 0.2)."
             )
         x, y = self.data.x[self.data.server_idx], self.data.y[self.data.server_idx]
         if y.dim() != 1 or bool((y < 0).any()):
             raise ConfigError(
-                f"{method} needs labeled public data, but the server set has no class labels (an out-of-domain "
+                f"{self.method} needs labeled public data, but the server set has no class labels (an out-of-domain "
                 "server_dataset or sequence targets); use data.init_args.server_fraction on a classification set."
             )
         return x, y
@@ -104,12 +122,13 @@ class ServerContext:
         random model as in FedHe's and Felo's code) is built once from a seed derived from the client id.
         """
         if client_id is None:
-            return {k: v.detach().clone() for k, v in self.model(role).state_dict().items()}
+            return clone_state(self.model(role).state_dict())
         return self._loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, Stream.CLIENT_INIT))
 
-    def own_weights(self, client: ClientSpec, stored: StateDict | None) -> StateDict:
-        """A personalized client's stored weights, or its own initial ones before its first round."""
-        return stored if stored is not None else self.initial_weights(client.roles[0], client.id)
+    def own_weights(self, client: ClientSpec, stored: StateDict | None, role: Role | None = None) -> StateDict:
+        """A personalized client's stored weights, or its own initial ones of ``role`` (its first role when
+        None) before its first round."""
+        return stored if stored is not None else self.initial_weights(role or client.roles[0], client.id)
 
     # ------------------------------------------------------------------ server-side computation
     @torch.no_grad()
@@ -149,43 +168,83 @@ class ServerContext:
         module = self._loop.slots[role].module
         module.model.load_state_dict(weights)
         stats = self._loop.run_steps(module, optimizer(module.parameters()), batches, step_fn)
-        trained = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        trained = clone_state(module.model.state_dict())
         return (trained, stats["loss"]) if return_loss else trained
 
-    def require_server_only_role(self, method: str, role: str) -> None:
+    # ------------------------------------------------------------------ checks of the set-up, at setup
+    def require_server_only_role(self, role: str) -> None:
         """Refuses a server model role that a tier also gives to clients (FedGEMS, FedGKT)."""
         held = [c.id for c in self.clients if role in c.roles]
         if held:
             raise ConfigError(
-                f"{method} server_role {role!r} is the server's own model, but tiers give it to "
+                f"{self.method} server_role {role!r} is the server's own model, but tiers give it to "
                 f"clients {held[:5]}; give the server a model role that no tier lists."
             )
 
-    def require_one_role_per_client(self, method: str) -> None:
+    def require_one_role_per_client(self, when: str = "") -> None:
+        """Refuses a tier that lists several roles; ``when`` names the option that asks for one role
+        (``" (mode fixed)"``)."""
         several = [c.id for c in self.clients if len(c.roles) != 1]
         if several:
             raise ConfigError(
-                f"{method} gives every client exactly one model; each tier must list one role "
+                f"{self.method}{when} gives every client exactly one model; each tier must list one role "
                 f"(clients {several[:5]} list several)."
+            )
+
+    def require_private_and_shared_role(self, shared: str, word: str) -> None:
+        """Every client lists exactly two roles: its private model's and the shared ``shared`` role (FML's
+        meme, FedKD's mentee; ``word`` names it in the message)."""
+        if shared not in self.roles:
+            raise ConfigError(
+                f"{self.method} trains a private and a shared {word} model on every client; no tier lists the "
+                f"{word} role {shared!r} (tiers train {self.roles}): give each tier roles [<private>, {shared}]."
+            )
+        wrong = [c.id for c in self.clients if len(c.roles) != 2 or shared not in c.roles]
+        if wrong:
+            raise ConfigError(
+                f"{self.method} trains two models per client: every tier must list its private model's role and "
+                f"{shared!r} (e.g. roles: [cnn_large, {shared}]); clients {wrong[:5]} do not."
             )
 
 
 class Strategy:
     """Base class of federated algorithms (one algorithm per file in ``fl_lightning/strategies``).
 
-    Subclasses list the attributes that make up the server state in ``state_attributes``; they are
-    saved in checkpoints and restored on resume.
+    What a strategy carries from round to round is one dataclass in ``self.state``, which ``setup``
+    builds and the hooks update (FedAvg's ``FedAvgState`` holds the global weights); it is all that a
+    checkpoint saves of the strategy (:meth:`state_dict`, the fields as keys). Values used within one
+    round only (a round's uploaders between two phases) are plain attributes and are not saved. A
+    strategy without server state (Standalone, DS-FL, FedMD) leaves ``state`` at ``None``.
+
+    Example, the state of a method that keeps global weights and a class bank::
+
+        @dataclass
+        class MyState:
+            global_weights: dict[Role, StateDict]
+            bank: ClassBank  # an object with state_dict / load_state_dict is saved as that dict
+
+        def setup(self, server):
+            super().setup(server)
+            self.state = MyState({r: server.initial_weights(r) for r in server.roles}, ClassBank(10, 10))
     """
 
-    state_attributes: tuple[str, ...] = ()
+    name: ClassVar[str]  # the method's name in messages: the class name unless a subclass spells it otherwise
     phases: tuple[str, ...] = ("train",)
     # whether the method reads a model's features and head apart (prototypes, representations, a swapped head):
     # a LightningModule client model must then declare them (client/lightning.py); whole-model methods need not
     needs_split: bool = False
+    state: Any = None  # the server state, a dataclass that setup builds (see above)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
 
     def setup(self, server: ServerContext) -> None:
-        """Called once before the first round (and before a checkpoint is restored)."""
+        """Called once before the first round (and before a checkpoint is restored): checks the set-up and
+        builds ``self.state``."""
         self.server = server
+        server.method = self.name
 
     def server_roles(self) -> tuple[str, ...]:
         """Model roles that only the server trains (FedGKT's and FedGEMS's large model): built with the
@@ -198,6 +257,7 @@ class Strategy:
         raise NotImplementedError
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        """One client's work on ``task``, on the client side: trains through ``ctx``, returns the uplink."""
         raise NotImplementedError
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
@@ -208,6 +268,7 @@ class Strategy:
         raise NotImplementedError
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        """The metrics of the current models (accuracy keys contain ``acc``)."""
         raise NotImplementedError
 
     @property
@@ -216,12 +277,44 @@ class Strategy:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """The server state as tensors and plain containers only (checkpoints load with weights_only)."""
-        return {name: _export(getattr(self, name)) for name in self.state_attributes}
+        """The server state's fields as tensors and plain containers only (checkpoints load with weights_only)."""
+        if self.state is None:
+            return {}
+        return {f.name: _export(getattr(self.state, f.name)) for f in fields(self.state)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in self.state_attributes:
-            setattr(self, name, _restore(getattr(self, name, None), state[name]))
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Loads what :meth:`state_dict` gave into the state that ``setup`` built."""
+        if self.state is None:
+            return
+        for f in fields(self.state):
+            setattr(self.state, f.name, _restore(getattr(self.state, f.name), saved[f.name]))
+
+
+def global_metrics(evaluator: Evaluator, weights: Mapping[Role, StateDict]) -> dict[str, float]:
+    """``<role>/test_<metric>`` of each role's global model on the global test set, in ``weights``' order.
+
+    Example: ``global_metrics(evaluator, {"meme": w})`` gives ``{"meme/test_acc": ..., "meme/test_loss": ...}``.
+    """
+    metrics = {}
+    for role, role_weights in weights.items():
+        for name, value in evaluator.global_model(role, role_weights).items():
+            metrics[f"{role}/test_{name}"] = value
+    return metrics
+
+
+class SentWeights:
+    """Cuts a role's weights to the part that travels, its :func:`exchanged_keys` (a frozen backbone stays home).
+
+    Example: ``self.outgoing = SentWeights(server, roles)`` in ``setup``; then
+    ``self.outgoing(role, self.state.global_weights[role])`` is the ``ModelWeights`` payload to send.
+    """
+
+    def __init__(self, server: ServerContext, roles: Iterable[Role]):
+        self.keys = {role: exchanged_keys(server.model(role)) for role in roles}
+
+    def __call__(self, role: Role, state: StateDict, copy: bool = False) -> ModelWeights:
+        """The sent part of ``state``; ``copy`` for a module's live tensors, which the next client overwrites."""
+        return ModelWeights.part(role, state, self.keys[role], copy)
 
 
 def roles_to_build(tier_roles: list[str], strategy: Strategy) -> list[str]:
@@ -229,21 +322,32 @@ def roles_to_build(tier_roles: list[str], strategy: Strategy) -> list[str]:
     return list(tier_roles) + [r for r in strategy.server_roles() if r not in tier_roles]
 
 
+Split = Literal["global", "test", "val"]  # where personal models are evaluated: the global test set, or local splits
+
+
 class PersonalModels:
     """For methods whose clients each keep their own model in ``ctx.state["weights"]`` (FedHe, FD, DS-FL, ...).
 
     Evaluates every client's own model (its stored weights, or its own initialisation before it has
-    trained) on the global test set or its local test split (``split``), monitored by the mean accuracy.
-    Put it before ``Strategy`` in the bases; a method with more to report overrides ``evaluate``.
+    trained) on the global test set or its local ``split``, monitored by the mean accuracy
+    ``personal/test_acc``. Put it before ``Strategy`` in the bases. A method whose own model is not the
+    client's first role overrides :meth:`personal_role` (FML's private model); one with more to report
+    extends ``evaluate`` (FedGEMS adds its server model).
     """
 
-    split: str = "global"
+    split: Split = "global"
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
         return evaluator.personalized(self.personal_weights, split=self.split)
 
-    def personal_weights(self, client: ClientSpec, state: dict) -> tuple[str, StateDict]:
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
+    def personal_role(self, client: ClientSpec) -> Role:
+        """The role of the client's own model."""
+        return client.roles[0]
+
+    def personal_weights(self, client: ClientSpec, state: dict) -> tuple[Role, StateDict]:
+        """The role and weights of the client's own model, from its persistent ``state``."""
+        role = self.personal_role(client)
+        return role, self.server.own_weights(client, state.get("weights"), role)
 
     @property
     def monitor(self) -> str:
@@ -251,21 +355,18 @@ class PersonalModels:
 
 
 def check_evaluation_split(strategy: Strategy, server: ServerContext) -> None:
-    """A personalized method's ``split`` names a set every client has: checked by the orchestrator before
+    """A personalized method's local ``split`` is one every client has: checked by the orchestrator before
     training rather than at the first evaluation after it."""
-    method, split = type(strategy).__name__, getattr(strategy, "split", None)
-    if split is None:
+    split = getattr(strategy, "split", None)
+    if split is None or split == "global":
         return
-    if split not in ("global", "test", "val"):
-        raise ConfigError(f"{method} split must be global, test or val, got {split!r}.")
-    if split != "global":
-        empty = [c.id for c in server.clients if not len(getattr(server.data.clients[c.id], split))]
-        if empty:
-            raise ConfigError(
-                f"{method} evaluates each client on its local {split} split, but client(s) {empty[:5]} have none; "
-                "set data.local_split (train, val, test shares), e.g. [0.8, 0.1, 0.1], "
-                "or the strategy's split: global."
-            )
+    empty = [c.id for c in server.clients if not len(getattr(server.data.clients[c.id], split))]
+    if empty:
+        raise ConfigError(
+            f"{strategy.name} evaluates each client on its local {split} split, but client(s) {empty[:5]} have "
+            "none; set data.local_split (train, val, test shares), e.g. [0.8, 0.1, 0.1], "
+            "or the strategy's split: global."
+        )
 
 
 def _export(value: Any) -> Any:
@@ -301,18 +402,3 @@ def _on_devices_of(current: Any, saved: Any) -> Any:
     if type(saved) in (list, tuple) and type(current) in (list, tuple) and len(saved) == len(current):
         return type(saved)(_on_devices_of(c, v) for c, v in zip(current, saved))
     return saved
-
-
-def require_private_and_shared_role(server: ServerContext, shared: str, method: str, word: str) -> None:
-    """Every client lists exactly two roles: its private model's and the shared ``shared`` role."""
-    if shared not in server.roles:
-        raise ConfigError(
-            f"{method} trains a private and a shared {word} model on every client; no tier lists the {word} "
-            f"role {shared!r} (tiers train {server.roles}): give each tier roles [<private>, {shared}]."
-        )
-    wrong = [c.id for c in server.clients if len(c.roles) != 2 or shared not in c.roles]
-    if wrong:
-        raise ConfigError(
-            f"{method} trains two models per client: every tier must list its private model's role and "
-            f"{shared!r} (e.g. roles: [cnn_large, {shared}]); clients {wrong[:5]} do not."
-        )

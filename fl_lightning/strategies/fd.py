@@ -4,6 +4,7 @@ Augmentation under Non-IID Private Data", NeurIPS-W 2018 (Sec. 2, Algorithm 1)."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from ..federation.padding import class_index
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import masked_row_mean
-from .base import PersonalModels, ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Split, Strategy
 
 
 def fd_loss(z: Tensor, y: Tensor, targets: Tensor, available: Tensor, lam: float, temperature: float) -> Tensor:
@@ -41,62 +42,56 @@ def fd_loss(z: Tensor, y: Tensor, targets: Tensor, available: Tensor, lam: float
     return F.cross_entropy(z, y) + lam * masked_row_mean(rows, available[c], "available")
 
 
+@dataclass
+class FDState:
+    """The last round's uploads, all that FD's server keeps (``C`` classes)."""
+
+    round_sums: Tensor  # [C, C] float64, per label the sum of the uploaded logits
+    round_counts: Tensor  # [C] float64, per label the number of uploads
+    last_uploads: dict[int, dict[str, Tensor]]  # per uploader its "labels" [S] int32 and "logits" [S, C]
+
+
 class FD(PersonalModels, Strategy):
     """Federated distillation: personal models that exchange per-label average logits, no public data.
 
     Client k keeps its own model. While it trains it sums the logits of each label (training-mode
-    forward, before each step) and uploads the per-label means ``z_k,c`` of the S labels it met, with
-    those labels (compact: ``S x (C + 1)`` numbers, Algorithm 1 line 6). The server averages, per label,
-    the uploads of the last round (unweighted: "global average logit vectors"). Client k's teacher for
-    label c is that average **without its own upload** (Algorithm 1 line 9: ``F_global - F_k``, the
-    paper's choice; ``exclude_own: false`` is the plain mean of HtFLlib's version). Local loss
-    (:func:`fd_loss`): ``CE(z, y) + lam * T^2 KL(softmax(t_y / T) || softmax(z / T))`` over samples whose
-    label has a teacher. The paper writes the regulariser as a cross-entropy against the teacher's
-    softmax; the KL has the same gradient (they differ by the teacher's entropy, a constant).
+    forward, before each step) and uploads the per-label means of the ``S`` labels it met, with those
+    labels (``S x (C + 1)`` numbers, Algorithm 1 line 6). The server averages the last round's uploads
+    per label, unweighted. Client k's teacher for label c is that average without its own upload
+    (Algorithm 1 line 9, ``exclude_own``), and its local loss is :func:`fd_loss`.
 
-    What goes down is the teacher of the client's own labels only, as paper 004 counts FD's traffic
-    (Table 3: 0.16 KB per client and round on CIFAR-10, the 2 labels' 10 logits each way): when the
-    server holds the client's upload of the last round and every label of it has a teacher, the S x C
-    teacher rows in the order of that upload's labels, which the client keeps, so no label is sent
-    (``TensorPayload``); otherwise (the client did not upload last round, or a label of it has no
-    teacher) the teacher rows of the labels that have one, with their labels (``ClassStatistics``,
-    compact). A label the client did not meet in its previous round's batches has no teacher in the
-    next round (with full local epochs, as paper 004's, it meets all of its labels).
-
-    Personal models are evaluated on the global test set (``split: global``) or on each client's local
-    test split (``split: test``, as paper 004 compares FD with FedGH).
+    What goes down is the teacher of the client's own labels only (:meth:`teacher`): the ``S x C`` rows
+    in the order of its last upload's labels, which it kept (``TensorPayload``), or, when it did not
+    upload last round or a label of it has no teacher, the teacher rows that exist with their labels
+    (``ClassStatistics``). How this matches paper 004's traffic count: ``docs/algorithms.md``, FD.
 
     Args:
         lam: gamma, weight of the distillation term.
         temperature: T of the teacher and student softmax (1 in the paper).
         exclude_own: client k's teacher leaves out k's own upload (paper) or not (HtFLlib).
-        split: where personal models are evaluated.
+        split: where personal models are evaluated: the ``global`` test set or each client's local ``test`` split.
     """
 
-    state_attributes = ("round_sums", "round_counts", "last_uploads")
+    state: FDState
 
-    def __init__(self, lam: float = 1.0, temperature: float = 1.0, exclude_own: bool = True, split: str = "global"):
+    def __init__(self, lam: float = 1.0, temperature: float = 1.0, exclude_own: bool = True, split: Split = "global"):
         if not (lam >= 0 and temperature > 0):
             raise ConfigError(f"FD needs lam >= 0 and temperature > 0; got lam={lam}, temperature={temperature}.")
         self.lam, self.temperature, self.exclude_own, self.split = lam, temperature, exclude_own, split
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FD")
-        self.num_classes = server.data.num_classes
-        c = self.num_classes
-        # the last round's uploads: their per-label sums and counts, and each uploader's own part
-        self.round_sums = torch.zeros(c, c, dtype=torch.float64)
-        self.round_counts = torch.zeros(c, dtype=torch.float64)
-        self.last_uploads: dict[int, dict[str, torch.Tensor]] = {}
+        server.require_one_role_per_client()
+        self.num_classes = c = server.data.num_classes
+        self.state = FDState(torch.zeros(c, c, dtype=torch.float64), torch.zeros(c, dtype=torch.float64), {})
 
     # ------------------------------------------------------------------ server -> client
     def teacher(self, client: ClientSpec) -> ClassStatistics | TensorPayload:
         """What ``client`` receives: its labels' teacher logits, in the order of its last upload (a
         ``TensorPayload`` of ``[S, C]``), or the teacher rows that exist with their labels (compact
         ``ClassStatistics``; no row before any upload)."""
-        sums, counts = self.round_sums.clone(), self.round_counts.clone()
-        own = self.last_uploads.get(client.id)
+        sums, counts = self.state.round_sums.clone(), self.state.round_counts.clone()
+        own = self.state.last_uploads.get(client.id)
         if own is not None and self.exclude_own:
             labels = own["labels"].long()
             sums.index_add_(0, labels, -own["logits"].double())
@@ -157,14 +152,15 @@ class FD(PersonalModels, Strategy):
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        self.round_sums.zero_()
-        self.round_counts.zero_()
-        self.last_uploads = {}
+        state = self.state
+        state.round_sums.zero_()
+        state.round_counts.zero_()
+        state.last_uploads = {}
         for update in updates:
             upload = update.uplink["class_logits"].compact()
             labels = upload.labels.cpu().long()
             logits = upload.vectors["logits"].detach().cpu()
-            self.round_sums.index_add_(0, labels, logits.double())
-            self.round_counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
-            self.last_uploads[update.client.id] = {"labels": labels.to(torch.int32), "logits": logits}
-        return {"server/labels_with_logits": float((self.round_counts > 0).sum())}
+            state.round_sums.index_add_(0, labels, logits.double())
+            state.round_counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
+            state.last_uploads[update.client.id] = {"labels": labels.to(torch.int32), "logits": logits}
+        return {"server/labels_with_logits": float((state.round_counts > 0).sum())}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,13 +15,19 @@ from ..federation.types import (
     ClientSpec,
     ClientTask,
     ClientUpdate,
-    ModelWeights,
+    Role,
     StateDict,
-    exchanged_keys,
     load_exchanged,
 )
 from ..knowledge import WeightedAverage
-from .base import ServerContext, Strategy
+from .base import SentWeights, ServerContext, Strategy, global_metrics
+
+
+@dataclass
+class FedAvgState:
+    """What FedAvg carries from round to round."""
+
+    global_weights: dict[Role, StateDict]  # per role, the global model's whole state dict
 
 
 class FedAvg(Strategy):
@@ -43,7 +50,7 @@ class FedAvg(Strategy):
             holding the role, instead of the sampler's clients (one FedAvg pool per role, paper 002).
     """
 
-    state_attributes = ("global_weights",)
+    state: FedAvgState
 
     def __init__(
         self, roles: list[str] | None = None, weighted: bool = True, clients_per_round: dict[str, int] | None = None
@@ -57,10 +64,10 @@ class FedAvg(Strategy):
         roles = self.roles or server.roles
         unknown = [r for r in roles if r not in server.roles]
         if unknown:
-            raise ConfigError(f"FedAvg roles {unknown} are not trained by any tier; tiers train {server.roles}.")
+            raise ConfigError(f"{self.name} roles {unknown} are not trained by any tier; tiers train {server.roles}.")
         self.roles = list(roles)
-        self.global_weights = {role: server.initial_weights(role) for role in self.roles}
-        self.sent_keys = {role: exchanged_keys(server.model(role)) for role in self.roles}
+        self.state = FedAvgState({role: server.initial_weights(role) for role in self.roles})
+        self.outgoing = SentWeights(server, self.roles)
         for role, k in (self.clients_per_round or {}).items():
             holders = sum(role in c.roles for c in server.clients)
             if role not in self.roles or not 1 <= k <= holders:
@@ -74,13 +81,11 @@ class FedAvg(Strategy):
             for client in self.cohort(rnd, role, index, clients):
                 assigned.setdefault(client.id, []).append(role)
         return [
-            ClientTask(self.server.clients[cid], rnd, {r: self.outgoing(r, self.global_weights[r]) for r in roles})
+            ClientTask(
+                self.server.clients[cid], rnd, {r: self.outgoing(r, self.state.global_weights[r]) for r in roles}
+            )
             for cid, roles in sorted(assigned.items())
         ]
-
-    def outgoing(self, role: str, state: StateDict, copy: bool = False) -> ModelWeights:
-        """The part of ``state`` that is sent (not its frozen part); ``copy`` for a module's live tensors."""
-        return ModelWeights.part(role, state, self.sent_keys[role], copy)
 
     def cohort(self, rnd: int, role: str, index: int, sampled: list) -> list:
         """The clients that train ``role`` this round: the sampled ones holding it, or, with
@@ -101,21 +106,22 @@ class FedAvg(Strategy):
         return ClientUpdate(task.client, ctx.num_examples("train"), uplink, metrics)
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+        weights = self.state.global_weights
+        for role, average in self.client_averages(updates).items():
+            weights[role] = {**weights[role], **average}  # a frozen part, never sent, stays
+        return {}
+
+    def client_averages(self, updates: Iterator[ClientUpdate]) -> dict[Role, StateDict]:
+        """The round's uploads averaged per role, for the roles some client trained (streaming: one running
+        sum per role, one client's weights at a time)."""
         averages = {role: WeightedAverage() for role in self.roles}
         for update in updates:
             for role, payload in update.uplink.items():
                 averages[role].add(payload.state, update.num_samples if self.weighted else 1.0)
-        for role, average in averages.items():
-            if average.count:
-                self.global_weights[role] = {**self.global_weights[role], **average.result()}
-        return {}
+        return {role: average.result() for role, average in averages.items() if average.count}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        metrics = {}
-        for role in self.roles:
-            for name, value in evaluator.global_model(role, self.global_weights[role]).items():
-                metrics[f"{role}/test_{name}"] = value
-        return metrics
+        return global_metrics(evaluator, self.state.global_weights)
 
     @property
     def monitor(self) -> str:

@@ -1,6 +1,6 @@
 """FedDF: Lin, Kong, Stich, Jaggi, "Ensemble Distillation for Robust Model Fusion in Federated Learning",
-NeurIPS 2020 (Algorithm 1; the appendix's algorithm for several model prototypes). The paper is not in
-../shared/papers: its details here are recalled (``../shared/BASELINES.md``), not checked against its text."""
+NeurIPS 2020 (Algorithm 1; the appendix's algorithm for several model prototypes). The paper was not at
+hand: its details here are recalled, not checked against its text."""
 
 from __future__ import annotations
 
@@ -22,25 +22,18 @@ from .fedavg import FedAvg
 class FedDF(FedAvg):
     """FedAvg per model prototype, then server-side distillation of the clients' logit ensemble.
 
-    Clients train their prototype's global model with cross-entropy and upload it, exactly as FedAvg
-    (one role per client: each role is a prototype). The server, each round (Algorithm 1):
+    Clients train their prototype's global model with cross-entropy and upload it, exactly as FedAvg (one
+    role per client: each role is a prototype). The server, each round (Algorithm 1):
 
-    1. averages each prototype's uploads weighted by labeled examples, ``x_t,0 = sum_k n_k / n x_k``;
-       this is where the distillation **starts** (starting anywhere else changes the method);
-    2. computes every received model's eval-mode logits on the unlabeled server set and averages them
-       over all the round's clients, of every prototype (AvgLogits, ``1/|S_t| sum_k f(x_k, d)``; with
-       several prototypes each one learns from the ensemble of all of them, Algorithm 3);
-    3. trains each prototype that received uploads for ``steps`` Adam steps on batches ``d`` drawn
-       from the server set with ``T^2 KL(softmax(mean_k z_k / T) || softmax(z / T))`` (Algorithm 1's
-       update of ``x_t,j``) and makes the student the new global model.
+    1. averages each prototype's uploads weighted by labeled examples, where the distillation starts;
+    2. averages every received model's eval-mode logits on the unlabeled server set over all the round's
+       clients, of every prototype (AvgLogits; several prototypes each learn from the ensemble of all);
+    3. trains each prototype that received uploads for ``steps`` Adam steps on batches drawn with
+       replacement from the server set with ``T^2 KL(softmax(mean_k z_k / T) || softmax(z / T))`` and makes
+       the student the new global model.
 
-    The paper distills with Adam (lr 1e-3) for up to 1e4 steps with early stopping on a validation set,
-    T = 1, on unlabeled data such as CIFAR-100 or STL-10 for CIFAR-10 (recalled, ``../shared/BASELINES.md``).
-    Paper 001 (Table 5, Appendix 6.3) runs it homogeneously with the small model and gives it tau SGD
-    steps on the clients and tau distillation steps on the server (``steps`` = the recipe's
-    ``local_steps``); it uses no early stopping, which needs labels. Batches are drawn with replacement;
-    the teacher's logits are computed once per round because the examples are not augmented. Nothing
-    is added to FedAvg's traffic: the model each way.
+    Nothing is added to FedAvg's traffic. How the paper's and paper 001's settings map to the options:
+    ``docs/algorithms.md``, FedDF.
 
     Args:
         steps: N, distillation steps per prototype and round (0: plain FedAvg).
@@ -69,13 +62,13 @@ class FedDF(FedAvg):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FedDF")
-        self.server_x = server.server_inputs("FedDF")
+        server.require_one_role_per_client()
+        self.server_x = server.server_inputs()
         self.teacher: Tensor | None = None  # the last round's ensemble targets [N_server, C], for inspection
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         # drawn before the clients run, so the batches depend on the round's server seed only
-        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        generator = self.server.round_generator()
         logit_sum, members, trained = None, 0, set()
 
         def predicting(updates):
@@ -84,7 +77,7 @@ class FedDF(FedAvg):
             for update in updates:
                 for role, payload in update.uplink.items():
                     # an upload leaves out a frozen part, identical to the global model's
-                    weights = {**self.global_weights[role], **payload.state}
+                    weights = {**self.state.global_weights[role], **payload.state}
                     z = self.server.predict(role, weights, self.server_x).double()
                     logit_sum = z if logit_sum is None else logit_sum + z
                     members += 1
@@ -99,9 +92,9 @@ class FedDF(FedAvg):
             batches = itertools.islice(
                 random_batches(self.server_x, self.teacher, self.batch_size, generator), self.steps
             )
-            self.global_weights[role] = self.server.train(
+            self.state.global_weights[role] = self.server.train(
                 role,
-                self.global_weights[role],
+                self.state.global_weights[role],
                 batches,
                 self.distillation_step,
                 lambda params: torch.optim.Adam(params, lr=self.lr),

@@ -6,6 +6,8 @@ whose KL form is an option (``kl_form: aijack``), and paper 001's set-up (Append
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +18,17 @@ from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.padding import padded_loss, real_labels
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
-from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
-from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
-from .base import PersonalModels, ServerContext, Strategy
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
+from ..knowledge.public_set import (
+    eval_logits,
+    public_inputs,
+    received_positions,
+    round_subset,
+    subset_downlink,
+    target_batches,
+)
+from ..knowledge.server_optim import ServerOptimizer, server_optimizer
+from .base import PersonalModels, ServerContext, Split, Strategy, global_metrics
 
 
 def selective_fusion(client_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -45,10 +54,10 @@ def selective_fusion(client_logits: Tensor, labels: Tensor) -> tuple[Tensor, Ten
     return (weights[:, :, None] * client_logits.double()).sum(dim=0).float(), any_correct
 
 
-KL_FORMS = ("paper", "aijack")
+KLForm = Literal["paper", "aijack"]  # the KL from teacher to student per example, or AIJack's
 
 
-def kl_rows(student_logits: Tensor, teacher_logits: Tensor, form: str = "paper") -> Tensor:
+def kl_rows(student_logits: Tensor, teacher_logits: Tensor, form: KLForm = "paper") -> Tensor:
     """The server's per-example distillation term ``[B]`` (eq. 2 and 5, at T = 1).
 
     ``paper``: ``KL(softmax(t) || softmax(s))`` summed over the classes, the paper's ``D_KL(l_teacher || l_s)``.
@@ -62,7 +71,7 @@ def kl_rows(student_logits: Tensor, teacher_logits: Tensor, form: str = "paper")
 
 
 def client_distillation_loss(
-    z: Tensor, y: Tensor, server_logits: Tensor, epsilon: float, temperature: float = 1.0, form: str = "paper"
+    z: Tensor, y: Tensor, server_logits: Tensor, epsilon: float, temperature: float = 1.0, form: KLForm = "paper"
 ) -> Tensor:
     """A client's loss on public examples (eq. 6): ``eps CE(z, y) + (1 - eps) T^2 KL``, both averaged over the
     batch. ``form: paper``: ``KL(softmax(s / T) || softmax(z / T))`` per example (the server's logits ``s``
@@ -76,44 +85,37 @@ def client_distillation_loss(
     return epsilon * F.cross_entropy(z, real_labels(y)) + (1 - epsilon) * kl * temperature**2
 
 
+@dataclass
+class FedGEMSState:
+    """What FedGEMS's server carries from round to round (``N`` public examples, ``C`` classes)."""
+
+    server_weights: StateDict  # the server's own model
+    pool_logits: Tensor  # [N, C] the server's logits on the public examples it last predicted correctly
+    pool_known: Tensor  # [N] bool, the examples that have an entry in the pool
+
+
 class FedGEMS(PersonalModels, Strategy):
-    """A large server model trained by selective knowledge fusion on a labeled public set.
+    """A large server model trained by selective knowledge fusion on a labeled public set (eq. 1-6).
 
-    Every client keeps its own (small or large) model. A round (AIJack's ``FedGEMSAPI.run``):
+    Every client keeps its own model. A round has two phases:
 
-    * ``train``: each sampled client trains on its private data with cross-entropy (the recipe's local
-      steps), then uploads its eval-mode logits on the round's public examples, ``n x C`` numbers;
-    * the server trains its own model (``server_role``, a role no tier lists) for ``server_steps`` on
-      those examples. Per example i with server logits ``s_i``: if the server is right, plain
-      ``CE(s_i, y_i)`` (eq. 1) and ``s_i`` is kept in its logit pool (self-knowledge); if it is wrong,
-      ``eps CE(s_i, y_i) + (1 - eps) KL(softmax(t_i) || softmax(s_i))`` where the teacher ``t_i`` is the
-      pool's entry when it has one (self-distillation, eq. 2), else the selective fusion of the clients
-      that predict i correctly (:func:`selective_fusion`, eq. 3-5); if none does, plain CE. The loss is the
-      mean over the batch (AIJack sums the means of the three groups). It then sends its eval-mode logits
-      on the examples back, ``n x C`` numbers;
-    * ``distill``: the same clients train on the public examples with
-      ``eps CE(z, y) + (1 - eps) T^2 KL(softmax(s / T) || softmax(z / T))``
-      (:func:`client_distillation_loss`, eq. 6).
+    * ``train``: each sampled client trains on its private data with cross-entropy, then uploads its
+      eval-mode logits on the round's public examples (``n x C`` numbers). The server trains its own
+      model (``server_role``, a role no tier lists) for ``server_steps`` on those examples with
+      :meth:`server_loss`: cross-entropy where it is right (its logits then join its pool, eq. 1),
+      ``eps CE + (1 - eps) KL(teacher || server)`` where it is wrong, the teacher being its pool entry
+      (eq. 2) or else the :func:`selective_fusion` of the clients that are right (eq. 3-5). It sends its
+      eval-mode logits on the examples back (``n x C`` numbers).
+    * ``distill``: the same clients train on the public examples with :func:`client_distillation_loss` (eq. 6).
 
-    ``epsilon`` weighs the cross-entropy and ``1 - epsilon`` the KL, as the paper's equations 2 and 5 write
-    it (its text calls epsilon "a hyper-parameter to control the weight of knowledge distillation in all
-    the following formulations", the clients' eq. 6 included, and finds 0.75 best), and as AIJack's server
-    and client; paper 001 (Appendix 6.3) repeats the text's words ("determines how much KL contributes")
-    and sets 0.75, "as the original authors presented", the value used here (``epsilon: 0.25`` puts 0.75
-    on the KL instead). The KL runs from the teacher to the student per example (the paper's
-    ``D_KL(l_teacher || l_s)``, ``kl_form: paper``); AIJack computes ``KL(student || teacher)`` divided by
-    B x C (``kl_form: aijack``, server and clients). AIJack's fusion takes a softmax over every client
-    with score 0 for the wrong ones, which leaves them a weight of ``exp(0)``; here they are masked, as
-    the paper describes (eq. 4).
-
-    The public set is the server's labeled split (``data.server_fraction``), held by every client;
-    ``public_size: n`` draws n of its examples per round and sends their positions (n int32 down).
-    The server model is evaluated on the global test set (``<server_role>/test_acc``, the monitor) and
-    the clients' own models as ``personal/``.
+    The public set is the server's labeled split (``data.server_fraction``), held by every client. The
+    server model is evaluated on the global test set (``<server_role>/test_acc``, the monitor), the
+    clients' own models as ``personal/``. Where the losses follow the paper and the round AIJack's code,
+    and how epsilon is read: ``docs/algorithms.md``, FedGEMS.
 
     Args:
         server_role: the server model's role in ``models`` (no tier may list it).
-        epsilon: weight of the cross-entropy; ``1 - epsilon`` weighs the distillation.
+        epsilon: weight of the cross-entropy; ``1 - epsilon`` weighs the distillation (0.75, the paper's).
         temperature: T of the clients' distillation (1 in paper 001, Table 13).
         public_size: public examples per round (``None``: the whole public set).
         server_steps: server steps per round (``None``: one pass over the round's public examples).
@@ -127,7 +129,7 @@ class FedGEMS(PersonalModels, Strategy):
     """
 
     phases = ("train", "distill")
-    state_attributes = ("server_weights", "pool_logits", "pool_known")
+    state: FedGEMSState
 
     def __init__(
         self,
@@ -138,40 +140,31 @@ class FedGEMS(PersonalModels, Strategy):
         server_steps: int | None = None,
         distill_steps: int | None = None,
         server_lr: float = 0.003,
-        server_optimizer: str = "adam",
+        server_optimizer: ServerOptimizer = "adam",
         batch_size: int = 32,
-        split: str = "global",
-        kl_form: str = "paper",
+        split: Split = "global",
+        kl_form: KLForm = "paper",
     ):
-        if kl_form not in KL_FORMS:
-            raise ConfigError(f"FedGEMS kl_form must be paper or aijack, got {kl_form!r}.")
         if not 0.0 <= epsilon <= 1.0 or temperature <= 0 or server_lr <= 0:
             raise ConfigError(
                 f"FedGEMS needs 0 <= epsilon <= 1, temperature > 0 and server_lr > 0; got epsilon={epsilon}, "
                 f"temperature={temperature}, server_lr={server_lr}."
             )
-        if server_optimizer not in SERVER_OPTIMIZERS:
-            raise ConfigError(f"FedGEMS server_optimizer must be adam or sgd, got {server_optimizer!r}.")
         if min(server_steps or 0, distill_steps or 0) < 0 or batch_size < 1:
             raise ConfigError("FedGEMS server_steps and distill_steps must be >= 0 and batch_size >= 1.")
         self.server_role, self.epsilon, self.temperature = server_role, epsilon, temperature
         self.public_size, self.server_steps, self.distill_steps = public_size, server_steps, distill_steps
-        self.server_lr, self.server_optimizer, self.batch_size, self.split = (
-            server_lr,
-            server_optimizer,
-            batch_size,
-            split,
-        )
-        self.kl_form = kl_form
+        self.server_lr, self.server_optimizer, self.batch_size = server_lr, server_optimizer, batch_size
+        self.split, self.kl_form = split, kl_form
 
     def server_roles(self) -> tuple[str, ...]:
         return (self.server_role,)
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FedGEMS")
-        server.require_server_only_role("FedGEMS", self.server_role)
-        self.public_x, self.public_y = server.server_labeled("FedGEMS")
+        server.require_one_role_per_client()
+        server.require_server_only_role(self.server_role)
+        self.public_x, self.public_y = server.server_labeled()
         num_public = len(self.public_y)
         if self.public_size is not None and not 1 <= self.public_size <= num_public:
             raise ConfigError(
@@ -179,21 +172,16 @@ class FedGEMS(PersonalModels, Strategy):
                 "examples (data.server_fraction); lower it, or set null for the whole set."
             )
         self.num_public = num_public
-        self.server_weights = server.initial_weights(self.server_role)
-        # the logit pool: the server's own logits on the public examples it last predicted correctly
-        self.pool_logits = torch.zeros(num_public, server.data.num_classes)
-        self.pool_known = torch.zeros(num_public, dtype=torch.bool)
+        pool_logits = torch.zeros(num_public, server.data.num_classes)
+        pool_known = torch.zeros(num_public, dtype=torch.bool)
+        self.state = FedGEMSState(server.initial_weights(self.server_role), pool_logits, pool_known)
         self.uploaders, self.positions, self.server_logits = [], None, None  # within a round only
 
     # ------------------------------------------------------------------ server -> client
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         if phase == "train":
             self.positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-            down = (
-                {}
-                if self.positions is None
-                else {"public_positions": TensorPayload("public_positions", {"positions": self.positions})}
-            )
+            down = subset_downlink("public_positions", self.positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
         if not self.uploaders:
             return []
@@ -206,12 +194,12 @@ class FedGEMS(PersonalModels, Strategy):
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         uplink, metrics = {}, {}
         if task.phase == "train":
-            positions = task.downlink["public_positions"].tensors["positions"] if task.downlink else None
+            positions = received_positions(task.downlink, "public_positions")
             if positions is not None:
                 ctx.state["public_positions"] = positions  # remembered until the distillation
             metrics[f"{role}/loss"] = ctx.fit(role)["loss"]
             x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
-            logits = eval_logits(module, x_public, ctx.loop.training.eval_batch_size)
+            logits = eval_logits(module, x_public, ctx.eval_batch_size)
             uplink["public_logits"] = TensorPayload("public_logits", {"logits": logits})
         else:
             positions = ctx.state.pop("public_positions", None)
@@ -252,7 +240,7 @@ class FedGEMS(PersonalModels, Strategy):
         x, y = self.public_x[rows], self.public_y[rows]
         fused, any_correct = selective_fusion(torch.stack([r.to(device) for r in received]), y)
         loss = self.train_server(x, y, rows, fused, any_correct)
-        self.server_logits = self.server.predict(self.server_role, self.server_weights, x).float()
+        self.server_logits = self.server.predict(self.server_role, self.state.server_weights, x).float()
         return {"server/loss": loss, "server/clients_right": float(any_correct.float().mean())}
 
     def server_loss(self, s: Tensor, y: Tensor, rows: Tensor, fused: Tensor, any_correct: Tensor) -> Tensor:
@@ -261,7 +249,8 @@ class FedGEMS(PersonalModels, Strategy):
         Also keeps the logits of the examples the server gets right in the pool.
         """
         right = s.argmax(1) == y
-        pool_logits, pool_known = self.pool_logits.to(s.device), self.pool_known.to(s.device)
+        state = self.state
+        pool_logits, pool_known = state.pool_logits.to(s.device), state.pool_known.to(s.device)
         in_pool = pool_known[rows]
         teacher = torch.where(in_pool[:, None], pool_logits[rows], fused)
         has_teacher = ~right & (in_pool | any_correct)
@@ -269,13 +258,12 @@ class FedGEMS(PersonalModels, Strategy):
         kl = kl_rows(s, teacher, self.kl_form)
         mixed = self.epsilon * ce + (1 - self.epsilon) * kl
         loss = torch.where(has_teacher, mixed, ce).mean()
-        self.pool_logits[rows[right].cpu()] = s[right].detach().float().cpu()
-        self.pool_known[rows[right].cpu()] = True
+        state.pool_logits[rows[right].cpu()] = s[right].detach().float().cpu()
+        state.pool_known[rows[right].cpu()] = True
         return loss
 
     def train_server(self, x: Tensor, y: Tensor, rows: Tensor, fused: Tensor, any_correct: Tensor) -> float:
-        # drawn from the round's server stream: the batch order depends on the seed and round only
-        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        generator = self.server.round_generator()
         positions = torch.arange(len(x), device=x.device)
         batches = target_batches(x, positions, self.batch_size, self.server_steps, generator)
 
@@ -285,17 +273,16 @@ class FedGEMS(PersonalModels, Strategy):
             return loss
 
         optimizer = server_optimizer(self.server_optimizer, self.server_lr)
-        self.server_weights, loss = self.server.train(
-            self.server_role, self.server_weights, batches, step, optimizer, return_loss=True
+        self.state.server_weights, loss = self.server.train(
+            self.server_role, self.state.server_weights, batches, step, optimizer, return_loss=True
         )
         return loss
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        metrics = evaluator.personalized(self.personal_weights, split=self.split)
-        for name, value in evaluator.global_model(self.server_role, self.server_weights).items():
-            metrics[f"{self.server_role}/test_{name}"] = value
-        return metrics
+        """The clients' own models (``personal/``) and the server model on the global test set."""
+        server_model = {self.server_role: self.state.server_weights}
+        return {**super().evaluate(evaluator), **global_metrics(evaluator, server_model)}
 
     @property
     def monitor(self) -> str:

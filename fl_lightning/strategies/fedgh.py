@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from ..client.context import ClientContext
-from ..client.evaluation import Evaluator
 from ..federation.errors import ConfigError
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, clone_state
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.header import train_header
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Strategy
 
 
-class FedGH(Strategy):
+@dataclass
+class FedGHState:
+    """What FedGH's server carries from round to round."""
+
+    header: StateDict  # the global prediction header, an nn.Linear's "weight" [C, D] and "bias" [C]
+
+
+class FedGH(PersonalModels, Strategy):
     """Personalized heterogeneous feature extractors sharing one global prediction header.
 
     Each round (Algorithm 1) a client loads its own extractor and the global header, trains the whole
-    model on its local data, keeps everything but the header, and uploads its local averaged
+    model on its local data, keeps the trained model, and uploads its local averaged
     representation (LAR) of every class it holds: the mean ``features`` output of its training data in
     eval mode, with the class label, ``S * (D + 1)`` numbers for S classes (Sec. 4.3). The server takes
     SGD steps of cross-entropy on the global header with learning rate ``header_lr`` (eta_g), clients
@@ -40,20 +48,22 @@ class FedGH(Strategy):
 
     needs_split = True  # reads the models' features and head apart
 
-    state_attributes = ("header",)
+    split = "test"  # personal models are evaluated on each client's local test split
+    state: FedGHState
 
-    def __init__(self, header_lr: float = 0.01, header_update: str = "per_lar", evaluate_with: str = "local"):
-        if header_update not in ("per_lar", "per_client"):
-            raise ConfigError(f"FedGH header_update must be per_lar or per_client, got {header_update!r}.")
-        if evaluate_with not in ("local", "global_header"):
-            raise ConfigError(f"FedGH evaluate_with must be local or global_header, got {evaluate_with!r}.")
+    def __init__(
+        self,
+        header_lr: float = 0.01,
+        header_update: Literal["per_lar", "per_client"] = "per_lar",
+        evaluate_with: Literal["local", "global_header"] = "local",
+    ):
         if not header_lr >= 0:  # 0 is allowed: the global header stays as initialised (a test isolates the LARs so)
             raise ConfigError(f"FedGH header_lr must be >= 0, got {header_lr}.")
         self.header_lr, self.header_update, self.evaluate_with = header_lr, header_update, evaluate_with
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FedGH")
+        server.require_one_role_per_client()
         heads = {r: server.model(r).head for r in server.roles}
         shapes = {r: (h.in_features, h.out_features) if isinstance(h, nn.Linear) else None for r, h in heads.items()}
         if None in shapes.values() or len(set(shapes.values())) != 1:
@@ -61,12 +71,12 @@ class FedGH(Strategy):
                 f"FedGH needs every role's head to be one nn.Linear of the same shape (the shared "
                 f"header); got {shapes}. Give all builders the same representation size."
             )
-        self.header = {k: v.detach().clone() for k, v in heads[server.roles[0]].state_dict().items()}
+        self.state = FedGHState(clone_state(heads[server.roles[0]].state_dict()))
         self.num_classes = server.data.num_classes
         self.feature_dim = shapes[server.roles[0]][0]
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        header = ModelWeights("header", self.header)
+        header = ModelWeights("header", self.state.header)
         return [ClientTask(c, rnd, {"header": header}) for c in clients]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
@@ -83,7 +93,7 @@ class FedGH(Strategy):
     def local_averaged_representations(self, module, ctx: ClientContext) -> ClassStatistics:
         """Class means ``[S, D]`` of eval-mode representations over the local training data (compact)."""
         module.eval()
-        idx, size = ctx.indices.train, ctx.loop.training.eval_batch_size
+        idx, size = ctx.indices.train, ctx.eval_batch_size
         collector = ClassStatsCollector(self.num_classes, {"representations": self.feature_dim}, idx.device)
         for start in range(0, len(idx), size):
             chosen = idx[start : start + size]
@@ -91,28 +101,21 @@ class FedGH(Strategy):
         return collector.result("lars").compact()
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        header = nn.Linear(self.header["weight"].shape[1], self.header["weight"].shape[0]).to(
-            self.header["weight"].device
-        )
-        header.load_state_dict(self.header)
+        weight = self.state.header["weight"]  # [C, D]
+        header = nn.Linear(weight.shape[1], weight.shape[0]).to(weight.device)
+        header.load_state_dict(self.state.header)
         losses, per_lar = [], self.header_update == "per_lar"
         for update in updates:  # clients in arrival order
             lars = update.uplink["lars"]
             reps, labels = lars.vectors["representations"], lars.labels.long()
             losses += train_header(header, reps, labels, self.header_lr, per_lar)
-        self.header = {k: v.detach().clone() for k, v in header.state_dict().items()}
+        self.state.header = clone_state(header.state_dict())
         return {"server/header_loss": sum(losses) / max(len(losses), 1)}
 
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(self.personal_weights, split="test")
-
-    def personal_weights(self, client, state):
-        """The client's locally trained model (its own initial one before it first trains)."""
-        local = self.server.own_weights(client, state.get("weights"))
+    def personal_weights(self, client: ClientSpec, state: dict) -> tuple[str, StateDict]:
+        """The client's locally trained model (its own initial one before it first trains), with the global
+        header in place of its own under ``evaluate_with: global_header``."""
+        role, local = super().personal_weights(client, state)
         if self.evaluate_with == "global_header":
-            local = {**local, **{f"head.{k}": v for k, v in self.header.items()}}
-        return client.roles[0], local
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"
+            local = {**local, **{f"head.{k}": v for k, v in self.state.header.items()}}
+        return role, local

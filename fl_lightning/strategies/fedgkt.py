@@ -1,10 +1,11 @@
 """FedGKT: He et al., "Group Knowledge Transfer: Federated Learning of Large CNNs at the Edge", NeurIPS 2020
-(Algorithm 1, eq. 4-7). The paper is not in ../shared/papers: the details follow ../shared/BASELINES.md
-section 6 (FedML's ``fedgkt``: T = 3, alpha = 1, server distillation on) and paper 003's set-up (Section 4)."""
+(Algorithm 1, eq. 4-7). The paper was not at hand: the details follow FedML's ``fedgkt`` code (T = 3,
+alpha = 1, server distillation on) and paper 003's set-up (Section 4)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +19,9 @@ from ..federation.padding import real_labels
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
-from ..knowledge.server_optim import SERVER_OPTIMIZERS, server_optimizer
+from ..knowledge.server_optim import ServerOptimizer, server_optimizer
 from ..models.base import SplitFeatureClassifier  # not models.fedgkt: it imports torchvision
-from .base import PersonalModels, ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Split, Strategy
 
 
 def bidirectional_losses(
@@ -43,34 +44,34 @@ def split_point(model: torch.nn.Module) -> tuple[Callable[[Tensor], Tensor], Cal
     return model.features, model.head
 
 
+@dataclass
+class FedGKTState:
+    """What FedGKT's server carries from round to round."""
+
+    server_weights: StateDict  # the server's own model
+    server_logits: dict[int, Tensor]  # per client, [N_k, C] on its training examples in order, sent next round
+
+
 class FedGKT(PersonalModels, Strategy):
     """Group knowledge transfer: small client models and a large server model on their features.
 
-    Client k keeps its own small model (extractor ``features`` + classifier ``head``). Each round
-    (Algorithm 1):
+    Client k keeps its own small model. Each round (Algorithm 1):
 
-    * the client trains on its private data with ``CE(z_c, y) + alpha KD(z_c, z_s)`` (eq. 5), ``z_s``
-      the server's logits on the same example from the client's previous round (plain CE before it has
-      any); then it uploads, for **every** training example in a fixed order, its features ``H``, its
-      logits and its label (eval mode): ``N_k (|H| + C + 1)`` numbers up. ``H`` is the feature map at the
-      model's split point for FedGKT's own client (``fedgkt_client_resnet8``: ``16 x 32 x 32`` after its
-      stem, :func:`split_point`), else the feature vector ``features(x)`` (``|H| = D``);
+    * the client trains on its private data with ``CE(z_c, y) + alpha KD(z_c, z_s)`` (eq. 5), ``z_s`` the
+      server's logits on the same example from the client's previous round (plain CE before it has any);
+      then it uploads, for every training example in a fixed order, its features ``H`` at the model's
+      :func:`split_point`, its logits and its label (eval mode): ``N_k (|H| + C + 1)`` numbers;
     * the server trains its model (``server_role``, a role no tier lists, whose input is the clients'
-      features: ``fedgkt_server_resnet`` for feature maps, e.g. an MLP for vectors) for ``server_epochs``
-      passes over all received features with
-      ``CE(z_s, y) + alpha KD(z_s, z_c)`` (eq. 7; FedML's ``whether_distill_on_the_server`` on), then
-      computes ``z_s`` on each client's features, in the client's order, and sends them to it at its
-      next round: ``N_k C`` numbers down.
+      features) for ``server_epochs`` passes over all received features with ``CE(z_s, y) + alpha KD(z_s,
+      z_c)`` (eq. 7), then computes ``z_s`` on each client's features, in the client's order, and sends
+      them at the client's next round: ``N_k C`` numbers.
 
-    The order of the uploaded examples is the client's training split; the server's logits keep it,
-    so example i's teacher is the server's output on example i's features (FedML: an unshuffled
-    loader). Inference needs both sides: the **server** metrics are the server model on each client's
-    features of the global test set, averaged over the clients (paper 003 evaluates FedGKT on the
-    server side), the monitor; ``personal/`` are the clients' own small models. Paper 003 samples every
-    client each round ("it cannot converge if the sample ratio is 20%"), as the digits recipe.
+    Inference needs both sides: ``server/`` metrics (the monitor) are the server model on each client's
+    features of the global test set, averaged over the clients; ``personal/`` are the clients' own models.
+    The settings FedML's code and paper 003 use: ``docs/algorithms.md``, FedGKT.
 
     Args:
-        server_role: the server model's role in ``models`` (no tier may list it; it takes ``[B, D]``).
+        server_role: the server model's role in ``models`` (no tier may list it; it takes the clients' features).
         alpha: weight of the distillation on both sides (1 in FedML).
         temperature: T of the distillation (3 in FedML).
         server_epochs: server passes over the round's features.
@@ -82,7 +83,7 @@ class FedGKT(PersonalModels, Strategy):
 
     needs_split = True  # reads the models' features and head apart
 
-    state_attributes = ("server_weights", "server_logits")
+    state: FedGKTState
 
     def __init__(
         self,
@@ -91,9 +92,9 @@ class FedGKT(PersonalModels, Strategy):
         temperature: float = 3.0,
         server_epochs: int = 1,
         server_lr: float = 0.003,
-        server_optimizer: str = "adam",
+        server_optimizer: ServerOptimizer = "adam",
         batch_size: int = 32,
-        split: str = "global",
+        split: Split = "global",
     ):
         if alpha < 0 or temperature <= 0 or server_epochs < 0 or server_lr <= 0 or batch_size < 1:
             raise ConfigError(
@@ -101,8 +102,6 @@ class FedGKT(PersonalModels, Strategy):
                 f"got alpha={alpha}, temperature={temperature}, server_epochs={server_epochs}, "
                 f"server_lr={server_lr}, batch_size={batch_size}."
             )
-        if server_optimizer not in SERVER_OPTIMIZERS:
-            raise ConfigError(f"FedGKT server_optimizer must be adam or sgd, got {server_optimizer!r}.")
         self.server_role, self.alpha, self.temperature = server_role, alpha, temperature
         self.server_epochs, self.server_lr, self.server_optimizer = server_epochs, server_lr, server_optimizer
         self.batch_size, self.split = batch_size, split
@@ -112,13 +111,13 @@ class FedGKT(PersonalModels, Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FedGKT")
-        server.require_server_only_role("FedGKT", self.server_role)
-        self.server_weights = server.initial_weights(self.server_role)
+        server.require_one_role_per_client()
+        server.require_server_only_role(self.server_role)
+        self.state = FedGKTState(server.initial_weights(self.server_role), {})
         for role in sorted({c.roles[0] for c in server.clients}):
             probe = self.client_features(role, server.initial_weights(role), server.data.x[:2])
             try:
-                server.predict(self.server_role, self.server_weights, probe)
+                server.predict(self.server_role, self.state.server_weights, probe)
             except RuntimeError:
                 shape = tuple(probe.shape[1:])
                 example = (
@@ -130,13 +129,12 @@ class FedGKT(PersonalModels, Strategy):
                     f"FedGKT's server model {self.server_role!r} must take the clients' features, but it does not "
                     f"accept role {role!r}'s features of shape {shape}; build it for them, e.g. builder {example}."
                 ) from None
-        self.server_logits: dict[int, Tensor] = {}  # per client, its training examples in order
 
     # ------------------------------------------------------------------ server -> client
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         tasks = []
         for c in clients:
-            logits = self.server_logits.get(c.id)
+            logits = self.state.server_logits.get(c.id)
             down = {} if logits is None else {"server_logits": TensorPayload("server_logits", {"logits": logits})}
             tasks.append(ClientTask(c, rnd, down))
         return tasks
@@ -152,8 +150,7 @@ class FedGKT(PersonalModels, Strategy):
         labels = ctx.on_device("labels", y)
         teacher = None if received is None else ctx.on_device("teacher", received.tensors["logits"])
         order = torch.arange(len(idx), device=x.device)
-        steps = ctx.loop.num_steps(len(idx))
-        batches = target_batches(x, order, ctx.loop.training.batch_size, steps, ctx.generator)
+        batches = target_batches(x, order, ctx.batch_size, ctx.local_steps(len(idx)), ctx.generator)
         alpha, temperature = self.alpha, self.temperature  # values, not the strategy, in the closure
 
         @vmappable  # pure: batched clients, CUDA graphs
@@ -170,7 +167,7 @@ class FedGKT(PersonalModels, Strategy):
         module.eval()
         extract, classify = split_point(module.model)
         with torch.no_grad():
-            size = ctx.loop.training.eval_batch_size
+            size = ctx.eval_batch_size
             features = torch.cat([extract(x[i : i + size]).float() for i in range(0, len(x), size)])
             logits = torch.cat([classify(features[i : i + size]).float() for i in range(0, len(x), size)])
         upload = TensorPayload("features", {"features": features, "logits": logits, "labels": y.to(torch.int32)})
@@ -187,13 +184,15 @@ class FedGKT(PersonalModels, Strategy):
         z_client = torch.cat([r["logits"] for r in received.values()])
         y = torch.cat([r["labels"] for r in received.values()]).long()
         loss = self.train_server(h, z_client, y)
+        state = self.state
         for cid, r in received.items():
-            self.server_logits[cid] = self.server.predict(self.server_role, self.server_weights, r["features"]).float()
+            state.server_logits[cid] = self.server.predict(
+                self.server_role, state.server_weights, r["features"]
+            ).float()
         return {"server/loss": loss}
 
     def train_server(self, h: Tensor, z_client: Tensor, y: Tensor) -> float:
-        # drawn from the round's server stream: the batch order depends on the seed and round only
-        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        generator = self.server.round_generator()
         steps = self.server_epochs * -(-len(h) // self.batch_size)
         batches = target_batches(h, torch.arange(len(h), device=h.device), self.batch_size, steps, generator)
 
@@ -203,8 +202,8 @@ class FedGKT(PersonalModels, Strategy):
             return loss
 
         optimizer = server_optimizer(self.server_optimizer, self.server_lr)
-        self.server_weights, loss = self.server.train(
-            self.server_role, self.server_weights, batches, step, optimizer, return_loss=True
+        self.state.server_weights, loss = self.server.train(
+            self.server_role, self.state.server_weights, batches, step, optimizer, return_loss=True
         )
         return loss
 
@@ -216,7 +215,7 @@ class FedGKT(PersonalModels, Strategy):
         for client in self.server.clients:
             role, weights = self.personal_weights(client, evaluator.client_states.get(client.id, {}))
             features = self.client_features(role, weights, data.test_x)
-            logits = self.server.predict(self.server_role, self.server_weights, features).float()
+            logits = self.server.predict(self.server_role, self.state.server_weights, features).float()
             accs.append(float((logits.argmax(1) == data.test_y).float().mean()))
             losses.append(float(F.cross_entropy(logits, data.test_y)))
         metrics["server/test_acc"] = sum(accs) / len(accs)

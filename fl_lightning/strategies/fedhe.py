@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch.nn.functional as F
 
@@ -17,50 +19,51 @@ from ..knowledge.distillation import logit_distance_rows, masked_row_mean
 from .base import PersonalModels, ServerContext, Strategy
 
 
+@dataclass
+class FedHeState:
+    """What FedHe's server carries from round to round."""
+
+    bank: ClassBank  # every class logit received: per class, their sum and count
+    last_reset_round: int = 0  # the last round whose end collapsed the bank (reset_every)
+
+
 class FedHe(PersonalModels, Strategy):
     """FedHe: personalized heterogeneous models that exchange per-class average logits.
 
-    Client (eq. 7-8): while training on its batches, client k sums the logits ``p_j`` of each class y
-    and counts them (``V_k,y``), then uploads ``p_k,y / (V_k,y + 1)`` with the label y. Server (eq. 9-10):
-    stores every received class logit and answers with their per-class average ``p_s,y``. Client loss
-    (eq. 11-13): ``CE(z, y) + alpha * l_logit(z, p_s,y)`` with ``l_logit`` the MSE on logits (the
-    official code's choice; the paper leaves it open), both averaged over the batch as eq. 13's
-    ``1/|D_k|`` sum: samples of a class the server has no logit for yet add no logit loss but count in
-    the average (cold start). Every client keeps its own model; no weights are exchanged.
-
-    In asynchronous mode (``schedule: AsynchronousSchedule``) each arrival is answered with the current
-    class averages, exactly as Algorithm 1's server loop.
+    Client (eq. 7-8): while training on its batches, client k sums the logits of each class y and counts
+    them (``V_k,y``), then uploads ``p_k,y / (V_k,y + 1)`` with the label y. Server (eq. 9-10): stores
+    every received class logit and answers with their per-class average ``p_s,y``. Client loss (eq. 11-13):
+    ``CE(z, y) + alpha * l_logit(z, p_s,y)``, both averaged over the batch; a sample of a class the server
+    has no logit for yet adds no logit loss but counts in the average. Every client keeps its own model;
+    no weights are exchanged. In asynchronous mode (``schedule: AsynchronousSchedule``) each arrival is
+    answered with the current class averages, as Algorithm 1's server loop. Where the options follow the
+    official code: ``docs/algorithms.md``, FedHe.
 
     Args:
         alpha: weight of the logit loss (1 in the paper's experiments).
         plus_one: divide by ``V + 1`` as eq. 8 (paper); ``false`` divides by ``V`` as the official code.
-        logit_loss: ``mse`` (code) or ``kl`` (KL divergence of softmax outputs at temperature 1).
+        logit_loss: ``mse`` on logits (the code's; the paper leaves it open) or ``kl`` (KL divergence of
+            softmax outputs at temperature 1).
         warmup_rounds: rounds of cross-entropy only before the logit term starts (the code waits N
             iterations); 0 uses server logits as soon as there are any.
-        reset_every: every k rounds collapse the bank to its current averages weighted as one upload
-            (the code's periodic reset, not in the paper); ``None`` never does. The collapse comes
-            once per period, after the last update of round k (before the first of round k + 1), also
-            in asynchronous mode where a round's arrivals are aggregated one at a time.
+        reset_every: every k rounds collapse the bank to its current averages weighted as one upload (the
+            code's periodic reset, not in the paper), once per period after round k's last update, in
+            asynchronous mode too; ``None`` never does.
         logit_average: ``batch`` averages the logit loss over the whole batch (eq. 12-13); ``available``
-            over the samples whose class has a server logit only (this code before, a larger weight
-            while few classes have logits).
+            over the samples whose class has a server logit only.
     """
 
-    state_attributes = ("bank", "last_reset_round")
+    state: FedHeState
 
     def __init__(
         self,
         alpha: float = 1.0,
         plus_one: bool = True,
-        logit_loss: str = "mse",
+        logit_loss: Literal["mse", "kl"] = "mse",
         warmup_rounds: int = 0,
         reset_every: int | None = None,
-        logit_average: str = "batch",
+        logit_average: Literal["batch", "available"] = "batch",
     ):
-        if logit_loss not in ("mse", "kl"):
-            raise ConfigError(f"FedHe logit_loss must be mse or kl, got {logit_loss!r}.")
-        if logit_average not in ("batch", "available"):
-            raise ConfigError(f"FedHe logit_average must be batch or available, got {logit_average!r}.")
         if not (alpha >= 0 and warmup_rounds >= 0):
             raise ConfigError(
                 f"FedHe needs alpha >= 0 and warmup_rounds >= 0; got alpha={alpha}, warmup_rounds={warmup_rounds}."
@@ -72,14 +75,14 @@ class FedHe(PersonalModels, Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FedHe")
+        server.require_one_role_per_client()
         self.num_classes = server.data.num_classes
-        self.bank = ClassBank(self.num_classes, self.num_classes)
-        self.last_reset_round = 0  # the last round whose end collapsed the bank
+        self.state = FedHeState(ClassBank(self.num_classes, self.num_classes))
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         # padded to C rows, so an upload is always C x (C + 1) numbers (paper Tables III-IV count the same)
-        payload = ClassStatistics.padded("class_logits", {"logits": self.bank.mean()}, self.bank.available)
+        bank = self.state.bank
+        payload = ClassStatistics.padded("class_logits", {"logits": bank.mean()}, bank.available)
         return [ClientTask(c, rnd, {"class_logits": payload}) for c in clients]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
@@ -112,12 +115,13 @@ class FedHe(PersonalModels, Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+        state = self.state
         if self.reset_every:
             # the end of the last full period: collapse once for it, at the first aggregation after it
             period_end = (rnd - 1) // self.reset_every * self.reset_every
-            if period_end > self.last_reset_round:
-                self.bank.collapse()
-                self.last_reset_round = period_end
+            if period_end > state.last_reset_round:
+                state.bank.collapse()
+                state.last_reset_round = period_end
         for update in updates:
-            self.bank.add_statistics(update.uplink["class_logits"], "logits")
-        return {"server/classes_with_logits": float(self.bank.available.sum())}
+            state.bank.add_statistics(update.uplink["class_logits"], "logits")
+        return {"server/classes_with_logits": float(state.bank.available.sum())}

@@ -5,6 +5,8 @@ a baseline of paper 004)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -14,19 +16,11 @@ from ..client.evaluation import Evaluator
 from ..client.joint import fit_jointly
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
-from ..federation.types import (
-    ClientSpec,
-    ClientTask,
-    ClientUpdate,
-    ModelWeights,
-    StateDict,
-    exchanged_keys,
-    load_exchanged,
-)
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, clone_state, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.compression import LowRankUpdate, compress, energy_threshold
-from ..knowledge.mutual import KL_REDUCTIONS, hidden_map, hidden_state_loss, mutual_kl
-from .base import ServerContext, Strategy, require_private_and_shared_role
+from ..knowledge.mutual import KLReduction, hidden_map, hidden_state_loss, mutual_kl
+from .base import PersonalModels, SentWeights, ServerContext, Split, Strategy, global_metrics
 
 
 def adaptive_mutual_losses(
@@ -35,7 +29,7 @@ def adaptive_mutual_losses(
     y: Tensor,
     mapping: nn.Module,
     adaptive: bool = True,
-    reduction: str = "batchmean",
+    reduction: KLReduction = "batchmean",
     detach: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The mentor's and the mentee's losses of one batch (Methods, adaptive mutual distillation).
@@ -66,69 +60,62 @@ def adaptive_mutual_losses(
     return mentor_loss, mentee_loss
 
 
-class FedKD(Strategy):
+@dataclass
+class FedKDState:
+    """What FedKD's server carries from round to round."""
+
+    mentee_weights: StateDict  # the global mentee
+    last_update: dict = field(default_factory=dict)  # the last round's compressed mean update (svd), as plain state
+    last_trained: list[int] = field(default_factory=list)  # the clients that trained in the last round
+
+
+class FedKD(PersonalModels, Strategy):
     """A local mentor and a shared mentee per client, adaptive mutual distillation, compressed updates.
 
     Each client trains its mentor (any architecture, kept local) and a copy of the shared mentee (one
     architecture for all) on the same batches with :func:`adaptive_mutual_losses`; ``W_h`` maps the
-    mentee's representation to the mentor's size and stays on the client (HtFLlib keeps one per client;
-    it is trained with a fresh optimizer of the recipe's kind each round, as HtFLlib builds its
-    optimizers per round). Only the mentee's **update** (trained minus received weights) is uploaded;
-    the server averages the updates and applies the mean to the global mentee.
+    mentee's representation to the mentor's size and stays on the client, trained with a fresh optimizer
+    of the recipe's kind each round. Only the mentee's **update** (trained minus received weights) goes
+    up; the server averages the updates and applies the mean to the global mentee.
 
-    Compression (``compression: svd``, Methods, dynamic gradient approximation): each update matrix is
-    sent as its truncated SVD at the energy threshold ``T(r) = energy_start + r / R (energy_end -
-    energy_start)`` (the official code's ``tmin`` 0.95, ``tmax`` 0.98 and schedule,
-    :mod:`~fl_lightning.knowledge.compression`); the server reconstructs, averages, compresses the mean
-    again at ``T(r)``, applies it and sends it down. A client that trained in the previous round holds
-    that round's mentee and receives only the compressed update; any other client receives the full
-    mentee (with full participation, as in paper 004, everyone gets the compressed update after round
-    1). ``compression: none`` (default) sends the full mentee down and the dense update up.
+    With ``compression: svd`` (dynamic gradient approximation) each update matrix travels as its truncated
+    SVD at the energy threshold ``T(r)`` rising from ``energy_start`` to ``energy_end`` over the rounds
+    (:mod:`~fl_lightning.knowledge.compression`); the server compresses the mean again and applies what it
+    sends. A client that trained in the previous round receives only that compressed update, any other
+    the full mentee. ``compression: none`` sends the full mentee down and the dense update up.
 
-    Options where the sources differ: the official code (wuch15/FedKD ``model_bert.py``, ``run.py``) and
-    HtFLlib's ``clientkd.py`` both backpropagate the summed losses through both models and the
-    denominator (``detach_partner: false``, default); ``true`` makes each loss train only its own model.
-    The papers' KL is per example (``kl_reduction: batchmean``, default); both codes use
-    ``nn.KLDivLoss()``'s division by ``B x C`` (``mean``). The official code averages updates uniformly
-    (``weighted: false``, default); HtFLlib compresses the global weights rather than updates and is not
-    followed there. HtFLlib clips each model's gradient at norm 10 (``training.grad_clip_norm``).
-
-    A tier lists the mentor's role and the mentee role, e.g. ``roles: [cnn_large, mentee]`` (paper 004:
-    CNN-1..5 as mentors, CNN-5, the smallest, as the mentee). Mentors are evaluated on each client's
-    local test split (``split: test``) or the global test set; the mentee on the global test set.
+    A tier lists the mentor's role and the mentee role, e.g. ``roles: [cnn_large, mentee]``. Mentors are
+    evaluated as ``personal/``, the mentee on the global test set. Where the options follow the official
+    code or HtFLlib: ``docs/algorithms.md``, FedKD.
 
     Args:
         mentee_role: the role of the shared mentee.
         adaptive: divide the distillation losses by ``CE_t + CE_s``.
-        kl_reduction: ``batchmean`` or ``mean`` (see above).
-        detach_partner: each loss trains only its own model.
+        kl_reduction: the KL per example (``batchmean``) or divided by ``B x C`` (``mean``, both codes).
+        detach_partner: each loss trains only its own model (both codes: ``false``).
         compression: ``none`` or ``svd``.
         energy_start: T at the start (0.95 in the code).
         energy_end: T in the last round (0.98 in the code).
-        weighted: weight the update average by labeled examples.
+        weighted: weight the update average by labeled examples (the official code: uniform).
         split: where the mentors are evaluated: ``test`` or ``global``.
     """
 
     needs_split = True  # reads the models' features and head apart
 
-    state_attributes = ("mentee_weights", "last_update", "last_trained")
+    state: FedKDState
 
     def __init__(
         self,
         mentee_role: str = "mentee",
         adaptive: bool = True,
-        kl_reduction: str = "batchmean",
+        kl_reduction: KLReduction = "batchmean",
         detach_partner: bool = False,
-        compression: str = "none",
+        compression: Literal["none", "svd"] = "none",
         energy_start: float = 0.95,
         energy_end: float = 0.98,
         weighted: bool = False,
-        split: str = "test",
+        split: Split = "test",
     ):
-        if kl_reduction not in KL_REDUCTIONS:
-            raise ConfigError(f"FedKD kl_reduction must be one of {KL_REDUCTIONS}, got {kl_reduction!r}.")
-        if compression not in ("none", "svd"):
-            raise ConfigError(f"FedKD compression must be none or svd, got {compression!r}.")
         if not 0.0 < energy_start <= energy_end <= 1.0:
             raise ConfigError(f"FedKD needs 0 < energy_start <= energy_end <= 1, got {energy_start} and {energy_end}.")
         self.mentee_role, self.adaptive, self.kl_reduction = mentee_role, adaptive, kl_reduction
@@ -137,18 +124,13 @@ class FedKD(Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        require_private_and_shared_role(server, self.mentee_role, "FedKD", "mentee")
-        self.mentee_weights = server.initial_weights(self.mentee_role)
-        self.sent_keys = exchanged_keys(server.model(self.mentee_role))  # a frozen part of the mentee stays home
-        self.last_update: dict = {}  # the compressed mean update of the last round (svd), as plain state
-        self.last_trained: list[int] = []  # the clients that trained in the last round
+        server.require_private_and_shared_role(self.mentee_role, "mentee")
+        self.state = FedKDState(server.initial_weights(self.mentee_role))
+        self.outgoing = SentWeights(server, [self.mentee_role])  # a frozen part of the mentee stays home
 
-    def mentor_role(self, client: ClientSpec) -> str:
+    def personal_role(self, client: ClientSpec) -> str:
+        """The client's mentor: its role other than the mentee."""
         return next(r for r in client.roles if r != self.mentee_role)
-
-    def mentor_weights(self, client: ClientSpec, state: dict) -> StateDict:
-        stored = state.get("weights")
-        return stored if stored is not None else self.server.initial_weights(self.mentor_role(client), client.id)
 
     def energy(self, rnd: int) -> float | None:
         if self.compression == "none":
@@ -157,11 +139,12 @@ class FedKD(Strategy):
 
     # ------------------------------------------------------------------ server -> client
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        full = {self.mentee_role: ModelWeights.part(self.mentee_role, self.mentee_weights, self.sent_keys)}
-        if not self.last_update:
+        state = self.state
+        full = {self.mentee_role: self.outgoing(self.mentee_role, state.mentee_weights)}
+        if not state.last_update:
             return [ClientTask(c, rnd, full) for c in clients]
-        update = {"mentee_update": LowRankUpdate.from_state(self.last_update)}
-        return [ClientTask(c, rnd, update if c.id in self.last_trained else full) for c in clients]
+        update = {"mentee_update": LowRankUpdate.from_state(state.last_update)}
+        return [ClientTask(c, rnd, update if c.id in state.last_trained else full) for c in clients]
 
     # ------------------------------------------------------------------ client
     def received_mentee(self, task: ClientTask, ctx: ClientContext) -> StateDict:
@@ -173,11 +156,12 @@ class FedKD(Strategy):
         return {k: v + delta[k].to(v.device) if k in delta else v for k, v in ctx.state["mentee_base"].items()}
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
-        mentor, mentee = self.mentor_role(task.client), self.mentee_role
+        mentor, mentor_weights = self.personal_weights(task.client, ctx.state)
+        mentee = self.mentee_role
         base = self.received_mentee(task, ctx)
         if self.compression == "svd":
             ctx.state["mentee_base"] = base
-        ctx.load(mentor, self.mentor_weights(task.client, ctx.state))
+        ctx.load(mentor, mentor_weights)
         load_exchanged(ctx.load(mentee).model, base)
         mapping = self.client_hidden_map(task.client, ctx)
         adaptive, reduction, detach = self.adaptive, self.kl_reduction, self.detach_partner
@@ -199,7 +183,7 @@ class FedKD(Strategy):
 
         losses = fit_jointly(ctx, (mentor, mentee), step, helpers=[mapping])
         ctx.state["weights"] = ctx.weights(mentor)
-        ctx.state["hidden_map"] = {k: v.detach().clone() for k, v in mapping.state_dict().items()}
+        ctx.state["hidden_map"] = clone_state(mapping.state_dict())
         trained = ctx.weights(mentee)
         delta = {k: trained[k] - base[k].to(trained[k].device) for k in base if trained[k].is_floating_point()}
         uplink = {"mentee_update": compress("mentee_update", delta, self.energy(task.round))}
@@ -210,7 +194,9 @@ class FedKD(Strategy):
         """The client's ``W_h`` (new on its first round, from torch's per-client-update generator), in the
         one instance of its shape (``ctx.helper``)."""
         # drawn every round, the client's first included, so that the random stream after it stays the same
-        fresh = hidden_map(self.server.feature_dim(self.mentee_role), self.server.feature_dim(self.mentor_role(client)))
+        fresh = hidden_map(
+            self.server.feature_dim(self.mentee_role), self.server.feature_dim(self.personal_role(client))
+        )
         return ctx.helper("hidden_map", fresh, ctx.state.get("hidden_map"))
 
     # ------------------------------------------------------------------ server
@@ -225,21 +211,13 @@ class FedKD(Strategy):
         if self.compression == "svd":
             sent = compress("mentee_update", mean, self.energy(rnd))
             mean = sent.reconstruct()  # what the clients will apply, so the server applies exactly that
-            self.last_update = sent.state_dict()
-        self.mentee_weights = {k: v + mean[k] if k in mean else v for k, v in self.mentee_weights.items()}
-        self.last_trained = trained
+            self.state.last_update = sent.state_dict()
+        self.state.mentee_weights = {k: v + mean[k] if k in mean else v for k, v in self.state.mentee_weights.items()}
+        self.state.last_trained = trained
         return {} if self.compression == "none" else {"server/energy": self.energy(rnd)}
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        metrics = evaluator.personalized(self.personal_weights, split=self.split)
-        for name, value in evaluator.global_model(self.mentee_role, self.mentee_weights).items():
-            metrics[f"{self.mentee_role}/test_{name}"] = value
-        return metrics
-
-    def personal_weights(self, client, state) -> tuple[str, StateDict]:
-        return self.mentor_role(client), self.mentor_weights(client, state)
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"
+        """The mentors (``personal/``) and the mentee on the global test set."""
+        mentee = {self.mentee_role: self.state.mentee_weights}
+        return {**super().evaluate(evaluator), **global_metrics(evaluator, mentee)}

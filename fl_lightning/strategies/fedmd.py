@@ -1,10 +1,11 @@
 """FedMD: Li and Wang, "FedMD: Heterogenous Federated Learning via Model Distillation", NeurIPS-W 2019
-(Algorithm 1). The paper is not in ../shared/papers: the steps follow the official code
-diogenes0319/FedMD_clean (``FedMD.py``, ``Neural_Networks.py``, ``conf/``), read for this file."""
+(Algorithm 1). The paper was not at hand: the steps follow the official code diogenes0319/FedMD_clean
+(``FedMD.py``, ``Neural_Networks.py``, ``conf/``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
 import torch.nn.functional as F
 
@@ -14,48 +15,42 @@ from ..federation.errors import ConfigError
 from ..federation.padding import padded_loss
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.distillation import kl_to_targets
-from ..knowledge.public_set import eval_logits, public_inputs, round_subset, target_batches
-from .base import PersonalModels, ServerContext, Strategy
-
-DIGEST_LOSSES = ("l1", "mse", "kl")
+from ..knowledge.public_set import (
+    eval_logits,
+    mean_upload,
+    public_inputs,
+    received_positions,
+    round_subset,
+    subset_downlink,
+    target_batches,
+)
+from .base import PersonalModels, ServerContext, Split, Strategy
 
 
 class FedMD(PersonalModels, Strategy):
     """Heterogeneous personal models that learn from a labeled public set and a consensus on it.
 
-    Transfer learning (Algorithm 1, before the rounds; phase ``transfer`` of round 1, every client): a
-    client trains its own model with cross-entropy for ``public_epochs`` on the labeled public set, then
-    ``private_epochs`` on its private data. The official code trains "to convergence" with early
-    stopping (at most 20 and 25 epochs on CIFAR); paper 001 keeps the decayed learning rate of the public
-    phase for the private one (Appendix 6.3), here both use the recipe's rate.
+    Every client keeps its own model. Phases (Algorithm 1):
 
-    Then every round (Algorithm 1's loop):
-
-    * ``communicate``: each sampled client computes its class scores (eval-mode logits) on the round's
-      public subset and uploads them, ``n x C`` numbers;
-    * the server averages them into the consensus ``1/m sum_k f_k(x)`` and sends it to the same clients,
-      ``n x C`` numbers;
-    * ``digest``: each client trains towards the consensus on the subset, ``digest_steps`` steps (one
-      pass by default, as the code's one epoch); the code's loss is the mean absolute error on logits
-      (Keras ``mean_absolute_error`` on the model without its softmax: ``digest_loss: l1``); ``mse`` and
-      ``kl`` (``T^2 KL(softmax(c / T) || softmax(z / T))``) are offered;
-    * ``revisit``: each client trains on its private data with cross-entropy (``revisit_steps``; by
-      default the recipe's local steps or epochs).
+    * ``transfer`` (round 1, every client): ``public_epochs`` of cross-entropy on the labeled public set,
+      then ``private_epochs`` on the private data;
+    * ``communicate``: each sampled client uploads its eval-mode logits on the round's public subset
+      (``n x C`` numbers); the server averages them into the consensus ``1/m sum_k f_k(x)`` and sends it
+      back to the same clients (``n x C`` numbers);
+    * ``digest``: each client trains towards the consensus for ``digest_steps`` with ``digest_loss``
+      (:func:`digest_step`), then revisits its private data with cross-entropy for ``revisit_steps``.
 
     The public set is the server's labeled split (``data.server_fraction``; an out-of-domain server set
-    has no labels and is refused), held by every client before training. ``public_size: n`` draws n of
-    its examples per round (the code's ``N_alignment``, 5000 on CIFAR) and sends their positions, ``n``
-    int32 down; ``null`` uses all of them and sends none. Paper 000 also counts the public images in
-    FedMD's traffic (``n x 794`` numbers per client on MNIST); here they are held, not sent.
-
-    The code gives the digest its own Adam (lr 1e-3); here digest and revisit share the client's
-    optimizer from the recipe (paper 001 trains FedMD with its SGD settings, Table 13).
+    has no labels and is refused), held by every client. ``public_size: n`` draws n of its examples per
+    round and sends their positions (``n`` int32 down). Digest and revisit share the client's optimizer
+    from the recipe. Where this follows the official code: ``docs/algorithms.md``, FedMD.
 
     Args:
         public_size: public examples per round (``None``: the whole public set).
         public_epochs: transfer-learning epochs on the labeled public set.
         private_epochs: transfer-learning epochs on the private data afterwards.
-        digest_loss: ``l1`` (code), ``mse`` or ``kl``.
+        digest_loss: ``l1`` (the code's mean absolute error on logits), ``mse`` or ``kl``
+            (``T^2 KL(softmax(c / T) || softmax(z / T))``).
         temperature: T of ``digest_loss: kl``.
         digest_steps: digest steps per round (``None``: one pass over the round's public subset).
         digest_batch_size: examples per digest step (``None``: the training batch size).
@@ -70,15 +65,13 @@ class FedMD(PersonalModels, Strategy):
         public_size: int | None = 5000,
         public_epochs: int = 20,
         private_epochs: int = 25,
-        digest_loss: str = "l1",
+        digest_loss: Literal["l1", "mse", "kl"] = "l1",
         temperature: float = 1.0,
         digest_steps: int | None = None,
         digest_batch_size: int | None = None,
         revisit_steps: int | None = None,
-        split: str = "global",
+        split: Split = "global",
     ):
-        if digest_loss not in DIGEST_LOSSES:
-            raise ConfigError(f"FedMD digest_loss must be one of {', '.join(DIGEST_LOSSES)}, got {digest_loss!r}.")
         counts = {"public_epochs": public_epochs, "private_epochs": private_epochs}
         counts.update({"digest_steps": digest_steps or 0, "revisit_steps": revisit_steps or 0})
         if min(counts.values()) < 0 or temperature <= 0:
@@ -94,8 +87,8 @@ class FedMD(PersonalModels, Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FedMD")
-        num_public = len(server.server_labeled("FedMD")[1])
+        server.require_one_role_per_client()
+        num_public = len(server.server_labeled()[1])
         if self.public_size is not None and not 1 <= self.public_size <= num_public:
             raise ConfigError(
                 f"FedMD public_size {self.public_size} must be between 1 and the public set's {num_public} "
@@ -110,11 +103,7 @@ class FedMD(PersonalModels, Strategy):
             return [ClientTask(c, rnd, {}, phase) for c in self.server.clients] if rnd == 1 else []
         if phase == "communicate":
             positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-            down = (
-                {}
-                if positions is None
-                else {"public_positions": TensorPayload("public_positions", {"positions": positions})}
-            )
+            down = subset_downlink("public_positions", positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
         if not self.uploaders:
             return []
@@ -127,22 +116,21 @@ class FedMD(PersonalModels, Strategy):
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         uplink, metrics = {}, {}
         if task.phase == "transfer":
-            batch_size = ctx.loop.training.batch_size
-            public_steps = self.public_epochs * -(-len(ctx.public_indices) // batch_size)
-            private_steps = self.private_epochs * -(-ctx.num_examples() // batch_size)
+            public_steps = self.public_epochs * ctx.epoch_steps(len(ctx.public_indices))
+            private_steps = self.private_epochs * ctx.epoch_steps(ctx.num_examples())
             metrics[f"{role}/transfer_public_loss"] = ctx.fit(role, "public", steps=public_steps)["loss"]
             metrics[f"{role}/transfer_private_loss"] = ctx.fit(role, steps=private_steps)["loss"]
         elif task.phase == "communicate":
-            positions = task.downlink["public_positions"].tensors["positions"] if task.downlink else None
+            positions = received_positions(task.downlink, "public_positions")
             x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
             if positions is not None:
                 ctx.state["public_positions"] = positions  # the client remembers its subset until the digest
-            logits = eval_logits(module, x_public, ctx.loop.training.eval_batch_size)
+            logits = eval_logits(module, x_public, ctx.eval_batch_size)
             uplink["public_logits"] = TensorPayload("public_logits", {"logits": logits})
         else:
             x_public = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("public_positions", None))
             targets = task.downlink["consensus"].tensors["logits"].to(x_public.device)
-            batch_size = self.digest_batch_size or ctx.loop.training.batch_size
+            batch_size = self.digest_batch_size or ctx.batch_size
             batches = target_batches(x_public, targets, batch_size, self.digest_steps, ctx.generator)
             step = digest_step(self.digest_loss, self.temperature)
             metrics[f"{role}/digest_loss"] = ctx.fit(role, step_fn=step, batches=batches)["loss"]
@@ -156,12 +144,7 @@ class FedMD(PersonalModels, Strategy):
             for _ in updates:  # transfer learning and digest / revisit stay on the clients
                 pass
             return {}
-        total, self.uploaders = None, []
-        for update in updates:
-            logits = update.uplink["public_logits"].tensors["logits"].double()
-            total = logits if total is None else total + logits
-            self.uploaders.append(update.client)
-        self.consensus = (total / len(self.uploaders)).float() if self.uploaders else None
+        self.consensus, self.uploaders = mean_upload(updates, "public_logits", "logits")
         return {}
 
 

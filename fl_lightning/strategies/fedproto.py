@@ -4,20 +4,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..client.context import ClientContext
-from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.padding import class_index, real_rows
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Split, Strategy
 
 ABSENT_CLASS_LOGIT = -1e9  # a class without a global prototype is never the nearest one
 
@@ -61,35 +62,33 @@ def prototype_head(prototypes: Tensor, available: Tensor) -> dict[str, Tensor]:
     return {"weight": weight, "bias": bias}
 
 
-class FedProto(Strategy):
+@dataclass
+class FedProtoState:
+    """What FedProto's server keeps between rounds."""
+
+    bank: ClassBank  # the last round's uploaded prototypes per class: the global prototypes are their mean
+
+
+class FedProto(PersonalModels, Strategy):
     """Personal heterogeneous models that exchange per-class mean representations (prototypes).
 
     Client k keeps its own model (features then head). Each round it receives the global prototypes
-    ``P_c`` and trains on ``CE(head(h), y) + lam * R(h, P_y)`` (Sec. 4, the local objective), where ``R``
-    is the squared L2 distance to the class's global prototype, skipped for classes without one; the
-    official code (yuetan031/FedProto ``lib/update.py``, HtFLlib ``clientproto.py``) averages it over
-    every element of the batch (:func:`prototype_loss`). While it trains it sums its representations per
-    class (training-mode forward, before each step, as both codes) and uploads its local prototypes, the
-    class means, for the ``S`` classes it holds: ``S x (D + 1)`` numbers with the labels.
+    ``P_c`` and trains on ``CE(head(h), y) + lam * R(h, P_y)`` (Sec. 4), ``R`` the squared L2 distance to
+    the class's global prototype (:func:`prototype_loss`). While it trains it sums its representations
+    per class (training-mode forward, before each step) and uploads the class means of the ``S`` classes
+    it holds with their labels (``S x (D + 1)`` numbers). The server averages each round's uploads per
+    class (uniformly, or weighted by class counts) and sends the ``R`` classes that have a global
+    prototype (``R x (D + 1)`` numbers). Every model's representation must have the same size D.
 
-    The server averages the uploads of the round per class. The paper weights client k's prototype by its
-    class count ``|D_k,c|`` (the global-prototype equation, as BASELINES.md recalls it; ``weighting: samples``,
-    which adds the ``S`` counts to each upload); the official code takes the plain mean over the clients that
-    hold the class
-    (``lib/utils.py`` ``proto_aggregation``, copied by HtFLlib; ``weighting: uniform``). Paper 004 does not
-    say which it ran; the default is the official code. Global prototypes are rebuilt every round from
-    that round's uploads only, as in both codes; the downlink carries the ``R`` classes that have one,
-    ``R x (D + 1)`` numbers (paper 004's communication column counts only a client's own classes, without
-    labels).
-
-    Inference is by the nearest global prototype (``inference: prototypes``, the paper and both codes):
-    ``argmin_c ||h - P_c||``, run as a linear head (:func:`prototype_head`); ``inference: local_head``
-    evaluates each client's own head instead. Before the first prototypes exist the own head is used.
-    Every model's representation must have the same size D.
+    Inference is by the nearest global prototype (``inference: prototypes``), run as a linear head
+    (:func:`prototype_head`), or by each client's own head (``local_head``); before the first prototypes
+    exist the own head is used. Which weighting the paper and the official code use:
+    ``docs/algorithms.md``, FedProto.
 
     Args:
         lam: lambda, weight of the prototype regulariser (1 in the official scripts).
-        weighting: ``uniform`` (official code) or ``samples`` (paper: weighted by class counts).
+        weighting: ``uniform`` (official code) or ``samples`` (paper: weighted by class counts, which
+            travel with the upload).
         inference: ``prototypes`` (nearest global prototype) or ``local_head``.
         split: where personal models are evaluated: ``test`` (each client's local test split, paper 004
             and the FedProto paper) or ``global``.
@@ -97,22 +96,22 @@ class FedProto(Strategy):
 
     needs_split = True  # reads the models' features and head apart
 
-    state_attributes = ("bank",)
+    state: FedProtoState
 
     def __init__(
-        self, lam: float = 1.0, weighting: str = "uniform", inference: str = "prototypes", split: str = "test"
+        self,
+        lam: float = 1.0,
+        weighting: Literal["uniform", "samples"] = "uniform",
+        inference: Literal["prototypes", "local_head"] = "prototypes",
+        split: Split = "test",
     ):
-        if weighting not in ("uniform", "samples"):
-            raise ConfigError(f"FedProto weighting must be uniform or samples, got {weighting!r}.")
-        if inference not in ("prototypes", "local_head"):
-            raise ConfigError(f"FedProto inference must be prototypes or local_head, got {inference!r}.")
         if lam < 0:
             raise ConfigError(f"FedProto lam must be non-negative, got {lam}.")
         self.lam, self.weighting, self.inference, self.split = lam, weighting, inference, split
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("FedProto")
+        server.require_one_role_per_client()
         dims = {r: server.feature_dim(r) for r in server.roles}
         if len(set(dims.values())) != 1:
             raise ConfigError(
@@ -127,12 +126,13 @@ class FedProto(Strategy):
                     f"head must be one nn.Linear; got {heads}. Use inference: local_head for other heads."
                 )
         self.num_classes, self.feature_dim = server.data.num_classes, next(iter(dims.values()))
-        self.bank = ClassBank(self.num_classes, self.feature_dim)  # this round's uploads, reset each round
+        self.state = FedProtoState(ClassBank(self.num_classes, self.feature_dim))
 
     # ------------------------------------------------------------------ server -> client
     def global_prototypes(self) -> ClassStatistics:
         """The global prototypes of the classes that have one (compact: ``R x (D + 1)`` numbers)."""
-        padded = ClassStatistics.padded("global_prototypes", {"prototypes": self.bank.mean()}, self.bank.available)
+        bank = self.state.bank
+        padded = ClassStatistics.padded("global_prototypes", {"prototypes": bank.mean()}, bank.available)
         return padded.compact()
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
@@ -170,7 +170,7 @@ class FedProto(Strategy):
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        self.bank = ClassBank(self.num_classes, self.feature_dim)
+        bank = self.state.bank = ClassBank(self.num_classes, self.feature_dim)  # this round's uploads only
         for update in updates:
             upload = update.uplink["local_prototypes"]
             labels = upload.labels.long().cpu()
@@ -182,26 +182,19 @@ class FedProto(Strategy):
             if self.weighting == "samples":
                 weights = torch.zeros(self.num_classes, dtype=torch.float64)
                 weights[labels] = upload.vectors["counts"][:, 0].detach().cpu().double()
-            self.bank.add(vectors, present, weights)
-        return {"server/classes_with_prototype": float(self.bank.available.sum())}
+            bank.add(vectors, present, weights)
+        return {"server/classes_with_prototype": float(bank.available.sum())}
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(self.personal_weights, split=self.split)
-
-    def personal_weights(self, client, state) -> tuple[str, StateDict]:
+    def personal_weights(self, client: ClientSpec, state: dict) -> tuple[str, StateDict]:
         """The client's model; with prototype inference its head is the nearest-prototype one."""
-        weights = self.server.own_weights(client, state.get("weights"))
-        available = self.bank.available
-        if self.inference == "prototypes" and available.any():
+        role, weights = super().personal_weights(client, state)
+        bank = self.state.bank
+        if self.inference == "prototypes" and bank.available.any():
             device = weights["head.weight"].device
-            head = prototype_head(self.bank.mean().to(device), available.to(device))
+            head = prototype_head(bank.mean().to(device), bank.available.to(device))
             weights = {**weights, **{f"head.{k}": v.to(weights[f"head.{k}"].dtype) for k, v in head.items()}}
-        return client.roles[0], weights
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"
+        return role, weights
 
 
 def dense_prototypes(received: ClassStatistics, num_classes: int, device) -> tuple[Tensor, Tensor]:

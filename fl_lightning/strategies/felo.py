@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -12,69 +14,68 @@ from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.padding import class_index
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, exchanged_keys, load_exchanged
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Role, StateDict, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
 from ..knowledge.distillation import logit_distance_rows, masked_row_mean
-from .base import ServerContext, Strategy
+from .base import PersonalModels, SentWeights, ServerContext, Strategy, global_metrics
 
 
-class Felo(Strategy):
+@dataclass
+class FeloState:
+    """What Felo's server carries from round to round."""
+
+    global_weights: dict[Role, StateDict]  # per architecture (role), its averaged model; empty for personal models
+    logit_bank: ClassBank  # per class, the sum and count of the received mean logits
+    feature_bank: ClassBank  # per class, the sum and count of the received mean features
+
+
+class Felo(PersonalModels, Strategy):
     """Heterogeneous clients exchange per-class mean features and logits; same architectures average weights.
 
-    Client: trains on ``CE + alpha * (MSE(f, f_s[y]) + D(z, z_s[y]))`` (eq. 1), where ``f`` is the
-    mid-level feature (the model's ``features`` output), ``z`` the logits and ``f_s``, ``z_s`` the
-    server's class vectors; D is the KL divergence (paper) or the MSE on logits (official code's
-    default). While training it sums features and logits per class (training-mode forward, before each
-    step) and uploads their class means with the labels. Server: averages the class vectors it
-    received (``ClassBank``) and, as Sec. 3.1.2 describes, averages weights only among clients of the
-    same architecture (one role per architecture); ``average_weights: false`` keeps personal models
-    as the official code does. Averaged weights travel as their trainable part only
-    (:func:`~fl_lightning.federation.types.exchanged_keys`): a frozen backbone is neither sent nor counted.
+    Client: trains on ``CE + alpha * (MSE(f, f_s[y]) + D(z, z_s[y]))`` (eq. 1), ``f`` the mid-level feature
+    (the model's ``features`` output), ``z`` the logits, ``f_s`` and ``z_s`` the server's class vectors and
+    D the KL divergence or the MSE on logits (``logit_loss``). While it trains it sums features and logits
+    per class (training-mode forward, before each step) and uploads their class means with the labels.
+    Server: averages the received class vectors per class (``ClassBank``) and, with ``average_weights``,
+    the weights of the clients of each architecture (one role per architecture, Sec. 3.1.2); weights
+    travel without a frozen part. Every role must have the same feature dimension.
 
-    Every role must have the same feature dimension, since features of different architectures are
-    compared directly.
-
-    Downlink: one ``class_knowledge`` payload, per class the logits and (when the server has class
-    features) the features, with labels marking the classes it has them for. Velo's server may have
-    logits of classes it has no feature for (before its CVAE is trained, or when a class has left its
-    feature store); then the features travel in a second ``class_features`` payload with their own
-    labels, and before any feature exists none are sent.
+    Downlink: one ``class_knowledge`` payload, per class the logits and the features, labels marking the
+    classes the server has them for. When the server has logits of classes it has no feature for (Velo,
+    before its CVAE trains or when a class has left its feature store) the features travel in a second
+    ``class_features`` payload with their own labels, and before any feature exists none are sent.
+    Where the defaults follow the paper and the official code: ``docs/algorithms.md``, Felo.
 
     Args:
         alpha: weight of the feature + logit terms (0.5 in the code).
-        logit_loss: ``kl`` (paper) or ``mse`` (code default).
+        logit_loss: ``kl`` (paper) or ``mse`` (the code's default).
         average_weights: FedAvg per architecture (paper) or personal models (code).
         warmup_rounds: cross-entropy only for these rounds (the code starts at 5% of the run).
-        forget: each round, old class vectors are down-weighted by ``1 - forget`` (0 keeps the
-            all-time average; the code keeps a FIFO of recent uploads).
-        loss_average: ``batch`` averages the feature and logit terms over the whole batch, as eq. 1's
-            ``1/|D~_k|`` sum (a sample of a class the server has no vector for adds nothing to a term but
-            counts in its average); ``available`` over the samples that have the server vector only
-            (this code before: a larger weight while the server knows few classes).
+        forget: each round, old class vectors are down-weighted by ``1 - forget`` (0 keeps the all-time
+            average; the code keeps a FIFO of recent uploads).
+        loss_average: ``batch`` averages the feature and logit terms over the whole batch, as eq. 1 (a
+            sample of a class the server has no vector for adds nothing but counts); ``available`` over the
+            samples that have the server's vector only.
     """
 
     needs_split = True  # reads the models' features and head apart
 
-    state_attributes = ("global_weights", "logit_bank", "feature_bank")
+    state: FeloState
 
     def __init__(
         self,
         alpha: float = 0.5,
-        logit_loss: str = "kl",
+        logit_loss: Literal["kl", "mse"] = "kl",
         average_weights: bool = True,
         warmup_rounds: int = 0,
         forget: float = 0.0,
-        loss_average: str = "batch",
+        loss_average: Literal["batch", "available"] = "batch",
     ):
-        if logit_loss not in ("kl", "mse"):
-            raise ConfigError(f"{type(self).__name__} logit_loss must be kl or mse, got {logit_loss!r}.")
-        if loss_average not in ("batch", "available"):
-            raise ConfigError(f"{type(self).__name__} loss_average must be batch or available, got {loss_average!r}.")
         if not (alpha >= 0 and warmup_rounds >= 0 and 0 <= forget <= 1):
             raise ConfigError(
-                f"{type(self).__name__} needs alpha >= 0, warmup_rounds >= 0 and 0 <= forget <= 1; got alpha={alpha}, "
+                f"{self.name} needs alpha >= 0, warmup_rounds >= 0 and 0 <= forget <= 1; got alpha={alpha}, "
                 f"warmup_rounds={warmup_rounds}, forget={forget}."
             )
         self.alpha, self.logit_loss, self.average_weights = alpha, logit_loss, average_weights
@@ -82,28 +83,30 @@ class Felo(Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client(type(self).__name__)
+        server.require_one_role_per_client()
         dims = {r: server.feature_dim(r) for r in server.roles}
         if len(set(dims.values())) != 1:
             raise ConfigError(
-                f"{type(self).__name__} compares features across architectures, so every role needs the "
+                f"{self.name} compares features across architectures, so every role needs the "
                 f"same feature dimension; got {dims}. Set the builders' feature sizes equal."
             )
         self.feature_dim = next(iter(dims.values()))
         self.num_classes = server.data.num_classes
-        self.logit_bank = ClassBank(self.num_classes, self.num_classes)
-        self.feature_bank = ClassBank(self.num_classes, self.feature_dim)
-        self.global_weights = {r: server.initial_weights(r) for r in server.roles} if self.average_weights else {}
-        self.sent_keys = {r: exchanged_keys(server.model(r)) for r in server.roles}  # a frozen part stays home
+        self.state = FeloState(
+            {r: server.initial_weights(r) for r in server.roles} if self.average_weights else {},
+            ClassBank(self.num_classes, self.num_classes),
+            ClassBank(self.num_classes, self.feature_dim),
+        )
+        self.outgoing = SentWeights(server, server.roles)  # a frozen part stays home
 
     # ------------------------------------------------------------------ server -> client
     def server_features(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Class features sent to clients and which classes have one; ``None``: no feature source yet (Velo)."""
-        return self.feature_bank.mean(), self.feature_bank.available
+        return self.state.feature_bank.mean(), self.state.feature_bank.available
 
     def knowledge_downlink(self) -> dict[str, ClassStatistics]:
         """The class logits and features, each with the classes the server has it for (see the class doc)."""
-        logits, have_logits = self.logit_bank.mean(), self.logit_bank.available
+        logits, have_logits = self.state.logit_bank.mean(), self.state.logit_bank.available
         features = self.server_features()
         if features is None:
             return {"class_knowledge": ClassStatistics.padded("class_knowledge", {"logits": logits}, have_logits)}
@@ -123,7 +126,7 @@ class Felo(Strategy):
             downlink = dict(knowledge)
             if self.average_weights:
                 role = c.roles[0]
-                downlink["weights"] = ModelWeights.part(role, self.global_weights[role], self.sent_keys[role])
+                downlink["weights"] = self.outgoing(role, self.state.global_weights[role])
             tasks.append(ClientTask(c, rnd, downlink))
         return tasks
 
@@ -172,28 +175,29 @@ class Felo(Strategy):
         stats = ctx.fit(role, step_fn=step, on_record=collect)
         uplink = {"class_knowledge": collector.result("class_knowledge")}
         if self.average_weights:
-            uplink["weights"] = ModelWeights.part(role, ctx.weights(role), self.sent_keys[role])
+            uplink["weights"] = self.outgoing(role, ctx.weights(role))
         else:
             ctx.state["weights"] = ctx.weights(role)
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+        state = self.state
         if self.forget:
-            for bank in (self.logit_bank, self.feature_bank):
+            for bank in (state.logit_bank, state.feature_bank):
                 bank.sums *= 1 - self.forget
                 bank.counts *= 1 - self.forget
         averages: dict[str, WeightedAverage] = {}
         for update in updates:
             knowledge = update.uplink["class_knowledge"]
-            self.logit_bank.add_statistics(knowledge, "logits")
-            self.feature_bank.add_statistics(knowledge, "features")
+            state.logit_bank.add_statistics(knowledge, "logits")
+            state.feature_bank.add_statistics(knowledge, "features")
             self.receive_features(knowledge.vectors["features"], knowledge.present)
             if self.average_weights:
                 role = update.client.roles[0]
                 averages.setdefault(role, WeightedAverage()).add(update.uplink["weights"].state, update.num_samples)
         for role, average in averages.items():
-            self.global_weights[role] = {**self.global_weights[role], **average.result()}
+            state.global_weights[role] = {**state.global_weights[role], **average.result()}
         return self.server_step(rnd)
 
     def receive_features(self, features: torch.Tensor, present: torch.Tensor) -> None:
@@ -205,24 +209,15 @@ class Felo(Strategy):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
+        """Personal models as every personalized method; averaged ones per architecture, each client scored
+        with its architecture's model (``personal/test_acc`` the mean over the clients)."""
         if not self.average_weights:
-            return evaluator.personalized(self.personal_weights, split="global")
-        metrics, per_client = {}, []
-        by_role = {r: evaluator.global_model(r, w) for r, w in self.global_weights.items()}
-        for role, result in by_role.items():
-            metrics.update({f"{role}/test_{k}": v for k, v in result.items()})
-        for client in self.server.clients:
-            per_client.append(by_role[client.roles[0]]["acc"])
+            return super().evaluate(evaluator)
+        metrics = global_metrics(evaluator, self.state.global_weights)
+        per_client = [metrics[f"{client.roles[0]}/test_acc"] for client in self.server.clients]
         metrics["personal/test_acc"] = float(sum(per_client) / len(per_client))
         metrics["personal/test_acc_std"] = float(torch.tensor(per_client).std(unbiased=False))
         return metrics
-
-    def personal_weights(self, client, state):
-        return client.roles[0], self.server.own_weights(client, state.get("weights"))
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"
 
 
 def received_targets(downlink: dict) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:

@@ -4,6 +4,8 @@ Heterogeneous Clients", ICLR 2021 (Sec. 3.1-3.2, eq. 1-3, Algorithm 1)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -17,7 +19,7 @@ from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload
 from ..models.slicing import SLICEABLE_BUILDERS, batch_norm_statistics, not_a_slice, slice_state
-from .base import ServerContext, Strategy
+from .base import ServerContext, Strategy, global_metrics
 
 
 class SliceAverage:
@@ -53,51 +55,46 @@ class SliceAverage:
         return out
 
 
+@dataclass
+class HeteroFLState:
+    """What HeteroFL's server carries from round to round."""
+
+    global_weights: StateDict  # the rate-1 model's parameters (batch-norm statistics are never kept)
+
+
 class HeteroFL(Strategy):
     """Width-sliced sub-models of one global model, aggregated where they overlap.
 
     The global model is the role built at ``rate: 1``; every other role is the same builder with a
-    smaller ``rate`` (HeteroFL's levels a-e are 1, 1/2, 1/4, 1/8, 1/16), whose layers keep the first
-    ``ceil(r * n)`` channels / units (``models/slicing.py``; sliceable builders: digits_cnn, digits_mlp,
-    resnet20 and the CIFAR ResNets cifar_resnet10 ... 50, which paper 003's HeteroFL cells slice).
-    A client receives the slice of the global parameters its rate holds, about ``r^2 |theta|`` numbers,
-    trains it and sends it back; the server averages each entry over the clients holding it
-    (:class:`SliceAverage`). Its parts, as the paper and the official code:
-
-    - **rates:** ``mode: dynamic`` draws every client's rate each round with ``proportions`` (the code's
-      ``dynamic`` split; paper 003 runs "a1-b1-c1-d1-e1": five rates, equal shares), so every tier
-      lists every rate role; ``mode: fixed`` gives each client its tier's one role.
-    - **scaler:** the sliced layers divide their output by the rate in training only (the builders' hook).
-    - **static batch norm:** running statistics are never sent or averaged: clients normalise with
-      batch statistics; before evaluation the global model's are accumulated in one pass over every
-      client's training data (the code's ``stats`` step over the training set).
-    - **masking:** a client's logits of classes it has no example of are set to 0 before its
-      cross-entropy (``mask``, the code's ``cfg['mask']``).
-    - **label split:** with ``label_split`` the output layer's rows are averaged only over clients that
-      have that class; clients send their label set (``C`` booleans) with their sub-model.
-
-    Evaluation: the global model on the global test set, as paper 003 evaluates HeteroFL.
+    smaller ``rate`` (levels a-e: 1, 1/2, 1/4, 1/8, 1/16), whose layers keep the first ``ceil(r * n)``
+    channels or units (``models/slicing.py``). A client receives the slice of the global parameters its
+    rate holds, about ``r^2 |theta|`` numbers, trains it and sends it back with its label set; the server
+    averages each entry over the clients holding it (:class:`SliceAverage`, eq. 3). As the paper and the
+    official code: sliced layers divide their output by the rate in training (the builders' hook); batch
+    norm is static (running statistics are never sent; the global model's are accumulated over every
+    client's training data before evaluation); a client's logits of classes it has no example of are
+    zeroed in its loss (``mask``). The global model is evaluated on the global test set. More, with the
+    sliceable builders: ``docs/algorithms.md``, HeteroFL.
 
     Args:
-        mode: ``dynamic`` (a rate drawn per client and round) or ``fixed`` (the tier's role).
+        mode: ``dynamic`` draws every client's rate each round (every tier lists every rate role);
+            ``fixed`` gives each client its tier's one role.
         proportions: dynamic mode's share of each rate role (equal shares when not given).
-        label_split: average output rows only over clients that have the class.
-        mask: zero the logits of a client's absent classes in its training loss.
+        label_split: average output rows only over clients that have the class (the code's ``label_split``).
+        mask: zero the logits of a client's absent classes in its training loss (the code's ``mask``).
     """
 
     needs_split = True  # reads the models' features and head apart
 
-    state_attributes = ("global_weights",)
+    state: HeteroFLState
 
     def __init__(
         self,
-        mode: str = "dynamic",
+        mode: Literal["dynamic", "fixed"] = "dynamic",
         proportions: dict[str, float] | None = None,
         label_split: bool = True,
         mask: bool = True,
     ):
-        if mode not in ("dynamic", "fixed"):
-            raise ConfigError(f"HeteroFL mode must be 'dynamic' or 'fixed', got {mode!r}.")
         self.mode, self.proportions, self.label_split, self.mask = mode, proportions, label_split, mask
 
     def setup(self, server: ServerContext) -> None:
@@ -125,7 +122,7 @@ class HeteroFL(Strategy):
                 )
         self.row_keys = {f"head.{name}" for name, _ in server.model(self.global_role).head.named_parameters()}
         initial = server.initial_weights(self.global_role)
-        self.global_weights = {k: initial[k] for k in self.shapes[self.global_role]}
+        self.state = HeteroFLState({k: initial[k] for k in self.shapes[self.global_role]})
         self.check_rates(server)
 
     def parameter_shapes(self, role: str) -> dict[str, torch.Size]:
@@ -135,7 +132,7 @@ class HeteroFL(Strategy):
 
     def check_rates(self, server: ServerContext) -> None:
         if self.mode == "fixed":
-            server.require_one_role_per_client("HeteroFL (mode fixed)")
+            server.require_one_role_per_client(" (mode fixed)")
             return
         shares = self.proportions or {role: 1.0 for role in server.roles}
         unknown = [role for role in shares if role not in server.roles]
@@ -169,7 +166,7 @@ class HeteroFL(Strategy):
         tasks = []
         for client in clients:
             role = roles[client.id]
-            sub = slice_state(self.global_weights, self.shapes[role])
+            sub = slice_state(self.state.global_weights, self.shapes[role])
             tasks.append(ClientTask(client, rnd, {role: ModelWeights(role, sub)}))
         return tasks
 
@@ -202,25 +199,24 @@ class HeteroFL(Strategy):
 
     # ------------------------------------------------------------------ server
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        average = SliceAverage(self.global_weights, self.row_keys)
+        average = SliceAverage(self.state.global_weights, self.row_keys)
         for update in updates:
             classes = update.uplink["label_split"].tensors["classes"] if self.label_split else None
             (sub,) = (p.state for name, p in update.uplink.items() if name != "label_split")
             average.add(sub, classes)
-        self.global_weights = average.result(self.global_weights)
+        self.state.global_weights = average.result(self.state.global_weights)
         return {}
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        weights = self.global_weights
+        weights = self.state.global_weights
         model = self.server.model(self.global_role)
         if set(model.state_dict()) != set(weights):  # batch norm: statistics of the global model first
             data = self.server.data
             train = torch.cat([c.train for c in data.clients])
             batches = (data.x[train[i : i + 512]] for i in range(0, len(train), 512))
             weights = batch_norm_statistics(model, weights, batches)
-        result = evaluator.global_model(self.global_role, weights)
-        return {f"{self.global_role}/test_{name}": value for name, value in result.items()}
+        return global_metrics(evaluator, {self.global_role: weights})
 
     @property
     def monitor(self) -> str:

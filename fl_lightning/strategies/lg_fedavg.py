@@ -4,15 +4,16 @@ Representations", 2020 (Sec. 3, Algorithm 1; a baseline of paper 004)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 
 from ..client.context import ClientContext
-from ..client.evaluation import Evaluator
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict
 from ..knowledge import WeightedAverage
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Split, Strategy
 
 
 def shared_keys(model: nn.Module, global_layers: int | None) -> list[str]:
@@ -35,52 +36,42 @@ def shared_keys(model: nn.Module, global_layers: int | None) -> list[str]:
     return [f"{name}.{key}" for name, module in layers[-global_layers:] for key in module.state_dict()]
 
 
-class LGFedAvg(Strategy):
+@dataclass
+class LGFedAvgState:
+    """What LG-FedAvg's server carries from round to round."""
+
+    global_weights: StateDict  # the global part (head or top layers), named as the first role names it
+
+
+class LGFedAvg(PersonalModels, Strategy):
     """Local representations, global top layers: clients keep their lower layers and average the top ones.
 
-    Each round a sampled client receives the global layers, puts them on top of its own local layers,
-    trains the whole model with cross-entropy on its data, keeps it and uploads the global part; the
-    server averages the uploads (Algorithm 1). Both directions carry the global part only: with
-    ``global_layers: null`` the head, ``D x C + C`` numbers.
-
-    Which part is global: the paper keeps the **lower** layers (the representation) local and averages
-    the **top** ones (``global_layers: k``, the top k layers). HtFLlib's heterogeneous version, which
-    paper 004 reproduces (its communication column is the head's size: 39.14 KB = 2 x (500 x 10 + 10)
-    x 4 bytes on CIFAR-10), shares the **head** only (``global_layers: null``, default). With k layers,
-    every architecture's top k layers must have the same shapes; they are matched by position, so
-    different architectures may name them differently. The official code (pliang279/LG-FedAvg
-    ``main_lg.py``) picks the global layers from a per-model key list whose order makes its CIFAR CNN's
-    global layers the two convolutions (``models/Nets.py``); we follow the paper's text.
-
-    Averaging: weighted by labeled examples (``weighted: true``, FedAvg's and HtFLlib's), or the plain
-    mean (``weighted: false``, the official code's ``w_glob / m``). The official code starts every client
-    from one FedAvg-pretrained model; here each client starts from its own initialisation with the
-    initial global layers on top.
-
-    Evaluation: both codes copy the new global layers to every client after each round, so a client is
-    scored with its local layers and the current global ones (``evaluate_with: global``, default);
-    ``evaluate_with: local`` scores the model as the client last trained it. Personal models are
-    evaluated on each client's local test split (``split: test``, the paper and paper 004) or the global
-    test set.
+    Each round a sampled client receives the global part, puts it on top of its own local layers, trains
+    the whole model with cross-entropy on its data, keeps it and uploads the global part; the server
+    averages the uploads (Algorithm 1). Both directions carry the global part only: the head (``global_layers:
+    null``, HtFLlib's heterogeneous version that paper 004 measures, ``D x C + C`` numbers) or the top k
+    layers (``global_layers: k``, the paper), matched by position across architectures, whose shapes must
+    agree. Each client starts from its own initialisation with the initial global part on top. Which part
+    the paper, HtFLlib and the official code share: ``docs/algorithms.md``, LG-FedAvg.
 
     Args:
         global_layers: the top k layers are global; ``None``: the head (HtFLlib, paper 004).
-        weighted: weight the average by labeled examples.
-        evaluate_with: ``global`` or ``local`` (see above).
-        split: ``test`` or ``global``.
+        weighted: weight the average by labeled examples (HtFLlib); ``false`` is the official code's plain mean.
+        evaluate_with: ``global`` scores each client's local layers under the current global part (both
+            codes copy it to every client after a round); ``local`` the model as the client last trained it.
+        split: where personal models are evaluated: ``test`` (the local test split, paper 004) or ``global``.
     """
 
-    state_attributes = ("global_weights",)
+    name = "LG-FedAvg"
+    state: LGFedAvgState
 
     def __init__(
         self,
         global_layers: int | None = None,
         weighted: bool = True,
-        evaluate_with: str = "global",
-        split: str = "test",
+        evaluate_with: Literal["global", "local"] = "global",
+        split: Split = "test",
     ):
-        if evaluate_with not in ("global", "local"):
-            raise ConfigError(f"LG-FedAvg evaluate_with must be global or local, got {evaluate_with!r}.")
         self.needs_split = global_layers is None  # the shared part is then the model's head
         self.global_layers, self.weighted, self.evaluate_with, self.split = (
             global_layers,
@@ -91,7 +82,7 @@ class LGFedAvg(Strategy):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("LG-FedAvg")
+        server.require_one_role_per_client()
         self.keys = {r: shared_keys(server.model(r), self.global_layers) for r in server.roles}
         shapes = {r: [tuple(server.model(r).state_dict()[k].shape) for k in keys] for r, keys in self.keys.items()}
         if len({tuple(s) for s in shapes.values()}) != 1:
@@ -103,14 +94,14 @@ class LGFedAvg(Strategy):
         first = server.roles[0]
         self.names = self.keys[first]  # the global part's names on the wire: the first role's
         initial = server.initial_weights(first)
-        self.global_weights = {k: initial[k] for k in self.names}
+        self.state = LGFedAvgState({k: initial[k] for k in self.names})
 
     def with_global(self, role: str, local: StateDict, global_weights: StateDict) -> StateDict:
         """``local`` with the global part put in its place (matched by position for other architectures)."""
         return {**local, **{own: global_weights[name] for name, own in zip(self.names, self.keys[role])}}
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        shared = ModelWeights("global_layers", self.global_weights)
+        shared = ModelWeights("global_layers", self.state.global_weights)
         return [ClientTask(c, rnd, {"global_layers": shared}) for c in clients]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
@@ -128,19 +119,12 @@ class LGFedAvg(Strategy):
         for update in updates:
             average.add(update.uplink["global_layers"].state, update.num_samples if self.weighted else 1.0)
         if average.count:
-            self.global_weights = average.result()
+            self.state.global_weights = average.result()
         return {}
 
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(self.personal_weights, split=self.split)
-
-    def personal_weights(self, client, state) -> tuple[str, StateDict]:
-        role = client.roles[0]
-        local = self.server.own_weights(client, state.get("weights"))
+    def personal_weights(self, client: ClientSpec, state: dict) -> tuple[str, StateDict]:
+        """The client's local model, with the current global part on top (``evaluate_with: global``)."""
+        role, local = super().personal_weights(client, state)
         if self.evaluate_with == "global":
-            local = self.with_global(role, local, self.global_weights)
+            local = self.with_global(role, local, self.state.global_weights)
         return role, local
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from ..federation.errors import ConfigError
 from ..federation.types import ClientUpdate
 from ..knowledge.server_optim import global_norm, merge_gradients
@@ -43,19 +41,24 @@ class MergedCodist(FedAdam):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        self.distillation.check_roles(type(self).__name__, tuple(self.roles))
-        self.server_x = server.server_inputs(type(self).__name__)
+        self.distillation.check_roles(self.name, tuple(self.roles))
+        self.server_x = server.server_inputs()
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         averages = self.client_averages(updates)
-        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        generator = self.server.round_generator()
         students = self.distillation.run(
-            self.server, self.global_weights, tuple(self.roles), self.server_x, self.server.progress(rnd), generator
+            self.server,
+            self.state.global_weights,
+            tuple(self.roles),
+            self.server_x,
+            self.server.progress(rnd),
+            generator,
         )
         metrics = {}
         for role, average in averages.items():
             g = self.pseudo_gradient(role, average)
-            delta = {k: self.global_weights[role][k] - students[role][k] for k in g}
+            delta = {k: self.state.global_weights[role][k] - students[role][k] for k in g}
             metrics[f"server/{role}/distill_to_fedavg_norm"] = float(global_norm(delta) / max(global_norm(g), 1e-12))
             self.apply(role, merge_gradients(g, delta, self.alpha), average, rnd)
         return metrics

@@ -49,21 +49,15 @@ class MOON(FedAvg):
     the global model's and away from the client's previous local model's.
 
     The model is an encoder, a projection head and a classifier on the projection ``z``
-    (``models.<role>.projection_dim``: ``Linear(D, D), ReLU, Linear(D, out_dim)``, 256 in the code);
-    the classifier and the contrastive loss both read ``z``. Each sampled client loads the global
-    model and trains on ``CE(y, f(x)) + mu * l_con`` (eq. 3), ``l_con`` of :func:`model_contrastive_loss`
-    against the received global model and the client's own previous local model, both frozen and in
-    eval mode (model_buffer_size 1). The previous model is the client's state; before its first round
-    a client has none and its ``l_con`` is 0 (the official code then compares with the client's never-
-    trained initial network). The server is FedAvg weighted by the sampled clients' example counts,
-    the full model goes each way, and the global model is evaluated on the global test set.
-
-    Defaults are the paper's: ``temperature`` 0.5, ``mu`` 1 (CIFAR-100 and Tiny-ImageNet, the code's
-    default; its CIFAR-10 command uses 5). Paper 001 (Table 5, Tables 13-14) runs MOON homogeneously
-    with the small (25%) model and 2 tau local steps and names no mu or tau, so these defaults stand.
+    (``models.<role>.projection_dim``). Each sampled client loads the global model and trains on
+    ``CE(y, f(x)) + mu * l_con`` (eq. 3), ``l_con`` of :func:`model_contrastive_loss` against the received
+    global model and the client's own previous local model, both frozen and in eval mode
+    (model_buffer_size 1). The previous model is the client's state; before its first round a client has
+    none and its ``l_con`` is 0. The server is FedAvg; the global model is evaluated on the global test set.
+    Defaults are the paper's; how paper 001 runs MOON: ``docs/algorithms.md``, MOON.
 
     Args:
-        mu: weight of the model-contrastive term.
+        mu: weight of the model-contrastive term (1, the paper's CIFAR-100 value and the code's default).
         temperature: tau of the cosine-similarity softmax.
         (roles, weighted: as FedAvg; ``weighted: true`` is the code's sample-count weighting)
     """
@@ -81,7 +75,7 @@ class MOON(FedAvg):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("MOON")
+        server.require_one_role_per_client()
         if len(server.roles) != 1:
             raise ConfigError(
                 f"MOON is homogeneous: every client must train the same model, but the tiers train {server.roles}; "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -11,34 +13,30 @@ from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
-from ..federation.types import (
-    ClientSpec,
-    ClientTask,
-    ClientUpdate,
-    ModelWeights,
-    StateDict,
-    exchanged_keys,
-    load_exchanged,
-)
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Role, StateDict, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.distillation import kd_kl_loss, ramp_up
-from .base import ServerContext, Strategy
+from .base import SentWeights, ServerContext, Strategy, global_metrics
+
+
+@dataclass
+class OnDeviceKDState:
+    """What on-device KD carries from round to round."""
+
+    global_weights: dict[Role, StateDict]  # the auxiliary and the target model
 
 
 class OnDeviceKD(Strategy):
     """Weak clients train a small auxiliary model; strong clients also distill it into a large target.
 
     Phase ``auxiliary`` (eq. 1): every sampled client runs the local steps on the auxiliary model with
-    its labeled data; the server averages them. Phase ``target`` (eq. 2): strong clients receive the new
-    auxiliary model and the target model, run the local steps of cross-entropy on the target with their
-    labeled data, then the same number of distillation steps on their unlabeled data with loss
-    ``w(r) * T^2 * KL(softmax(aux/T) || softmax(target/T))``; the server averages the targets.
-
-    ``w(r)`` ramps up as ``kd_weight * exp(-5 (1 - r/R)^2)`` over the first ``ramp_rounds`` rounds
-    (Appendix 6.3, Tables 8-12; the code's schedule). Following the official code (FIDELITY), CE and KD
-    are separate steps (``kd_mode: sequential``), the teacher runs in training mode (batch statistics),
-    every strong client joins every round and averaging is uniform; ``kd_mode: joint`` sums CE and KD in
-    each step as the paper's eq. 2 is written. Models travel without their frozen parts, as in FedAvg.
+    its labeled data; the server averages them. Phase ``target`` (eq. 2): strong clients (the tiers that
+    list ``target_role``) receive the new auxiliary model and the target model, run the local steps of
+    cross-entropy on the target with their labeled data, then the same number of distillation steps on
+    their unlabeled data with loss ``w(r) * T^2 * KL(softmax(aux/T) || softmax(target/T))``, ``w(r)``
+    ramping up as ``kd_weight * exp(-5 (1 - r/R)^2)`` over the first ``ramp_rounds`` rounds; the server
+    averages the targets. Models travel without their frozen parts, as in FedAvg. The defaults follow
+    the official code where it departs from the paper: ``docs/algorithms.md``, On-device KD.
 
     Args:
         aux_role: role of the auxiliary (small) model, trained by every tier.
@@ -46,14 +44,14 @@ class OnDeviceKD(Strategy):
         temperature: T (3 in the paper).
         kd_weight: lambda, the KL weight after the ramp-up (0.5 for CIFAR-10, 1 elsewhere).
         ramp_rounds: rounds of ramp-up (300 of 400 for CIFAR-10, 80 for IMDB / Speech Commands); 0: none.
-        kd_mode: ``sequential`` (code) or ``joint`` (eq. 2).
+        kd_mode: ``sequential`` CE and KD steps (code) or ``joint``, their sum in each step (eq. 2).
         teacher_mode: ``train`` (code: batch statistics) or ``eval`` (running statistics).
         all_strong_every_round: strong clients join every round (code) or only when sampled.
-        weighted: weight averages by labeled examples instead of uniformly.
+        weighted: weight averages by labeled examples instead of uniformly (code).
     """
 
     phases = ("auxiliary", "target")
-    state_attributes = ("global_weights",)
+    state: OnDeviceKDState
 
     def __init__(
         self,
@@ -62,13 +60,11 @@ class OnDeviceKD(Strategy):
         temperature: float = 3.0,
         kd_weight: float = 0.5,
         ramp_rounds: int = 0,
-        kd_mode: str = "sequential",
-        teacher_mode: str = "train",
+        kd_mode: Literal["sequential", "joint"] = "sequential",
+        teacher_mode: Literal["train", "eval"] = "train",
         all_strong_every_round: bool = True,
         weighted: bool = False,
     ):
-        if kd_mode not in ("sequential", "joint") or teacher_mode not in ("train", "eval"):
-            raise ConfigError("OnDeviceKD kd_mode must be sequential or joint and teacher_mode train or eval.")
         if not (temperature > 0 and kd_weight >= 0 and ramp_rounds >= 0):
             raise ConfigError(
                 "OnDeviceKD needs temperature > 0, kd_weight >= 0 and ramp_rounds >= 0; "
@@ -97,8 +93,9 @@ class OnDeviceKD(Strategy):
                 f"no tier trains {self.target_role!r}: OnDeviceKD's strong clients train it with {self.aux_role!r}; "
                 f"give a tier both roles, e.g. {self._recipe_snippet()}."
             )
-        self.global_weights = {r: server.initial_weights(r) for r in (self.aux_role, self.target_role)}
-        self.sent_keys = {r: exchanged_keys(server.model(r)) for r in (self.aux_role, self.target_role)}
+        roles = (self.aux_role, self.target_role)
+        self.state = OnDeviceKDState({r: server.initial_weights(r) for r in roles})
+        self.outgoing = SentWeights(server, roles)
 
     def _recipe_snippet(self) -> str:
         """The two roles and two tiers as a recipe writes them (recipes/digits_ondevice_kd.yaml)."""
@@ -109,10 +106,6 @@ class OnDeviceKD(Strategy):
             f"{{name: weak, roles: [{aux}]}}]}}` (as in recipes/digits_ondevice_kd.yaml)"
         )
 
-    def outgoing(self, role: str, state: StateDict, copy: bool = False) -> ModelWeights:
-        """The part of ``state`` that is sent (not its frozen part); ``copy`` for a module's live tensors."""
-        return ModelWeights.part(role, state, self.sent_keys[role], copy)
-
     def receive(self, ctx: ClientContext, task: ClientTask, role: str):
         """Loads the received ``role`` weights over the client's instance (its frozen part stays); the module."""
         module = ctx.load(role)
@@ -120,11 +113,11 @@ class OnDeviceKD(Strategy):
         return module
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "auxiliary") -> list[ClientTask]:
-        aux = self.outgoing(self.aux_role, self.global_weights[self.aux_role])
+        aux = self.outgoing(self.aux_role, self.state.global_weights[self.aux_role])
         if phase == "auxiliary":
             return [ClientTask(c, rnd, {self.aux_role: aux}) for c in clients if self.aux_role in c.roles]
         strong = self.strong if self.all_strong_every_round else [c for c in clients if self.target_role in c.roles]
-        target = self.outgoing(self.target_role, self.global_weights[self.target_role])
+        target = self.outgoing(self.target_role, self.state.global_weights[self.target_role])
         return [ClientTask(c, rnd, {self.aux_role: aux, self.target_role: target}) for c in strong]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
@@ -146,9 +139,8 @@ class OnDeviceKD(Strategy):
         @vmappable  # pure: clients of the target phase can train batched (client/batched/)
         def kd_step(module, batch, i):
             x = batch[0]
-            with (
-                torch.no_grad()
-            ):  # a target only: no graph through the teacher (its training-mode statistics still move)
+            # a target only: no graph through the teacher (its training-mode statistics still move)
+            with torch.no_grad():
                 with_teacher = teacher(x)
             return weight * kd_kl_loss(module(x), with_teacher, temperature)
 
@@ -158,7 +150,7 @@ class OnDeviceKD(Strategy):
             if ctx.num_examples("unlabeled"):
                 metrics[f"{self.target_role}/kd_loss"] = ctx.fit(self.target_role, "unlabeled", kd_step)["loss"]
         else:
-            unlabeled = ctx.batches("unlabeled", steps=ctx.loop.num_steps(ctx.num_examples()))
+            unlabeled = ctx.batches("unlabeled", steps=ctx.local_steps())
 
             def joint_step(module, batch, i):
                 x, y = batch
@@ -182,15 +174,12 @@ class OnDeviceKD(Strategy):
         for update in updates:
             average.add(update.uplink[role].state, update.num_samples if self.weighted else 1.0)
         if average.count:
-            self.global_weights[role] = {**self.global_weights[role], **average.result()}
+            weights = self.state.global_weights
+            weights[role] = {**weights[role], **average.result()}
         return {"server/kd_weight": ramp_up(rnd - 1, self.kd_weight, self.ramp_rounds)} if phase == "target" else {}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        metrics = {}
-        for role in (self.aux_role, self.target_role):
-            for name, value in evaluator.global_model(role, self.global_weights[role]).items():
-                metrics[f"{role}/test_{name}"] = value
-        return metrics
+        return global_metrics(evaluator, self.state.global_weights)
 
     @property
     def monitor(self) -> str:

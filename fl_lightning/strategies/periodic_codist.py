@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from ..federation.errors import ConfigError
 from ..federation.types import ClientUpdate
 from .base import ServerContext
@@ -46,19 +44,24 @@ class PeriodicCodist(FedAdam):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        self.distillation.check_roles(type(self).__name__, tuple(self.roles))
-        self.server_x = server.server_inputs(type(self).__name__)
+        self.distillation.check_roles(self.name, tuple(self.roles))
+        self.server_x = server.server_inputs()
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         super().aggregate(rnd, updates, phase)
         if rnd % self.period:
             return {}
-        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ())))
+        generator = self.server.round_generator()
         students = self.distillation.run(
-            self.server, self.global_weights, tuple(self.roles), self.server_x, self.server.progress(rnd), generator
+            self.server,
+            self.state.global_weights,
+            tuple(self.roles),
+            self.server_x,
+            self.server.progress(rnd),
+            generator,
         )
-        self.global_weights.update(students)
+        self.state.global_weights.update(students)
         if self.reset_server_optimizer:
-            for optimizer in self.server_optimizers.values():
+            for optimizer in self.state.server_optimizers.values():
                 optimizer.reset()
         return {"server/codistilled": 1.0}

@@ -5,28 +5,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..client.context import ClientContext
-from ..client.evaluation import Evaluator
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
-from .base import ServerContext, Strategy
+from .base import PersonalModels, ServerContext, Split, Strategy
 
 
-class Standalone(Strategy):
+class Standalone(PersonalModels, Strategy):
     """Local training only (FedHe's "Private" baseline, FedGH's "Standalone").
 
     Sampled clients train their own persistent model; no payload crosses the network, so the ledger
-    stays at zero. Evaluation as for personalized methods: on the global test set (``split: global``)
-    or each client's local test split (``split: test``).
+    stays at zero. The server keeps no state.
 
     Args:
-        split: where personal models are evaluated.
+        split: where personal models are evaluated: the ``global`` test set or each client's local
+            ``test`` (or ``val``) split.
     """
 
-    def __init__(self, split: str = "global"):
+    def __init__(self, split: Split = "global"):
         self.split = split
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client("Standalone")
+        server.require_one_role_per_client()
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         return [ClientTask(c, rnd) for c in clients]
@@ -42,12 +41,3 @@ class Standalone(Strategy):
         for _ in updates:  # nothing reaches the server
             pass
         return {}
-
-    def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
-        return evaluator.personalized(
-            lambda client, state: (client.roles[0], self.server.own_weights(client, state.get("weights"))), self.split
-        )
-
-    @property
-    def monitor(self) -> str:
-        return "personal/test_acc"

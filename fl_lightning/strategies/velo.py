@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
 
 from ..federation.errors import ConfigError
 from ..knowledge.cvae import FeatureCVAE, cvae_loss
 from .base import ServerContext
-from .felo import Felo
+from .felo import Felo, FeloState
+
+
+@dataclass
+class VeloState(FeloState):
+    """Felo's state, and the CVAE with what it trains on (``D`` the feature size, ``C`` classes)."""
+
+    cvae: FeatureCVAE
+    stored_features: Tensor  # [M, D] the received class features, the newest max_features of them
+    stored_labels: Tensor  # [M] their classes
+    synthetic: Tensor | None = None  # [C, D] features for the next round, once the CVAE has been trained
 
 
 class Velo(Felo):
@@ -30,7 +43,7 @@ class Velo(Felo):
         (alpha, logit_loss, average_weights, warmup_rounds, forget, loss_average: as Felo)
     """
 
-    state_attributes = Felo.state_attributes + ("cvae", "stored_features", "stored_labels", "synthetic")
+    state: VeloState
 
     def __init__(
         self,
@@ -66,47 +79,50 @@ class Velo(Felo):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        self.cvae = FeatureCVAE(self.feature_dim, self.num_classes, self.cvae_hidden, self.cvae_latent)
-        self.stored_features = torch.empty(0, self.feature_dim)
-        self.stored_labels = torch.empty(0, dtype=torch.long)
-        self.synthetic = None  # [C, D] features for the next round, once the CVAE has been trained
+        cvae = FeatureCVAE(self.feature_dim, self.num_classes, self.cvae_hidden, self.cvae_latent)
+        features, labels = torch.empty(0, self.feature_dim), torch.empty(0, dtype=torch.long)
+        self.state = VeloState(**vars(self.state), cvae=cvae, stored_features=features, stored_labels=labels)
 
-    def receive_features(self, features, present):
-        labels = torch.nonzero(present).flatten().cpu()
-        self.stored_features = torch.cat([self.stored_features, features[present].detach().float().cpu()])[
-            -self.max_features :
-        ]
-        self.stored_labels = torch.cat([self.stored_labels, labels])[-self.max_features :]
+    def receive_features(self, features: Tensor, present: Tensor) -> None:
+        """Keeps the received class features ``[C, D]`` of the ``present`` classes, the newest ``max_features``."""
+        state, labels = self.state, torch.nonzero(present).flatten().cpu()
+        received = features[present].detach().float().cpu()
+        state.stored_features = torch.cat([state.stored_features, received])[-self.max_features :]
+        state.stored_labels = torch.cat([state.stored_labels, labels])[-self.max_features :]
 
-    def server_step(self, rnd):
-        metrics = {}
-        if rnd % self.cvae_interval == 0 and len(self.stored_labels) >= 2:
+    def server_step(self, rnd: int) -> dict[str, float]:
+        """Every ``cvae_interval`` rounds trains the CVAE; once it has trained, decodes the next round's features."""
+        state, metrics = self.state, {}
+        if rnd % self.cvae_interval == 0 and len(state.stored_labels) >= 2:
             metrics["server/cvae_loss"] = self.train_cvae()
-        if self.synthetic is not None or "server/cvae_loss" in metrics:
-            self.cvae.eval()
-            self.synthetic = self.cvae.generate(torch.arange(self.num_classes))
+        if state.synthetic is not None or "server/cvae_loss" in metrics:
+            state.cvae.eval()
+            state.synthetic = state.cvae.generate(torch.arange(self.num_classes))
         return metrics
 
     def train_cvae(self) -> float:
-        optimizer = torch.optim.Adam(self.cvae.parameters(), lr=self.cvae_lr)
-        self.cvae.train()
-        n, total, batches = len(self.stored_labels), 0.0, 0
+        """``cvae_epochs`` epochs on the stored features with a new Adam optimizer; the mean loss."""
+        cvae, features, labels = self.state.cvae, self.state.stored_features, self.state.stored_labels
+        optimizer = torch.optim.Adam(cvae.parameters(), lr=self.cvae_lr)
+        cvae.train()
+        n, total, batches = len(labels), 0.0, 0
         for _ in range(self.cvae_epochs):
             order = torch.randperm(n)
             for start in range(0, n, self.cvae_batch_size):
                 idx = order[start : start + self.cvae_batch_size]
                 if len(idx) < 2:  # BatchNorm needs two examples
                     continue
-                reconstruction, mu, log_var = self.cvae(self.stored_features[idx], self.stored_labels[idx])
-                loss = cvae_loss(reconstruction, self.stored_features[idx], mu, log_var, self.kl_weight)
+                reconstruction, mu, log_var = cvae(features[idx], labels[idx])
+                loss = cvae_loss(reconstruction, features[idx], mu, log_var, self.kl_weight)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
                 total, batches = total + loss.item(), batches + 1
         return total / max(batches, 1)
 
-    def server_features(self):
-        if self.synthetic is None:
+    def server_features(self) -> tuple[Tensor, Tensor] | None:
+        """The CVAE's class features and the classes it has received features of; ``None`` before it trains."""
+        if self.state.synthetic is None:
             return None
-        seen = torch.bincount(self.stored_labels, minlength=self.num_classes) > 0
-        return self.synthetic, seen
+        seen = torch.bincount(self.state.stored_labels, minlength=self.num_classes) > 0
+        return self.state.synthetic, seen
