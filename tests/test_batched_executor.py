@@ -153,6 +153,38 @@ def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, ext
     _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
+def test_a_model_with_dropout_runs_sequentially_from_the_start_with_the_sequential_numbers(
+    tmp_path, monkeypatch, caplog
+):
+    """Dropout draws each client's masks from the client's own random stream, which one vmapped step cannot: the
+    executor sees the layers before it builds any group (no stacked state, no failed first step), says so once in
+    the log and per fit in summary.json, and trains every fit as the sequential loop does, bit for bit."""
+    from fl_lightning.client.batched import fits as batched_module
+
+    model = ("--models", '{"global": {"builder": "fedhe_cnn0", "args": {"image_size": 8}}}')  # dropout 0.2, twice
+    sequential, weights = _run(tmp_path, "quickstart.yaml", "sequential", *model)
+    attempts, group_training = [], batched_module.GroupTraining
+    monkeypatch.setattr(batched_module, "GroupTraining", lambda *a: attempts.append(1) or group_training(*a))
+    with caplog.at_level("WARNING", logger=batched_module.__name__):
+        batched, batched_weights = _run(tmp_path, "quickstart.yaml", "batched", *model)
+    fits = 2 * 10  # 2 rounds x 10 clients
+    why = (
+        "random layers (global: features.3 (Dropout), global: features.8 (Dropout)): one vmapped step cannot draw "
+        "from each client's own stream"
+    )
+    assert attempts == [] and batched["executor"] == {
+        "mode": "batched",
+        "batched_fits": 0,
+        "sequential_fits": fits,
+        "sequential_reasons": {why: fits},
+    }
+    warnings = [r.getMessage() for r in caplog.records if "random layer" in r.getMessage()]
+    assert len(warnings) == 1 and "role 'global' has dropout" in warnings[0], warnings
+    assert batched["final"] == sequential["final"]
+    assert weights.keys() == batched_weights.keys() and weights
+    assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
 def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
     """Standalone: per-client weights persist across rounds; batched clients must not mix them up."""
     base = ("--strategy", "fl_lightning.strategies.Standalone", "--training.local_steps", "3")
