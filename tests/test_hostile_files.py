@@ -287,6 +287,121 @@ def test_a_report_written_where_it_cannot_be_is_one_sentence(tmp_path, capsys):
     assert "afile" in _one_line(capsys)
 
 
+def _disk_fills_up(monkeypatch, folder: Path, room: int = 64) -> None:
+    """Files opened for writing in ``folder`` take ``room`` bytes in all, then a write fails with ENOSPC after
+    writing what still fitted: a nearly full disk under whichever open() the writer uses."""
+    import builtins
+    import io
+
+    real_open, written = io.open, [0]
+
+    class Filling:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            if written[0] + len(data) > room:
+                self.f.write(data[: max(room - written[0], 0)])
+                self.f.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written[0] += len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def filling_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        writes = any(flag in mode for flag in "wax+")
+        if writes and isinstance(file, (str, os.PathLike)) and Path(file).resolve().parent == folder.resolve():
+            return Filling(f)
+        return f
+
+    monkeypatch.setattr(builtins, "open", filling_open)
+    monkeypatch.setattr(io, "open", filling_open)
+
+
+@pytest.mark.parametrize("suffix", [".html", ".md"])
+def test_a_report_over_the_users_report_on_a_full_disk_keeps_it_and_names_it(tmp_path, capsys, monkeypatch, suffix):
+    recipe = write_recipe(tmp_path / "r.yaml", **FAST)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run")) == 0
+    out = tmp_path / "out"
+    report = out / f"report{suffix}"
+    assert run_cli("report", str(tmp_path / "run"), "--output", str(report)) == 0
+    before = _tree(out)
+    _disk_fills_up(monkeypatch, out)
+    capsys.readouterr()
+    assert run_cli("report", str(tmp_path / "run"), "--output", str(report)) == 2
+    message = _one_line(capsys)
+    assert f"{report}: No space left on device; free space on its disk" in message
+    assert _tree(out) == before  # the old report whole, no partial or temporary file beside it
+
+
+def test_a_chart_over_the_users_chart_on_a_full_disk_keeps_it_and_names_it(tmp_path, capsys, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", **FAST)
+    out = tmp_path / "out"
+    chart = out / "chart.png"
+    assert run_cli("data", "inspect", "--config", str(recipe), "--output", str(chart)) == 0
+    before = _tree(out)
+    assert before["chart.png"].startswith(b"\x89PNG")
+    _disk_fills_up(monkeypatch, out, room=100)
+    capsys.readouterr()
+    assert run_cli("data", "inspect", "--config", str(recipe), "--output", str(chart)) == 2
+    assert f"{chart}: No space left on device" in _one_line(capsys)
+    assert _tree(out) == before
+
+
+@pytest.mark.parametrize(
+    "stop, status, said", [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_stop_while_a_checkpoint_is_written_ends_as_a_stop_between_writes(
+    tmp_path, capsys, monkeypatch, stop, status, said
+):
+    """The signal arrives in the middle of torch.save's writes of the second checkpoint: the command ends with
+    the stop's one line (not torch's ``unexpected pos``), the checkpoint being written is complete, and the
+    run resumes to the numbers of an uninterrupted one."""
+    import fl_lightning.run.checkpoint as checkpoint
+
+    recipe = write_recipe(tmp_path / "r.yaml", **FAST)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "whole")) == 0
+    real_save, saves = torch.save, []
+
+    class Signalling:
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                os.kill(os.getpid(), stop)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    def save(obj, f, *args, **kwargs):
+        saves.append(f)
+        return real_save(obj, Signalling(f) if len(saves) == 2 else f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run)) == status
+    message = _one_line(capsys)
+    assert message.startswith(f"flrun fit: {said}") and "--resume auto" in message
+    assert checkpoint.load_checkpoint(run / "checkpoints/last.ckpt")["rounds_done"] == 2
+    assert not list(run.rglob("*.tmp"))
+    monkeypatch.undo()
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 0
+    assert _final(run) == _final(tmp_path / "whole")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_report_into_a_read_only_folder_is_one_sentence(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", **FAST)

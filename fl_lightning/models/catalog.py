@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..federation.files import atomic_write
+
 CATALOG = Path(__file__).with_name("catalog.json")
 
 
@@ -49,7 +51,7 @@ def main(argv: list[str]) -> int:
             print(f"{CATALOG} is out of date: run `python -m fl_lightning.models.catalog`.", file=sys.stderr)
             return 1
         return 0
-    CATALOG.write_text(fresh)
+    atomic_write(CATALOG, fresh)
     print(f"wrote {CATALOG}")
     return 0
 

@@ -38,6 +38,7 @@ from jsonargparse import ActionConfigFile
 from jsonargparse import Path as ArgPath
 
 from ..federation.errors import ConfigError
+from ..federation.files import atomic_write
 from .safe_yaml import clip, read_file
 
 BASE_KEY = "base"
@@ -300,7 +301,7 @@ def main(argv: list[str]) -> int:
             print(f"{target} is out of date: run `python -m fl_lightning.run.recipes readme`.", file=sys.stderr)
             return 1
         return 0
-    target.write_text(fresh)
+    atomic_write(target, fresh)
     print(f"wrote {target}")
     return 0
 
