@@ -412,6 +412,17 @@ def test_a_report_into_a_read_only_folder_is_one_sentence(tmp_path, capsys):
     assert "Permission denied" in _one_line(capsys)
 
 
+def test_output_read_by_a_reader_that_went_away_ends_quietly(tmp_path):
+    """``flrun models | head -1``: the reader closes the pipe; the command ends as a shell shows SIGPIPE, without
+    naming "a file" or printing a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "fl_lightning", "models"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # before the command has written anything (it is still starting)
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 128 + signal.SIGPIPE and err == "", err
+
+
 def test_a_users_own_sqlite_database_is_not_taken_for_a_study(tmp_path, capsys):
     database = tmp_path / "lab.db"
     with sqlite3.connect(database) as connection:
