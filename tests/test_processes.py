@@ -7,14 +7,26 @@ each kills only the processes it started.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
-from conftest import read_summary, write_recipe
+import yaml
+from conftest import read_summary, run_cli, write_recipe
 
 import fl_lightning
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.tracking import RunLogger
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 # ---------------------------------------------------------------------------------------------- one run per process
@@ -50,3 +62,112 @@ def test_a_second_fit_while_one_runs_in_another_thread_is_refused_and_the_first_
     assert not (tmp_path / "second").exists()  # refused before anything was written
     assert outcome["summary"]["final"] == read_summary(tmp_path / "alone")["final"]
     fl_lightning.fit(config=str(recipe), seed=1, output_dir=str(tmp_path / "second"))  # the lock went with the run
+
+
+# ---------------------------------------------------------------------------------------------- one study, one meaning
+def _two_sweeps(tmp_path):
+    """Two sweep files over one base recipe with different search spaces, and the command line that runs each under
+    one study name on one storage (each its own output folder)."""
+    base = write_recipe(tmp_path / "base.yaml", rounds=2, eval_every=1)
+    spaces = {
+        "lr": {"training.optimizer.init_args.lr": {"type": "float", "low": 0.01, "high": 0.1}},
+        "batch": {"training.batch_size": {"type": "categorical", "choices": [8, 16]}},
+    }
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    argv = {}
+    for name, parameters in spaces.items():
+        sweep = tmp_path / f"{name}.yaml"
+        sweep.write_text(
+            yaml.safe_dump({"base": str(base), "metric": "global/test_acc", "n_trials": 2, "parameters": parameters})
+        )
+        argv[name] = ["sweep", "--config", str(sweep), "--study_name", "shared", "--storage", storage]
+        argv[name] += ["--output_dir", str(tmp_path / name)]
+    return argv, storage
+
+
+def _running_as(monkeypatch, who: str) -> None:
+    """This process takes the identity ``host:pid`` that another flrun sweep command would have."""
+    from fl_lightning.sweep import study
+
+    monkeypatch.setattr(study, "this_command", lambda: who)
+
+
+def test_a_second_sweep_with_another_search_space_is_refused_while_the_first_runs_the_study(
+    tmp_path, capsys, monkeypatch
+):
+    """The first sweep has opened the study and recorded its definition but started no trial yet (its workers are
+    still starting): a second sweep under the same name must not take the study over."""
+    from fl_lightning.sweep.spec import read_sweep
+    from fl_lightning.sweep.storage import open_or_create_study
+    from fl_lightning.sweep.study import check_definition, definition, running
+
+    argv, storage = _two_sweeps(tmp_path)
+    first = read_sweep(argv["lr"][2], [], storage=storage, study_name="shared", output_dir=str(tmp_path / "lr"))
+    study, created = open_or_create_study(first)
+    assert created
+    with running(study):  # the first command, in this process
+        check_definition(study, first, definition(first), print, created)
+        _running_as(monkeypatch, f"{socket.gethostname()}:{os.getpid() + 1}")  # the second command
+        capsys.readouterr()
+        assert run_cli(*argv["batch"]) == 2
+    message = _one_line(capsys.readouterr().err)
+    assert f"is being run by another flrun sweep ({socket.gethostname()}:{os.getpid()})" in message
+    assert "parameter training.batch_size (absent) -> " in message and "its own study_name" in message
+    assert study.get_trials() == [] and not (tmp_path / "batch" / "trials.csv").exists()
+
+
+def test_a_study_whose_sweep_was_killed_before_its_first_trial_takes_the_changed_sweep(tmp_path, capsys, monkeypatch):
+    from fl_lightning.sweep.spec import read_sweep
+    from fl_lightning.sweep.storage import open_or_create_study
+    from fl_lightning.sweep.study import RUNNING_KEY, check_definition, definition
+
+    argv, storage = _two_sweeps(tmp_path)
+    first = read_sweep(argv["lr"][2], [], storage=storage, study_name="shared", output_dir=str(tmp_path / "lr"))
+    study, created = open_or_create_study(first)
+    check_definition(study, first, definition(first), print, created)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = f"{socket.gethostname()}:{int(ended.stdout)}"
+    study.set_user_attr(RUNNING_KEY + dead, True)  # what a SIGKILLed command leaves
+    capsys.readouterr()
+    assert run_cli(*argv["batch"]) == 0
+    assert "study 'shared' has no trials yet, so it takes the changed sweep file" in capsys.readouterr().err
+    assert study.user_attrs[RUNNING_KEY + dead] is False  # cleared
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "COMPLETE"]
+    assert {name for t in study.get_trials() for name in t.params} == {"training.batch_size"}
+
+
+def test_two_sweeps_that_create_one_study_at_once_do_not_both_define_it(tmp_path, monkeypatch):
+    """The second command finds the study made an instant ago, before its maker recorded the definition: it waits
+    for the record and compares, instead of recording its own."""
+    import optuna
+
+    from fl_lightning.sweep.spec import read_sweep
+    from fl_lightning.sweep.storage import open_or_create_study
+    from fl_lightning.sweep.study import STUDY_KEY, check_definition, definition, running
+
+    argv, storage = _two_sweeps(tmp_path)
+    spec = {
+        n: read_sweep(argv[n][2], [], storage=storage, study_name="shared", output_dir=str(tmp_path / n)) for n in argv
+    }
+    made, created = open_or_create_study(spec["lr"])  # the maker, not yet recorded
+    second, second_created = open_or_create_study(spec["batch"])
+    assert created and not second_created
+    maker_context = running(made)
+    maker_context.__enter__()
+
+    def record_later():
+        time.sleep(1.0)
+        check_definition(made, spec["lr"], definition(spec["lr"]), print, created)
+
+    maker = threading.Thread(target=record_later)
+    maker.start()
+    _running_as(monkeypatch, f"{socket.gethostname()}:{os.getpid() + 1}")
+    try:
+        with pytest.raises(ConfigError, match="is being run by another flrun sweep"):
+            check_definition(second, spec["batch"], definition(spec["batch"]), print, second_created)
+    finally:
+        maker.join(timeout=600)
+        monkeypatch.undo()
+        maker_context.__exit__(None, None, None)
+    recorded = optuna.load_study(study_name="shared", storage=storage).user_attrs[STUDY_KEY]
+    assert set(recorded["parameters"]) == {"training.optimizer.init_args.lr"}
