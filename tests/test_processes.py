@@ -171,3 +171,34 @@ def test_two_sweeps_that_create_one_study_at_once_do_not_both_define_it(tmp_path
         maker_context.__exit__(None, None, None)
     recorded = optuna.load_study(study_name="shared", storage=storage).user_attrs[STUDY_KEY]
     assert set(recorded["parameters"]) == {"training.optimizer.init_args.lr"}
+
+
+# ---------------------------------------------------------------------------------------------- ranks the machine holds
+def test_more_cpu_ranks_than_cores_are_refused_before_any_starts(tmp_path, capsys):
+    cores = len(os.sched_getaffinity(0))
+    recipe = write_recipe(tmp_path / "r.yaml", runtime={"progress": False, "accelerator": "cpu"})
+    capsys.readouterr()
+    code = run_cli(
+        "fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run"), "--runtime.devices", str(cores + 1)
+    )
+    assert code == 2
+    message = _one_line(capsys.readouterr().err)
+    assert f"runtime.devices {cores + 1} would start {cores + 1} CPU ranks" in message
+    assert f"may use {cores} core" in message and f"set runtime.devices at most {cores}" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_ranks_the_free_memory_cannot_hold_are_refused_before_any_starts(tmp_path, capsys, monkeypatch):
+    from fl_lightning.distributed import capacity
+
+    assert capacity.process_memory() > 100 * capacity.MB  # this process has imported torch: a rank holds as much
+    monkeypatch.setattr(capacity, "usable_cores", lambda: 64)
+    # room for three and a half ranks of what this process holds when the launcher asks
+    monkeypatch.setattr(capacity, "available_memory", lambda: int(3.5 * capacity.process_memory()))
+    recipe = write_recipe(tmp_path / "r.yaml", runtime={"progress": False, "accelerator": "cpu"})
+    capsys.readouterr()
+    code = run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run"), "--runtime.devices", "4")
+    assert code == 2
+    message = _one_line(capsys.readouterr().err)
+    assert "runtime.devices 4 would start 4 ranks of at least" in message and "set runtime.devices at most 3" in message
+    assert not (tmp_path / "run").exists()
