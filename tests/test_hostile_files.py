@@ -7,6 +7,7 @@ processes, a symbolic link, a FIFO or a check of what is on disk afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -504,6 +505,34 @@ def test_the_launcher_names_a_rank_that_ended_and_how_to_continue(tmp_path, stop
     last = err.strip().splitlines()[-1]
     assert f"rank 1 ended ({how})" in last and "--resume auto" in last, err
     assert process.returncode == 128 + stop
+
+
+@pytest.mark.slow  # three processes, each importing the stack
+def test_ranks_end_when_their_launcher_is_killed_and_the_run_resumes(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=5000, eval_every=1000)
+    run = tmp_path / "run"
+    process = _start(["--config", str(recipe), "--output_dir", str(run), "--runtime.devices", "2"], tmp_path)
+    _wait_for(run / "checkpoints/last.ckpt", process)
+    ranks = _ranks(process.pid)
+    assert sorted(ranks) == [0, 1]
+    try:
+        process.kill()  # SIGKILL: the launcher can neither stop its ranks nor wait for them
+        _, err = process.communicate(timeout=300)  # rank 0 shares its stderr: closed once rank 0 has ended
+        deadline = time.monotonic() + 120
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values()), "ranks outlived their launcher"
+    finally:
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in err and "stopped by SIGTERM" in err.strip().splitlines()[-1], err
+    from fl_lightning.run.checkpoint import load_checkpoint
+
+    done = load_checkpoint(run / "checkpoints/last.ckpt")["rounds_done"]
+    resume = ["--resume", "auto", "--stop_after", str(done + 1)]
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), *resume) == 0
+    assert load_checkpoint(run / "checkpoints/last.ckpt")["rounds_done"] == done + 1
 
 
 # ---------------------------------------------------------------------------------------------- silent wrong results

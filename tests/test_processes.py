@@ -8,6 +8,7 @@ each kills only the processes it started.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 
 import pytest
 import yaml
-from conftest import read_summary, run_cli, write_recipe
+from conftest import ROOT, read_summary, run_cli, write_recipe
 
 import fl_lightning
 from fl_lightning.federation.errors import ConfigError
@@ -202,3 +203,64 @@ def test_ranks_the_free_memory_cannot_hold_are_refused_before_any_starts(tmp_pat
     message = _one_line(capsys.readouterr().err)
     assert "runtime.devices 4 would start 4 ranks of at least" in message and "set runtime.devices at most 3" in message
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------ children end with parents
+_PARENT = """
+import os, subprocess, sys, time
+from fl_lightning.distributed.gpu_share import as_child
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=as_child(dict(os.environ)))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+_CHILD = """
+import sys, time
+from fl_lightning.distributed import gpu_share
+if {fallback}:
+    gpu_share.end_with_parent = lambda: None  # a system without a parent-death signal: the watcher alone
+gpu_share.follow_parent()
+print("following", flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until_gone(pids, seconds: float = 120) -> list[int]:
+    """Polls until every process of ``pids`` has ended; returns those still alive at the deadline."""
+    end = time.monotonic() + seconds
+    while any(map(_alive, pids)) and time.monotonic() < end:
+        time.sleep(0.2)
+    return [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["death signal", "watcher alone"])
+def test_a_child_process_ends_when_its_parent_is_killed(tmp_path, fallback):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child_code = _CHILD.format(fallback=fallback)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, child_code], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "following"  # the child's line, on the same pipe
+        parent.kill()  # SIGKILL: the parent can do nothing for its child
+        parent.wait(timeout=60)
+        assert _wait_until_gone([child]) == [], "the child outlived its killed parent"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+        parent.stdout.close()
+
+
+def test_a_child_whose_parent_died_before_it_could_follow_ends_at_once(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLRUN_PARENT_PID": "1"}  # not its parent: as if it had died
+    code = "from fl_lightning.distributed.gpu_share import follow_parent; follow_parent(); print('went on')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM and "went on" not in done.stdout

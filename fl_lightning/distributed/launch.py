@@ -1,5 +1,6 @@
 """``flrun fit --runtime.devices N`` on one machine: the same command re-run as N ranks, as torchrun does, with
-rank 0 on the terminal, the others' output shown only when they fail, and every rank ended together."""
+rank 0 on the terminal, the others' output shown only when they fail, and every rank ended together (also when
+the launcher itself is killed: each rank follows it, ``gpu_share.follow_parent``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from typing import IO
 
 from .capacity import check_capacity
+from .gpu_share import as_child
 from .messages import MAILBOX_ENV, make_mailbox_folder
 
 GRACE_S = 30.0  # after a rank fails, how long the others get to stop on their own (rank 0 writes its summary)
@@ -48,7 +50,9 @@ def launch(argv: list[str], devices: int, accelerator: str = "auto") -> int:
             files.callback(shutil.rmtree, env[MAILBOX_ENV], True)
         logs = [None] + [files.enter_context(tempfile.TemporaryFile()) for _ in range(devices - 1)]
         processes = [
-            subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=logs[r])
+            subprocess.Popen(
+                command, env=as_child({**env, "RANK": str(r), "LOCAL_RANK": str(r)}), stdout=logs[r], stderr=logs[r]
+            )
             for r in range(devices)
         ]
         previous = signal.signal(signal.SIGTERM, lambda *_: _terminate(processes))  # a job scheduler's stop

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from ..distributed.gpu_share import end_with_parent, environment_for, least_used, raise_interrupt, visible_gpus
+from ..distributed.gpu_share import as_child, environment_for, least_used, raise_interrupt, visible_gpus
 from ..federation.errors import ConfigError
 from ..report.tables import _experiments, recipe_cells
 
@@ -214,8 +214,7 @@ class _Runner:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=environment_for(gpu),
-                preexec_fn=end_with_parent,  # noqa: PLW1509 - this process starts no threads
+                env=as_child(environment_for(gpu)),  # it ends when this command does, even by SIGKILL
             )
             self.active[process] = (run, gpu, time.monotonic())
         self.say(f"{run.name}: started ({state}){f' on GPU {gpu}' if gpu is not None else ''}")
