@@ -45,6 +45,9 @@ def bundled() -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
+    if argv not in ([], ["--check"]):  # an unknown option would rewrite the catalog instead of checking it
+        print("usage: python -m fl_lightning.models.catalog [--check]", file=sys.stderr)
+        return 2
     fresh = json.dumps(bundled(), indent=1) + "\n"
     if "--check" in argv:
         if CATALOG.read_text() != fresh:

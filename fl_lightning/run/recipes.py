@@ -286,7 +286,7 @@ def readme(current: str, folder: Path = RECIPES_DIR) -> str:
 
 def main(argv: list[str]) -> int:
     """``python -m fl_lightning.run.recipes readme [--check]``: rewrite (or check) recipes/README.md's tables."""
-    if not argv or argv[0] != "readme":
+    if argv not in (["readme"], ["readme", "--check"]):  # an unknown option would rewrite instead of checking
         print("usage: python -m fl_lightning.run.recipes readme [--check]", file=sys.stderr)
         return 2
     target = RECIPES_DIR / "README.md"
