@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -142,6 +143,7 @@ def test_two_sweeps_that_create_one_study_at_once_do_not_both_define_it(tmp_path
     for the record and compares, instead of recording its own."""
     import optuna
 
+    from fl_lightning.sweep import study as study_module
     from fl_lightning.sweep.spec import read_sweep
     from fl_lightning.sweep.storage import open_or_create_study
     from fl_lightning.sweep.study import STUDY_KEY, check_definition, definition, running
@@ -153,23 +155,29 @@ def test_two_sweeps_that_create_one_study_at_once_do_not_both_define_it(tmp_path
     made, created = open_or_create_study(spec["lr"])  # the maker, not yet recorded
     second, second_created = open_or_create_study(spec["batch"])
     assert created and not second_created
-    maker_context = running(made)
-    maker_context.__enter__()
+    waiting, real_sleep = threading.Event(), time.sleep
 
-    def record_later():
-        time.sleep(1.0)
+    def sleep(seconds):  # the second command found no definition and waits for one
+        waiting.set()
+        real_sleep(seconds)
+
+    monkeypatch.setattr(study_module, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+
+    def record_once_the_second_waits():
+        assert waiting.wait(timeout=600)
         check_definition(made, spec["lr"], definition(spec["lr"]), print, created)
 
-    maker = threading.Thread(target=record_later)
-    maker.start()
-    _running_as(monkeypatch, f"{socket.gethostname()}:{os.getpid() + 1}")
-    try:
-        with pytest.raises(ConfigError, match="is being run by another flrun sweep"):
-            check_definition(second, spec["batch"], definition(spec["batch"]), print, second_created)
-    finally:
-        maker.join(timeout=600)
-        monkeypatch.undo()
-        maker_context.__exit__(None, None, None)
+    with running(made):
+        maker = threading.Thread(target=record_once_the_second_waits)
+        maker.start()
+        _running_as(monkeypatch, f"{socket.gethostname()}:{os.getpid() + 1}")
+        try:
+            with pytest.raises(ConfigError, match="is being run by another flrun sweep"):
+                check_definition(second, spec["batch"], definition(spec["batch"]), print, second_created)
+        finally:
+            waiting.set()
+            maker.join(timeout=600)
+            monkeypatch.undo()
     recorded = optuna.load_study(study_name="shared", storage=storage).user_attrs[STUDY_KEY]
     assert set(recorded["parameters"]) == {"training.optimizer.init_args.lr"}
 
