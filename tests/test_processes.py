@@ -272,3 +272,34 @@ def test_a_child_whose_parent_died_before_it_could_follow_ends_at_once(tmp_path)
     code = "from fl_lightning.distributed.gpu_share import follow_parent; follow_parent(); print('went on')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGTERM and "went on" not in done.stdout
+
+
+def _little_memory(monkeypatch, processes: float) -> None:
+    """The machine has room for ``processes`` processes of what this one holds (whenever it is asked)."""
+    from fl_lightning.distributed import capacity
+
+    monkeypatch.setattr(capacity, "available_memory", lambda: int(processes * capacity.process_memory()))
+
+
+def test_sweep_workers_the_free_memory_cannot_hold_are_refused_before_any_starts(tmp_path, capsys, monkeypatch):
+    argv, _ = _two_sweeps(tmp_path)
+    _little_memory(monkeypatch, 1.5)
+    capsys.readouterr()
+    assert run_cli(*argv["lr"], "--n_jobs", "4") == 2  # the study has two open trials: two workers would start
+    message = _one_line(capsys.readouterr().err)
+    assert "--n_jobs 2 would start 2 worker processes of at least" in message and "set --n_jobs at most 1" in message
+    assert not list((tmp_path / "lr").glob("trial_*"))
+
+
+def test_table_runs_the_free_memory_cannot_hold_are_refused_before_any_starts(tmp_path, capsys, monkeypatch):
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    reference = {"paper": "paper-9", "table": "Table 1", "row": "digits", "column": "A"}
+    write_recipe(recipes / "mlp.yaml", rounds=2, reference={**reference, "metrics": {"global/test_acc": 0.9}})
+    _little_memory(monkeypatch, 2.5)
+    capsys.readouterr()
+    argv = ["table", "paper-9/table-1", "--recipes", str(recipes), "--runs", str(tmp_path / "runs"), "--n_jobs", "4"]
+    assert run_cli(*argv) == 2  # three seeds: three runs would start
+    message = _one_line(capsys.readouterr().err)
+    assert "--n_jobs 3 would start 3 run processes of at least" in message and "set --n_jobs at most 2" in message
+    assert not (tmp_path / "runs").exists()

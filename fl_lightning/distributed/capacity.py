@@ -1,9 +1,11 @@
-"""Whether this machine can hold the ranks ``flrun fit --runtime.devices N`` would start, answered before any
-starts: a CPU rank per core at most, and no more ranks than the free memory holds.
+"""Whether this machine can hold the processes a command would start, answered before any starts: the ranks of
+``flrun fit --runtime.devices N`` (a CPU rank per core at most, no more than the free memory holds), and the
+worker processes of ``flrun sweep --n_jobs K`` and runs of ``flrun table --n_jobs K`` (no more than the free
+memory holds).
 
-Each rank is a process that imports torch and loads the data set, so it needs at least the memory this process
+Each is a process that imports torch and loads the data set, so it needs at least the memory this process
 holds once it has read the recipe (torch imported, no data loaded yet), measured here rather than assumed. Too
-many such ranks exhaust the machine's memory before the first round ends; refusing them in one sentence costs
+many such processes exhaust the machine's memory before the first round ends; refusing them in one sentence costs
 nothing.
 """
 
@@ -27,14 +29,21 @@ def check_capacity(devices: int, accelerator: str = "auto") -> None:
                 f"core{'s' * (cores != 1)}, and ranks beyond the cores only wait for each other; set runtime.devices "
                 f"at most {cores}."
             )
-    per_rank, free = process_memory(), available_memory()
-    if per_rank is None or free is None or devices * per_rank <= free:
+    check_memory(devices, "runtime.devices", "ranks")
+
+
+def check_memory(count: int, option: str, what: str) -> None:
+    """Refuses (ConfigError) ``count`` new processes of this command (``what``: "ranks", "worker processes")
+    that the free memory cannot hold, each taken to need at least what this process holds; ``option`` sets
+    ``count``."""
+    per_process, free = process_memory(), available_memory()
+    if count < 2 or per_process is None or free is None or count * per_process <= free:
         return
-    fits = max(free // per_rank, 1)
+    fits = max(free // per_process, 1)
     raise ConfigError(
-        f"runtime.devices {devices} would start {devices} ranks of at least {per_rank // MB} MB each (what this "
-        f"process holds before any data is loaded), {devices * per_rank // MB} MB in all, but {free // MB} MB of "
-        f"memory are free; set runtime.devices at most {fits}, or free memory."
+        f"{option} {count} would start {count} {what} of at least {per_process // MB} MB each (what this "
+        f"process holds before any data is loaded), {count * per_process // MB} MB in all, but {free // MB} MB of "
+        f"memory are free; set {option} at most {fits}, or free memory."
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..distributed.capacity import check_memory
 from ..federation.errors import ConfigError
 from .spec import SweepSpec
 from .storage import _sampler, open_or_create_study, open_slots
@@ -54,6 +55,8 @@ def run_sweep(
     progress = Progress(spec, study, out or sys.stdout)
     with running(study):  # before the check: a second command starting now sees this one
         check_definition(study, spec, current, progress.note, created)
+        if n_jobs > 1:  # the workers this machine cannot hold are refused before any starts
+            check_memory(min(n_jobs, open_slots(study, spec.n_trials)), "--n_jobs", "worker processes")
         return _run_study(spec, study, n_jobs, sweep_file, progress, warnings)
 
 
