@@ -612,6 +612,21 @@ CASES = [
         files={"recipes/cifar.yaml": TABLE_RECIPE},
         command="table",
     ),
+    # ---------------------------------------------------------------- every command's options
+    Case("option before any command", [], ["unknown command '--bogus'", "use one of"], command="--bogus"),
+    Case("unknown option of models", ["--bogus"], ["unknown option --bogus", "flrun models --help"], command="models"),
+    Case("argument models takes none of", ["resnet18"], ["unknown argument resnet18"], command="models"),
+    Case("unknown option of report", ["{tmp}", "--bogus"], ["unknown option --bogus"], command="report"),
+    Case("abbreviated option of report", ["{tmp}", "--out", "x.html"], ["unknown option --out"], command="report"),
+    Case(
+        "unknown option of sweep",
+        ["--config", "{tmp}/sweep.yaml", "--n_job", "2"],
+        ["unknown option --n_job", "flrun sweep --help"],
+        files={"sweep.yaml": SWEEP},
+        command="sweep",
+    ),
+    Case("unknown option of table", ["paper-001/table-5", "--seed", "1"], ["unknown option --seed"], command="table"),
+    Case("unknown option of data fetch", ["fetch", "mnist", "--dir", "d"], ["unknown option --dir"], command="data"),
 ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from ..federation.files import atomic_write
 from .build import headline
 from .groups import value_text
 from .markup import md, md_table, save_figure
@@ -183,7 +184,7 @@ def write_markdown(report: dict, path: Path) -> None:
         )
     for sweep in report["sweeps"]:
         lines += sweep_markdown(sweep, figures)
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, "\n".join(lines) + "\n")
 
 
 def log_to_wandb(report: dict, project: str, directory: Path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..federation.files import atomic_write
 from ..run.recipes import natural_key
 from .markup import md, md_table
 
@@ -134,4 +135,4 @@ def write_table_markdown(table: dict, path: Path) -> None:
     lines += md_table(header, rows) + [""] + [f"**Warning:** {md(w)}\n" for w in table.get("warnings", [])]
     lines += [md(TABLE_NOTE), "", md(RANKING_NOTE), "", "## Runs", ""]
     lines += md_table(PROVENANCE_HEADER, [[md(v) for v in r] for r in _provenance(table)])
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, "\n".join(lines) + "\n")
