@@ -1,7 +1,7 @@
 """FedGen's conditional generator of feature-level samples and the losses that train it.
 
 Zhu, Hong and Zhou, "Data-Free Knowledge Distillation for Heterogeneous Federated Learning", ICML 2021
-(eq. 4-5; layer layout and losses from the official ``generator.py`` and ``serverpFedGen.py``).
+(layer layout and losses from the official ``generator.py`` and ``serverpFedGen.py``).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def label_weighted_teacher_loss(logits: Tensor, labels: Tensor, shares: Tensor) 
 
 def ensemble_teacher_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
     """HtFLlib's teacher loss: the cross-entropy of the weighted sum of the heads' logits,
-    ``CE(sum_k w_k logits_k, y)``, ``w_k`` head k's share of the training examples (paper eq. 4 with
-    sample weights in place of ``1 / K``).
+    ``CE(sum_k w_k logits_k, y)``, ``w_k`` head k's share of the training examples (the paper's
+    ensemble of the users' heads, weighted by examples).
 
     Args:
         logits: ``[K, B, C]``; labels: ``[B]``; weights: ``[K]``.

@@ -1,7 +1,7 @@
 """FedTGP's trainable global prototypes and their adaptive-margin contrastive loss.
 
 Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive Learning for
-Data and Model Heterogeneity in Federated Learning", AAAI 2024 (Sec. 4, eq. 5-8; layer layout and margin
+Data and Model Heterogeneity in Federated Learning", AAAI 2024 (layer layout, loss and margin
 from the official code, which HtFLlib ships unchanged).
 """
 
@@ -55,7 +55,7 @@ def adaptive_margin(class_means: Tensor, present: Tensor, threshold: float) -> f
 
 
 def margin_contrastive_loss(client_prototypes: Tensor, labels: Tensor, prototypes: Tensor, margin: float) -> Tensor:
-    """``CE(-(||p_i - P_c||_2 + delta 1[c = y_i]), y_i)``, mean over the rows (eq. 7-8).
+    """``CE(-(||p_i - P_c||_2 + delta 1[c = y_i]), y_i)``, mean over the rows.
 
     Each uploaded prototype is pulled to its class's global prototype, whose distance is enlarged by the
     margin, and pushed from the others.

@@ -1,5 +1,5 @@
 """FedGen: Zhu, Hong and Zhou, "Data-Free Knowledge Distillation for Heterogeneous Federated Learning", ICML 2021
-(Sec. 3, eq. 4-5, Algorithm 1), in HtFLlib's heterogeneous form: clients share the head only."""
+in HtFLlib's heterogeneous form (clients share the head only) with the official code's losses."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ class FedGen(PersonalModels, Strategy):
     """Heterogeneous extractors sharing one head, regularised by features a server-trained generator makes.
 
     Client k loads the global head onto its own extractor and trains the whole model on
-    ``CE(f(x), y) + alpha_t CE(h(G(eps, y_hat)), y_hat) + beta_t KL(softmax(h(G(eps', y))) || f(x))`` (eq. 5
-    and the official code's extra KL term), one generated feature per real example, ``y_hat`` drawn from the
+    ``CE(f(x), y) + alpha_t CE(h(G(eps, y_hat)), y_hat) + beta_t KL(softmax(h(G(eps', y))) || f(x))`` (the
+    official code's loss), one generated feature per real example, ``y_hat`` drawn from the
     server's label distribution, ``alpha_t = max(1e-4, alpha * decay^(t-1))`` in round t (``beta_t`` alike).
     The first round has no trained generator and trains on cross-entropy alone. It keeps its model and
     uploads its head (``D x C + C`` numbers for a linear head) and its label counts (``C`` int32).
@@ -58,7 +58,7 @@ class FedGen(PersonalModels, Strategy):
     The server averages the heads weighted by examples and then takes ``generator_steps`` Adam steps on the
     generator (batches of ``generator_batch_size`` labels drawn from the distribution; persistent Adam, its
     rate decayed by ``decay`` per training) on ``teacher`` loss of the uploaded heads plus ``diversity``
-    times the diversity term (eq. 4). It sends the head to every sampled client and, once trained, the
+    times the diversity term. It sends the head to every sampled client and, once trained, the
     generator (its weights and batch-norm statistics) and the label distribution (``C`` floats). Every
     head must have the same shapes. Paper, official code and HtFLlib: ``docs/algorithms.md``, FedGen.
 
@@ -68,7 +68,7 @@ class FedGen(PersonalModels, Strategy):
         decay: per-round decay of alpha, beta and the generator's learning rate (0.98 official; 1 keeps them).
         teacher: ``label_weighted``, each head's cross-entropy weighted by its client's share of the label
             (official code); ``ensemble``, the cross-entropy of the heads' logits averaged by example shares
-            (HtFLlib, eq. 4).
+            (HtFLlib).
         labels: ``uniform`` over the labels some client holds (official) or in proportion to their counts (HtFLlib).
         diversity: eta, weight of the diversity term (1 official; 0 HtFLlib).
         generator_steps, generator_batch_size, generator_lr, generator_weight_decay: the server's training

@@ -1,5 +1,5 @@
 """FedTGP: Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive Learning
-for Data and Model Heterogeneity in Federated Learning", AAAI 2024 (Sec. 4, Algorithm 1)."""
+for Data and Model Heterogeneity in Federated Learning", AAAI 2024 (as the official code, which HtFLlib ships)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ class FedTGP(PersonalModels, Strategy):
     """Personal heterogeneous models guided by global prototypes that the server trains.
 
     Client k keeps its own model. Each round it receives the C global prototypes ``P_c`` (none in the
-    first round), trains on ``CE(head(h), y) + lam * MSE(h, P_y)`` (eq. 4, the FedProto regulariser
+    first round), trains on ``CE(head(h), y) + lam * MSE(h, P_y)`` (the FedProto regulariser
     :func:`~fl_lightning.strategies.fedproto.prototype_loss`), then uploads the mean representation of each
     class it holds, computed in eval mode over its training data (``S x (D + 1)`` numbers with the labels).
     The server trains a persistent :class:`~fl_lightning.knowledge.trainable_prototypes.TrainablePrototypes`
     on the round's uploads for ``server_epochs`` epochs of SGD (``server_lr``, batches of
-    ``server_batch_size`` uploaded prototypes) with the adaptive-margin contrastive loss (eq. 7-8), and
+    ``server_batch_size`` uploaded prototypes) with the adaptive-margin contrastive loss, and
     sends its C prototypes (``C x (D + 1)`` numbers). Every model's representation must have the same size.
 
     Inference is by the nearest global prototype (``inference: prototypes``, the official code), run as a
