@@ -71,9 +71,12 @@ class FedGen(PersonalModels, Strategy):
             (HtFLlib).
         labels: ``uniform`` over the labels some client holds (official) or in proportion to their counts (HtFLlib).
         diversity: eta, weight of the diversity term (1 official; 0 HtFLlib).
-        generator_steps, generator_batch_size, generator_lr, generator_weight_decay: the server's training
-            (official MNIST: 50 steps of 32, Adam 3e-4, weight decay 1e-2).
-        noise_dim, hidden_dim: the generator's noise and hidden sizes (32 and 256 official for MNIST).
+        generator_steps: the server's Adam steps on the generator per round (50 official; HtFLlib 100).
+        generator_batch_size: labels per server step (32 official, the clients' batch size; HtFLlib 10).
+        generator_lr: the server's Adam learning rate (3e-4 official for MNIST).
+        generator_weight_decay: its weight decay (1e-2 official; HtFLlib 0).
+        noise_dim: size of the generator's noise (32 official for MNIST).
+        hidden_dim: width of the generator's hidden layer (256 official for MNIST).
         evaluate_with: ``global``, each client's extractor under the current global head (HtFLlib writes it
             into every client before evaluating); ``local``, the model as the client last trained it.
         split: where personal models are evaluated: ``test`` (each client's local test split) or ``global``.
