@@ -58,6 +58,11 @@ def _tiers(*tiers) -> dict:
 
 
 SGD = "torch.optim.SGD"
+# the three roles of the heterogeneous digits recipes, one with a 32-dimensional representation
+HEADS_32_64 = (
+    "{cnn_small: {builder: digits_mlp, args: {hidden: 32}}, cnn_large: {builder: digits_mlp, args: {hidden: 64}}, "
+    "mlp: {builder: digits_mlp, args: {hidden: 64}}}"
+)
 
 
 def _idx(array: np.ndarray) -> bytes:
@@ -403,6 +408,30 @@ CASES = [
         "FD temperature negative",
         ["--config", "recipes/digits_fd.yaml", "--strategy.init_args.temperature", "-1"],
         ["FD", "temperature > 0"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedGen generator batch of one",
+        ["--config", "recipes/digits_fedgen.yaml", "--strategy.init_args.generator_batch_size", "1"],
+        ["FedGen", "generator_batch_size >= 2"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedGen heads of different shapes",
+        ["--config", "recipes/digits_fedgen.yaml", "--models", HEADS_32_64],
+        ["FedGen", "same parameters and shapes", "same representation size"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedTGP server_lr zero",
+        ["--config", "recipes/digits_fedtgp.yaml", "--strategy.init_args.server_lr", "0"],
+        ["FedTGP", "server_lr > 0"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedTGP feature sizes differ",
+        ["--config", "recipes/digits_fedtgp.yaml", "--models", HEADS_32_64],
+        ["FedTGP", "same feature size"],
         no_recipe=True,
     ),
     Case("test share leaves no example", ["--data.init_args.test_fraction", "0.001"], ["test_fraction 0.001", "raise"]),

@@ -265,6 +265,20 @@ def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, ext
     _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
+# FedProto's CNNs meet a max-pool near-tie within 2 rounds: vmapped and plain convolutions round differently, and
+# where two pooled values are one float apart the argmax, and with it where a gradient goes, flips (client 7's
+# conv weights then differ by 3.5e-5). Without lockstep that client's step ran alone by plain autograd; in lockstep
+# every step is vmapped. Its step's handling of padded rows is compared on MLP roles, which have no max pool.
+FEDPROTO_MLPS = (
+    "--models",
+    (
+        '{"cnn_small": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 1}}, '
+        '"cnn_large": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 3}}, '
+        '"mlp": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 2}}}'
+    ),
+)
+
+
 # FedMD's recipe starts with 5 + 5 epochs of transfer learning, over which float differences grow chaotically:
 # its sequential runs with 1 and with 2 CPU threads differ by up to 1.06 after 2 rounds; 1 + 1 epochs do not
 FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1")
@@ -280,6 +294,10 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
         ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
         ("digits_fd.yaml", ()),  # a teacher per label, its logits handed out as a record
         ("digits_fedproto.yaml", ()),  # prototypes per class, its representations handed out as a record
+        ("digits_fedgen.yaml", ()),  # generated features and their labels in the batch
+        # the server's prototypes per class; on MLP roles: a client's CNN meets a max-pool near-tie in round 2 (see
+        # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
+        ("digits_fedtgp.yaml", FEDPROTO_MLPS),
     ],
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
@@ -304,20 +322,6 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
     _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
-# FedProto's CNNs meet a max-pool near-tie within 2 rounds: vmapped and plain convolutions round differently, and
-# where two pooled values are one float apart the argmax, and with it where a gradient goes, flips (client 7's
-# conv weights then differ by 3.5e-5). Without lockstep that client's step ran alone by plain autograd; in lockstep
-# every step is vmapped. Its step's handling of padded rows is compared on MLP roles, which have no max pool.
-FEDPROTO_MLPS = (
-    "--models",
-    (
-        '{"cnn_small": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 1}}, '
-        '"cnn_large": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 3}}, '
-        '"mlp": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 2}}}'
-    ),
-)
-
-
 @pytest.mark.parametrize(
     "recipe, extra",
     [
@@ -328,6 +332,8 @@ FEDPROTO_MLPS = (
         ("digits_fedgkt.yaml", ()),
         ("digits_fd.yaml", ()),  # a teacher per label: PAD labels indexed as class 0, left out of the mean
         ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
+        ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
+        ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
         ("digits_feddf.yaml", ()),
         ("digits_periodic_codist.yaml", ()),
         ("digits_fedgh.yaml", ()),

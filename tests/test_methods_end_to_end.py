@@ -17,7 +17,9 @@ CASES = [
     ("digits_felo", 20, "personal/test_acc", 0.7),
     ("digits_velo", 20, "personal/test_acc", 0.7),
     ("digits_fedgh", 10, "personal/test_acc", 0.7),
+    ("digits_fedgen", 10, "personal/test_acc", 0.7),  # 0.99 measured
     ("digits_fedproto", 10, "personal/test_acc", 0.7),  # 0.86 measured
+    ("digits_fedtgp", 10, "personal/test_acc", 0.7),  # 0.83 measured
     ("digits_lg_fedavg", 10, "personal/test_acc", 0.7),  # 0.87 measured
     ("digits_fml", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_fedkd", 10, "personal/test_acc", 0.7),  # 0.91 measured

@@ -8,12 +8,14 @@ from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .feddf import FedDF
 from .fedgems import FedGEMS
+from .fedgen import FedGen
 from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
 from .fedmd import FedMD
 from .fedproto import FedProto
+from .fedtgp import FedTGP
 from .felo import Felo
 from .fml import FML
 from .heterofl import HeteroFL
@@ -35,12 +37,14 @@ __all__ = [
     "FedAvg",
     "FedDF",
     "FedGEMS",
+    "FedGen",
     "FedGH",
     "FedGKT",
     "FedHe",
     "FedKD",
     "FedMD",
     "FedProto",
+    "FedTGP",
     "Felo",
     "HeteroFL",
     "LGFedAvg",
