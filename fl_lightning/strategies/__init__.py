@@ -12,7 +12,9 @@ from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
+from .fedl2g import FedL2G
 from .fedmd import FedMD
+from .fedmrl import FedMRL
 from .fedproto import FedProto
 from .felo import Felo
 from .fml import FML
@@ -39,7 +41,9 @@ __all__ = [
     "FedGKT",
     "FedHe",
     "FedKD",
+    "FedL2G",
     "FedMD",
+    "FedMRL",
     "FedProto",
     "Felo",
     "HeteroFL",
