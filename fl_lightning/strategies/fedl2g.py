@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
@@ -84,12 +84,8 @@ class FedL2G(PersonalModels, Strategy):
             )
         self.target, self.guide_weight, self.warm_up_rounds = target, guide_weight, warm_up_rounds
         self.server_lr = SERVER_LR[target] if server_lr is None else server_lr
-        self.server_clip, self.study_batches, self.quiz_batches, self.split = (
-            server_clip,
-            study_batches,
-            quiz_batches,
-            split,
-        )
+        self.server_clip, self.split = server_clip, split
+        self.study_batches, self.quiz_batches = study_batches, quiz_batches
         self.needs_split = target == "feature"  # the logit variant reads whole models' outputs only
 
     def setup(self, server: ServerContext) -> None:
@@ -143,14 +139,21 @@ class FedL2G(PersonalModels, Strategy):
             batches = ctx.batches(indices=study, steps=ctx.local_steps(len(study)))
             metrics[f"{role}/loss"] = ctx.fit(role, step_fn=self.guided_step(vectors), batches=batches)["loss"]
             ctx.state["weights"] = ctx.weights(role)
+        upload = self.meta_step(ctx, module, vectors, study, quiz)
+        return ClientUpdate(task.client, len(study), {"guide_gradients": upload}, metrics)
+
+    def meta_step(
+        self, ctx: ClientContext, module: nn.Module, vectors: Tensor, study: Tensor, quiz: Tensor
+    ) -> ClassStatistics:
+        """The gradient of the quiz loss after one guided step w.r.t. the guiding vectors, on this round's model,
+        as the rows of the classes studied (compact: ``S x (D + 1)`` numbers)."""
         study_batches = list(ctx.batches(indices=study, steps=self.study_batches))
         quiz_batches = list(ctx.batches(indices=quiz, steps=self.quiz_batches))
         module.train()
-        lr = ctx.learning_rate(role)
+        lr = ctx.learning_rate(ctx.client.roles[0])
         gradient = guide_gradients(module, study_batches, quiz_batches, vectors, lr, self.guide_weight, self.target)
         present = torch.unique(torch.cat([y for _, y in study_batches]))
-        upload = ClassStatistics("guide_gradients", {"gradients": gradient[present]}, present.to(torch.int32))
-        return ClientUpdate(task.client, len(study), {"guide_gradients": upload}, metrics)
+        return ClassStatistics("guide_gradients", {"gradients": gradient[present]}, present.to(torch.int32))
 
     def guided_step(self, vectors: Tensor):
         """The local training step: ``CE + guide_weight * MSE(o, g_y)`` (pure: batched clients, CUDA graphs)."""
