@@ -41,8 +41,9 @@ class PersonalEvaluation:
             test set (their weights stacked, one batched forward pass per test batch: ``torch.func.vmap``);
             1 evaluates one client at a time. Metrics equal one at a time's to float tolerance (bit for
             bit on linear layers, within a few units in the last place through convolutions); models
-            vmap cannot run (LSTMs) and local test splits are evaluated one client at a time. Memory
-            grows with it: this many copies of the weights and of a test batch's activations.
+            vmap cannot run (LSTMs), local test splits and models a strategy assembles from several roles'
+            (FedMRL's fused models) are evaluated one client at a time. Memory grows with it: this many
+            copies of the weights and of a test batch's activations.
     """
 
     sample: int | None = None
