@@ -104,6 +104,13 @@ class ClientContext:
         features or representations."""
         return self.loop.training.eval_batch_size
 
+    def learning_rate(self, role: str) -> float:
+        """The role's learning rate in this round: the recipe's (its optimizer's first parameter group) times
+        ``training.lr_schedule``'s factor, as the round's fit steps with. For a step a strategy takes itself
+        (FedL2G's differentiable step)."""
+        training = self.loop.training
+        return self.slot(role).base_lrs[0] * training.lr_schedule(self.round, self.loop.rounds)
+
     def local_steps(self, num_examples: int | None = None) -> int:
         """The steps of one local training on ``num_examples`` examples (the training split's when None):
         ``training.local_steps``, or ``training.local_epochs`` passes of :attr:`batch_size`."""
@@ -116,10 +123,23 @@ class ClientContext:
         """
         return -(-num_examples // self.batch_size)
 
-    def batches(self, split: str = "train", steps: int | None = None, batch_size: int | None = None) -> Iterator[tuple]:
+    def batches(
+        self,
+        split: str = "train",
+        steps: int | None = None,
+        batch_size: int | None = None,
+        indices: Tensor | None = None,
+    ) -> Iterator[tuple]:
         """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``), or of the
-        labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels)."""
-        idx = self.public_indices if split == "public" else getattr(self.indices, split)
+        labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels).
+
+        ``indices`` (pool indices, a part of ``split``) draws from those examples only: FedL2G trains on its
+        training split less the examples it holds out as a quiz.
+        """
+        if indices is not None:
+            idx = indices
+        else:
+            idx = self.public_indices if split == "public" else getattr(self.indices, split)
         steps = steps if steps is not None else self.local_steps(len(idx))
         y = None if split == "unlabeled" else self._data.y
         # a data set's own CropFlip can be drawn per client and applied to many clients at once (batched
