@@ -50,6 +50,7 @@ class ClientContext:
         parts = (seed, rnd, client.id, Stream.BATCH_ORDER) + ((stream,) if stream else ())
         self.generator = torch.Generator().manual_seed(derive_seed(*parts))
         self._loaded: set[str] = set()
+        self.trained_steps: dict[str, int] = {}  # per role, the optimizer steps of this update (the compute estimate)
 
     # ------------------------------------------------------------------ data
     @property
@@ -183,7 +184,14 @@ class ClientContext:
         A step may return ``(loss, record)`` (a tuple of tensors): ``on_record`` gets each step's record.
         """
         batches = batches if batches is not None else self.batches(split, steps)
-        return self.loop.fit(self.slot(role), batches, self.round, step_fn, on_record)
+        stats = self.loop.fit(self.slot(role), batches, self.round, step_fn, on_record)
+        self.count_steps(role, int(stats["steps"]))
+        return stats
+
+    def count_steps(self, role: str, steps: int) -> None:
+        """Adds ``steps`` training steps of ``role`` to this update's count (the run's compute estimate,
+        ``client/flops.py``); :meth:`fit` counts its own, a strategy training a role otherwise calls it."""
+        self.trained_steps[role] = self.trained_steps.get(role, 0) + steps
 
     def helper(self, name: str, module: torch.nn.Module, weights: StateDict | None = None) -> torch.nn.Module:
         """A small module the strategy trains next to its roles (FedKD's ``W_h``), holding this client's
