@@ -13,6 +13,7 @@ from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
 from .fedmd import FedMD
+from .fedpcl import FedPCL
 from .fedproto import FedProto
 from .felo import Felo
 from .fml import FML
@@ -40,6 +41,7 @@ __all__ = [
     "FedHe",
     "FedKD",
     "FedMD",
+    "FedPCL",
     "FedProto",
     "Felo",
     "HeteroFL",
