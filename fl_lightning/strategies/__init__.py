@@ -12,6 +12,7 @@ from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
+from .fedktl import FedKTL
 from .fedmd import FedMD
 from .fedpcl import FedPCL
 from .fedproto import FedProto
@@ -40,6 +41,7 @@ __all__ = [
     "FedGKT",
     "FedHe",
     "FedKD",
+    "FedKTL",
     "FedMD",
     "FedPCL",
     "FedProto",
