@@ -194,6 +194,11 @@ def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, ext
 FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1")
 
 
+# FedPCL's recipe trains with Adam, whose first steps move every weight by about its learning rate whatever the
+# gradient's size: where a gradient is ~0 (a ReLU unit at its edge) float noise then decides the step's sign
+FEDPCL_SGD = ("--training.optimizer", "torch.optim.SGD", "--training.optimizer.lr", "0.05")
+
+
 @pytest.mark.parametrize(
     "recipe, extra",
     [
@@ -204,6 +209,10 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
         ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
         ("digits_fd.yaml", ()),  # a teacher per label, its logits handed out as a record
         ("digits_fedproto.yaml", ()),  # prototypes per class, its representations handed out as a record
+        (
+            "digits_fedpcl.yaml",
+            FEDPCL_SGD,
+        ),  # every client's prototypes as anchors; frozen backbones under the projection
     ],
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
@@ -252,6 +261,8 @@ FEDPROTO_MLPS = (
         ("digits_fedgkt.yaml", ()),
         ("digits_fd.yaml", ()),  # a teacher per label: PAD labels indexed as class 0, left out of the mean
         ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
+        ("digits_fedpcl.yaml", FEDPCL_SGD),  # padded rows neither anchors nor contrasted
+        ("digits_fedpcl.yaml", (*FEDPCL_SGD, "--strategy.init_args.loss", "prototype_ce")),  # nor in the CE's mean
         ("digits_feddf.yaml", ()),
         ("digits_periodic_codist.yaml", ()),
         ("digits_fedgh.yaml", ()),
@@ -317,6 +328,21 @@ def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_s
     assert batched["final"] == sequential["final"]
     assert weights.keys() == batched_weights.keys() and weights
     assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
+def test_fedktl_batches_its_first_rounds_fits_and_trains_model_and_projection_together_after(tmp_path):
+    """FedKTL's round 1 is the ArcFace step alone, pure, so batched; from round 2 each client trains its model and
+    the projection to the generator's latents together (fit_jointly), one client at a time, and the summary
+    says so."""
+    # the server's Adam barely moving: its first steps on F and the centroids are about +-lr whatever the
+    # gradient's size, which turns the float noise of round 1's batched convolutions into differences of lr
+    still = ("--strategy.init_args.server_epochs", "1", "--strategy.init_args.server_lr", "1e-9")
+    sequential, weights = _run(tmp_path, "digits_fedktl.yaml", "sequential", *still)
+    batched, batched_weights = _run(tmp_path, "digits_fedktl.yaml", "batched", *still)
+    counts = batched["executor"]
+    assert counts["batched_fits"] == 15 and counts["sequential_fits"] == 15, counts
+    assert counts["sequential_reasons"] == {"models trained together (fit_jointly) train one client at a time": 15}
+    _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
 def test_asynchronous_rounds_train_one_arrival_at_a_time_and_the_summary_says_so(tmp_path):
