@@ -8,14 +8,18 @@ from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .feddf import FedDF
 from .fedgems import FedGEMS
+from .fedgen import FedGen
 from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
 from .fedktl import FedKTL
+from .fedl2g import FedL2G
 from .fedmd import FedMD
+from .fedmrl import FedMRL
 from .fedpcl import FedPCL
 from .fedproto import FedProto
+from .fedtgp import FedTGP
 from .felo import Felo
 from .fml import FML
 from .heterofl import HeteroFL
@@ -37,14 +41,18 @@ __all__ = [
     "FedAvg",
     "FedDF",
     "FedGEMS",
+    "FedGen",
     "FedGH",
     "FedGKT",
     "FedHe",
     "FedKD",
     "FedKTL",
+    "FedL2G",
     "FedMD",
+    "FedMRL",
     "FedPCL",
     "FedProto",
+    "FedTGP",
     "Felo",
     "HeteroFL",
     "LGFedAvg",
