@@ -111,7 +111,7 @@ class FedPCL(PersonalModels, Strategy):
         lengths = server.features(role, server.initial_weights(role), server.data.x[:8]).float().norm(dim=1)
         if lengths.max() > 1 + UNIT_TOLERANCE or lengths.max() < 1 - UNIT_TOLERANCE:
             raise ConfigError(
-                f"FedPCL needs unit-length projections, but role {role!r}'s features have lengths up to "
+                f"FedPCL needs unit-length projections, but the features of role {role!r} have lengths up to "
                 f"{lengths.max():.3g}; build it with frozen_backbones (its projection ends in an L2 normalisation)."
             )
 
