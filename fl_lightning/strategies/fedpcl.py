@@ -53,7 +53,7 @@ class FedPCL(PersonalModels, Strategy):
 
     Args:
         loss: ``supcon`` (official code) or ``prototype_ce`` (HtFLlib).
-        tau: the temperature (0.07 in both codes' scripts).
+        tau: the temperature (0.07 in the official code; HtFLlib's versions 0.07 or 1.0).
         inference: nearest ``own`` prototype or nearest ``global`` prototype.
         split: where personal models are evaluated: ``test`` (each client's local test split, the official
             code) or ``global``.
