@@ -295,6 +295,23 @@ FEDPROTO_MLPS = (
 FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1")
 
 
+# FedPCL's frozen CNN backbones round differently vmapped (as FedProto's CNNs above): a projection unit at its ReLU's
+# edge then flips, and the temperature of 0.07 summed over 15 prototype sets carries it on (one client's projection
+# bias 1.5% apart after one round of training). Its steps are compared over frozen MLP backbones, which have no
+# max pool (those runs give the same numbers bit for bit here).
+FEDPCL_MLPS = (
+    "--models",
+    (
+        '{"cnn_small": {"builder": "frozen_backbones", "args": {"backbones": [{"builder": "digits_mlp", '
+        '"args": {"hidden": 64, "depth": 1}}]}}, '
+        '"cnn_large": {"builder": "frozen_backbones", "args": {"backbones": [{"builder": "digits_mlp", '
+        '"args": {"hidden": 64, "depth": 3}}]}}, '
+        '"mlp": {"builder": "frozen_backbones", "args": {"backbones": [{"builder": "digits_mlp", '
+        '"args": {"hidden": 64, "depth": 2}}]}}}'
+    ),
+)
+
+
 @pytest.mark.parametrize(
     "recipe, extra",
     slow_beyond(
@@ -312,6 +329,8 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
             # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
             ("digits_fedtgp.yaml", FEDPROTO_MLPS),
             ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
+            # every client's prototypes as anchors; frozen backbones under the projection
+            ("digits_fedpcl.yaml", FEDPCL_MLPS),
         ],
     ),
 )
@@ -351,6 +370,8 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
             ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
             ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
             ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
+            ("digits_fedpcl.yaml", FEDPCL_MLPS),  # padded rows neither anchors nor contrasted
+            ("digits_fedpcl.yaml", (*FEDPCL_MLPS, "--strategy.init_args.loss", "prototype_ce")),  # nor in the CE's mean
             ("digits_feddf.yaml", ()),
             ("digits_periodic_codist.yaml", ()),
             ("digits_fedgh.yaml", ()),
@@ -419,6 +440,21 @@ def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_s
     assert batched["final"] == sequential["final"]
     assert weights.keys() == batched_weights.keys() and weights
     assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
+def test_fedktl_batches_its_first_rounds_fits_and_trains_model_and_projection_together_after(tmp_path):
+    """FedKTL's round 1 is the ArcFace step alone, pure, so batched; from round 2 each client trains its model and
+    the projection to the generator's latents together (fit_jointly), one client at a time, and the summary
+    says so."""
+    # the server's Adam barely moving: its first steps on F and the centroids are about +-lr whatever the
+    # gradient's size, which turns the float noise of round 1's batched convolutions into differences of lr
+    still = ("--strategy.init_args.server_epochs", "1", "--strategy.init_args.server_lr", "1e-9")
+    sequential, weights = _run(tmp_path, "digits_fedktl.yaml", "sequential", *still)
+    batched, batched_weights = _run(tmp_path, "digits_fedktl.yaml", "batched", *still)
+    counts = batched["executor"]
+    assert counts["batched_fits"] == 15 and counts["sequential_fits"] == 15, counts
+    assert counts["sequential_reasons"] == {"models trained together (fit_jointly) train one client at a time": 15}
+    _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
 def test_asynchronous_rounds_train_one_arrival_at_a_time_and_the_summary_says_so(tmp_path):
