@@ -88,6 +88,8 @@ def test_a_signal_during_a_write_takes_effect_after_it_with_the_file_complete(tm
         raise Terminated
 
     previous = signal.signal(signal.SIGTERM, terminate)
+    # Ctrl-C raises KeyboardInterrupt as in a user's terminal (a pytest-xdist worker process ignores SIGINT)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     target = tmp_path / "last.ckpt"
     state = {"weights": torch.arange(50_000.0)}
 
@@ -109,6 +111,7 @@ def test_a_signal_during_a_write_takes_effect_after_it_with_the_file_complete(tm
             torch.save(state, Signalling(f))
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     assert type(caught.value).__name__ == raised  # the stop itself, not torch's "unexpected pos"
     assert torch.equal(torch.load(target, weights_only=True)["weights"], state["weights"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
