@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ class PersonalEvaluation:
     """
 
     sample: int | None = None
-    untrained: str = "evaluate"
+    untrained: Literal["evaluate", "skip"] = "evaluate"
     clients_per_batch: int = 1
 
     def __post_init__(self):
@@ -58,8 +59,6 @@ class PersonalEvaluation:
             raise ConfigError(
                 f"evaluation.sample must be at least 1 (or null: every client), got {self.sample}; e.g. 100."
             )
-        if self.untrained not in ("evaluate", "skip"):
-            raise ConfigError(f"evaluation.untrained must be evaluate or skip, got {self.untrained!r}.")
 
 
 class Evaluator:
