@@ -453,6 +453,22 @@ CASES = [
         ["FedTGP", "same feature size"],
         no_recipe=True,
     ),
+    Case(
+        "FedL2G warm-up covers every round",
+        ["--config", "recipes/digits_fedl2g.yaml", "--strategy.init_args.warm_up_rounds", "40"],
+        ["FedL2G's warm_up_rounds (40) cover all 40 rounds", "lower strategy.init_args.warm_up_rounds"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedMRL small model wider than a client's",
+        [],
+        ["FedMRL's small model reads the first d1 = 64", "roles {'global': 32}", "give the small model"],
+        recipe={
+            "models": {"small": {"builder": "digits_mlp", "args": {"hidden": 64}}},
+            "population": {"num_clients": 8, "tiers": [{"name": "all", "roles": ["global", "small"]}]},
+            "strategy": {"class_path": "fl_lightning.strategies.FedMRL"},
+        },
+    ),
     Case("test share leaves no example", ["--data.init_args.test_fraction", "0.001"], ["test_fraction 0.001", "raise"]),
     Case("optimizer option misspelled", ["--training.optimizer.init_args.momentun", "0.9"], ["'momentun'", "momentum"]),
     Case("model option one key at a time", ["--models.global.args.width", "0.5"], ["models.global.args", "mapping"]),

@@ -298,6 +298,7 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
         # the server's prototypes per class; on MLP roles: a client's CNN meets a max-pool near-tie in round 2 (see
         # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
         ("digits_fedtgp.yaml", FEDPROTO_MLPS),
+        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
     ],
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
@@ -337,6 +338,8 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
         ("digits_feddf.yaml", ()),
         ("digits_periodic_codist.yaml", ()),
         ("digits_fedgh.yaml", ()),
+        # guiding vectors indexed by label, the distance over the real rows; both rounds train
+        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),
         ("digits_lg_fedavg.yaml", ()),
         ("digits_weak_only.yaml", ()),
         ("digits_strong_only.yaml", ()),
@@ -381,12 +384,12 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
         assert torch.equal(batched_weights[name], value), name
 
 
-@pytest.mark.parametrize("recipe", ["digits_fml.yaml", "digits_fedkd.yaml"])
+@pytest.mark.parametrize("recipe", ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"])
 def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_so(tmp_path, recipe):
-    """FML's and FedKD's fit_jointly trains two models per client outside loop.fit: the batched executor runs
-    it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h is a
-    module of its own there, not the one instance the sequential loop reuses: a paused client's would be
-    refilled by the next.)"""
+    """FML's, FedKD's and FedMRL's fit_jointly trains two models per client outside loop.fit: the batched executor
+    runs it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h and
+    FedMRL's projector are modules of their own there, not the one instance the sequential loop reuses: a paused
+    client's would be refilled by the next.)"""
     sequential, weights = _run(tmp_path, recipe, "sequential")
     batched, batched_weights = _run(tmp_path, recipe, "batched")
     fits = 2 * 15  # 2 rounds x 15 clients

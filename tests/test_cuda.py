@@ -24,6 +24,7 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("digits_*.yaml")) + ["q
 # server state that meets client uploads: weights and Adam moments, class banks, headers, low-rank updates
 SERVER_STATE = ["fedadam", "periodic_codist", "merged_codist", "heterofl", "fedkd", "fedgh", "fedhe", "felo"]
 SERVER_STATE += ["velo", "fd", "fedgen", "fedtgp"]  # FedGen: its generator and Adam; FedTGP: its prototype network
+SERVER_STATE += ["fedl2g", "fedmrl"]
 
 
 def _argv(recipe: str, out: Path, rounds: int) -> list[str]:

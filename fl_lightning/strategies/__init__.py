@@ -13,7 +13,9 @@ from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
+from .fedl2g import FedL2G
 from .fedmd import FedMD
+from .fedmrl import FedMRL
 from .fedproto import FedProto
 from .fedtgp import FedTGP
 from .felo import Felo
@@ -42,7 +44,9 @@ __all__ = [
     "FedGKT",
     "FedHe",
     "FedKD",
+    "FedL2G",
     "FedMD",
+    "FedMRL",
     "FedProto",
     "FedTGP",
     "Felo",
