@@ -17,14 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
+from ..federation.pins import VIT_ID, VIT_REVISION
 from .base import FeatureClassifier
 from .registry import register_model
 
 if TYPE_CHECKING:  # transformers takes seconds to import: only the builder does, when it runs
     from transformers import ViTModel
-
-# the pinned ViT-B/16 weights: the Hub repository and the commit whose files `flrun data fetch vit_b16` checks
-VIT_ID, VIT_REVISION = "google/vit-base-patch16-224-in21k", "b4569560a39a0f1af58e3ddaf17facf20ab919b0"
 
 
 class ViTFeatures(nn.Module):
