@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +12,7 @@ from torch import Tensor
 from ..data import ClientData, FederatedData
 from ..federation.seeding import Stream, derive_seed, seed_torch  # noqa: F401 (re-exported: strategies import them from here)
 from ..federation.types import ClientSpec, StateDict, clone_state
-from .batches import batch_stream
+from .batches import BatchStream, batch_stream
 from .loop import LocalLoop
 from .steps import ModelSlot, StepFn
 
@@ -130,7 +130,7 @@ class ClientContext:
         steps: int | None = None,
         batch_size: int | None = None,
         indices: Tensor | None = None,
-    ) -> Iterator[tuple]:
+    ) -> BatchStream:
         """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``), or of the
         labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from ..distributed.ranks import current_ranks, exchange
 from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
 from ..federation.types import PAD, ClientSpec, StateDict
+from ..models import FeatureClassifier
 from .loop import LocalLoop
 from .module import ClientModule
 from .stacked_eval import StackedEvaluation
@@ -47,7 +49,7 @@ class PersonalEvaluation:
     """
 
     sample: int | None = None
-    untrained: str = "evaluate"
+    untrained: Literal["evaluate", "skip"] = "evaluate"
     clients_per_batch: int = 1
 
     def __post_init__(self):
@@ -60,8 +62,6 @@ class PersonalEvaluation:
             raise ConfigError(
                 f"evaluation.sample must be at least 1 (or null: every client), got {self.sample}; e.g. 100."
             )
-        if self.untrained not in ("evaluate", "skip"):
-            raise ConfigError(f"evaluation.untrained must be evaluate or skip, got {self.untrained!r}.")
 
 
 class Evaluator:
@@ -324,7 +324,8 @@ class Evaluator:
         made once per name and model."""
         wrapped = self._wrappers.get(name)
         if wrapped is None or wrapped.model is not model:
-            wrapped = self._wrappers[name] = ClientModule(model, None)
+            # only its test_step runs, which needs the model's forward alone (not features and head)
+            wrapped = self._wrappers[name] = ClientModule(cast(FeatureClassifier, model), None)
         return wrapped
 
     @torch.no_grad()
@@ -335,7 +336,7 @@ class Evaluator:
         x: Tensor,
         y: Tensor,
         shared: bool = False,
-        module: torch.nn.Module | None = None,
+        module: ClientModule | None = None,
     ) -> dict[str, float]:
         """Accuracy, loss and top-class share of ``weights`` on ``(x, y)``, in the role's instance or in ``module``.
         ``shared`` (every rank evaluates the same model on the same set): each rank passes every ``world``-th batch

@@ -42,5 +42,5 @@ def vmappable(step_fn: Callable) -> Callable:
     or weight decay there). A mean over the batch leaves out the padded rows of a lockstep step
     (``federation.padding``: labels PAD, ``class_index``, ``real_labels``, ``padded_loss``); a group checks
     that at its first padded step and steps by shape where it does not hold."""
-    step_fn.vmappable = True
+    step_fn.vmappable = True  # type: ignore[attr-defined]  # a mark the executors read with getattr
     return step_fn

@@ -182,12 +182,12 @@ def _optimizer_given(argv: list[str]) -> bool:
         if options[key] == "class":
             return True
         try:
-            value = get_loader("yaml")(value)
+            parsed = get_loader("yaml")(value)
         except Exception:  # noqa: BLE001 - not YAML: a class name, or an error the parse reports in its words
             return True
         if options[key] == "training":
-            value = value.get("optimizer") if isinstance(value, dict) else None
-        if _names_class(value):
+            parsed = parsed.get("optimizer") if isinstance(parsed, dict) else None
+        if _names_class(parsed):
             return True
     for path in config_paths(argv):
         try:

@@ -156,6 +156,7 @@ class AsynchronousRounds:
         if not schedule.started:
             self._start(rnd, client_metrics)
         staleness = []
+        assert schedule.arrivals_per_round is not None, "set by the schedule's setup"
         for _ in range(schedule.arrivals_per_round):
             arrival = schedule.pop()
             staleness.append(schedule.version - arrival.version)
@@ -191,9 +192,10 @@ class AsynchronousRounds:
         stream = self.schedule.seq + 1  # tells this dispatch's random streams apart from the client's others
         update = self.run_client(rnd, task, client_metrics, stream)
         rng = np.random.default_rng(derive_seed(self.seed, stream, client.id, Stream.ARRIVAL))
-        faults = self.faults
-        straggles = faults is not None and faults.draw(self.seed, rnd, client.id, stream) == "straggle"
-        self.schedule.push(client.id, update, rng, faults.straggle_factor if straggles else 1.0)
+        slowdown, faults = 1.0, self.faults
+        if faults is not None and faults.draw(self.seed, rnd, client.id, stream) == "straggle":
+            slowdown = faults.straggle_factor
+        self.schedule.push(client.id, update, rng, slowdown)
 
 
 def _pending_state(item: Pending) -> dict[str, Any]:

@@ -32,7 +32,11 @@ def _fields(relative: str, name: str) -> tuple[str, ...]:
     tree = ast.parse((PACKAGE / relative).read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == name:
-            return tuple(item.target.id for item in node.body if isinstance(item, ast.AnnAssign))
+            return tuple(
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            )
     raise LookupError(f"{name} is not defined in {relative}")
 
 

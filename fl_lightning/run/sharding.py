@@ -280,7 +280,7 @@ class ShardedPhases:
         if not errors:
             return
         first = min(errors, key=lambda e: (e["position"], e["rank"]))
-        if first["rank"] == self.ranks.rank:
+        if first["rank"] == self.ranks.rank and self._error is not None:
             raise self._error
         if first["diverged"]:
             raise Diverged(first["message"], first["round"])
