@@ -21,13 +21,13 @@ from .federation.errors import ConfigError
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "fit"]
 
-# Modules that moved when the package was laid out by concern: their old dotted paths (in users' code and in
-# recipes written before, e.g. ``class_path: fl_lightning.sampling.UniformSampler``) still import, as the
-# module at its new path.
+# Modules that moved when the package was laid out by concern, or were renamed since: their old dotted paths (in
+# users' code and in recipes written before, e.g. ``class_path: fl_lightning.sampling.UniformSampler``) still
+# import, as the module at its new path.
 MOVED = {
     "asynchrony": "run.asynchrony",
     "checkpoint": "run.checkpoint",
-    "cli_messages": "run.messages",
+    "cli_messages": "run.input_errors",
     "client_store": "run.client_store",
     "data_inspect": "data.inspect",
     "errors": "federation.errors",
@@ -45,6 +45,7 @@ MOVED = {
     "report_sweep": "report.sweeps",
     "report_table": "report.tables",
     "robustness": "run.robustness",
+    "run.messages": "run.input_errors",
     "run_state": "run.state",
     "sampling": "federation.sampling",
     "schedules": "federation.schedules",
@@ -54,6 +55,7 @@ MOVED = {
     "sweep_results": "sweep.results",
     "sweep_study": "sweep.study",
     "sweep_trial": "sweep.trial",
+    "sweep.run": "sweep.driver",
     "sweep_workers": "sweep.workers",
     "table_runs": "sweep.table",
     "types": "federation.types",
