@@ -137,11 +137,7 @@ class StepGraphs:
     def resident(self, name: str, tensor: Tensor, device: torch.device) -> Tensor:
         """``tensor``'s values in a device tensor kept under ``name``, shape and dtype (refilled in place), so
         that the steps of every client and round closing over it share one graph key. Only for fits that run
-        before the next copy: the sequential executor's (the batched one pauses fits, and graphs refuse it)."""
-        from ..pause import paused_fit_running
-
-        if paused_fit_running():  # cannot happen with graphs on; a fresh copy would still be right
-            return tensor.to(device, copy=True)
+        before the next copy: the sequential executor's (``ClientContext.on_device`` asks)."""
         key = (name, tuple(tensor.shape), tensor.dtype)
         kept = self._resident.get(key)
         if kept is None:
