@@ -538,7 +538,7 @@ def test_a_tensor_two_roles_share_is_reparametrized_once_and_given_back():
     with reparametrize({"role1.0.weight": torch.ones(2, 2)}):
         assert torch.equal(roles["role0"][0].weight, torch.ones(2, 2))  # the other role sees it too
     assert shared.weight is original
-    # given under both names (as loss_of gives a shared tensor), the original still comes back
+    # given under both names (as reparametrized_loss gives a shared tensor), the original still comes back
     with reparametrize({"role0.0.weight": torch.ones(2, 2), "role1.0.weight": torch.ones(2, 2)}):
         assert torch.equal(shared.weight, torch.ones(2, 2))
     assert shared.weight is original
