@@ -266,6 +266,20 @@ def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, ext
     _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
+# FedProto's CNNs meet a max-pool near-tie within 2 rounds: vmapped and plain convolutions round differently, and
+# where two pooled values are one float apart the argmax, and with it where a gradient goes, flips (client 7's
+# conv weights then differ by 3.5e-5). Without lockstep that client's step ran alone by plain autograd; in lockstep
+# every step is vmapped. Its step's handling of padded rows is compared on MLP roles, which have no max pool.
+FEDPROTO_MLPS = (
+    "--models",
+    (
+        '{"cnn_small": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 1}}, '
+        '"cnn_large": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 3}}, '
+        '"mlp": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 2}}}'
+    ),
+)
+
+
 # FedMD's recipe starts with 5 + 5 epochs of transfer learning, over which float differences grow chaotically:
 # its sequential runs with 1 and with 2 CPU threads differ by up to 1.06 after 2 rounds; 1 + 1 epochs do not
 FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1")
@@ -281,6 +295,11 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
         ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
         ("digits_fd.yaml", ()),  # a teacher per label, its logits handed out as a record
         ("digits_fedproto.yaml", ()),  # prototypes per class, its representations handed out as a record
+        ("digits_fedgen.yaml", ()),  # generated features and their labels in the batch
+        # the server's prototypes per class; on MLP roles: a client's CNN meets a max-pool near-tie in round 2 (see
+        # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
+        ("digits_fedtgp.yaml", FEDPROTO_MLPS),
+        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
     ],
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
@@ -305,20 +324,6 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
     _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
-# FedProto's CNNs meet a max-pool near-tie within 2 rounds: vmapped and plain convolutions round differently, and
-# where two pooled values are one float apart the argmax, and with it where a gradient goes, flips (client 7's
-# conv weights then differ by 3.5e-5). Without lockstep that client's step ran alone by plain autograd; in lockstep
-# every step is vmapped. Its step's handling of padded rows is compared on MLP roles, which have no max pool.
-FEDPROTO_MLPS = (
-    "--models",
-    (
-        '{"cnn_small": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 1}}, '
-        '"cnn_large": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 3}}, '
-        '"mlp": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 2}}}'
-    ),
-)
-
-
 @pytest.mark.parametrize(
     "recipe, extra",
     [
@@ -329,9 +334,13 @@ FEDPROTO_MLPS = (
         ("digits_fedgkt.yaml", ()),
         ("digits_fd.yaml", ()),  # a teacher per label: PAD labels indexed as class 0, left out of the mean
         ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
+        ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
+        ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
         ("digits_feddf.yaml", ()),
         ("digits_periodic_codist.yaml", ()),
         ("digits_fedgh.yaml", ()),
+        # guiding vectors indexed by label, the distance over the real rows; both rounds train
+        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),
         ("digits_lg_fedavg.yaml", ()),
         ("digits_weak_only.yaml", ()),
         ("digits_strong_only.yaml", ()),
@@ -376,12 +385,12 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
         assert torch.equal(batched_weights[name], value), name
 
 
-@pytest.mark.parametrize("recipe", ["digits_fml.yaml", "digits_fedkd.yaml"])
+@pytest.mark.parametrize("recipe", ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"])
 def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_so(tmp_path, recipe):
-    """FML's and FedKD's fit_jointly trains two models per client outside loop.fit: the batched executor runs
-    it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h is a
-    module of its own there, not the one instance the sequential loop reuses: a paused client's would be
-    refilled by the next.)"""
+    """FML's, FedKD's and FedMRL's fit_jointly trains two models per client outside loop.fit: the batched executor
+    runs it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h and
+    FedMRL's projector are modules of their own there, not the one instance the sequential loop reuses: a paused
+    client's would be refilled by the next.)"""
     sequential, weights = _run(tmp_path, recipe, "sequential")
     batched, batched_weights = _run(tmp_path, recipe, "batched")
     fits = 2 * 15  # 2 rounds x 15 clients

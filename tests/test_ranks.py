@@ -443,6 +443,7 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
 
     def run_share(rnd, my_tasks, tally):  # as the orchestrator's: each update's metrics and a lost one recorded
         tally.count("crash")
+        tally.add_steps({"global": 3})
         for task in my_tasks:
             tally.add_metrics({"loss": float(task.client.id)})
             yield ClientUpdate(
@@ -465,6 +466,7 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
             "states": {},
             "generators": record["generators"][:1],
             "events": {"drop_upload": 2},
+            "steps": {"global": 5},
             "optimizers": {},
             "error": None,
         }
@@ -482,6 +484,7 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
     assert first.client.id == 0 and unpacked == []  # rank 1's update is still its message
     # every rank's metrics once, in task order (this rank's own are not counted twice), every rank's lost updates
     assert tally.client_metrics == {"loss": [0.0, 1.0, 2.0]} and tally.events == {"crash": 1, "drop_upload": 2}
+    assert tally.steps == {"global": 3 + 5}  # every rank's training steps, for the round's compute
     assert state.ledger.uplink_bytes == 3 * 16
     second = next(handed)
     assert second.client.id == 1 and second.num_samples == 11 and unpacked == [torch.device(device)]

@@ -12,8 +12,11 @@ rounds (:meth:`FederationOrchestrator.run_rounds`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,7 +46,33 @@ from .run_dir import check_output_dir, check_resume_target, check_still_ours, fr
 from .runtime import Runtime
 from .state import RunState, check_monitor, check_resume, planned_rounds
 
+_ONE_RUN = threading.Lock()
 
+
+def _one_run_at_a_time(run: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Refuses a run while another runs in this process. A run sets process-wide state (the global random
+    generators it seeds, ``torch.set_num_threads``, deterministic kernels, flush-denormal), so two at once in two
+    threads would change each other's numbers; the lock is tried, never waited on. ``functools.wraps`` keeps the
+    signature and docstring the command line's parser reads (defined here: the wrapper resolves the signature's
+    annotations in this module)."""
+
+    @functools.wraps(run)
+    def one_run(*args, **kwargs):
+        if not _ONE_RUN.acquire(blocking=False):
+            raise ConfigError(
+                "another fit is running in this process (in another thread), and runs share the process's random "
+                "state, torch threads and precision settings; run them one after another, or in separate "
+                "processes (flrun fit, or a process pool)."
+            )
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _ONE_RUN.release()
+
+    return one_run
+
+
+@_one_run_at_a_time
 def fit(
     data: FederatedData,
     models: dict[str, ModelSpec],
@@ -104,6 +133,11 @@ def fit(
 
     Returns:
         The summary written to ``summary.json``.
+
+    Raises:
+        ConfigError: for a recipe that cannot run, and when another run is in progress in this process (in
+            another thread): runs share the process's random state, torch threads and precision settings, so a
+            second one is refused rather than changing the first one's numbers.
     """
     name = name or "run"
     plan = RoundPlan(rounds, eval_every, checkpoint_every, stop_after)  # the counts, checked here once

@@ -24,6 +24,7 @@ import numpy as np
 from ..client.batched.executor import BatchedExecutor
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator, PersonalEvaluation
+from ..client.flops import role_step_flops
 from ..client.loop import LocalLoop
 from ..data import FederatedData
 from ..distributed.ranks import current_ranks
@@ -108,6 +109,11 @@ class FederationOrchestrator:
         strategy.setup(server)
         check_evaluation_split(strategy, server)
         self.monitor = output.monitor or strategy.monitor
+        # after setup, which may freeze a backbone: a frozen parameter's gradient is not computed, nor counted
+        models = {role: slot.module.model for role, slot in loop.slots.items()}
+        self.step_flops, self.uncounted = role_step_flops(models, data.x[:1], loop.training.batch_size)
+        if self.uncounted:
+            self.state.train_flops = None  # a role's steps without their cost: no total rather than a low one
 
     # ------------------------------------------------------------------ the round loop
     def run_rounds(self, checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -173,6 +179,9 @@ class FederationOrchestrator:
             summary["cuda_graphs"] = self.loop.graphs.summary()
         if self.robustness.may_lose_updates:
             summary["faults"] = {k: state.events.get(k, 0) for k in self.robustness.event_keys}
+        summary["compute"] = {"train_flops": state.train_flops, "step_flops": dict(self.step_flops)}
+        if self.uncounted:
+            summary["compute"]["not_counted"] = dict(self.uncounted)
         if self.ranks.writes:
             self.files.write_json(self.files.summary, summary)
         return summary
@@ -212,8 +221,13 @@ class FederationOrchestrator:
                 "comm/round_downlink_bytes": traffic["downlink"],
                 "comm/uplink_bytes": ledger.uplink_bytes,
                 "comm/downlink_bytes": ledger.downlink_bytes,
+                "comm/mib_per_client": (ledger.uplink_bytes + ledger.downlink_bytes) / len(self.clients) / 2**20,
             }
         )
+        if self.state.train_flops is not None:  # None: a role's step could not be counted (summary.json says why)
+            self.state.train_flops += sum(n * self.step_flops[role] for role, n in tally.steps.items())
+            row["compute/train_flops"] = self.state.train_flops
+            row["compute/gflops_per_client"] = self.state.train_flops / len(self.clients) / 1e9
         return row
 
     def _synchronous(self, rnd: int, tally: RoundTally) -> TrainedRound:
@@ -273,6 +287,7 @@ class FederationOrchestrator:
         ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
         update = self.strategy.client_update(task, ctx)
         ctx.finish()
+        tally.add_steps(ctx.trained_steps)  # trained, whether or not its update arrives
         client_states.close(client.id, ctx.state)  # kept, or written to its file beyond the memory budget
         self.progress.client_done()
         if not self._received(rnd, client, update, fault, tally):

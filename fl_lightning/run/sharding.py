@@ -176,7 +176,7 @@ class ShardedPhases:
         progress: RoundProgress,
     ) -> Iterator[ClientUpdate]:
         """Every rank's updates of the phase in task order; ``tally`` records what one process would: every
-        delivered update's metrics, in task order, and every rank's lost updates.
+        delivered update's metrics, in task order, and every rank's lost updates and training steps.
 
         Args:
             rnd: the round.
@@ -187,7 +187,7 @@ class ShardedPhases:
         """
         mine = shard(tasks, self.ranks.rank, self.ranks.world)
         server = fingerprint(self.server_state())  # before the phase: the state its tasks were configured from
-        share = RoundTally()  # this rank's: its lost updates count; its metrics are rebuilt in task order below
+        share = RoundTally()  # this rank's lost updates and steps; its metrics are rebuilt in task order below
         record = self._run(rnd, tasks, mine, run_share, share)
         record["server"] = server
         records = ranks_module.exchange(record)
@@ -197,6 +197,7 @@ class ShardedPhases:
         for rank in [self.ranks.rank] + [r for r in range(len(records)) if r != self.ranks.rank]:  # this rank first
             for key, count in records[rank]["events"].items():
                 tally.count(key, count)
+            tally.add_steps(records[rank]["steps"])
         for _, update, _ in merged:
             tally.add_metrics(update.metrics)
         for _ in range(len(tasks) - len(mine)):
@@ -219,7 +220,8 @@ class ShardedPhases:
         run_share: RunShare,
         share: RoundTally,
     ) -> dict[str, Any]:
-        """Trains this rank's share (its lost updates counted in ``share``); returns what the other ranks need of it."""
+        """Trains this rank's share (its lost updates and steps counted in ``share``); returns what the other ranks
+        need of it."""
         device = self.ranks.device
         ledger, self.state.ledger = self.state.ledger, CommunicationLedger()  # replayed for all ranks in _merge
         positions, updates, generators, error = [], [], [], None
@@ -257,6 +259,7 @@ class ShardedPhases:
             "end_generators": _generators(device),
             "states": {tasks[p].client.id: client_states.get(tasks[p].client.id) for p in mine},
             "events": dict(share.events),
+            "steps": dict(share.steps),
             "optimizers": {
                 role: self.loop.slots[role].optimizer.state_dict()
                 for role, owner in self._last_trainers(rnd, tasks).items()

@@ -21,11 +21,19 @@ class RoundTally:
     finished (with several ranks: in task order)."""
     events: dict[str, int] = field(default_factory=dict)
     """Updates lost, by cause (``crash``, ``nan``, ``dropped_nonfinite``, ``phases_without_updates``, ...)."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """Optimizer steps per role of every client that trained, whether or not its update arrived (the round's
+    compute)."""
 
     def add_metrics(self, metrics: Mapping[str, float]) -> None:
         """Records the local metrics of one update the server receives."""
         for key, value in metrics.items():
             self.client_metrics.setdefault(key, []).append(value)
+
+    def add_steps(self, steps: Mapping[str, int]) -> None:
+        """Records the optimizer steps per role that one client (or one rank's share) took."""
+        for role, count in steps.items():
+            self.steps[role] = self.steps.get(role, 0) + count
 
     def count(self, event: str, times: int = 1) -> None:
         """Counts ``times`` lost updates (or empty phases) of kind ``event``."""
