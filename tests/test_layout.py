@@ -20,6 +20,8 @@ from conftest import ROOT, run_cli
         ("fl_lightning.errors", "fl_lightning.federation.errors"),
         ("fl_lightning.recipes", "fl_lightning.run.recipes"),
         ("fl_lightning.ranks", "fl_lightning.distributed.ranks"),
+        ("fl_lightning.run.messages", "fl_lightning.run.input_errors"),  # renamed: one meaning per name
+        ("fl_lightning.sweep.run", "fl_lightning.sweep.driver"),
     ],
 )
 def test_a_moved_module_imports_under_its_old_path_as_the_same_module(old, new):

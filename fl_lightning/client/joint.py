@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
-from .pause import note_sequential_fit
 
 if TYPE_CHECKING:
     from .context import ClientContext
@@ -52,7 +51,7 @@ def fit_jointly(
             "models trained together on one client (FML, FedKD) cannot use fp16 mixed precision's loss "
             "scaler here; set runtime precision to 32-true or bf16-mixed."
         )
-    note_sequential_fit("models trained together (fit_jointly) train one client at a time")
+    loop.note_fit_outside_loop("models trained together (fit_jointly) train one client at a time")
     slots = {role: ctx.slot(role) for role in roles}
     factor = loop.training.lr_schedule(ctx.round, loop.rounds)
     scheduled: list[tuple[nn.Module, torch.optim.Optimizer, list[float]]]

@@ -17,13 +17,13 @@ VERSION = "0.1.0"
 # the first release without the old paths below
 MOVED_PATHS_REMOVED_IN = "0.2.0"
 
-# Modules that moved when the package was laid out by concern: their old dotted paths (in users' code and in
+# Modules that moved when the package was laid out by concern, or were renamed since: their old dotted paths (in users' code and in
 # recipes written before, e.g. ``class_path: fl_lightning.sampling.UniformSampler``) still import, as the
 # module at its new path.
 MOVED = {
     "asynchrony": "run.asynchrony",
     "checkpoint": "run.checkpoint",
-    "cli_messages": "run.messages",
+    "cli_messages": "run.input_errors",
     "client_store": "run.client_store",
     "data_inspect": "data.inspect",
     "errors": "federation.errors",
@@ -41,6 +41,7 @@ MOVED = {
     "report_sweep": "report.sweeps",
     "report_table": "report.tables",
     "robustness": "run.robustness",
+    "run.messages": "run.input_errors",
     "run_state": "run.state",
     "sampling": "federation.sampling",
     "schedules": "federation.schedules",
@@ -50,6 +51,7 @@ MOVED = {
     "sweep_results": "sweep.results",
     "sweep_study": "sweep.study",
     "sweep_trial": "sweep.trial",
+    "sweep.run": "sweep.driver",
     "sweep_workers": "sweep.workers",
     "table_runs": "sweep.table",
     "types": "federation.types",

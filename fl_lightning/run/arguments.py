@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from ..federation.errors import ConfigError
-from .messages import config_paths, long_config
+from .input_errors import config_paths, long_config
 
 
 class UserError(ConfigError):
@@ -126,7 +126,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     precheck(argv)  # the common mistakes, answered before the parser's imports (torch)
     from jsonargparse import ArgumentError
 
-    from .messages import root_cause
+    from .input_errors import root_cause
 
     parser = fit_parser(prog)
     if not _optimizer_given(argv):  # first, so that --training.optimizer.init_args.lr 0.01 can change it

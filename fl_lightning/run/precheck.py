@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from ..federation.errors import ConfigError
-from .messages import _did_you_mean, check_config_file, config_paths
+from .input_errors import _did_you_mean, check_config_file, config_paths
 
 PACKAGE = Path(__file__).resolve().parents[1]
 # the groups whose fields are a dataclass's (jsonargparse expands them into --group.field options)

@@ -90,7 +90,7 @@ class OneClient(Protocol):
 
     mixed: bool  # bf16 / fp16 mixed precision: losses of two batch sizes agree less closely
 
-    def one_loss(self, k: int, batch: tuple, mask: Tensor | None) -> float: ...
+    def client_loss(self, k: int, batch: tuple, mask: Tensor | None) -> float: ...
 
 
 class Lockstep:
@@ -149,7 +149,7 @@ class Lockstep:
         variants = padding_variants(one, padded.rows, 1 if len(one) > 1 and labeled(streams) else None)
         mask = torch.arange(padded.rows, device=one[0].device) < padded.real[k]
         try:
-            losses = [training.one_loss(k, batch, None if i == 0 else mask) for i, batch in enumerate(variants)]
+            losses = [training.client_loss(k, batch, None if i == 0 else mask) for i, batch in enumerate(variants)]
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as err:
             why = f"its step fails on a padded batch ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
         else:
