@@ -17,9 +17,9 @@ VERSION = "0.1.0"
 # the first release without the old paths below
 MOVED_PATHS_REMOVED_IN = "0.2.0"
 
-# Modules that moved when the package was laid out by concern, or were renamed since: their old dotted paths (in users' code and in
-# recipes written before, e.g. ``class_path: fl_lightning.sampling.UniformSampler``) still import, as the
-# module at its new path.
+# Modules that moved when the package was laid out by concern, or were renamed since: their old dotted paths
+# (in users' code and in recipes written before, e.g. ``class_path: fl_lightning.sampling.UniformSampler``)
+# still import, as the module at its new path.
 MOVED = {
     "asynchrony": "run.asynchrony",
     "checkpoint": "run.checkpoint",
