@@ -140,12 +140,11 @@ class BatchedExecutor:
             for coroutine in coroutines:
                 self._advance(coroutine)
             while True:
-                paused = [(i, c) for i, c in enumerate(coroutines) if c.request is not None and not c.done]
+                paused = [(i, c, c.request) for i, c in enumerate(coroutines) if c.request is not None and not c.done]
                 if not paused:
                     break
-                self.fits.run([c.request for _, c in paused])
-                for i, coroutine in paused:
-                    request = coroutine.request
+                self.fits.run([request for _, _, request in paused])
+                for i, coroutine, request in paused:
                     if i >= last_fit.get(request.role, (-1,))[0]:
                         last_fit[request.role] = (i, request)
                     restore(self.loop, request)
@@ -155,7 +154,9 @@ class BatchedExecutor:
             for _, request in last_fit.values():
                 restore_optimizer(self.loop, request)
             # and so does torch's random state: what the server draws next (MergedCodist's distillation) follows it
-            set_random_state(coroutines[-1].final_rng_state)
+            final_rng_state = coroutines[-1].final_rng_state
+            assert final_rng_state is not None, "every client's task has finished"
+            set_random_state(final_rng_state)
         except BaseException:
             for coroutine in coroutines:
                 if not coroutine.done:

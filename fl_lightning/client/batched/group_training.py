@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -59,7 +59,9 @@ class GroupTraining:
         self.slot = loop.slots[first.role]
         self.clients = len(group)
         self.trainable = [n for n, p in self.slot.module.named_parameters() if p.requires_grad]
-        self.rule = update_rule(self.slot.optimizer)
+        rule = update_rule(self.slot.optimizer)
+        assert rule is not None, "BatchedFit batches only fits whose optimizer has a stacked update"
+        self.rule = rule
         self.options = self._optimizer_options(first.rnd)
         trained = {("slot", self.role, n) for n in self.trainable}
         # a tensor that two roles share (one module in two roles) is stored once, under the trained role's name
@@ -193,10 +195,11 @@ class GroupTraining:
         step = 0
         while active:
             batches: dict[int, tuple] = {}
-            by_shape: dict[tuple, list[int]] = {}
+            by_shape: dict[int | tuple, list[int]] = {}  # by rows when gathered, else by the tensors' shapes
             try:
                 for k in list(active):
-                    batch = streams[k].next_parts() if gathered else self._next_batch(k, streams[k])
+                    # gathered: every stream is a BatchStream (gatherable)
+                    batch = cast(BatchStream, streams[k]).next_parts() if gathered else self._next_batch(k, streams[k])
                     if batch is None:
                         active.remove(k)
                     else:
@@ -227,7 +230,7 @@ class GroupTraining:
                     # its random state stays after the draw: the given-back batch is not drawn again
                     if gathered:  # the stream itself, so that a retried group still gathers at once
                         if first is not None:
-                            streams[k].give_back(first)
+                            cast(BatchStream, streams[k]).give_back(first)
                         request.batches = streams[k]
                     else:
                         request.batches = itertools.chain([first] if first is not None else [], streams[k])
@@ -410,10 +413,10 @@ class GroupTraining:
         cells, batch = [cell[0] for cell in cells], tuple(t[0] for t in batch)
         with torch.enable_grad():
             loss, record = self._loss(leaves, frozen, buffers, cells, batch, None if mask is None else mask[0])
-            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         # rows of a dtype the loss does not reach (every tensor was checked to be used: none, in practice)
-        grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves.values(), grads)]
-        grads = {kind: g.unsqueeze(0) for kind, g in zip(leaves, grads)}
+        filled = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves.values(), found)]
+        grads = {kind: g.unsqueeze(0) for kind, g in zip(leaves, filled)}
         return grads, (loss.detach().unsqueeze(0), tuple(t.detach().unsqueeze(0) for t in record))
 
     def _loss(
