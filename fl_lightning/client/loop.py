@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import zlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # annotations only: Fabric is imported when a run starts (fab
 
     from .fit_runner import FitRunner
     from .graphs import StepGraphs
+    from .module import ClientModule
 
 
 def role_seed(seed: int, role: str) -> int:
@@ -46,11 +47,13 @@ class LocalLoop:
         self.fabric = fabric
         self.training = training
         self.rounds = rounds
-        self.slots: dict[str, ModelSlot] = {}
+        self.slots: dict[str, ModelSlot[ClientModule]] = {}
         self.phase_start: dict[str, dict] = {}  # optimizer states every client of a phase starts from
         self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
         self.graphs: StepGraphs | None = None  # runtime.cuda_graphs: client fits replay their steps (client/graphs/)
-        self.helpers: dict[tuple, ModelSlot] = {}  # strategies' small trained modules, one per name and shapes
+        self.helpers: dict[
+            tuple, ModelSlot[torch.nn.Module]
+        ] = {}  # strategies' small trained modules, one per name and shapes
         self.fit_runner: FitRunner | None = None  # set by the batched executor for the duration of a client's turn
 
     @property
@@ -67,11 +70,12 @@ class LocalLoop:
         for role in roles:
             torch.manual_seed(role_seed(seed, role))
             module = self._wrapped(role, models[role].build(**context))
-            module = self.fabric.setup_module(module).module  # device and precision from Fabric
+            # device and precision from Fabric; its wrapper's .module is the module given
+            module = cast("ClientModule", self.fabric.setup_module(module).module)
             optimizer = module.configure_optimizers()
             self.slots[role] = ModelSlot(module, optimizer, [g["lr"] for g in optimizer.param_groups])
 
-    def _wrapped(self, role: str, model: torch.nn.Module) -> torch.nn.Module:
+    def _wrapped(self, role: str, model: torch.nn.Module) -> ClientModule:
         """A built model in its module wrapper: the built-in steps, or a user's LightningModule's own."""
         if isinstance(model, FeatureClassifier):
             from .module import ClientModule
@@ -198,7 +202,7 @@ class LocalLoop:
 
     def run_steps(
         self,
-        module: torch.nn.Module,
+        module: ClientModule,
         optimizer: torch.optim.Optimizer,
         batches: Iterable[tuple],
         step_fn: StepFn | None = None,
