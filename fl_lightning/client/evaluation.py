@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 import torch
@@ -23,6 +23,15 @@ from .stacked_eval import StackedEvaluation
 
 log = logging.getLogger(__name__)
 COLLAPSED = 0.95  # a global model predicting one class for this share of the test set has collapsed
+
+
+class ClientStates(Protocol):
+    """Every client's persistent state by client id, as the evaluator reads it: a mapping, or the run's store
+    (``run.client_store.ClientStateStore``)."""
+
+    def get(self, client_id: int, default: dict, /) -> Any: ...
+
+    def __contains__(self, client_id: int, /) -> bool: ...
 
 
 @dataclass
@@ -78,14 +87,14 @@ class Evaluator:
         loop: LocalLoop,
         data: FederatedData,
         clients: list[ClientSpec] | None = None,
-        client_states: Mapping[int, dict] | None = None,
+        client_states: ClientStates | None = None,
         plan: PersonalEvaluation | None = None,
         seed: int = 0,
     ):
         self.loop = loop
         self.data = data
         self.clients = clients or []
-        self.client_states = client_states if client_states is not None else {}
+        self.client_states: ClientStates = client_states if client_states is not None else {}
         self.plan = plan or PersonalEvaluation()
         self.seed = seed
         self.round, self.final = 0, True

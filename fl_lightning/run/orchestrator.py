@@ -87,6 +87,7 @@ class FederationOrchestrator:
         self.files, self.loggers = output.files, output.loggers
         self.ranks = current_ranks()  # one process, or one of several that share each phase's clients
         client_dir = self.files.checkpoints / CLIENTS_DIR if self.ranks.writes else self.ranks.scratch  # rank 0 alone
+        assert client_dir is not None, "connect_ranks gives every rank but 0 a scratch folder"
         memory = execution.client_state_memory_mb
         self.state = RunState(client_dir, output.run_info, output.config, memory, loop.fabric.device)
         self.evaluator = Evaluator(loop, data, clients, self.state.client_states, evaluation, seed)
@@ -260,6 +261,7 @@ class FederationOrchestrator:
     def _client_updates(self, rnd: int, tasks: list[ClientTask], tally: RoundTally) -> Iterator[ClientUpdate]:
         """Runs clients (one at a time, or a chunk batched) as the strategy's ``aggregate`` asks for their updates."""
         self.loop.begin_phase()
+        updates: Iterator[ClientUpdate | None]
         if self.batched is None:
             updates = (self._run_client(rnd, task, tally) for task in tasks)
         else:

@@ -141,7 +141,7 @@ class Runtime:
             ) from None
 
 
-def resolve_executor(runtime: Runtime, training: LocalTraining) -> str:
+def resolve_executor(runtime: Runtime, training: LocalTraining) -> Literal["sequential", "batched"]:
     """``sequential`` or ``batched`` for this run. ``auto`` is sequential: on a CPU batching measured slower for
     small models, and on a GPU the batched executor has yet to be measured faster than the sequential loop
     (docs/performance.md); ``batched`` is an explicit choice."""
