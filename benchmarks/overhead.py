@@ -43,6 +43,7 @@ from fl_lightning.federation.population import Population
 from fl_lightning.federation.sampling import UniformSampler
 from fl_lightning.federation.seeding import SERVER_STREAM, derive_seed
 from fl_lightning.models import ModelSpec
+from fl_lightning.run.options import RoundPlan, RunOutput
 from fl_lightning.run.orchestrator import FederationOrchestrator
 from fl_lightning.run.runtime import Runtime
 from fl_lightning.strategies import FedAvg
@@ -124,16 +125,12 @@ def run_framework(case: str, rounds: int, seed: int, threads: int) -> dict:
             UniformSampler(num_per_round=per_round),
             loop,
             data,
-            RunFiles(tmp),
-            [recorder],
-            rounds,
             seed,
-            eval_every=rounds,
-            checkpoint_every=rounds,
-            progress=False,
+            RoundPlan(rounds, eval_every=rounds, checkpoint_every=rounds),
+            RunOutput(RunFiles(tmp), [recorder], progress=False),
         )
         probe = Probe().start()
-        summary = orchestrator.run()
+        summary = orchestrator.run_rounds()
         probe.stop()
     return {"losses": recorder.losses, **probe.result, "acc": summary["final"]["global/test_acc"]}
 

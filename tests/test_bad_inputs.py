@@ -125,6 +125,9 @@ CASES = [
     Case("num_threads zero", ["--runtime.num_threads", "0"], ["runtime.num_threads", "at least 1"]),
     Case("num_threads negative", ["--runtime.num_threads", "-4"], ["runtime.num_threads", "at least 1"]),
     Case("precision unknown", ["--runtime.precision", "64-banana"], ["precision", "64-banana"]),
+    # Fabric knows 64-true, but the loop feeds float32 batches to the float64 weights: refused before any step
+    Case("precision 64-true", ["--runtime.precision", "64-true"], ["runtime.precision", "'64-true'", "32-true"]),
+    Case("precision bf16-true", ["--runtime.precision", "bf16-true"], ["runtime.precision", "bf16-mixed"]),
     Case("accelerator unknown", ["--runtime.accelerator", "tpu9"], ["accelerator", "tpu9"]),
     Case("progress not a bool", ["--runtime.progress", "maybe"], ["'maybe'", "runtime.progress"]),
     Case(
@@ -245,7 +248,23 @@ CASES = [
         ["one tier"],
         recipe=_tiers({"name": "a", "roles": ["global"]}, {"name": "b", "roles": ["global"]}),
     ),
-    Case("assignment unknown", ["--population.assignment", "roundrobin"], ["assignment", "roundrobin"]),
+    Case(
+        "assignment unknown",
+        ["--population.assignment", "roundrobin"],
+        ["population.assignment", "roundrobin", "contiguous, interleaved, random"],
+    ),
+    Case("normalize unknown", ["--data.init_args.normalize", "standard"], ["data.normalize", "standard", "pixel"]),
+    Case(
+        "pathological assignment unknown",
+        ["--data.partitioner", "fl_lightning.data.PathologicalPartitioner", "--data.partitioner.assignment", "cyclic"],
+        ["data.partitioner.assignment", "cyclic", "random, deterministic"],
+    ),
+    Case(
+        "pool_users unknown",
+        ["--data", "fl_lightning.data.StackOverflowData", "--data.pool_users", "sorted"],
+        ["data.pool_users", "sorted", "first, random"],
+    ),
+    Case("untrained unknown", ["--evaluation.untrained", "ignore"], ["evaluation.untrained", "evaluate, skip"]),
     Case("sampler fraction above one", ["--sampler.init_args.fraction", "2"], ["fraction", "(0, 1]"]),
     Case("sampler fraction zero", ["--sampler.init_args.fraction", "0"], ["fraction", "(0, 1]"]),
     Case("sampler count too large", ["--sampler.init_args.num_per_round", "50"], ["50", "clients"]),

@@ -9,6 +9,7 @@ whose summary must show padded steps and none by shape.
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -571,14 +572,16 @@ def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():
     reached = []
 
     def job():
-        reached.append("before")
+        reached.append("before" if loop.fit_runner is coroutine else "no runner")  # its fits go to the executor
         coroutine.pause(FitRequest("r", iter(()), None, None, 1, {}, (), {}, (None, None)))
         reached.append("after")  # never: the pause raises once cancelled
 
-    coroutine = _Coroutine(job, fits=None)
-    idle = _Coroutine(lambda: reached.append("idle ran"), fits=None)
+    loop = SimpleNamespace(fit_runner=None)
+    coroutine = _Coroutine(job, fits=None, loop=loop)
+    idle = _Coroutine(lambda: reached.append("idle ran"), fits=None, loop=loop)
     coroutine.advance()  # runs to its pause
     assert coroutine.request is not None and not coroutine.done
+    assert loop.fit_runner is None  # the client holds the loop's fits during its turns only
     coroutine.cancel()
     idle.cancel()  # never started: it must not run its job
     assert coroutine.done and idle.done and reached == ["before"]
@@ -597,7 +600,7 @@ def test_a_tensor_two_roles_share_is_reparametrized_once_and_given_back():
     with reparametrize({"role1.0.weight": torch.ones(2, 2)}):
         assert torch.equal(roles["role0"][0].weight, torch.ones(2, 2))  # the other role sees it too
     assert shared.weight is original
-    # given under both names (as loss_of gives a shared tensor), the original still comes back
+    # given under both names (as reparametrized_loss gives a shared tensor), the original still comes back
     with reparametrize({"role0.0.weight": torch.ones(2, 2), "role1.0.weight": torch.ones(2, 2)}):
         assert torch.equal(shared.weight, torch.ones(2, 2))
     assert shared.weight is original

@@ -686,9 +686,9 @@ def test_the_padding_check_runs_once_per_group(monkeypatch):
     torch.manual_seed(0)
     loop = _loop({"r": torch.nn.Linear(3, 2)}, lambda p: torch.optim.SGD(p, lr=0.1))
     x, y = torch.randn(13, 3), torch.randint(0, 2, (13,))
-    losses, real_one_loss = [], group_training.GroupTraining.one_loss
+    losses, real_client_loss = [], group_training.GroupTraining.client_loss
     monkeypatch.setattr(
-        group_training.GroupTraining, "one_loss", lambda self, *a: losses.append(1) or real_one_loss(self, *a)
+        group_training.GroupTraining, "client_loss", lambda self, *a: losses.append(1) or real_client_loss(self, *a)
     )
 
     def requests():

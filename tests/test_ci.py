@@ -30,6 +30,15 @@ def test_ci_runs_the_readme_commands_as_written_in_its_order():
     assert not [line for line in ci if line.startswith("flrun fit") and line != wanted[1]]
 
 
+def test_ci_checks_lint_format_layers_and_types_before_the_suites():
+    tests = readme_commands("Tests")
+    checks = ["ruff check .", "ruff format --check .", "lint-imports", "mypy"]
+    assert [c for c in tests if c in checks] == checks
+    # a lint or type error fails CI in seconds, before the suites' many minutes (.ci/run runs with set -e)
+    assert max(tests.index(c) for c in checks) < tests.index("python -m pytest -q")
+    assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()
+
+
 def test_the_runs_guard_sees_a_folder_created_changed_or_removed(tmp_path):
     runs = tmp_path / "runs"
     assert runs_changes(runs_snapshot(runs), runs_snapshot(runs)) == []

@@ -389,8 +389,10 @@ def test_adam_in_capturable_mode_replays_as_it_runs_eagerly(kind):
         assert runner.counts == {"graphed_steps": 6, "eager_steps": 4, "captures": 2, "dropped": 0}
 
 
-def test_server_knowledge_on_the_device_keeps_one_address_per_name_with_graphs_on(monkeypatch):
-    from fl_lightning.client import pause
+def test_server_knowledge_on_the_device_keeps_one_address_per_name_with_graphs_on():
+    from types import SimpleNamespace
+
+    from fl_lightning.client.context import ClientContext
 
     runner = StepGraphs(CheckedReruns("cpu"))
     first = runner.resident("logits", torch.ones(3, 3), torch.device("cpu"))
@@ -399,9 +401,14 @@ def test_server_knowledge_on_the_device_keeps_one_address_per_name_with_graphs_o
     assert second is first and torch.equal(first, source) and second is not source  # refilled, never an alias
     assert runner.resident("logits", torch.ones(4, 3), torch.device("cpu")) is not first  # another shape
     assert runner.resident("available", torch.ones(3, 3), torch.device("cpu")) is not first  # another name
-    # a client the batched executor may pause keeps its own copy (its fit runs after the next client's update)
-    monkeypatch.setattr(pause, "paused_fit_running", lambda: True)
-    assert runner.resident("logits", source, torch.device("cpu")) is not first
+    # through the client's context: the kept copy, unless the client's fits run later (the batched executor),
+    # after the next client's update would have refilled it
+    ctx = ClientContext.__new__(ClientContext)
+    ctx._data = SimpleNamespace(x=torch.zeros(1))
+    ctx.loop = SimpleNamespace(graphs=runner, fits_run_later=False)
+    assert ctx.on_device("logits", source) is first
+    ctx.loop.fits_run_later = True
+    assert ctx.on_device("logits", source) is source and torch.equal(first, source)
 
 
 def test_beyond_capacity_every_graph_is_dropped_at_once():

@@ -174,7 +174,10 @@ PAGES: dict[str, Page] = {
             "flrun table paper-001/table-5 --n_jobs 8": "63 paper-scale runs: CIFAR-10, FEMNIST, Speech Commands "
             "and GPUs",
             "flrun data fetch cifar10 --data_dir data": "downloads CIFAR-10 over the network",
+            "ruff check .": TESTS_THEMSELVES,
+            "ruff format --check .": TESTS_THEMSELVES,
             "lint-imports": TESTS_THEMSELVES,
+            "mypy": TESTS_THEMSELVES,
             "python -m pytest -q": TESTS_THEMSELVES,
             "python -m pytest -q -m slow": TESTS_THEMSELVES,
         },

@@ -5,7 +5,15 @@ import torch
 from conftest import read_summary, run_cli, write_recipe
 from torch import nn
 
-from fl_lightning.federation.types import exchanged_keys, load_exchanged
+from fl_lightning.federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    TensorPayload,
+    exchanged_keys,
+    load_exchanged,
+)
 from fl_lightning.models import FeatureClassifier
 from fl_lightning.models.registry import register_model
 from fl_lightning.run.checkpoint import load_checkpoint
@@ -184,3 +192,17 @@ def test_every_weight_sending_strategy_counts_trainable_bytes_only(tmp_path, nam
     transfers = 2 * 4  # 2 rounds, 4 of the 8 clients sampled in each
     assert by_payload["downlink"][down_name] == transfers * down
     assert by_payload["uplink"][up_name] == transfers * up
+
+
+def test_a_payload_is_read_as_the_kind_the_strategy_expects():
+    client = ClientSpec(0, "weak", ("global",))
+    weights = ModelWeights("global", {"w": torch.ones(2)})
+    task = ClientTask(client, 1, {"global": weights})
+    assert task.received("global", ModelWeights) is weights
+    update = ClientUpdate(client, 5, {"logits": TensorPayload("logits", {"z": torch.zeros(3)})})
+    assert update.sent("logits", TensorPayload).tensors["z"].shape == (3,)
+    # a strategy that reads another kind than it sent fails at the read, naming the payload and both kinds
+    with pytest.raises(TypeError, match="payload 'logits' is a TensorPayload, expected a ModelWeights"):
+        update.sent("logits", ModelWeights)
+    with pytest.raises(KeyError):
+        task.received("aux", ModelWeights)

@@ -352,3 +352,28 @@ def test_wandb_offline_and_tensorboard_write_their_files(tmp_path, monkeypatch):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     config = json.loads(json.dumps(read_summary(out)))
     assert config["final"]
+
+
+def test_the_round_plan_says_which_rounds_run_evaluate_checkpoint_and_stop():
+    """By hand: 10 rounds, evaluated every 4th and the last, checkpointed every 3rd, the last and at the stop."""
+    from fl_lightning.federation.errors import ConfigError
+    from fl_lightning.run.options import RoundPlan
+
+    plan = RoundPlan(rounds=10, eval_every=4, checkpoint_every=3, stop_after=7)
+    assert list(plan.rounds_to_run(0)) == [1, 2, 3, 4, 5, 6, 7] and list(plan.rounds_to_run(5)) == [6, 7]
+    assert list(plan.rounds_to_run(7)) == [] and list(plan.rounds_to_run(9)) == []  # a job chain's rerun: none
+    assert [r for r in range(1, 11) if plan.evaluates(r)] == [4, 8, 10]
+    assert [r for r in range(1, 11) if plan.checkpoints(r)] == [3, 6, 7, 8, 9, 10]  # 7: where it stops
+    assert list(RoundPlan(rounds=3).rounds_to_run(1)) == [2, 3]
+    with pytest.raises(ConfigError, match=r"^eval_every must be at least 1, got 0; e.g. --eval_every 1\.$"):
+        RoundPlan(rounds=3, eval_every=0)
+
+
+def test_robustness_may_lose_updates_only_with_faults_or_dropped_divergence():
+    from fl_lightning.run.robustness import Faults, Robustness
+
+    assert not Robustness().may_lose_updates and Robustness().fault_of(0, 1, 2) is None
+    assert Robustness(divergence="drop").may_lose_updates
+    assert Robustness(divergence="drop").event_keys == ("dropped_nonfinite", "phases_without_updates")
+    faulty = Robustness(Faults(crash=1.0))
+    assert faulty.may_lose_updates and faulty.fault_of(0, 1, 2) == "crash" and "crash" in faulty.event_keys

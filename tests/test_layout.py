@@ -1,6 +1,10 @@
-"""The package's layout: old import paths keep working, and a run recorded before the move still resumes."""
+"""The package's layout: old import paths keep working (saying where the module went), and a run recorded before
+the move still resumes."""
 
+import contextlib
 import importlib
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -16,10 +20,30 @@ from conftest import ROOT, run_cli
         ("fl_lightning.errors", "fl_lightning.federation.errors"),
         ("fl_lightning.recipes", "fl_lightning.run.recipes"),
         ("fl_lightning.ranks", "fl_lightning.distributed.ranks"),
+        ("fl_lightning.run.messages", "fl_lightning.run.input_errors"),  # renamed: one meaning per name
+        ("fl_lightning.sweep.run", "fl_lightning.sweep.driver"),
     ],
 )
 def test_a_moved_module_imports_under_its_old_path_as_the_same_module(old, new):
-    assert importlib.import_module(old) is importlib.import_module(new)
+    # the first import of an old path in this process warns (the next test checks what it says)
+    with pytest.warns(FutureWarning) if old not in sys.modules else contextlib.nullcontext():
+        assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_an_old_path_warns_once_naming_its_new_path_and_the_release_that_drops_it():
+    # a fresh process: this one may have imported the old path before
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "import fl_lightning.sampling\n"
+        "import fl_lightning.sampling\n"
+        "from fl_lightning.schedules import ConstantLR\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    lines = [line for line in done.stderr.splitlines() if "FutureWarning" in line]
+    assert len(lines) == 2, done.stderr  # one per old path, however often it is imported
+    assert "fl_lightning.sampling moved to fl_lightning.federation.sampling" in lines[0]
+    assert "fl_lightning.schedules moved to fl_lightning.federation.schedules" in lines[1]
+    assert all("the old path goes in fl-lightning 0.2.0" in line and line.startswith("<string>:") for line in lines)
 
 
 def test_users_code_written_before_the_move_still_imports():
@@ -57,7 +81,7 @@ def test_the_moved_codistillation_class_names_its_new_path():
 
 
 def test_current_path_maps_old_class_paths_and_leaves_others():
-    from fl_lightning import current_path
+    from fl_lightning.federation.release import current_path
 
     assert current_path("fl_lightning.sampling.UniformSampler") == "fl_lightning.federation.sampling.UniformSampler"
     assert current_path("fl_lightning.knowledge.codistill.Codistillation") == (

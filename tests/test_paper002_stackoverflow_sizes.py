@@ -184,8 +184,6 @@ def test_outside_users_needs_users_left_and_excludes_other_server_sets(data_dir)
         StackOverflowData(**small, max_clients=None).setup(4, seed=0)
     with pytest.raises(ConfigError, match="replaces server_fraction, server_examples and server_dataset"):
         StackOverflowData(**small, server_fraction=0.5)
-    with pytest.raises(ConfigError, match="pool_users must be first or random"):
-        StackOverflowData(data_dir=str(data_dir), pool_users="sorted")
     first = StackOverflowData(**small, max_clients=4, distillation_examples=10)
     first.setup(4, seed=0)
     assert _users(first) == ["u000", "u001", "u002", "u003"]  # pool_users: first, in file order

@@ -52,7 +52,7 @@ def test_a_seeded_sample_per_round_and_every_client_after_the_last(tmp_path):
     "argv, message",
     [
         (("--evaluation.sample", "0"), "evaluation.sample must be at least 1 (or null: every client), got 0"),
-        (("--evaluation.untrained", "ignore"), "evaluation.untrained must be evaluate or skip, got 'ignore'"),
+        (("--evaluation.untrained", "ignore"), "bad value 'ignore' for evaluation.untrained: use one of evaluate"),
         (("--runtime.client_state_memory_mb", "-1"), "runtime.client_state_memory_mb must be 0 or more"),
     ],
 )

@@ -19,6 +19,7 @@ from fl_lightning.run.checkpoint import load_checkpoint
 from fl_lightning.run.client_store import load_client_states
 from fl_lightning.run.runtime import Runtime
 from fl_lightning.run.sharding import check_same_server, fingerprint, shard
+from fl_lightning.run.tally import RoundTally
 
 
 # ---------------------------------------------------------------------- same numbers as one process
@@ -419,7 +420,7 @@ def test_each_phase_sends_the_server_states_fingerprint_and_compares_them(tmp_pa
         place, RunState(tmp_path / "clients"), LocalLoop(None, LocalTraining(), 1), lambda r, t: False, lambda: server
     )
     with pytest.raises(RuntimeError, match=r"round 2: the server state of rank\(s\) \[1\] differs"):
-        list(phases.updates(2, [], lambda rnd, tasks, metrics: iter(()), {}, {}, None))
+        list(phases.updates(2, [], lambda rnd, tasks, tally: iter(()), RoundTally(), None))
     assert sent[0]["server"] == fingerprint(server)
 
 
@@ -440,8 +441,11 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
     def update(client):
         return ClientUpdate(tasks[client].client, 10 + client, {"w": ModelWeights("global", {"x": torch.ones(4)})})
 
-    def run_share(rnd, my_tasks, metrics):
+    def run_share(rnd, my_tasks, tally):  # as the orchestrator's: each update's metrics and a lost one recorded
+        tally.count("crash")
+        tally.add_steps({"global": 3})
         for task in my_tasks:
+            tally.add_metrics({"loss": float(task.client.id)})
             yield ClientUpdate(
                 task.client,
                 10 + task.client.id,
@@ -461,7 +465,8 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
             "updates": [sharding._Sent.of(update(1))],
             "states": {},
             "generators": record["generators"][:1],
-            "events": {},
+            "events": {"drop_upload": 2},
+            "steps": {"global": 5},
             "optimizers": {},
             "error": None,
         }
@@ -473,11 +478,14 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
     place.device = torch.device(device)
     state = RunState(tmp_path / "clients")
     phases = sharding.ShardedPhases(place, state, LocalLoop(None, LocalTraining(), 1), lambda r, t: False, dict)
-    metrics = {}
-    handed = phases.updates(1, tasks, run_share, metrics, {}, _Progress())
+    tally = RoundTally()
+    handed = phases.updates(1, tasks, run_share, tally, _Progress())
     first = next(handed)
     assert first.client.id == 0 and unpacked == []  # rank 1's update is still its message
-    assert metrics == {"loss": [0.0, 1.0, 2.0]} and state.ledger.uplink_bytes == 3 * 16
+    # every rank's metrics once, in task order (this rank's own are not counted twice), every rank's lost updates
+    assert tally.client_metrics == {"loss": [0.0, 1.0, 2.0]} and tally.events == {"crash": 1, "drop_upload": 2}
+    assert tally.steps == {"global": 3 + 5}  # every rank's training steps, for the round's compute
+    assert state.ledger.uplink_bytes == 3 * 16
     second = next(handed)
     assert second.client.id == 1 and second.num_samples == 11 and unpacked == [torch.device(device)]
     assert torch.equal(second.uplink["w"].state["x"], torch.ones(4))

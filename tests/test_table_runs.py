@@ -191,7 +191,7 @@ def test_a_complete_run_whose_extension_was_killed_is_resumed_not_counted(recipe
     def killed(self, checkpoint=None):  # as if killed once the extension started: config.yaml says 6 rounds
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(FederationOrchestrator, "run", killed)
+    monkeypatch.setattr(FederationOrchestrator, "run_rounds", killed)
     assert run_cli("fit", *run.fit_argv(["--rounds", "6"])) != 0
     assert "rounds: 6" in (run.output_dir / "config.yaml").read_text() and read_summary(run.output_dir)["complete"]
     # summary.json is the 2-round invocation's: not this recipe's result

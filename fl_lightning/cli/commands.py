@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import __version__
+from ..federation.release import VERSION
 from ..run.arguments import FIT_SUMMARY, UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
 from ..run.arguments import USAGE as USAGE_FIT
 from .data import run_data
@@ -153,7 +153,7 @@ def _main(argv: list[str]) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] in ("--version", "-V"):
-        print(f"flrun (fl-lightning) {__version__}")
+        print(f"flrun (fl-lightning) {VERSION}")
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

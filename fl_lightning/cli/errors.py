@@ -68,7 +68,7 @@ def stopped_by_sigterm(enabled: bool):
 
 def os_error_sentence(err: OSError) -> str:
     """``<path>: <cause>; <fix>`` for an error of the file system."""
-    fixes = {
+    fixes: dict[int | None, str] = {
         errno.ENOSPC: "free space on its disk",
         errno.EDQUOT: "free space within your quota",
         errno.EACCES: "give a place you may write to",

@@ -14,7 +14,7 @@ from .parsers import CommandParser
 def split_fit_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """The command's own arguments, and those after ``--``, which go to every ``flrun fit`` it starts (``-c`` in
     them written as ``--config``, as ``flrun fit`` reads it)."""
-    from ..run.messages import long_config
+    from ..run.input_errors import long_config
 
     if "--" not in argv:
         return argv, []
@@ -65,7 +65,7 @@ def run_sweep_command(argv: list[str]) -> int:
             flush=True,
         )
     warnings = check_against_recipe(spec)
-    from ..sweep.run import run_sweep
+    from ..sweep.driver import run_sweep
 
     try:
         if args.json:

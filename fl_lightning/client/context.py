@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +12,7 @@ from torch import Tensor
 from ..data import ClientData, FederatedData
 from ..federation.seeding import Stream, derive_seed, seed_torch  # noqa: F401 (re-exported: strategies import them from here)
 from ..federation.types import ClientSpec, StateDict, clone_state
-from .batches import batch_stream
+from .batches import BatchStream, batch_stream
 from .loop import LocalLoop
 from .steps import ModelSlot, StepFn
 
@@ -86,9 +86,16 @@ class ClientContext:
         client's fit has ended before the next client's update begins.)
         """
         graphs = self.loop.graphs
-        if graphs is None:
+        if graphs is None or self.fits_run_later:  # a fit run later must not see the next client's refill
             return tensor.to(self.data_x.device)
         return graphs.resident(name, tensor, self.data_x.device)
+
+    @property
+    def fits_run_later(self) -> bool:
+        """Whether this client's :meth:`fit` hands the fit to the batched executor, which runs it after this
+        ``client_update`` has moved on and other clients' have run (it returns once the fit has run): what a step
+        closes over must then be this client's own, not an instance the next client refills."""
+        return self.loop.fits_run_later
 
     def num_examples(self, split: str = "train") -> int:
         return len(getattr(self.indices, split))
@@ -130,7 +137,7 @@ class ClientContext:
         steps: int | None = None,
         batch_size: int | None = None,
         indices: Tensor | None = None,
-    ) -> Iterator[tuple]:
+    ) -> BatchStream:
         """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``), or of the
         labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels).
 
@@ -178,10 +185,13 @@ class ClientContext:
         batches: Iterable[tuple] | None = None,
         on_record: Callable[[tuple], None] | None = None,
     ) -> dict[str, float]:
-        """Trains the loaded role on a local split with ``step_fn`` (default cross-entropy).
+        """Trains the loaded role on a local split with ``step_fn`` (default cross-entropy); returns the mean
+        loss and the number of steps.
 
         ``batches`` replaces the split's batches (public examples paired with the server's targets).
         A step may return ``(loss, record)`` (a tuple of tensors): ``on_record`` gets each step's record.
+        Under the batched executor the fit runs later, with other clients' (:attr:`fits_run_later`); it has run,
+        and the role's module holds its result, when this returns.
         """
         batches = batches if batches is not None else self.batches(split, steps)
         stats = self.loop.fit(self.slot(role), batches, self.round, step_fn, on_record)

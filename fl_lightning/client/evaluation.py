@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 import torch
@@ -15,12 +16,22 @@ from ..distributed.ranks import current_ranks, exchange
 from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
 from ..federation.types import PAD, ClientSpec, StateDict
+from ..models import FeatureClassifier
 from .loop import LocalLoop
 from .module import ClientModule
 from .stacked_eval import StackedEvaluation
 
 log = logging.getLogger(__name__)
 COLLAPSED = 0.95  # a global model predicting one class for this share of the test set has collapsed
+
+
+class ClientStates(Protocol):
+    """Every client's persistent state by client id, as the evaluator reads it: a mapping, or the run's store
+    (``run.client_store.ClientStateStore``)."""
+
+    def get(self, client_id: int, default: dict, /) -> Any: ...
+
+    def __contains__(self, client_id: int, /) -> bool: ...
 
 
 @dataclass
@@ -47,7 +58,7 @@ class PersonalEvaluation:
     """
 
     sample: int | None = None
-    untrained: str = "evaluate"
+    untrained: Literal["evaluate", "skip"] = "evaluate"
     clients_per_batch: int = 1
 
     def __post_init__(self):
@@ -60,8 +71,6 @@ class PersonalEvaluation:
             raise ConfigError(
                 f"evaluation.sample must be at least 1 (or null: every client), got {self.sample}; e.g. 100."
             )
-        if self.untrained not in ("evaluate", "skip"):
-            raise ConfigError(f"evaluation.untrained must be evaluate or skip, got {self.untrained!r}.")
 
 
 class Evaluator:
@@ -78,14 +87,14 @@ class Evaluator:
         loop: LocalLoop,
         data: FederatedData,
         clients: list[ClientSpec] | None = None,
-        client_states: Mapping[int, dict] | None = None,
+        client_states: ClientStates | None = None,
         plan: PersonalEvaluation | None = None,
         seed: int = 0,
     ):
         self.loop = loop
         self.data = data
         self.clients = clients or []
-        self.client_states = client_states if client_states is not None else {}
+        self.client_states: ClientStates = client_states if client_states is not None else {}
         self.plan = plan or PersonalEvaluation()
         self.seed = seed
         self.round, self.final = 0, True
@@ -324,7 +333,8 @@ class Evaluator:
         made once per name and model."""
         wrapped = self._wrappers.get(name)
         if wrapped is None or wrapped.model is not model:
-            wrapped = self._wrappers[name] = ClientModule(model, None)
+            # only its test_step runs, which needs the model's forward alone (not features and head)
+            wrapped = self._wrappers[name] = ClientModule(cast(FeatureClassifier, model), None)
         return wrapped
 
     @torch.no_grad()
@@ -335,7 +345,7 @@ class Evaluator:
         x: Tensor,
         y: Tensor,
         shared: bool = False,
-        module: torch.nn.Module | None = None,
+        module: ClientModule | None = None,
     ) -> dict[str, float]:
         """Accuracy, loss and top-class share of ``weights`` on ``(x, y)``, in the role's instance or in ``module``.
         ``shared`` (every rank evaluates the same model on the same set): each rank passes every ``world``-th batch

@@ -14,6 +14,7 @@ by the training they do, as papers' "computation per round" does.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +41,7 @@ def step_flops(model: nn.Module, sample: Tensor, batch_size: int) -> int:
 
 
 def role_step_flops(
-    models: dict[str, nn.Module], sample: Tensor, batch_size: int
+    models: Mapping[str, nn.Module], sample: Tensor, batch_size: int
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Per role, the FLOPs of one training step (:func:`step_flops`), and why a role's could not be counted (a
     model that cannot run on meta tensors: an LSTM, a user's module calling ``.item()``)."""

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
-from .pause import note_sequential_fit
 
 if TYPE_CHECKING:
     from .context import ClientContext
@@ -52,22 +51,23 @@ def fit_jointly(
             "models trained together on one client (FML, FedKD) cannot use fp16 mixed precision's loss "
             "scaler here; set runtime precision to 32-true or bf16-mixed."
         )
-    note_sequential_fit("models trained together (fit_jointly) train one client at a time")
+    loop.note_fit_outside_loop("models trained together (fit_jointly) train one client at a time")
     slots = {role: ctx.slot(role) for role in roles}
     factor = loop.training.lr_schedule(ctx.round, loop.rounds)
-    trained = [(slot.module, slot.optimizer, slot.base_lrs) for slot in slots.values()]
-    trained += [(helper, *loop.helper_optimizer(helper)) for helper in helpers]
-    for _, optimizer, base_lrs in trained:
+    scheduled: list[tuple[nn.Module, torch.optim.Optimizer, list[float]]]
+    scheduled = [(slot.module, slot.optimizer, slot.base_lrs) for slot in slots.values()]
+    scheduled += [(helper, *loop.helper_optimizer(helper)) for helper in helpers]
+    for _, optimizer, base_lrs in scheduled:
         for group, base in zip(optimizer.param_groups, base_lrs):
             group["lr"] = base * factor
     modules = {role: slot.module for role, slot in slots.items()}
-    trained = [(module, optimizer) for module, optimizer, _ in trained]
+    trained = [(module, optimizer) for module, optimizer, _ in scheduled]
     clip = loop.training.grad_clip_norm
     batches = ctx.batches(split)
     for role in roles:
         ctx.count_steps(role, batches.num_steps)
     if loop.graphs is not None:  # runtime.cuda_graphs: the same steps, replayed where their key allows
-        return loop.graphs.run_joint_steps(modules, trained, batches, step_fn, clip)
+        return loop.graphs.run_joint_steps(dict(modules), trained, batches, step_fn, clip)
     for module, _ in trained:
         module.train()
     optimizer_step = loop.fabric.strategy.optimizer_step
@@ -78,7 +78,7 @@ def fit_jointly(
             optimizer.zero_grad(set_to_none=True)
         with loop.fabric.autocast():  # the forward only: see LocalLoop.run_steps (stale low-precision weights)
             losses = step_fn(modules, batch, i)
-        loop.fabric.backward(sum(losses[role] for role in roles))
+        loop.fabric.backward(sum((losses[role] for role in roles[1:]), losses[roles[0]]))
         for module, optimizer in trained:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), clip)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
+from ..models import FeatureClassifier
 from .module import ClientModule
 
 
@@ -30,9 +32,11 @@ class LightningClientModule(ClientModule):
     """
 
     pure_training_step = False  # the user's step may do anything: the batched executor trains it sequentially
+    model: Any  # the user's LightningModule: its own steps, and features and head where it declares them
 
     def __init__(self, model: nn.Module, role: str):
-        super().__init__(model, optimizer=None)
+        # duck-typed as a FeatureClassifier: strategies that read features and head apart need declared_split
+        super().__init__(cast(FeatureClassifier, model), optimizer=None)
         self.role = role
         self.split = declared_split(model)
         # self.log outside a Trainer warns at every call site; the run's metrics come from the federation
@@ -59,7 +63,7 @@ def declared_split(model: nn.Module) -> bool:
     if not (isinstance(features, nn.Module) and isinstance(head, nn.Module)):
         return False
     if not isinstance(getattr(model, "feature_dim", None), int) and isinstance(head, nn.Linear):
-        model.feature_dim = head.in_features
+        model.feature_dim = head.in_features  # type: ignore[assignment]  # an int attribute on the user's module
     return isinstance(getattr(model, "feature_dim", None), int)
 
 

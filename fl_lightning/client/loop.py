@@ -11,14 +11,12 @@ from __future__ import annotations
 import copy
 import zlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
 
-from ..federation.errors import ConfigError
 from ..models import FeatureClassifier, ModelSpec
-from .pause import paused_fit, paused_fit_running
 from .seeded_init import SeededInitializer
 from .steps import ModelSlot, StepFn, training_step
 from .training import LocalTraining
@@ -26,7 +24,9 @@ from .training import LocalTraining
 if TYPE_CHECKING:  # annotations only: Fabric is imported when a run starts (fabric_loader), never by the parser
     import lightning as L
 
+    from .fit_runner import FitRunner
     from .graphs import StepGraphs
+    from .module import ClientModule
 
 
 def role_seed(seed: int, role: str) -> int:
@@ -35,35 +35,47 @@ def role_seed(seed: int, role: str) -> int:
 
 
 class LocalLoop:
-    """Runs optimizer steps of a role's module over batches, with a step function of the strategy."""
+    """Runs optimizer steps of a role's module over batches, with a step function of the strategy.
+
+    Attributes:
+        fit_runner: who runs the fits :meth:`fit` is asked for: None, the loop itself, at once; while a client of
+            the batched executor has its turn, that client (:class:`~.fit_runner.FitRunner`), which runs them
+            later, batched with other clients' fits.
+    """
 
     def __init__(self, fabric: L.Fabric, training: LocalTraining, rounds: int):
         self.fabric = fabric
         self.training = training
         self.rounds = rounds
-        self.slots: dict[str, ModelSlot] = {}
+        self.slots: dict[str, ModelSlot[ClientModule]] = {}
         self.phase_start: dict[str, dict] = {}  # optimizer states every client of a phase starts from
         self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
         self.graphs: StepGraphs | None = None  # runtime.cuda_graphs: client fits replay their steps (client/graphs/)
-        self.helpers: dict[tuple, ModelSlot] = {}  # strategies' small trained modules, one per name and shapes
+        self.helpers: dict[
+            tuple, ModelSlot[torch.nn.Module]
+        ] = {}  # strategies' small trained modules, one per name and shapes
+        self.fit_runner: FitRunner | None = None  # set by the batched executor for the duration of a client's turn
+
+    @property
+    def fits_run_later(self) -> bool:
+        """Whether the fits of the client running now are handed to the batched executor and run after this
+        client's code has moved on (and other clients' code has run): what a step closes over must stay this
+        client's until then."""
+        return self.fit_runner is not None
 
     def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
-        """Builds one module per role (weights seeded per role) and its optimizer, once per run."""
+        """Builds one module per role (weights seeded per role) and its optimizer, once per run. Every role is one
+        of ``models`` (``fit`` checks that before any data is loaded)."""
         self.specs, self.context = models, context
-        missing = [r for r in roles if r not in models]
-        if missing:
-            raise ConfigError(
-                f"population tiers use model role(s) {missing} that `models` does not define; "
-                f"defined roles: {sorted(models)}."
-            )
         for role in roles:
             torch.manual_seed(role_seed(seed, role))
             module = self._wrapped(role, models[role].build(**context))
-            module = self.fabric.setup_module(module).module  # device and precision from Fabric
+            # device and precision from Fabric; its wrapper's .module is the module given
+            module = cast("ClientModule", self.fabric.setup_module(module).module)
             optimizer = module.configure_optimizers()
             self.slots[role] = ModelSlot(module, optimizer, [g["lr"] for g in optimizer.param_groups])
 
-    def _wrapped(self, role: str, model: torch.nn.Module) -> torch.nn.Module:
+    def _wrapped(self, role: str, model: torch.nn.Module) -> ClientModule:
         """A built model in its module wrapper: the built-in steps, or a user's LightningModule's own."""
         if isinstance(model, FeatureClassifier):
             from .module import ClientModule
@@ -81,6 +93,12 @@ class LocalLoop:
                 for role, slot in self.slots.items()
                 if slot.optimizer.state
             }
+
+    def note_fit_outside_loop(self, why: str) -> None:
+        """Counts a fit the strategy runs itself, outside :meth:`fit` (models trained together), as a sequential
+        one with ``why`` when the batched executor runs this client (``summary.json``); nothing otherwise."""
+        if self.fit_runner is not None:
+            self.fit_runner.note_sequential(1, why)
 
     def fresh_weights(self, role: str, seed: int) -> dict[str, Tensor]:
         """Weights of a newly built model of ``role`` (seeded); used once per client by personalized methods.
@@ -102,7 +120,7 @@ class LocalLoop:
         batched executor may pause (its fits run later, interleaved with other clients'), a client gets
         ``module`` itself instead.
         """
-        if paused_fit_running():
+        if self.fits_run_later:
             module = module.to(self.fabric.device)
             if weights is not None:
                 module.load_state_dict(weights)
@@ -148,16 +166,30 @@ class LocalLoop:
         step_fn: StepFn | None = None,
         on_record: Callable[[tuple], None] | None = None,
     ) -> dict[str, float]:
-        """Trains ``slot.module`` on ``batches`` with ``step_fn`` (default: its ``training_step``).
+        """Trains ``slot.module`` on ``batches`` with ``step_fn`` (default: its ``training_step``): at once
+        (:meth:`fit_now`), or, while a :attr:`fit_runner` holds the loop, handed to it and run later with other
+        clients' fits. Either way the fit has run, and the slot holds its result, when this returns.
 
-        Returns the mean training loss. The loss is accumulated as a tensor so that no step waits
-        for a device sync. A step function may return ``(loss, record)``: ``on_record`` receives each
-        step's record (detached), which is how a pure step hands out what it observed (FedHe's logits).
+        Returns the mean training loss and the number of steps. A step function may return ``(loss, record)``:
+        ``on_record`` receives each step's record (detached), which is how a pure step hands out what it
+        observed (FedHe's logits).
         """
-        role = next(r for r, s in self.slots.items() if s is slot)
-        result = paused_fit(self, slot, role, batches, rnd, step_fn or training_step, on_record)
-        if result is not None:
-            return result
+        if self.fit_runner is not None:  # a client of the batched executor: its fit runs with its group's
+            role = next(r for r, s in self.slots.items() if s is slot)
+            return self.fit_runner.run_fit(slot, role, batches, rnd, step_fn or training_step, on_record)
+        return self.fit_now(slot, batches, rnd, step_fn, on_record)
+
+    def fit_now(
+        self,
+        slot: ModelSlot,
+        batches: Iterable[tuple],
+        rnd: int,
+        step_fn: StepFn | None = None,
+        on_record: Callable[[tuple], None] | None = None,
+    ) -> dict[str, float]:
+        """:meth:`fit`, run at once whoever holds the loop: at the round's learning rate, its steps replayed from
+        CUDA graphs when ``runtime.cuda_graphs`` is on. The loss is accumulated as a tensor so that no step waits
+        for a device sync."""
         factor = self.training.lr_schedule(rnd, self.rounds)
         for group, base in zip(slot.optimizer.param_groups, slot.base_lrs):
             group["lr"] = base * factor
@@ -170,7 +202,7 @@ class LocalLoop:
 
     def run_steps(
         self,
-        module: torch.nn.Module,
+        module: ClientModule,
         optimizer: torch.optim.Optimizer,
         batches: Iterable[tuple],
         step_fn: StepFn | None = None,

@@ -73,4 +73,5 @@ class ClientModule(torch.nn.Module):
         return loss, ((predicted == y) & keep).sum(), torch.bincount(predicted[keep], minlength=logits.shape[1])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        assert self._optimizer_factory is not None, "a ClientModule without a factory overrides this method"
         return self._optimizer_factory(self.parameters())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,11 +21,15 @@ if TYPE_CHECKING:
 StepFn = Callable[["ClientModule", tuple, int], Tensor]
 
 
-@dataclass
-class ModelSlot:
-    """The single reusable instance of one role: module, optimizer and base learning rates."""
+Module = TypeVar("Module", bound=torch.nn.Module)
 
-    module: ClientModule
+
+@dataclass
+class ModelSlot(Generic[Module]):
+    """The single reusable instance of one role (a :class:`ClientModule`) or of a strategy's helper module (a
+    plain ``torch.nn.Module``): module, optimizer and base learning rates."""
+
+    module: Module
     optimizer: torch.optim.Optimizer
     base_lrs: list[float]
 
@@ -42,5 +46,5 @@ def vmappable(step_fn: Callable) -> Callable:
     or weight decay there). A mean over the batch leaves out the padded rows of a lockstep step
     (``federation.padding``: labels PAD, ``class_index``, ``real_labels``, ``padded_loss``); a group checks
     that at its first padded step and steps by shape where it does not hold."""
-    step_fn.vmappable = True
+    step_fn.vmappable = True  # type: ignore[attr-defined]  # a mark the executors read with getattr
     return step_fn

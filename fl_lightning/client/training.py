@@ -64,12 +64,13 @@ class LocalTraining:
                 f"training.grad_clip_norm must be positive, got {self.grad_clip_norm}; use null to disable clipping."
             )
         if self.optimizer is not None:
-            self._check_optimizer()
+            self._check_optimizer(self.optimizer)
 
-    def _check_optimizer(self) -> None:
+    @staticmethod
+    def _check_optimizer(optimizer: Callable[[Iterable], torch.optim.Optimizer]) -> None:
         """Builds the optimizer once on a dummy parameter, so that a bad lr or momentum fails before training."""
         try:
-            self.optimizer([torch.nn.Parameter(torch.zeros(1))])
+            optimizer([torch.nn.Parameter(torch.zeros(1))])
         except (ValueError, TypeError) as err:
             raise ConfigError(
                 f"training.optimizer cannot be built: {str(err).rstrip('.')}; fix its init_args in the recipe "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..federation.errors import ConfigError
-from ..models.pretrained import VIT_ID, VIT_REVISION
+from ..federation.pins import VIT_ID, VIT_REVISION
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -12,8 +13,6 @@ from torch import Tensor
 
 from ..federation.errors import ConfigError
 from .federated import DataArrays, FederatedData, _stratified_take
-
-NORMALIZATIONS = ("pixel", "channel", "mean_image", "none")
 
 
 class DigitsData(FederatedData):
@@ -39,14 +38,12 @@ class DigitsData(FederatedData):
 
     def __init__(
         self,
-        normalize: str = "pixel",
+        normalize: Literal["pixel", "channel", "mean_image", "none"] = "pixel",
         test_fraction: float = 0.2,
         test_seed: int = 0,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if normalize not in NORMALIZATIONS:
-            raise ConfigError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}.")
         if not 0.0 < test_fraction < 1.0:
             raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}.")
         self.normalize = normalize

@@ -213,8 +213,10 @@ def safe_extract(archive: Path, dest: Path) -> None:
                         "the published one)."
                     )
             # Python's own "data" filter (3.11.4+, 3.12+) checks the same again against the disk as it writes
-            extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(root, members=members, **extra)
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(root, members=members, filter="data")
+            else:
+                tar.extractall(root, members=members)
     except tarfile.TarError as err:
         raise ConfigError(f"{archive} is not a readable tar archive ({err}); delete it and fetch again.") from None
 

@@ -150,7 +150,7 @@ class FederatedData:
         self._require_training_examples()
         self._require_requested_splits()
         if self.server_examples is not None:  # drawn after the clients, who are then as without a server set
-            self.server_idx = self._draw_unassigned(pool, parts, rng)
+            self.server_idx = self._draw_unassigned(pool, parts, rng, self.server_examples)
         if arrays.unlabeled_x is not None:  # appended to the pool, shared IID as every client's unlabeled data
             start = len(self.x)
             self.x = torch.cat([self.x, arrays.unlabeled_x])
@@ -188,19 +188,21 @@ class FederatedData:
                 "e.g. 0.5."
             )
 
-    def _draw_unassigned(self, pool: np.ndarray, parts: list[np.ndarray], rng: np.random.Generator) -> Tensor:
-        """``server_examples`` indices drawn at random from the pool examples that no client holds."""
+    def _draw_unassigned(
+        self, pool: np.ndarray, parts: list[np.ndarray], rng: np.random.Generator, count: int
+    ) -> Tensor:
+        """``count`` (``server_examples``) indices drawn at random from the pool examples that no client holds."""
         held = np.zeros(len(pool), dtype=bool)
         for part in parts:
             held[part] = True
         unassigned = pool[~held]
-        if len(unassigned) < self.server_examples:
+        if len(unassigned) < count:
             raise ConfigError(
-                f"server_examples={self.server_examples} but the partition leaves only {len(unassigned)} examples "
+                f"server_examples={count} but the partition leaves only {len(unassigned)} examples "
                 "to no client; lower server_examples or num_clients, or use server_fraction with a partition "
                 "that gives every example to a client (IID, Dirichlet)."
             )
-        return torch.from_numpy(np.sort(rng.choice(unassigned, self.server_examples, replace=False))).long()
+        return torch.from_numpy(np.sort(rng.choice(unassigned, count, replace=False))).long()
 
     def _split_client(self, idx: np.ndarray, rng: np.random.Generator) -> ClientData:
         idx = rng.permutation(idx)

@@ -111,7 +111,8 @@ class FemnistData(FederatedData):
                 images = np.stack([_pixels(cell) for cell in table["image"]]).reshape(len(table), 784)
                 characters = class_labels(table["character"].to_numpy(), CLASSES)
                 parts.append((images, characters, table["writer_id"].astype(str)))
-        return tuple(np.concatenate([np.asarray(part[i]) for part in parts]) for i in range(3))
+        images, characters, writers = (np.concatenate([np.asarray(part[i]) for part in parts]) for i in range(3))
+        return images, characters, writers
 
 
 def _leaf_writer(data: dict, writer: str) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ and raises :class:`ConfigError` with a fix when the requested split is impossibl
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 
@@ -100,9 +101,12 @@ class PathologicalPartitioner(Partitioner):
         min_partition_size: smallest acceptable client.
     """
 
-    def __init__(self, classes_per_client: int = 2, assignment: str = "deterministic", min_partition_size: int = 1):
-        if assignment not in ("random", "deterministic"):
-            raise ConfigError(f"assignment must be 'random' or 'deterministic', got {assignment!r}.")
+    def __init__(
+        self,
+        classes_per_client: int = 2,
+        assignment: Literal["random", "deterministic"] = "deterministic",
+        min_partition_size: int = 1,
+    ):
         self.k = classes_per_client
         self.assignment = assignment
         self.min_partition_size = min_partition_size

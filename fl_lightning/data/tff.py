@@ -7,7 +7,9 @@ filter (:mod:`fl_lightning.data.sources`, as ``flrun data fetch``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -65,8 +67,8 @@ class FedCifar100Data(FederatedData):
             path = require(self.root / f"fed_cifar100_{split}.h5", self.download, "fed_cifar100")
             with sources.reading(path, "a TFF h5 file", "fed_cifar100", self.root.parent):
                 with h5py.File(path, "r") as f:
-                    clients, images, labels = _client_arrays(f["examples"])
-                images = np.concatenate(images)
+                    clients, client_images, labels = _client_arrays(f["examples"])
+                images = np.concatenate(client_images)
             x = torch.from_numpy(images).float().div_(255).permute(0, 3, 1, 2)
             groups = np.concatenate([[c] * len(client_labels) for c, client_labels in zip(clients, labels)])
             m, s = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
@@ -184,7 +186,7 @@ class StackOverflowData(FederatedData):
         download: bool = False,
         vocab_size: int = 10_000,
         sequence_length: int = 20,
-        post_type: str = "all",
+        post_type: Literal["all", "question", "answer"] = "all",
         max_clients: int | None = 1000,
         max_examples_per_client: int | None = 256,
         test_examples: int = 10_000,
@@ -194,16 +196,12 @@ class StackOverflowData(FederatedData):
         distillation_revision: str | None = None,
         question_clients: int | None = None,
         domain_test_sets: bool = False,
-        pool_users: str = "first",
+        pool_users: Literal["first", "random"] = "first",
         pool_seed: int = 0,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.question_clients, self.domain_test_sets = question_clients, domain_test_sets
-        if post_type not in ("all", "question", "answer"):
-            raise ConfigError(f"post_type must be all, question or answer, got {post_type!r}.")
-        if pool_users not in ("first", "random"):
-            raise ConfigError(f"pool_users must be first or random, got {pool_users!r}.")
         if max_examples_per_client is not None and max_examples_per_client < 1:
             raise ConfigError(
                 f"max_examples_per_client must be a positive number of posts or null (all of them), "
@@ -239,7 +237,7 @@ class StackOverflowData(FederatedData):
                     break
         return {w: i + 1 for i, w in enumerate(words)}
 
-    def encode(self, posts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, posts: Sequence[bytes | str]) -> tuple[torch.Tensor, torch.Tensor]:
         oov, bos, eos = self.vocab_size + 1, self.vocab_size + 2, self.vocab_size + 3
         ids = np.zeros((len(posts), self.sequence_length + 1), dtype=np.int64)
         for row, post in enumerate(posts):
@@ -256,7 +254,9 @@ class StackOverflowData(FederatedData):
         """Posts, their users and kinds: at most ``limit`` per user, and with ``total`` that many in all."""
         import h5py
 
-        posts, owners, types = [], [], []
+        posts: list[bytes] = []
+        owners: list[str] = []
+        types: list[str] = []
         with sources.reading(path, "a TFF h5 file", "stackoverflow", self.root.parent), h5py.File(path, "r") as f:
             names = clients if clients is not None else sorted(f["examples"])
             for name in names:
@@ -299,7 +299,8 @@ class StackOverflowData(FederatedData):
         if self.distillation_texts == OUTSIDE_USERS:
             self.server_dataset = _EncodedTexts(self.encode(self._outside_posts(train_path, outside))[0])
         elif self.distillation_texts is not None:
-            self.server_dataset = _EncodedTexts(self.encode(self._distillation_documents())[0])
+            documents = self._distillation_documents(self.distillation_texts)
+            self.server_dataset = _EncodedTexts(self.encode(documents)[0])
         return arrays
 
     def pool_and_outside_users(self, names: list[str]) -> tuple[list[str], list[str]]:
@@ -325,13 +326,15 @@ class StackOverflowData(FederatedData):
         self.server_owners = owners
         return posts
 
-    def _distillation_documents(self) -> list[str]:
-        source, n = self.distillation_texts, self.distillation_examples
+    def _distillation_documents(self, source: str) -> list[str]:
+        """The server's texts from ``source``: ``hub`` (C4's first validation shard) or a file's path."""
+        n = self.distillation_examples
         if source == "hub":  # the streamed validation split starts with this shard, in file order
             data_dir = self.root.parent
             sources.ensure("c4", data_dir, self.download, self.distillation_revision)
-            source = data_dir / "c4" / "c4-validation.00000-of-00008.json.gz"
-        path = Path(source)
+            path = data_dir / "c4" / "c4-validation.00000-of-00008.json.gz"
+        else:
+            path = Path(source)
         if not path.is_file():
             raise ConfigError(
                 f"distillation_texts file {path} not found; download a C4 shard "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import pickle
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ from .federated import DataArrays, FederatedData
 from .transforms import CropFlip
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # papers 002 / 003
+
+Normalization = Literal["channel", "pixel", "mean_image", "none"]
 
 
 class ImageData(FederatedData):
@@ -44,14 +47,12 @@ class ImageData(FederatedData):
         self,
         data_dir: str = "data",
         download: bool = False,
-        normalize: str = "channel",
+        normalize: Normalization = "channel",
         augment: bool = False,
         augment_per_example: bool = True,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if normalize not in ("channel", "pixel", "mean_image", "none"):
-            raise ConfigError(f"normalize must be channel, pixel, mean_image or none, got {normalize!r}.")
         self.data_dir, self.download = Path(data_dir), download
         self.normalize, self.augment_train, self.augment_per_example = normalize, augment, augment_per_example
 
@@ -79,8 +80,8 @@ class ImageData(FederatedData):
             x, tx = (x - m) / s, (tx - m) / s
         elif self.normalize in ("pixel", "mean_image"):
             m = x.mean(0, keepdim=True)
-            s = x.std(0, keepdim=True).clamp(min=1e-6) if self.normalize == "pixel" else 1.0
-            x, tx = (x - m) / s, (tx - m) / s
+            scale = x.std(0, keepdim=True).clamp(min=1e-6) if self.normalize == "pixel" else 1.0
+            x, tx = (x - m) / scale, (tx - m) / scale
         return DataArrays(
             x,
             torch.as_tensor(np.array(train_y), dtype=torch.long),
@@ -173,7 +174,7 @@ class MnistData(ImageData):
         self,
         data_dir: str = "data",
         download: bool = False,
-        normalize: str = "mean_image",
+        normalize: Normalization = "mean_image",
         **kwargs,
     ):
         super().__init__(data_dir, download, normalize, False, True, **kwargs)

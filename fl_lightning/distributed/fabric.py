@@ -56,7 +56,7 @@ def fabric_class() -> type:
             finally:
                 requirement_checks.compare_version = compare_version
         except ImportError:
-            from lightning import Fabric
+            from lightning import Fabric  # type: ignore[assignment]  # lightning_fabric's Fabric, bundled
         _fabric = Fabric
     return _fabric
 

@@ -16,23 +16,23 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
-def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
     """The GPUs this process may use, each as a ``CUDA_VISIBLE_DEVICES`` entry a child process can be given.
 
     The process's own ``CUDA_VISIBLE_DEVICES`` read as CUDA and torch read it (UUIDs when the first entry is
     one, else indices; the list ends at the first entry of another kind, and a repeated entry makes it
     empty), cut to the number of GPUs torch sees when it sees any; without the setting, every GPU's index.
     """
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     import torch
 
     count = torch.cuda.device_count()
-    if "CUDA_VISIBLE_DEVICES" not in environ:
+    if "CUDA_VISIBLE_DEVICES" not in env:
         return [str(index) for index in range(count)]
-    entries = _parse_visible(environ["CUDA_VISIBLE_DEVICES"])
+    entries = _parse_visible(env["CUDA_VISIBLE_DEVICES"])
     return entries[:count] if count else entries
 
 
@@ -112,6 +112,7 @@ def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(FOLLOW_INTERVAL_S)
     main = threading.main_thread().ident
+    assert main is not None, "the main thread has started"
     while True:
         time.sleep(RESEND_S if sys.platform.startswith("linux") else 0.0)  # Linux: the death signal came already
         signal.pthread_kill(main, signal.SIGTERM)

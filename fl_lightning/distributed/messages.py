@@ -77,7 +77,7 @@ class Mailbox:
         path = self._path(self.rank)
         try:
             with open(path, "wb") as f:
-                f.write(memoryview(message.numpy()))
+                f.write(memoryview(message.numpy()))  # type: ignore[arg-type]  # numpy's stubs lack __buffer__
         except OSError:
             with contextlib.suppress(OSError):
                 path.unlink()  # a partial file would keep a full /dev/shm full

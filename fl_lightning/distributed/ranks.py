@@ -114,6 +114,7 @@ def from_env(environ: dict[str, str] | None = None) -> Ranks:
         raise ConfigError(f"rank {rank} is outside a world of {world} ranks; check RANK / WORLD_SIZE.")
     if world == 1:
         return Ranks()
+    assert address and port, "refused above when several ranks lack them"
     return Ranks(rank, world, local, address, int(port))
 
 
@@ -235,11 +236,12 @@ def exchange(obj: Any) -> list[Any]:
     message, mailbox, me = pack(obj), _current.mailbox, _current.rank
     posted = mailbox is not None and mailbox.post(message)
     # a negative size: this rank's message is not in the mailbox
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_current.world)]
+    gathered_sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_current.world)]
     with lost_ranks_said():
-        dist.all_gather(sizes, torch.tensor([message.numel() if posted else -message.numel()], dtype=torch.int64))
-    sizes = [int(size) for size in sizes]
-    if all(size > 0 for size in sizes):
+        size = torch.tensor([message.numel() if posted else -message.numel()], dtype=torch.int64)
+        dist.all_gather(gathered_sizes, size)
+    sizes = [int(size) for size in gathered_sizes]
+    if mailbox is not None and all(size > 0 for size in sizes):  # every rank posted, this one too
         with lost_ranks_said():  # a rank that ended (SIGTERM, a crash) took its message file with it
             gathered = [message if i == me else mailbox.read(i, size) for i, size in enumerate(sizes)]
     else:

@@ -137,10 +137,10 @@ def signals_held() -> Iterator[None]:
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        for number in dict.fromkeys(arrived):
-            _deliver(number, previous[number])
+        for held, handler in previous.items():
+            signal.signal(held, handler)
+        for signum in dict.fromkeys(arrived):
+            _deliver(signum, previous[signum])
 
 
 def _deliver(number: int, handler: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from .types import Payload
 
@@ -18,7 +19,7 @@ class CommunicationLedger:
         self.per_round: dict[int, dict[str, int]] = {}
         self.by_payload: dict[str, dict[str, int]] = {"uplink": defaultdict(int), "downlink": defaultdict(int)}
 
-    def record(self, rnd: int, direction: str, payloads: dict[str, Payload]) -> int:
+    def record(self, rnd: int, direction: str, payloads: Mapping[str, Payload]) -> int:
         """Adds the payloads one client sent (``uplink``) or received (``downlink``); returns their bytes."""
         return self.record_sizes(rnd, direction, {name: payload.nbytes for name, payload in payloads.items()})
 

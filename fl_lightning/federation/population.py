@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -52,7 +53,7 @@ class Population:
 
     num_clients: int = 20
     tiers: list[Tier] = field(default_factory=lambda: [Tier(name="all", roles=["global"])])
-    assignment: str = "contiguous"
+    assignment: Literal["contiguous", "interleaved", "random"] = "contiguous"
 
     def build(self, seed: int) -> list[ClientSpec]:
         """The clients, each with its tier and roles."""
@@ -63,10 +64,8 @@ class Population:
             tier_of = np.array(_interleave(counts))
         elif self.assignment == "random":
             tier_of = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(self.tiers)), counts))
-        else:
-            raise ConfigError(
-                f"population.assignment must be contiguous, interleaved or random, got {self.assignment!r}."
-            )
+        else:  # only code that bypasses the parser, which refuses any other value, gets here
+            raise ValueError(f"unknown population.assignment {self.assignment!r}")
         return [ClientSpec(i, self.tiers[t].name, tuple(self.tiers[t].roles)) for i, t in enumerate(tier_of)]
 
     def tier_counts(self) -> list[int]:
@@ -92,14 +91,13 @@ class Population:
                 "give the other tiers a fraction or a count."
             )
         fixed = sum(c for c in counts if c is not None)
-        if rest:
-            counts[rest[0]] = self.num_clients - fixed
-        if sum(counts) != self.num_clients or min(counts) < 0:
+        sizes = [self.num_clients - fixed if c is None else c for c in counts]  # the one tier left out: the rest
+        if sum(sizes) != self.num_clients or min(sizes) < 0:
             raise ConfigError(
-                f"tier sizes {dict(zip(names, counts))} do not add up to num_clients={self.num_clients}; "
+                f"tier sizes {dict(zip(names, sizes))} do not add up to num_clients={self.num_clients}; "
                 "adjust the fractions / counts or leave one tier without either."
             )
-        return counts  # type: ignore[return-value]
+        return sizes
 
     def roles(self) -> list[Role]:
         """Every role some tier trains, in first-seen order."""

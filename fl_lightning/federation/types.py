@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -105,6 +106,20 @@ def load_exchanged(model: torch.nn.Module, state: StateDict) -> None:
         raise KeyError(f"received weights have keys the model does not: {result.unexpected_keys[:5]}")
 
 
+P = TypeVar("P", bound=Payload)
+
+
+def payload_of(payloads: Mapping[str, Payload], name: str, kind: type[P]) -> P:
+    """``payloads[name]``, checked to be a ``kind`` (so a strategy reads its fields with their types).
+
+    Example: ``payload_of(task.downlink, "global", ModelWeights).state``.
+    """
+    payload = payloads[name]
+    if not isinstance(payload, kind):
+        raise TypeError(f"payload {name!r} is a {type(payload).__name__}, expected a {kind.__name__}")
+    return payload
+
+
 @dataclass
 class TensorPayload(Payload):
     """Named tensors that are not a model's weights (class logits, features, representations)."""
@@ -132,8 +147,12 @@ class ClientTask:
 
     client: ClientSpec
     round: int
-    downlink: dict[str, Payload] = field(default_factory=dict)
+    downlink: Mapping[str, Payload] = field(default_factory=dict)
     phase: str = "train"
+
+    def received(self, name: str, kind: type[P]) -> P:
+        """The downlink payload ``name``, checked to be a ``kind``: ``task.received("global", ModelWeights)``."""
+        return payload_of(self.downlink, name, kind)
 
 
 @dataclass
@@ -149,5 +168,9 @@ class ClientUpdate:
 
     client: ClientSpec
     num_samples: int
-    uplink: dict[str, Payload] = field(default_factory=dict)
+    uplink: Mapping[str, Payload] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def sent(self, name: str, kind: type[P]) -> P:
+        """The uplink payload ``name``, checked to be a ``kind``: ``update.sent("global", ModelWeights)``."""
+        return payload_of(self.uplink, name, kind)

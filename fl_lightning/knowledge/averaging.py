@@ -57,15 +57,15 @@ class WeightedAverage:
                     )
                 for group, keys in self._groups.items():  # promoted to the sum's dtype inside the add
                     if all((state[k].device, state[k].dtype) == group for k in keys):
-                        self._add_group(group, [state[k] for k in keys], weight)
+                        self._add_group(self._sum[group], group, [state[k] for k in keys], weight)
                     else:  # a tensor of another dtype or device than the first state's: each on its own
                         for k, part in zip(keys, self._sum[group].split(self._sizes[group]), strict=True):
                             part.add_(state[k].reshape(-1), alpha=weight)
         self.total_weight += weight
         self.count += 1
 
-    def _add_group(self, group: tuple, tensors: list[torch.Tensor], weight: float) -> None:
-        total = self._sum[group]
+    def _add_group(self, total: torch.Tensor, group: tuple, tensors: list[torch.Tensor], weight: float) -> None:
+        """Adds ``weight`` times ``tensors`` (the keys of ``group``) to the group's flat sum ``total``."""
         if group not in self._blocks:  # a GPU: two launches
             total.add_(torch.cat([t.reshape(-1) for t in tensors]), alpha=weight)
             return

@@ -88,6 +88,8 @@ class ClassStatsCollector:
         for name, v in values.items():
             sums, counts = class_sums(v.detach(), labels, self.num_classes)
             self.sums[name].add_(sums)
+        if counts is None:
+            raise ValueError("ClassStatsCollector.add needs at least one named batch of vectors.")
         self.counts.add_(counts)
 
     def result(self, kind: str, plus_one: bool = False) -> ClassStatistics:

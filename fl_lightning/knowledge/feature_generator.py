@@ -158,7 +158,7 @@ def with_generated_features(
     for x, y in batches:
         n = len(y)
         drawn = torch.multinomial(distribution, n, replacement=True, generator=generator).to(y.device)
-        extra = (generate(_noise(n, noise_dim, generator, y.device), drawn), drawn)
+        extra: tuple[Tensor, ...] = (generate(_noise(n, noise_dim, generator, y.device), drawn), drawn)
         if for_labels:
             extra += (generate(_noise(n, noise_dim, generator, y.device), y),)
         yield (x, y, *extra)

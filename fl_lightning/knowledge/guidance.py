@@ -12,7 +12,7 @@ does to the client's own objective.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,8 @@ def guided_loss(guided: Tensor, logits: Tensor, labels: Tensor, vectors: Tensor,
 class GuidedOutputs(nn.Module):
     """A model's ``(guided, logits)``: its features and logits (``feature``), or its logits twice (``logit``),
     so that one functional call gives both. ``model`` has ``features`` and ``head`` for the feature variant."""
+
+    model: Any  # with features and head, as FeatureClassifier has them (this layer does not import models)
 
     def __init__(self, model: nn.Module, target: GuideTarget):
         super().__init__()
@@ -69,17 +71,19 @@ def guide_gradients(
     study batches are 0.
     """
     outputs = GuidedOutputs(model, target)
-    params = {name: p for name, p in outputs.named_parameters() if p.requires_grad}
+    params: dict[str, Tensor] = {name: p for name, p in outputs.named_parameters() if p.requires_grad}
     buffers = {name: b.clone() for name, b in outputs.named_buffers()}
     guides = vectors.detach().clone().requires_grad_(True)
 
     def forward(parameters: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
         return functional_call(outputs, {**parameters, **buffers}, (x,))
 
-    study_loss = sum(guided_loss(*forward(params, x), y, guides, weight) for x, y in study) / len(study)
+    study_losses = [guided_loss(*forward(params, x), y, guides, weight) for x, y in study]
+    study_loss = sum(study_losses[1:], study_losses[0]) / len(study)
     grads = torch.autograd.grad(study_loss, list(params.values()), create_graph=True, allow_unused=True)
     stepped = {name: p if g is None else p - lr * g for (name, p), g in zip(params.items(), grads)}
-    quiz_loss = sum(F.cross_entropy(forward(stepped, x)[1], y) for x, y in quiz) / len(quiz)
+    quiz_losses = [F.cross_entropy(forward(stepped, x)[1], y) for x, y in quiz]
+    quiz_loss = sum(quiz_losses[1:], quiz_losses[0]) / len(quiz)
     (gradient,) = torch.autograd.grad(quiz_loss, guides)
     return gradient
 

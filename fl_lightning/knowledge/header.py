@@ -17,6 +17,7 @@ def header_step(header: nn.Linear, representations: Tensor, labels: Tensor, lr: 
     loss.backward()
     with torch.no_grad():
         for p in header.parameters():
+            assert p.grad is not None, "every header parameter is in the loss"
             p.sub_(lr * p.grad)
     return loss.item()
 

@@ -8,6 +8,8 @@ first ``d1`` (the Matryoshka representation: coarse inside fine).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,6 +47,10 @@ class FusedModel(nn.Module):
         local_model: the client's own model (``features``: ``[B, d2]``, ``head``: ``[B, d2] -> [B, C]``).
         projector: ``[B, d1 + d2] -> [B, d2]``.
     """
+
+    # models with features and head, as FeatureClassifier has them (this layer does not import models)
+    global_model: Any
+    local_model: Any
 
     def __init__(self, global_model: nn.Module, local_model: nn.Module, projector: nn.Module):
         super().__init__()

@@ -7,13 +7,13 @@ positions into the set, drawn by the server from the round's own random stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from ..federation.seeding import Owner, Stream, derive_seed
-from ..federation.types import ClientSpec, ClientUpdate, Payload, TensorPayload
+from ..federation.types import ClientSpec, ClientUpdate, Payload, TensorPayload, payload_of
 
 
 def round_subset(seed: int, rnd: int, num_public: int, size: int | None) -> Tensor | None:
@@ -34,18 +34,18 @@ def subset_downlink(name: str, positions: Tensor | None) -> dict[str, Payload]:
     return {} if positions is None else {name: TensorPayload(name, {"positions": positions})}
 
 
-def received_positions(downlink: dict[str, Payload], name: str) -> Tensor | None:
+def received_positions(downlink: Mapping[str, Payload], name: str) -> Tensor | None:
     """The positions a :func:`subset_downlink` sent, or ``None`` for the whole set."""
-    payload = downlink.get(name)
-    return None if payload is None else payload.tensors["positions"]
+    return payload_of(downlink, name, TensorPayload).tensors["positions"] if name in downlink else None
 
 
 def mean_upload(updates: Iterable[ClientUpdate], name: str, key: str) -> tuple[Tensor | None, list[ClientSpec]]:
     """The clients' ``name`` payloads' ``key`` tensors averaged in float64 (returned as float32), and the clients
     that sent them in arrival order; ``None`` when nobody did (DS-FL's soft labels, FedMD's consensus)."""
-    total, senders = None, []
+    total: Tensor | None = None
+    senders: list[ClientSpec] = []
     for update in updates:
-        values = update.uplink[name].tensors[key].double()
+        values = update.sent(name, TensorPayload).tensors[key].double()
         total = values if total is None else total + values
         senders.append(update.client)
     return (None if total is None else (total / len(senders)).float()), senders

@@ -10,7 +10,8 @@ from ..federation.types import StateDict
 
 
 def global_norm(tensors: StateDict) -> torch.Tensor:
-    return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))
+    squares = [(t.double() ** 2).sum() for t in tensors.values()]
+    return torch.sqrt(sum(squares[1:], squares[0]))
 
 
 def merge_gradients(fedavg_grad: StateDict, distill_grad: StateDict, alpha: float) -> StateDict:

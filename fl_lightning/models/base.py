@@ -22,6 +22,10 @@ class FeatureClassifier(nn.Module):
         num_classes: C.
     """
 
+    # what a builder records on the model it returns (None: a model without that option)
+    projection_dim: int | None = None  # MOON's projection head (:func:`~.projection.with_projection_head`)
+    width_rate: float | None = None  # HeteroFL's width, the model a slice (:func:`~.slicing.mark_sliceable`)
+
     def __init__(self, features: nn.Module, head: nn.Module, feature_dim: int, num_classes: int):
         super().__init__()
         self.features = features
@@ -57,6 +61,8 @@ class SplitFeatureClassifier(FeatureClassifier):
         num_classes: C.
         split: how many modules of ``features`` run before the split point.
     """
+
+    features: nn.Sequential  # sliced at the split point
 
     def __init__(self, features: nn.Sequential, head: nn.Module, feature_dim: int, num_classes: int, split: int):
         super().__init__(features, head, feature_dim, num_classes)

@@ -24,7 +24,9 @@ from .base import FeatureClassifier
 from .registry import register_model
 from .slicing import add_scaler, mark_sliceable, sliced_width
 
-DEPTHS = {
+Block = type[BasicBlock] | type[Bottleneck]
+
+DEPTHS: dict[int, tuple[Block, list[int]]] = {
     10: (BasicBlock, [1, 1, 1, 1]),
     14: (BasicBlock, [1, 2, 2, 1]),
     18: (BasicBlock, [2, 2, 2, 2]),
@@ -35,7 +37,7 @@ DEPTHS = {
 }
 
 
-def resnet_stage(block: type, inplanes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
+def resnet_stage(block: Block, inplanes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
     """One stage of ``blocks`` torchvision blocks, as ``ResNet._make_layer`` builds it (same module names):
     a 1x1 conv + batch-norm projection on the first block's shortcut when the shape changes."""
     downsample = None
@@ -58,7 +60,7 @@ def init_resnet(module: nn.Module) -> None:
             nn.init.constant_(m.bias, 0)
 
 
-def _sliced_body(block: type, layers: list[int], in_channels: int, rate: float) -> list[nn.Module]:
+def _sliced_body(block: Block, layers: list[int], in_channels: int, rate: float) -> list[nn.Module]:
     """The rate-``rate`` slice of the rate-1 body (stem and four stages), every conv with the scaler."""
     widths = [sliced_width(w, rate) for w in (64, 128, 256, 512)]
     stem = nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)

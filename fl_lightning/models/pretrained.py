@@ -10,23 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
+from ..federation.pins import VIT_ID, VIT_REVISION
 from .base import FeatureClassifier
 from .registry import register_model
 
-# the pinned ViT-B/16 weights: the Hub repository and the commit whose files `flrun data fetch vit_b16` checks
-VIT_ID, VIT_REVISION = "google/vit-base-patch16-224-in21k", "b4569560a39a0f1af58e3ddaf17facf20ab919b0"
+if TYPE_CHECKING:  # transformers takes seconds to import: only the builder does, when it runs
+    from transformers import ViTModel
 
 
 class ViTFeatures(nn.Module):
     """Frozen ViT backbone -> [CLS] embedding -> trainable Linear + ReLU (the first of two output layers)."""
 
-    def __init__(self, backbone: nn.Module, hidden: int, image_size: int):
+    def __init__(self, backbone: ViTModel, hidden: int, image_size: int):
         super().__init__()
         self.backbone = backbone.requires_grad_(False)
         self.image_size = image_size
@@ -88,7 +90,12 @@ def vit_b16(
             raise ConfigError(
                 f"the ViT in {folder} cannot be loaded ({err}); it needs config.json and model.safetensors."
             ) from None
-    features = ViTFeatures(backbone, hidden, backbone.config.image_size)
+    image_size = backbone.config.image_size
+    if not isinstance(image_size, int):
+        raise ConfigError(
+            f"the ViT's image_size is {image_size}; give one number (square images), e.g. image_size: 224."
+        )
+    features = ViTFeatures(backbone, hidden, image_size)
     return FeatureClassifier(features, nn.Linear(hidden, num_classes), hidden, num_classes)
 
 

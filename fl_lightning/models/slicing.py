@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
 from ..federation.types import StateDict, clone_state
+from .base import FeatureClassifier
 
 SLICEABLE_BUILDERS = ("digits_cnn", "digits_mlp", "resnet20") + tuple(
     f"cifar_resnet{depth}" for depth in (10, 14, 18, 22, 26, 34, 50)
@@ -52,7 +53,7 @@ def add_scaler(layer: nn.Module, rate: float) -> None:
         layer.register_forward_hook(_Scale(rate))
 
 
-def mark_sliceable(model: nn.Module, rate: float) -> nn.Module:
+def mark_sliceable(model: FeatureClassifier, rate: float) -> FeatureClassifier:
     """Records on ``model`` that it is the rate-``rate`` slice of its builder's rate-1 model."""
     model.width_rate = float(rate)
     return model

@@ -39,6 +39,11 @@ def number(value) -> float | None:
     return float(value)
 
 
+def json_object(value: Any) -> dict[str, Any]:
+    """``value`` when it is a JSON object (a dict), else an empty one: a field of a file written by anyone."""
+    return value if isinstance(value, dict) else {}
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -151,8 +156,8 @@ def _reference(summary: dict) -> dict:
 def paper_values(reference: dict) -> dict[str, tuple[float | None, float | None]]:
     """{metric: (paper value, paper std)} from a recipe's reference block: ``metrics`` (the headline
     first) with ``std`` for the headline, or per metric in ``stds``; older runs' ``metric`` / ``value``."""
-    metrics = reference.get("metrics") if isinstance(reference.get("metrics"), dict) else {}
-    stds = reference.get("stds") if isinstance(reference.get("stds"), dict) else {}
+    metrics = json_object(reference.get("metrics"))
+    stds = json_object(reference.get("stds"))
     wanted = {str(k): [number(v), number(stds.get(k))] for k, v in metrics.items()}
     headline = reference.get("metric") if isinstance(reference.get("metric"), str) else next(iter(wanted), None)
     if headline is not None:
@@ -217,14 +222,14 @@ def kib_per_client_round(run: dict) -> float | None:
     over the rounds run and the clients the run's UniformSampler takes per round (config.yaml, which may come
     from anyone: it is parsed as plain YAML only); None when any of these is unknown."""
     summary = run["summary"]
-    comm = summary.get("comm") if isinstance(summary.get("comm"), dict) else {}
+    comm = json_object(summary.get("comm"))
     up, down, rounds = (
         number(comm.get("uplink_bytes")),
         number(comm.get("downlink_bytes")),
         number(summary.get("rounds")),
     )
     per_round = clients_per_round_of(read_config(run["root"]))
-    if None in (up, down, rounds, per_round) or not rounds or not per_round:
+    if up is None or down is None or not rounds or not per_round:
         return None
     return (up + down) / 1024 / (rounds * per_round)
 
@@ -233,10 +238,10 @@ def gflops_per_client_round(run: dict) -> float | None:
     """Local training GFLOPs per participating client and round (``client/flops.py``'s estimate), as
     :func:`kib_per_client_round` divides the traffic; None when the run recorded no compute."""
     summary = run["summary"]
-    compute = summary.get("compute") if isinstance(summary.get("compute"), dict) else {}
+    compute = json_object(summary.get("compute"))
     flops, rounds = number(compute.get("train_flops")), number(summary.get("rounds"))
     per_round = clients_per_round_of(read_config(run["root"]))
-    if None in (flops, rounds, per_round) or not rounds or not per_round:
+    if flops is None or not rounds or not per_round:
         return None
     return flops / 1e9 / (rounds * per_round)
 
@@ -247,6 +252,8 @@ def clients_per_round_of(config: dict | None) -> int | None:
     from ..federation.population import Population, Tier
     from ..federation.sampling import round_half
 
+    if config is None:
+        return None
     try:
         sampler = config.get("sampler") or {
             "class_path": "fl_lightning.federation.sampling.UniformSampler"
@@ -278,7 +285,7 @@ def compare(group: list[dict], duplicates: list[dict] | None = None) -> dict[str
     first = group[0]["summary"]
     reference = _reference(first)
     wanted = paper_values(reference) or {str(first.get("monitor")): (None, None)}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for metric, (paper, paper_std) in wanted.items():
         finals = [v for r in group if (v := measured_value(r, metric)) is not None]
         bests = [v for r in group if (v := number(r["summary"].get("best", {}).get(metric))) is not None]
@@ -295,7 +302,7 @@ def compare(group: list[dict], duplicates: list[dict] | None = None) -> dict[str
                 "delta": (mean - paper) if (mean is not None and paper is not None) else None,
             }
         )
-    comm = [r["summary"].get("comm") if isinstance(r["summary"].get("comm"), dict) else {} for r in group]
+    comm = [json_object(r["summary"].get("comm")) for r in group]
     return {
         "rows": rows,
         "reference": reference,
@@ -316,7 +323,7 @@ def _mib(values: list[float | None]) -> float | None:
 
 def _provenance(run: dict, metric: str) -> dict[str, Any]:
     summary = run["summary"]
-    versions = summary.get("versions") if isinstance(summary.get("versions"), dict) else {}
+    versions = json_object(summary.get("versions"))
     return {
         "seed": summary.get("seed"),
         "counted": True,

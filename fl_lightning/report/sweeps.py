@@ -36,7 +36,7 @@ def _float(text) -> float | None:
 
 def load_sweep_dir(root: Path) -> dict[str, Any]:
     info = read_json(root / "sweep.json")
-    trials = []
+    trials: list[dict[str, Any]] = []
     if (root / "trials.csv").is_file():
         with (root / "trials.csv").open(newline="") as f:
             for row in csv.DictReader(f):
@@ -121,7 +121,7 @@ def importance_figure(sweep: dict) -> bytes | None:
     if not values:
         return None
     plt = pyplot()
-    names = sorted(values, key=values.get)
+    names = sorted(values, key=lambda name: values[name])
     fig, ax = plt.subplots(figsize=(5, 0.8 + 0.4 * len(names)))
     ax.barh([n.rsplit(".", 1)[-1] for n in names], [values[n] for n in names], color="tab:blue")
     ax.set_xlim(0.0, 1.0)

@@ -10,6 +10,7 @@ from typing import Any
 from ..federation.files import atomic_write
 from ..run.recipes import natural_key
 from .markup import md, md_table
+from .runs import json_object
 from .tradeoff import TRADEOFF_NOTE, tradeoff_markdown, tradeoff_view
 
 TABLE_NOTE = (
@@ -80,7 +81,7 @@ def _provenance(table: dict) -> list[list[str]]:
     rows = []
     for (row, column), cell in sorted(table["cells"].items(), key=lambda kv: (natural_key(kv[0][0]), kv[0][1])):
         for run, counted in [(r, True) for r in cell["runs"]] + [(r, False) for r in cell["duplicates"]]:
-            versions = run["summary"].get("versions") if isinstance(run["summary"].get("versions"), dict) else {}
+            versions = json_object(run["summary"].get("versions"))
             rows.append(
                 [
                     ", ".join(x for x in (row, column) if x),

@@ -28,7 +28,7 @@ from ..federation.errors import ConfigError
 from ..run.recipes import BASE_KEY, RECIPES_DIR, _read, load_recipe, natural_key, paper_recipes
 from .figures import png, tradeoff_figure
 from .groups import differing_keys, experiment_digest, one_per_seed
-from .runs import find_runs, load_run, measured_value, number, read_config, run_metric
+from .runs import find_runs, json_object, load_run, measured_value, number, read_config, run_metric
 from .table_render import write_table_html, write_table_markdown  # noqa: F401 (where the command line found them)
 from .tradeoff import cell_config, table_settings
 
@@ -130,7 +130,7 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         cell["values"] = _values(cell)
     first = table[0]["reference"]
     method_axis, compared = _method_axis(table)
-    result = {
+    result: dict[str, Any] = {
         "id": wanted,
         "paper": str(first.get("paper")),
         "table": str(first.get("table")),
@@ -174,8 +174,8 @@ def _one_experiment(runs: list[dict], cell: str) -> tuple[list[dict], str | None
 def _values(cell: dict) -> list[dict[str, Any]]:
     """Per metric of the reference (headline first): paper value and std, measured mean, std, n."""
     reference = cell["reference"]
-    metrics = reference.get("metrics") if isinstance(reference.get("metrics"), dict) else {}
-    stds = reference.get("stds") if isinstance(reference.get("stds"), dict) else {}
+    metrics = json_object(reference.get("metrics"))
+    stds = json_object(reference.get("stds"))
     values = []
     for position, (metric, paper) in enumerate(metrics.items()):
         measured = [
@@ -183,7 +183,7 @@ def _values(cell: dict) -> list[dict[str, Any]]:
         ]
         mean = sum(measured) / len(measured) if measured else None
         std = None
-        if len(measured) > 1:
+        if mean is not None and len(measured) > 1:
             std = (sum((v - mean) ** 2 for v in measured) / (len(measured) - 1)) ** 0.5
         values.append(
             {
@@ -264,7 +264,13 @@ def ranking(cells: list[dict], method_axis: str) -> dict[str, str]:
                     best_held += measured > max(measured_others)
             for other in others:
                 p_other, m_other = _headline(other, "paper"), _headline(other, "mean")
-                if None not in (paper, measured, p_other, m_other) and paper != p_other:
+                if (
+                    paper is not None
+                    and measured is not None
+                    and p_other is not None
+                    and m_other is not None
+                    and paper != p_other
+                ):
                     pairs += 1
                     pairs_held += (measured - m_other) * (paper - p_other) > 0
         parts = []

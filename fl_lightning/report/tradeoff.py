@@ -127,7 +127,7 @@ def paper_points(reference: dict, metric: str, config: dict | None) -> list[Pape
     population, rounds and sampler."""
     values = {name: value for name, (value, _) in paper_values(reference).items() if value is not None}
     clients = population_size(config)
-    if clients is None:
+    if clients is None or config is None:  # a config names its population when population_size finds one
         return []
     points = []
     per_round, final = values.get(KIB_PER_CLIENT_ROUND), values.get(metric)

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from ..federation.errors import ConfigError
-from .messages import config_paths, long_config
+from .input_errors import config_paths, long_config
 
 
 class UserError(ConfigError):
@@ -126,7 +126,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     precheck(argv)  # the common mistakes, answered before the parser's imports (torch)
     from jsonargparse import ArgumentError
 
-    from .messages import root_cause
+    from .input_errors import root_cause
 
     parser = fit_parser(prog)
     if not _optimizer_given(argv):  # first, so that --training.optimizer.init_args.lr 0.01 can change it
@@ -182,12 +182,12 @@ def _optimizer_given(argv: list[str]) -> bool:
         if options[key] == "class":
             return True
         try:
-            value = get_loader("yaml")(value)
+            parsed = get_loader("yaml")(value)
         except Exception:  # noqa: BLE001 - not YAML: a class name, or an error the parse reports in its words
             return True
         if options[key] == "training":
-            value = value.get("optimizer") if isinstance(value, dict) else None
-        if _names_class(value):
+            parsed = parsed.get("optimizer") if isinstance(parsed, dict) else None
+        if _names_class(parsed):
             return True
     for path in config_paths(argv):
         try:

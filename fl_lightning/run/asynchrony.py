@@ -23,13 +23,15 @@ from ..federation.errors import ConfigError
 from ..federation.ledger import CommunicationLedger
 from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Payload
+from .tally import RoundTally, TrainedRound
 
 if TYPE_CHECKING:
     from ..strategies.base import Strategy
     from .robustness import Faults
 
-RunClient = Callable[[int, ClientTask, dict[str, list[float]], int], ClientUpdate | None]
-"""``run_client(round, task, client_metrics, stream)``: runs one client's task; its update, None when lost."""
+RunClient = Callable[[int, ClientTask, RoundTally, int], ClientUpdate | None]
+"""``run_client(round, task, tally, stream)``: runs one client's task; its update (its metrics recorded in the
+round's tally), None when lost (counted there)."""
 
 
 @dataclass(order=True)
@@ -129,7 +131,8 @@ class AsynchronousRounds:
         clients: the population.
         ledger: counts each update's uplink when it arrives.
         seed: the run seed.
-        run_client: runs one client's task (the orchestrator's: seeds the client's streams, counts the downlink).
+        run_client: runs one client's task (the orchestrator's: seeds the client's streams, counts the downlink,
+            records the update's metrics in the round's tally).
         faults: injected faults; a straggler's duration is multiplied by ``faults.straggle_factor``.
     """
 
@@ -150,12 +153,15 @@ class AsynchronousRounds:
         self.ledger, self.seed, self.run_client = ledger, seed, run_client
         self.faults = faults
 
-    def run_round(self, rnd: int, client_metrics: dict[str, list[float]], server_metrics: dict[str, float]) -> int:
-        """Handles one round's arrivals; returns how many updates were aggregated."""
+    def run_round(self, rnd: int, tally: RoundTally) -> TrainedRound:
+        """Handles one round's arrivals, the clients' metrics recorded in ``tally``; returns how many arrivals it
+        handled and the server's metrics (each aggregation's, then the round's staleness and clock)."""
         schedule = self.schedule
         if not schedule.started:
-            self._start(rnd, client_metrics)
-        staleness = []
+            self._start(rnd, tally)
+        staleness: list[int] = []
+        server_metrics: dict[str, float] = {}
+        assert schedule.arrivals_per_round is not None, "set by the schedule's setup"
         for _ in range(schedule.arrivals_per_round):
             arrival = schedule.pop()
             staleness.append(schedule.version - arrival.version)
@@ -164,7 +170,7 @@ class AsynchronousRounds:
                 seed_torch(derive_seed(self.seed, schedule.seq, Owner.SERVER, server_phase(0)))
                 server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
                 schedule.version += 1
-            self._dispatch(rnd, self.clients[arrival.client_id], client_metrics)
+            self._dispatch(rnd, self.clients[arrival.client_id], tally)
         server_metrics.update(
             {
                 "async/staleness_mean": float(np.mean(staleness)),
@@ -172,9 +178,9 @@ class AsynchronousRounds:
                 "async/clock": schedule.clock,
             }
         )
-        return len(staleness)
+        return TrainedRound(len(staleness), server_metrics)
 
-    def _start(self, rnd: int, client_metrics: dict[str, list[float]]) -> None:
+    def _start(self, rnd: int, tally: RoundTally) -> None:
         """Every client (or ``concurrency`` of them, drawn at random) starts from the initial state."""
         concurrency = self.schedule.concurrency
         first = self.clients
@@ -182,18 +188,19 @@ class AsynchronousRounds:
             rng = np.random.default_rng(derive_seed(self.seed, 0, Owner.SERVER, Stream.ASYNC_START))
             first = [self.clients[i] for i in np.sort(rng.choice(len(self.clients), concurrency, replace=False))]
         for client in first:
-            self._dispatch(rnd, client, client_metrics)
+            self._dispatch(rnd, client, tally)
         self.schedule.started = True
 
-    def _dispatch(self, rnd: int, client: ClientSpec, client_metrics: dict[str, list[float]]) -> None:
+    def _dispatch(self, rnd: int, client: ClientSpec, tally: RoundTally) -> None:
         """Sends a client the current server state and computes its update, delivered at its arrival."""
         task = self.strategy.configure_round(rnd, [client])[0]
         stream = self.schedule.seq + 1  # tells this dispatch's random streams apart from the client's others
-        update = self.run_client(rnd, task, client_metrics, stream)
+        update = self.run_client(rnd, task, tally, stream)
         rng = np.random.default_rng(derive_seed(self.seed, stream, client.id, Stream.ARRIVAL))
-        faults = self.faults
-        straggles = faults is not None and faults.draw(self.seed, rnd, client.id, stream) == "straggle"
-        self.schedule.push(client.id, update, rng, faults.straggle_factor if straggles else 1.0)
+        slowdown, faults = 1.0, self.faults
+        if faults is not None and faults.draw(self.seed, rnd, client.id, stream) == "straggle":
+            slowdown = faults.straggle_factor
+        self.schedule.push(client.id, update, rng, slowdown)
 
 
 def _pending_state(item: Pending) -> dict[str, Any]:

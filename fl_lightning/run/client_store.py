@@ -277,7 +277,9 @@ class ClientStateStore:
         last, previous = named.get("last", set()) - restored, named.get("previous", set()) - restored
         for due, names in ((2, last), (1, previous - last)):
             for name in sorted(names):
-                client, writer, number = _FILE.match(name).groups()
+                match = _FILE.match(name)
+                assert match, f"{name} was named by this store"
+                client, writer, number = match.groups()
                 self._retired.append((due, int(client), _Version(int(writer, 16), int(number), b"", -1)))
 
     def _import(self, path: Path) -> None:

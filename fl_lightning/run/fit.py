@@ -1,12 +1,23 @@
-"""``flrun fit``: build the objects of a recipe and run the orchestrator. Its signature is the schema."""
+"""``flrun fit``: build the objects of a recipe and run the orchestrator. Its signature is the schema.
+
+:func:`fit` checks every option first, each once, before anything is loaded or written (the counts in
+:class:`~.options.RoundPlan`, the executor in :class:`~.options.ExecutionPlan`, faults and divergence in
+:class:`~.robustness.Robustness`, the seed, the model roles, the population and the ranks), then runs the steps:
+the run folder and the checkpoint it resumes (:func:`_open_run_dir`), the data (:func:`_setup_data`), the models
+and their loop (:func:`_setup_loop`), the run's identity (:func:`_run_info`, :func:`_resumed_identity`), the
+orchestrator and the strategy's set-up, the run folder's first files (:func:`_write_run_dir`), the loggers, the
+rounds (:meth:`FederationOrchestrator.run_rounds`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,22 +27,24 @@ from ..client.lightning import check_model_parts
 from ..client.loop import LocalLoop, LocalTraining
 from ..data import FederatedData
 from ..data.sources import fetch_pretrained
-from ..distributed.ranks import connect_ranks, join_ranks, leave_ranks
+from ..distributed.ranks import Ranks, connect_ranks, join_ranks, leave_ranks
 from ..federation.errors import ConfigError
 from ..federation.population import Population
 from ..federation.sampling import ClientSampler, UniformSampler
+from ..federation.types import ClientSpec
 from ..models import ModelSpec
 from ..strategies import Strategy
 from ..strategies.base import roles_to_build
 from ..tracking import RunFiles, RunLock, RunLogger, resolve_loggers
 from .asynchrony import AsynchronousSchedule
 from .checkpoint import load_checkpoint
+from .options import ExecutionPlan, RoundPlan, RunOutput
 from .orchestrator import FederationOrchestrator
 from .provenance import hardware, versions
-from .robustness import Faults
+from .robustness import Faults, Robustness
 from .run_dir import check_output_dir, check_resume_target, check_still_ours, free_leftovers, run_id
-from .runtime import Runtime, resolve_executor
-from .state import check_monitor, check_resume, planned_rounds
+from .runtime import Runtime
+from .state import RunState, check_monitor, check_resume, planned_rounds
 
 _ONE_RUN = threading.Lock()
 
@@ -127,130 +140,210 @@ def fit(
             second one is refused rather than changing the first one's numbers.
     """
     name = name or "run"
-    _check_counts(rounds=rounds, eval_every=eval_every, checkpoint_every=checkpoint_every, stop_after=stop_after)
-    if seed < 0:
-        raise ConfigError(f"seed must be a non-negative integer, got {seed}; e.g. --seed 0.")
-    undefined = [role for role in population.roles() if role not in models]
-    if undefined:  # checked before any data is loaded
-        raise ConfigError(
-            f"population tiers use model role(s) {undefined} that `models` does not define (defined: "
-            f"{sorted(models) or 'none'}); add them under models, e.g. models: {{{undefined[0]}: {{builder: "
-            "digits_cnn}}, or change the tiers' roles."
-        )
-    server_only = [role for role in strategy.server_roles() if role not in models]
-    if server_only:
-        raise ConfigError(
-            f"the strategy's server model role(s) {server_only} are not defined under models (defined: "
-            f"{sorted(models) or 'none'}); add them, e.g. models: {{{server_only[0]}: {{builder: digits_mlp}}}}, "
-            "or name a defined role in the strategy's server_role."
-        )
+    plan = RoundPlan(rounds, eval_every, checkpoint_every, stop_after)  # the counts, checked here once
+    robustness = Robustness(faults, divergence)
+    sampler = sampler or UniformSampler()
+    experiment = _Experiment(data, models, strategy, population, sampler, schedule, training, evaluation, seed)
+    robustness.check_clients(len(experiment.clients))  # fault ids against the population
+    execution = ExecutionPlan.of(runtime, training, schedule)  # the executor against the schedule and optimizer state
     files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
     check_output_dir(files.root)
     ranks = join_ranks(runtime.devices, schedule, training.optimizer_state)  # several if launched as several
+    loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
+    output = RunOutput(files, loggers, runtime.progress and ranks.writes, monitor, config=resolved_config)
     with RunLock(files.root, enabled=ranks.writes) as lock:
-        if files.root.is_dir():  # before its checkpoint is read: another process may be writing the run
-            lock.acquire()
-        checkpoint = _find_checkpoint(resume, files)
-        if checkpoint is not None:
-            check_resume_target(checkpoint, resume, files)
-        fabric = runtime.apply(ranks.local_rank)
-        connect_ranks(ranks, fabric.device)
+        return _run(experiment, plan, execution, robustness, runtime, ranks, output, lock, resume, name, reference)
 
-        clients = population.build(seed)
-        data.setup(len(clients), seed)
-        data.to(fabric.device)
-        partition = data.partition_summary()
 
-        loop = LocalLoop(fabric, training, rounds)
-        loop.build_slots(
-            models,
-            roles_to_build(population.roles(), strategy),
-            seed,
-            num_classes=data.num_classes,
-            in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
-            fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
-        )
-        check_model_parts(loop.slots, type(strategy).__name__, strategy.needs_split)
-        check_models_fit_data(loop.slots, data.num_classes, data.x, input_roles=population.roles())
-        if runtime.cuda_graphs:
-            from ..client.graphs import StepGraphs, backend_for, prepare_optimizer
+@dataclass
+class _Experiment:
+    """What a run simulates, its options checked as it is made: the seed, that every model role the tiers and the
+    strategy use is defined (before any data is loaded), and the population (its clients built here)."""
 
-            loop.graphs = StepGraphs(backend_for(fabric.device))
-            for slot in loop.slots.values():
-                prepare_optimizer(slot.optimizer)  # Adam: capturable, for eager steps and replays alike
-        loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
-        run_info = {
-            "name": name,
-            "run_id": run_id(files, checkpoint),  # the directory's: its checkpoints resume only there (run_dir.py)
-            "config_sha256": hashlib.sha256((resolved_config or "").encode()).hexdigest() if resolved_config else None,
-            "partition_sha256": partition["sha256"],
-            "reference": reference,
-            "versions": versions(),
-            "hardware": hardware(fabric.device, ranks.world),
-        }
-        if checkpoint is not None:
-            resumes = check_resume(checkpoint, run_info, resolved_config, rounds, files.root)
-            if monitor is not None and checkpoint.get("last_eval"):  # refused before anything is written
-                check_monitor(monitor, checkpoint["last_eval"]["metrics"])
-            if resumes:
-                run_info["resumed_with"] = resumes
-            rewrite_config = _resumed_identity(checkpoint, run_info, resolved_config, rounds, stop_after, files)
-            if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
-                print(_resuming_line(checkpoint, rounds, resume, files, stop_after), file=sys.stderr, flush=True)
-        else:
-            rewrite_config = True
-            if resume == "auto" and ranks.writes:
-                print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
-        executor = resolve_executor(runtime, training)
-        orchestrator = FederationOrchestrator(
-            strategy,
-            clients,
-            sampler or UniformSampler(),
-            loop,
-            data,
-            files,
-            loggers,
-            rounds,
-            seed,
-            eval_every=eval_every,
-            checkpoint_every=checkpoint_every,
-            stop_after=stop_after,
-            monitor=monitor,
-            progress=runtime.progress and ranks.writes,
-            run_info=run_info,
-            schedule=schedule,
-            config=resolved_config,
-            evaluation=evaluation,
-            client_state_memory_mb=runtime.client_state_memory_mb,
-            executor=executor,
-            batch_clients=runtime.batch_clients,
-            lockstep=runtime.lockstep,
-            faults=faults,
-            divergence=divergence,
-        )
-        # every check has passed: only now is the run directory written (a refused start changes nothing)
-        if ranks.writes:  # rank 0 alone writes it
-            lock.acquire()  # a new directory: created here, locked before its first file
-            check_still_ours(files, run_info["run_id"], fresh=checkpoint is None)
-            free_leftovers(files)  # a disk that filled up gets the space of a failed write back first
-            orchestrator.state.client_states.free_leftovers(checkpoint["client_states"] if checkpoint else None)
-            files.mark(run_info["run_id"])
-            if checkpoint is None or not files.partition.is_file():  # a resume checked that it is the same
-                files.write_json(files.partition, partition)
-            if resolved_config is not None and rewrite_config:
-                files.write_text(files.config, resolved_config)
-        config_dict = _config_dict(resolved_config)
-        for i, run_logger in enumerate(loggers):
-            previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
-            run_logger.start(files.root, name, config_dict, previous)
-        if any(run_logger.wants_images for run_logger in loggers):
-            _log_partition_chart(data, loggers)
-        summary = orchestrator.run(checkpoint)
-        leave_ranks()
-        for run_logger in loggers:
-            run_logger.log_files([files.last_checkpoint])
-            run_logger.finish(summary)
-        return summary
+    data: FederatedData
+    models: dict[str, ModelSpec]
+    strategy: Strategy
+    population: Population
+    sampler: ClientSampler
+    schedule: AsynchronousSchedule | None
+    training: LocalTraining
+    evaluation: PersonalEvaluation | None
+    seed: int
+    clients: list[ClientSpec] = field(init=False)
+
+    def __post_init__(self):
+        models, seed = self.models, self.seed
+        if seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {seed}; e.g. --seed 0.")
+        undefined = [role for role in self.population.roles() if role not in models]
+        if undefined:
+            raise ConfigError(
+                f"population tiers use model role(s) {undefined} that `models` does not define (defined: "
+                f"{sorted(models) or 'none'}); add them under models, e.g. models: {{{undefined[0]}: {{builder: "
+                "digits_cnn}}, or change the tiers' roles."
+            )
+        server_only = [role for role in self.strategy.server_roles() if role not in models]
+        if server_only:
+            raise ConfigError(
+                f"the strategy's server model role(s) {server_only} are not defined under models (defined: "
+                f"{sorted(models) or 'none'}); add them, e.g. models: {{{server_only[0]}: {{builder: digits_mlp}}}}, "
+                "or name a defined role in the strategy's server_role."
+            )
+        self.clients = self.population.build(seed)
+
+
+def _run(
+    experiment: _Experiment,
+    plan: RoundPlan,
+    execution: ExecutionPlan,
+    robustness: Robustness,
+    runtime: Runtime,
+    ranks: Ranks,
+    output: RunOutput,
+    lock: RunLock,
+    resume: str | None,
+    name: str,
+    reference: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The steps of :func:`fit` once its options have passed, inside the run folder's lock; returns the summary."""
+    files = output.files
+    checkpoint = _open_run_dir(resume, files, lock)
+    fabric = runtime.apply(ranks.local_rank)
+    connect_ranks(ranks, fabric.device)
+    partition = _setup_data(experiment, fabric.device)
+    loop = _setup_loop(experiment, fabric, plan.rounds, runtime.cuda_graphs)
+    run_info = _run_info(name, files, checkpoint, output.config, partition["sha256"], reference, fabric.device, ranks)
+    rewrite_config = True
+    if checkpoint is not None:
+        run_info, rewrite_config = _resumed_identity(checkpoint, run_info, output, plan)
+        if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
+            print(_resuming_line(checkpoint, plan, resume, files), file=sys.stderr, flush=True)
+    elif resume == "auto" and ranks.writes:
+        print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
+    output = dataclasses.replace(output, run_info=run_info)
+    e = experiment
+    orchestrator = FederationOrchestrator(
+        e.strategy,
+        e.clients,
+        e.sampler,
+        loop,
+        e.data,
+        e.seed,
+        plan,
+        output,
+        execution,
+        robustness,
+        e.schedule,
+        e.evaluation,
+    )
+    # every check has passed: only now is the run directory written (a refused start changes nothing)
+    if ranks.writes:  # rank 0 alone writes it
+        config = output.config if rewrite_config else None
+        _write_run_dir(files, lock, run_info["run_id"], checkpoint, orchestrator.state, partition, config)
+    _start_loggers(output, name, checkpoint, e.data)
+    summary = orchestrator.run_rounds(checkpoint)
+    leave_ranks()
+    for run_logger in output.loggers:
+        run_logger.log_files([files.last_checkpoint])
+        run_logger.finish(summary)
+    return summary
+
+
+def _open_run_dir(resume: str | None, files: RunFiles, lock: RunLock) -> dict[str, Any] | None:
+    """Locks a run folder that exists (another process may be writing the run) and returns the checkpoint this start
+    resumes (checked to be the folder's own), None for a fresh start."""
+    if files.root.is_dir():  # before its checkpoint is read
+        lock.acquire()
+    checkpoint = _find_checkpoint(resume, files)
+    if checkpoint is not None:
+        check_resume_target(checkpoint, resume, files)
+    return checkpoint
+
+
+def _setup_data(experiment: _Experiment, device: Any) -> dict[str, Any]:
+    """Loads and partitions the data for the population's clients on the run's device; returns the partition's
+    summary (``partition.json``)."""
+    data = experiment.data
+    data.setup(len(experiment.clients), experiment.seed)
+    data.to(device)
+    return data.partition_summary()
+
+
+def _setup_loop(experiment: _Experiment, fabric: Any, rounds: int, cuda_graphs: bool) -> LocalLoop:
+    """Builds one model per role and the loop that trains them, each checked against the strategy and the data."""
+    e = experiment
+    loop = LocalLoop(fabric, e.training, rounds)
+    loop.build_slots(
+        e.models,
+        roles_to_build(e.population.roles(), e.strategy),
+        e.seed,
+        num_classes=e.data.num_classes,
+        in_channels=int(e.data.x.shape[1]) if e.data.x.dim() == 4 else 1,
+        fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
+    )
+    check_model_parts(loop.slots, type(e.strategy).__name__, e.strategy.needs_split)
+    check_models_fit_data(loop.slots, e.data.num_classes, e.data.x, input_roles=e.population.roles())
+    if cuda_graphs:
+        from ..client.graphs import StepGraphs, backend_for, prepare_optimizer
+
+        loop.graphs = StepGraphs(backend_for(fabric.device))
+        for slot in loop.slots.values():
+            prepare_optimizer(slot.optimizer)  # Adam: capturable, for eager steps and replays alike
+    return loop
+
+
+def _run_info(
+    name: str,
+    files: RunFiles,
+    checkpoint: dict[str, Any] | None,
+    resolved_config: str | None,
+    partition_sha256: str,
+    reference: dict[str, Any] | None,
+    device: Any,
+    ranks: Ranks,
+) -> dict[str, Any]:
+    """This invocation's entries of ``summary.json`` that describe the run (saved in its checkpoints too)."""
+    return {
+        "name": name,
+        "run_id": run_id(files, checkpoint),  # the directory's: its checkpoints resume only there (run_dir.py)
+        "config_sha256": hashlib.sha256(resolved_config.encode()).hexdigest() if resolved_config else None,
+        "partition_sha256": partition_sha256,
+        "reference": reference,
+        "versions": versions(),
+        "hardware": hardware(device, ranks.world),
+    }
+
+
+def _write_run_dir(
+    files: RunFiles,
+    lock: RunLock,
+    run_id_: str,
+    checkpoint: dict[str, Any] | None,
+    state: RunState,
+    partition: dict[str, Any],
+    config: str | None,
+) -> None:
+    """The run folder's first writes: locked, marked as this run's, ``partition.json`` and ``config.yaml`` (None:
+    the one a resume keeps)."""
+    lock.acquire()  # a new directory: created here, locked before its first file
+    check_still_ours(files, run_id_, fresh=checkpoint is None)
+    free_leftovers(files)  # a disk that filled up gets the space of a failed write back first
+    state.client_states.free_leftovers(checkpoint["client_states"] if checkpoint else None)
+    files.mark(run_id_)
+    if checkpoint is None or not files.partition.is_file():  # a resume checked that it is the same
+        files.write_json(files.partition, partition)
+    if config is not None:
+        files.write_text(files.config, config)
+
+
+def _start_loggers(output: RunOutput, name: str, checkpoint: dict[str, Any] | None, data: FederatedData) -> None:
+    """Starts each logger (a resumed W&B run continues) and hands the partition chart to those that take images."""
+    config_dict = _config_dict(output.config)
+    for i, run_logger in enumerate(output.loggers):
+        previous = checkpoint["loggers"][i] if checkpoint and i < len(checkpoint["loggers"]) else None
+        run_logger.start(output.files.root, name, config_dict, previous)
+    if any(run_logger.wants_images for run_logger in output.loggers):
+        _log_partition_chart(data, output.loggers)
 
 
 def _log_partition_chart(data, loggers) -> None:
@@ -264,12 +357,6 @@ def _log_partition_chart(data, loggers) -> None:
         chart = bubble_chart(data, Path(folder) / "partition.png", replace=True)
         for run_logger in loggers:
             run_logger.log_image("partition/client_by_class", chart)
-
-
-def _check_counts(**counts: int | None) -> None:
-    for key, value in counts.items():
-        if value is not None and value < 1:
-            raise ConfigError(f"{key} must be at least 1, got {value}; e.g. --{key} 1.")
 
 
 def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | None:
@@ -292,14 +379,10 @@ def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | No
 
 
 def _resumed_identity(
-    checkpoint: dict[str, Any],
-    run_info: dict[str, Any],
-    resolved_config: str | None,
-    rounds: int,
-    stop_after: int | None,
-    files: RunFiles,
-) -> bool:
-    """What a resume keeps of the run's identity; returns whether ``config.yaml`` is to be written again.
+    checkpoint: dict[str, Any], run_info: dict[str, Any], output: RunOutput, plan: RoundPlan
+) -> tuple[dict[str, Any], bool]:
+    """What a resume keeps of the run's identity, once it is checked to change nothing it must not; returns the
+    run's info and whether ``config.yaml`` is to be written again.
 
     ``config.yaml`` (and ``partition.json``, checked equal) stay byte for byte as they were, and ``config_sha256``
     stays their recipe's: a resume changes how the run goes on (``resumed_with`` records it), not which experiment
@@ -307,21 +390,22 @@ def _resumed_identity(
     directory without ``config.yaml`` (a copy resumed elsewhere) has none to keep: both write this invocation's
     recipe. A resume that trains nothing also keeps the versions and hardware that computed the numbers.
     """
+    files, config = output.files, output.config
+    resumes = check_resume(checkpoint, run_info, config, plan.rounds, files.root)
+    if output.monitor is not None and checkpoint.get("last_eval"):  # refused before anything is written
+        check_monitor(output.monitor, checkpoint["last_eval"]["metrics"])
+    run_info = {**run_info, "resumed_with": resumes} if resumes else dict(run_info)
     saved = checkpoint["run_info"]
-    done = checkpoint["rounds_done"]
-    if done >= rounds or (stop_after is not None and stop_after <= done):
+    if not plan.rounds_to_run(checkpoint["rounds_done"]):
         run_info.update({k: saved[k] for k in ("versions", "hardware") if k in saved})
-    if resolved_config is None or not files.config.is_file() or planned_rounds(checkpoint) != rounds:
-        return True
-    kept = saved.get("config_sha256") or hashlib.sha256(files.config.read_bytes()).hexdigest()
-    run_info["config_sha256"] = kept
-    return False
+    if config is None or not files.config.is_file() or planned_rounds(checkpoint) != plan.rounds:
+        return run_info, True
+    run_info["config_sha256"] = saved.get("config_sha256") or hashlib.sha256(files.config.read_bytes()).hexdigest()
+    return run_info, False
 
 
-def _resuming_line(
-    checkpoint: dict[str, Any], rounds: int, resume: str | None, files: RunFiles, stop_after: int | None
-) -> str:
-    done = checkpoint["rounds_done"]
+def _resuming_line(checkpoint: dict[str, Any], plan: RoundPlan, resume: str | None, files: RunFiles) -> str:
+    done, rounds, stop_after = checkpoint["rounds_done"], plan.rounds, plan.stop_after
     source = files.last_checkpoint if resume == "auto" else Path(str(resume))
     if done >= rounds:
         return f"resuming {files.root} from {source}: all {rounds} rounds are done; only the summary is rewritten."

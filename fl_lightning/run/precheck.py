@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from ..federation.errors import ConfigError
-from .messages import _did_you_mean, check_config_file, config_paths
+from .input_errors import _did_you_mean, check_config_file, config_paths
 
 PACKAGE = Path(__file__).resolve().parents[1]
 # the groups whose fields are a dataclass's (jsonargparse expands them into --group.field options)
@@ -32,7 +32,11 @@ def _fields(relative: str, name: str) -> tuple[str, ...]:
     tree = ast.parse((PACKAGE / relative).read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == name:
-            return tuple(item.target.id for item in node.body if isinstance(item, ast.AnnAssign))
+            return tuple(
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            )
     raise LookupError(f"{name} is not defined in {relative}")
 
 

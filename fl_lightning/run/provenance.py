@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from ..federation.release import VERSION
 
 
 def versions() -> dict[str, Any]:
     from ..distributed.fabric import lightning_version
 
     versions = {
-        "fl_lightning": __version__,
+        "fl_lightning": VERSION,
         "torch": str(torch.__version__),  # a TorchVersion object would not load with weights_only
         "lightning": lightning_version(),
         "python": platform.python_version(),

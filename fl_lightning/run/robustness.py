@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -106,6 +106,37 @@ class Faults:
             if u < edge:
                 return kind
         return None
+
+
+@dataclass(frozen=True)
+class Robustness:
+    """What the run does about faulty clients: the faults it injects and what a non-finite update does."""
+
+    faults: Faults | None = None
+    """Faults injected into the clients; none when None."""
+    divergence: Literal["stop", "drop"] = "stop"
+    """What a client update with NaN or infinite values does: ``stop`` the run (exit 2) or is ``drop``ped
+    (counted in ``faults/dropped_nonfinite``)."""
+
+    @property
+    def may_lose_updates(self) -> bool:
+        """Whether a client's update can fail to reach the server (an injected fault, or a dropped non-finite
+        update): a phase may then end without an update, and each round's row counts what was lost."""
+        return self.faults is not None or self.divergence == "drop"
+
+    @property
+    def event_keys(self) -> tuple[str, ...]:
+        """The counts a round's row and ``summary.json`` report when updates may be lost."""
+        return (*(FAULT_KINDS if self.faults is not None else ()), "dropped_nonfinite", "phases_without_updates")
+
+    def check_clients(self, num_clients: int) -> None:
+        """Refuses fault client ids the population does not have."""
+        if self.faults is not None:
+            self.faults.check_clients(num_clients)
+
+    def fault_of(self, seed: int, rnd: int, client_id: int, stream: int = 0) -> str | None:
+        """The injected fault of one client's task (:meth:`Faults.draw`); None for a healthy one or no faults."""
+        return self.faults.draw(seed, rnd, client_id, stream) if self.faults is not None else None
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -104,7 +104,11 @@ def run_id(files: RunFiles, checkpoint: dict[str, Any] | None) -> str:
     """The id of the run in ``files.root``: its marker's; for a directory that lost its marker, that of the
     checkpoint it resumes from inside it; else a new one (a new run, or a copy resumed elsewhere)."""
     saved = (checkpoint or {}).get("run_info", {}).get("run_id")
-    return files.run_id() or (saved if saved and _written_in(checkpoint, files) else None) or uuid.uuid4().hex
+    return (
+        files.run_id()
+        or (saved if saved and checkpoint and _written_in(checkpoint, files) else None)
+        or uuid.uuid4().hex
+    )
 
 
 def _written_in(checkpoint: dict[str, Any], files: RunFiles) -> bool:

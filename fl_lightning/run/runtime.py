@@ -11,6 +11,10 @@ import torch
 from ..client.training import LocalTraining
 from ..federation.errors import ConfigError
 
+# Fabric's precisions the client loop runs: it feeds the model float32 batches itself, so the "-true" precisions
+# that turn the weights to 64, 16 or bf16 bits meet float32 inputs (refused here rather than in the first step)
+Precision = Literal["32-true", "32", "bf16-mixed", "16-mixed"]
+
 
 @dataclass
 class Runtime:
@@ -18,7 +22,7 @@ class Runtime:
 
     Attributes:
         accelerator: Lightning Fabric accelerator (``cpu``, ``cuda``, ``auto``).
-        precision: Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``).
+        precision: Fabric precision: ``32-true`` (or its alias ``32``), ``bf16-mixed`` or ``16-mixed``.
         executor: how a phase's clients train: ``sequential`` one after another; ``batched`` the clients of
             one architecture as one vmapped computation per step (``client/batched/``; same numbers to
             float tolerance, not bit for bit); ``auto`` sequential for now: batching measured slower on a CPU
@@ -53,7 +57,7 @@ class Runtime:
     """
 
     accelerator: str = "auto"
-    precision: str = "32-true"
+    precision: Precision = "32-true"
     executor: Literal["auto", "sequential", "batched"] = "auto"
     batch_clients: int = 64
     num_threads: int | None = 1
@@ -116,7 +120,7 @@ class Runtime:
         torch.use_deterministic_algorithms(self.deterministic, warn_only=True)
         # deterministic kernels without deterministic mode's debugging aid of filling every tensor torch allocates
         # uninitialised with NaN: 19 fills more per digits-CNN training step, 5 per MLP step; numbers unchanged
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]  # a module property
         devices: int | list[int] = 1
         if local_rank and self.accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available():
             devices = [local_rank % torch.cuda.device_count()]  # modulo: a Slurm task may see one GPU only
@@ -137,7 +141,7 @@ class Runtime:
             ) from None
 
 
-def resolve_executor(runtime: Runtime, training: LocalTraining) -> str:
+def resolve_executor(runtime: Runtime, training: LocalTraining) -> Literal["sequential", "batched"]:
     """``sequential`` or ``batched`` for this run. ``auto`` is sequential: on a CPU batching measured slower for
     small models, and on a GPU the batched executor has yet to be measured faster than the sequential loop
     (docs/performance.md); ``batched`` is an explicit choice."""

@@ -38,12 +38,13 @@ from ..federation.ledger import CommunicationLedger
 from ..federation.types import ClientTask, ClientUpdate
 from .robustness import Diverged
 from .state import RunState
+from .tally import RoundTally
 
 if TYPE_CHECKING:
     from ..client.loop import LocalLoop
     from ..tracking import RoundProgress
 
-RunShare = Callable[[int, list[ClientTask], dict[str, list[float]]], Iterator[ClientUpdate]]
+RunShare = Callable[[int, list[ClientTask], RoundTally], Iterator[ClientUpdate]]
 
 
 @dataclass
@@ -171,28 +172,34 @@ class ShardedPhases:
         rnd: int,
         tasks: list[ClientTask],
         run_share: RunShare,
-        metrics: dict[str, list[float]],
-        events: dict[str, int],
+        tally: RoundTally,
         progress: RoundProgress,
     ) -> Iterator[ClientUpdate]:
-        """Every rank's updates of the phase in task order; ``metrics`` and ``events`` are filled as in one process.
+        """Every rank's updates of the phase in task order; ``tally`` records what one process would: every
+        delivered update's metrics, in task order, and every rank's lost updates and training steps.
 
         Args:
             rnd: the round.
             tasks: the phase's tasks (the same on every rank).
-            run_share: the orchestrator's client runner (``_client_updates(rnd, tasks, metrics)``).
-            metrics: the round's client metrics (appended to in task order).
-            events: the round's fault counts (this rank's own are counted by ``run_share``).
+            run_share: the orchestrator's client runner (``_client_updates(rnd, tasks, tally)``).
+            tally: the round's tally.
             progress: the progress bar (advanced for the clients of the other ranks too).
         """
         mine = shard(tasks, self.ranks.rank, self.ranks.world)
         server = fingerprint(self.server_state())  # before the phase: the state its tasks were configured from
-        record = self._run(rnd, tasks, mine, run_share, events)
+        share = RoundTally()  # this rank's lost updates and steps; its metrics are rebuilt in task order below
+        record = self._run(rnd, tasks, mine, run_share, share)
         record["server"] = server
         records = ranks_module.exchange(record)
         self._raise_first_error(records)
         check_same_server(records, rnd)
-        merged = self._merge(rnd, tasks, records, metrics, events)
+        merged = self._merge(rnd, tasks, records)
+        for rank in [self.ranks.rank] + [r for r in range(len(records)) if r != self.ranks.rank]:  # this rank first
+            for key, count in records[rank]["events"].items():
+                tally.count(key, count)
+            tally.add_steps(records[rank]["steps"])
+        for _, update, _ in merged:
+            tally.add_metrics(update.metrics)
         for _ in range(len(tasks) - len(mine)):
             progress.client_done()
         device, delivered = self.ranks.device, -1
@@ -211,16 +218,16 @@ class ShardedPhases:
         tasks: list[ClientTask],
         mine: list[int],
         run_share: RunShare,
-        events: dict[str, int],
+        share: RoundTally,
     ) -> dict[str, Any]:
-        """Trains this rank's share; returns what the other ranks need of it."""
+        """Trains this rank's share (its lost updates and steps counted in ``share``); returns what the other ranks
+        need of it."""
         device = self.ranks.device
-        before = dict(events)
         ledger, self.state.ledger = self.state.ledger, CommunicationLedger()  # replayed for all ranks in _merge
         positions, updates, generators, error = [], [], [], None
         try:
             pending = iter(mine)
-            for update in run_share(rnd, [tasks[p] for p in mine], {}):  # metrics: rebuilt in task order in _merge
+            for update in run_share(rnd, [tasks[p] for p in mine], share):
                 position = next(p for p in pending if tasks[p].client.id == update.client.id)
                 positions.append(position)
                 updates.append(update)
@@ -251,7 +258,8 @@ class ShardedPhases:
             "last_trained": trained[-1] if trained else -1,
             "end_generators": _generators(device),
             "states": {tasks[p].client.id: client_states.get(tasks[p].client.id) for p in mine},
-            "events": {k: v - before.get(k, 0) for k, v in events.items() if v != before.get(k, 0)},
+            "events": dict(share.events),
+            "steps": dict(share.steps),
             "optimizers": {
                 role: self.loop.slots[role].optimizer.state_dict()
                 for role, owner in self._last_trainers(rnd, tasks).items()
@@ -280,7 +288,7 @@ class ShardedPhases:
         if not errors:
             return
         first = min(errors, key=lambda e: (e["position"], e["rank"]))
-        if first["rank"] == self.ranks.rank:
+        if first["rank"] == self.ranks.rank and self._error is not None:
             raise self._error
         if first["diverged"]:
             raise Diverged(first["message"], first["round"])
@@ -293,10 +301,9 @@ class ShardedPhases:
         rnd: int,
         tasks: list[ClientTask],
         records: list[dict[str, Any]],
-        metrics: dict[str, list[float]],
-        events: dict[str, int],
     ) -> list[tuple[int, ClientUpdate, Any]]:
-        """Takes the other ranks' client states and events, replays the ledger and the metrics in task order."""
+        """Takes the other ranks' client states and optimizer states and replays the ledger in task order; returns
+        every delivered update as (task position, update, the generators after its client), in task order."""
         client_states = self.state.client_states
         for rank, record in enumerate(records):
             if rank == self.ranks.rank:
@@ -304,8 +311,6 @@ class ShardedPhases:
                 continue
             for client_id, client_state in record["states"].items():
                 client_states.close(client_id, client_state or {})  # no state: the client has none
-            for key, count in record["events"].items():
-                events[key] = events.get(key, 0) + count
             for role, optimizer_state in record["optimizers"].items():
                 self.loop.slots[role].optimizer.load_state_dict(optimizer_state)
         merged = sorted(
@@ -321,7 +326,4 @@ class ShardedPhases:
             self.state.ledger.record(rnd, "downlink", task.downlink)
             if position in delivered:
                 self.state.ledger.record_sizes(rnd, "uplink", _sizes(delivered[position]))
-        for _, update, _ in merged:
-            for key, value in update.metrics.items():
-                metrics.setdefault(key, []).append(value)
         return merged

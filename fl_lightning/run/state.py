@@ -10,9 +10,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import current_path
 from ..federation.errors import ConfigError
 from ..federation.ledger import CommunicationLedger
+from ..federation.release import current_path
 from .checkpoint import rng_state, save_checkpoint, set_rng_state
 from .client_store import ClientStateStore
 

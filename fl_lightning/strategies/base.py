@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, overload
 
 import torch
 from torch import Tensor
@@ -167,6 +167,28 @@ class ServerContext:
         module.eval()
         with self._loop.fabric.autocast():
             return torch.cat([module(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+    @overload
+    def train(
+        self,
+        role: str,
+        weights: StateDict,
+        batches: Iterable[tuple],
+        step_fn: StepFn,
+        optimizer: Callable[[Iterable[Tensor]], torch.optim.Optimizer],
+        return_loss: Literal[False] = False,
+    ) -> StateDict: ...
+
+    @overload
+    def train(
+        self,
+        role: str,
+        weights: StateDict,
+        batches: Iterable[tuple],
+        step_fn: StepFn,
+        optimizer: Callable[[Iterable[Tensor]], torch.optim.Optimizer],
+        return_loss: Literal[True],
+    ) -> tuple[StateDict, float]: ...
 
     def train(
         self,
@@ -355,6 +377,7 @@ class PersonalModels:
     """
 
     split: Split = "global"
+    server: ServerContext  # the Strategy's, which this class comes before in the bases
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
         return evaluator.personalized(self.personal_weights, split=self.split)

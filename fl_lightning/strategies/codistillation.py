@@ -4,8 +4,9 @@ the server's unlabeled examples. Its targets and batches are :mod:`fl_lightning.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,7 +108,9 @@ class Codistillation:
             lr = self._per_role(self.lr, student) * linear_decay(progress, self.lr_final)
             if augment is None:
                 targets = codistillation_targets(logits[teacher], logits[student], temperature, self.student_reg)
-                batches = itertools.islice(random_batches(x, targets, self.batch_size, generator), self.steps)
+                batches: Iterable[tuple[Tensor, Tensor]] = itertools.islice(
+                    random_batches(x, targets, self.batch_size, generator), self.steps
+                )
             else:  # the teachers label the augmented (mixed, flipped) examples themselves
                 inputs = self.augmented_examples(x, augment, generator)
                 teacher_logits = server.predict(teacher, weights[teacher], inputs)
@@ -121,7 +124,7 @@ class Codistillation:
                 return kl_to_targets(module(xb), tb, temperature)
 
             students[student] = server.train(
-                student, weights[student], batches, step, lambda params, lr=lr: torch.optim.Adam(params, lr=lr)
+                student, weights[student], batches, step, functools.partial(torch.optim.Adam, lr=lr)
             )
         return students
 

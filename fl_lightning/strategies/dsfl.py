@@ -68,6 +68,10 @@ class DSFL(PersonalModels, Strategy):
     name = "DS-FL"
     phases = ("train", "distill")
 
+    # within a round only, never checkpointed: the clients that uploaded and the soft labels they get back
+    uploaders: list[ClientSpec]
+    global_probs: Tensor | None
+
     def __init__(
         self,
         open_size: int | None = None,
@@ -112,7 +116,7 @@ class DSFL(PersonalModels, Strategy):
             positions = round_subset(self.server.seed, rnd, self.num_public, self.open_size)
             down = subset_downlink("open_positions", positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
-        if not self.uploaders:
+        if not self.uploaders or self.global_probs is None:  # set together, by aggregate
             return []
         soft_labels = TensorPayload("global_soft_labels", {"probs": self.global_probs})
         return [ClientTask(c, rnd, {"global_soft_labels": soft_labels}, phase) for c in self.uploaders]
@@ -134,7 +138,7 @@ class DSFL(PersonalModels, Strategy):
             metrics = {f"{role}/loss": loss}
         else:
             x_open = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("open_positions", None))
-            targets = task.downlink["global_soft_labels"].tensors["probs"].to(x_open.device)
+            targets = task.received("global_soft_labels", TensorPayload).tensors["probs"].to(x_open.device)
             batch_size = self.distill_batch_size or ctx.batch_size
             batches = target_batches(x_open, targets, batch_size, self.distill_steps, ctx.generator)
             loss = ctx.fit(role, step_fn=self.distillation_step, batches=batches)["loss"]

@@ -134,17 +134,18 @@ class FD(PersonalModels, Strategy):
     def received_teacher(self, task: ClientTask, ctx: ClientContext) -> tuple[Tensor, Tensor]:
         """The downlink as per-label teacher logits ``[C, C]`` (zeros where none) and ``[C]`` bool."""
         c = self.num_classes
-        received = task.downlink["teacher_logits"]
-        if isinstance(received, ClassStatistics):
+        if isinstance(task.downlink["teacher_logits"], ClassStatistics):
+            received = task.received("teacher_logits", ClassStatistics)
             labels, rows = received.labels.long().cpu(), received.vectors["logits"].cpu()
         else:  # rows in the order of the labels this client uploaded last
-            labels, rows = ctx.state.get("sent_labels"), received.tensors["logits"].cpu()
-            if labels is None or len(labels) != len(rows):
+            sent = ctx.state.get("sent_labels")
+            rows = task.received("teacher_logits", TensorPayload).tensors["logits"].cpu()
+            if sent is None or len(sent) != len(rows):
                 raise RuntimeError(
                     f"FD client {task.client.id} received {len(rows)} teacher rows for the labels of its last "
-                    f"upload, but it holds {None if labels is None else len(labels)}."
+                    f"upload, but it holds {None if sent is None else len(sent)}."
                 )
-            labels = labels.long()
+            labels = sent.long()
         targets = torch.zeros(c, c)
         available = torch.zeros(c, dtype=torch.bool)
         targets[labels], available[labels] = rows.float(), True
@@ -157,7 +158,7 @@ class FD(PersonalModels, Strategy):
         state.round_counts.zero_()
         state.last_uploads = {}
         for update in updates:
-            upload = update.uplink["class_logits"].compact()
+            upload = update.sent("class_logits", ClassStatistics).compact()
             labels = upload.labels.cpu().long()
             logits = upload.vectors["logits"].detach().cpu()
             state.round_sums.index_add_(0, labels, logits.double())

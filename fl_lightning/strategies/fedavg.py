@@ -15,6 +15,7 @@ from ..federation.types import (
     ClientSpec,
     ClientTask,
     ClientUpdate,
+    ModelWeights,
     Role,
     StateDict,
     load_exchanged,
@@ -55,7 +56,7 @@ class FedAvg(Strategy):
     def __init__(
         self, roles: list[str] | None = None, weighted: bool = True, clients_per_round: dict[str, int] | None = None
     ):
-        self.roles = roles
+        self.roles: list[str] = list(roles or [])  # empty: the population's roles, filled in at setup
         self.weighted = weighted
         self.clients_per_round = clients_per_round
 
@@ -98,9 +99,9 @@ class FedAvg(Strategy):
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         uplink, metrics = {}, {}
-        for role, payload in task.downlink.items():
+        for role in task.downlink:
             model = ctx.load(role).model
-            load_exchanged(model, payload.state)
+            load_exchanged(model, task.received(role, ModelWeights).state)
             metrics[f"{role}/loss"] = ctx.fit(role)["loss"]
             uplink[role] = self.outgoing(role, model.state_dict(), copy=True)
         return ClientUpdate(task.client, ctx.num_examples("train"), uplink, metrics)
@@ -116,8 +117,8 @@ class FedAvg(Strategy):
         sum per role, one client's weights at a time)."""
         averages = {role: WeightedAverage() for role in self.roles}
         for update in updates:
-            for role, payload in update.uplink.items():
-                averages[role].add(payload.state, update.num_samples if self.weighted else 1.0)
+            for role in update.uplink:
+                averages[role].add(update.sent(role, ModelWeights).state, update.num_samples if self.weighted else 1.0)
         return {role: average.result() for role, average in averages.items() if average.count}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:

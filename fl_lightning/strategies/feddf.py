@@ -69,7 +69,8 @@ class FedDF(FedAvg):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         # drawn before the clients run, so the batches depend on the round's server seed only
         generator = self.server.round_generator()
-        logit_sum, members, trained = None, 0, set()
+        logit_sum: Tensor | None = None
+        members, trained = 0, set()
 
         def predicting(updates):
             """Each received model's logits join the ensemble as its update streams into FedAvg's average."""
@@ -85,7 +86,7 @@ class FedDF(FedAvg):
                 yield update
 
         super().aggregate(rnd, predicting(updates), phase)
-        if not members:
+        if logit_sum is None:  # no member: nothing to distill
             return {}
         self.teacher = F.softmax((logit_sum / members).float() / self.temperature, dim=1)
         for role in (r for r in self.roles if r in trained and self.steps):

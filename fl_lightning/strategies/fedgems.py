@@ -131,6 +131,11 @@ class FedGEMS(PersonalModels, Strategy):
     phases = ("train", "distill")
     state: FedGEMSState
 
+    # within a round only: the clients that uploaded, the round's public subset and the server's logits on it
+    uploaders: list[ClientSpec]
+    positions: Tensor | None
+    server_logits: Tensor | None
+
     def __init__(
         self,
         server_role: str = "server",
@@ -183,7 +188,7 @@ class FedGEMS(PersonalModels, Strategy):
             self.positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
             down = subset_downlink("public_positions", self.positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
-        if not self.uploaders:
+        if not self.uploaders or self.server_logits is None:  # set together, by aggregate
             return []
         logits = TensorPayload("server_logits", {"logits": self.server_logits})
         return [ClientTask(c, rnd, {"server_logits": logits}, phase) for c in self.uploaders]
@@ -207,7 +212,7 @@ class FedGEMS(PersonalModels, Strategy):
             chosen = ctx.public_indices if positions is None else ctx.public_indices[positions.long()]
             # server knowledge and public labels at one address per name (CUDA graphs keep their key)
             y_public = ctx.on_device("public_labels", ctx.data_y[chosen])
-            server_logits = task.downlink["server_logits"].tensors["logits"].to(x_public.device)
+            server_logits = task.received("server_logits", TensorPayload).tensors["logits"].to(x_public.device)
             teacher = ctx.on_device("teacher", server_logits)
             order = torch.arange(len(x_public), device=x_public.device)
             batches = target_batches(x_public, order, self.batch_size, self.distill_steps, ctx.generator)
@@ -230,7 +235,7 @@ class FedGEMS(PersonalModels, Strategy):
             return {}
         received, self.uploaders = [], []
         for update in updates:
-            received.append(update.uplink["public_logits"].tensors["logits"].detach())
+            received.append(update.sent("public_logits", TensorPayload).tensors["logits"].detach())
             self.uploaders.append(update.client)
         if not received:
             return {}

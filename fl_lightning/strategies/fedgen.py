@@ -15,7 +15,16 @@ from ..client.context import ClientContext
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload, clone_state
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    Payload,
+    StateDict,
+    TensorPayload,
+    clone_state,
+)
 from ..knowledge import WeightedAverage
 from ..knowledge.feature_generator import (
     FeatureGenerator,
@@ -152,12 +161,13 @@ class FedGen(PersonalModels, Strategy):
     def regulariser_weights(self, rnd: int) -> tuple[float, float]:
         """``alpha_t`` and ``beta_t`` of round ``rnd`` (the official ``exp_lr_scheduler`` of the 0-based round)."""
         factor = self.decay ** (rnd - 1)
-        return tuple(max(MIN_WEIGHT, w * factor) if w else 0.0 for w in (self.alpha, self.beta))
+        alpha, beta = (max(MIN_WEIGHT, w * factor) if w else 0.0 for w in (self.alpha, self.beta))
+        return alpha, beta
 
     # ------------------------------------------------------------------ server -> client
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         state = self.state
-        downlink = {"head": ModelWeights("head", state.head)}
+        downlink: dict[str, Payload] = {"head": ModelWeights("head", state.head)}
         if state.trainings:  # a generator is sent once it has been trained
             downlink["generator"] = ModelWeights("generator", clone_state(state.generator.state_dict()))
             downlink["label_distribution"] = TensorPayload("label_distribution", {"p": state.label_distribution})
@@ -167,12 +177,12 @@ class FedGen(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         local = self.server.own_weights(task.client, ctx.state.get("weights"))
-        ctx.load(role, {**local, **task.downlink["head"].state})
+        ctx.load(role, {**local, **task.received("head", ModelWeights).state})
         step, batches = None, None  # the first round: cross-entropy alone
         if "generator" in task.downlink:
             alpha, beta = self.regulariser_weights(task.round)
             generator = copy.deepcopy(self.client_generator)  # this client's own copy: a paused fit keeps it
-            generator.load_state_dict(task.downlink["generator"].state)
+            generator.load_state_dict(task.received("generator", ModelWeights).state)
 
             @torch.no_grad()
             def generate(noise: Tensor, labels: Tensor) -> Tensor:
@@ -180,7 +190,7 @@ class FedGen(PersonalModels, Strategy):
 
             # the client's own stream of generated labels and noise, from its round's stream
             draws = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=ctx.generator)))
-            distribution = task.downlink["label_distribution"].tensors["p"].double().cpu()
+            distribution = task.received("label_distribution", TensorPayload).tensors["p"].double().cpu()
             batches = with_generated_features(ctx.batches(), generate, distribution, self.noise_dim, draws, beta > 0)
             step = regularised_step(alpha, beta)
         stats = ctx.fit(role, step_fn=step, batches=batches)
@@ -199,10 +209,10 @@ class FedGen(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average, heads, counts, examples = WeightedAverage(), [], [], []
         for update in updates:
-            head = update.uplink["head"].state
+            head = update.sent("head", ModelWeights).state
             average.add(head, update.num_samples)
             heads.append({k.removeprefix("head."): v.detach() for k, v in head.items()})
-            counts.append(update.uplink["label_counts"].tensors["counts"].cpu())
+            counts.append(update.sent("label_counts", TensorPayload).tensors["counts"].cpu())
             examples.append(update.num_samples)
         if not heads:
             return {}

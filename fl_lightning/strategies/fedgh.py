@@ -65,14 +65,15 @@ class FedGH(PersonalModels, Strategy):
         server.require_one_role_per_client()
         heads = {r: server.model(r).head for r in server.roles}
         shapes = {r: (h.in_features, h.out_features) if isinstance(h, nn.Linear) else None for r, h in heads.items()}
-        if None in shapes.values() or len(set(shapes.values())) != 1:
+        shape = shapes[server.roles[0]]
+        if shape is None or len(set(shapes.values())) != 1:
             raise ConfigError(
                 f"FedGH needs every role's head to be one nn.Linear of the same shape (the shared "
                 f"header); got {shapes}. Give all builders the same representation size."
             )
         self.state = FedGHState(clone_state(heads[server.roles[0]].state_dict()))
         self.num_classes = server.data.num_classes
-        self.feature_dim = shapes[server.roles[0]][0]
+        self.feature_dim = shape[0]
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
         header = ModelWeights("header", self.state.header)
@@ -81,7 +82,8 @@ class FedGH(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         local = self.server.own_weights(task.client, ctx.state.get("weights"))
-        weights = {**local, **{f"head.{k}": v for k, v in task.downlink["header"].state.items()}}  # eq. 5
+        header = task.received("header", ModelWeights).state
+        weights = {**local, **{f"head.{k}": v for k, v in header.items()}}  # eq. 5
         module = ctx.load(role, weights)
         stats = ctx.fit(role)
         ctx.state["weights"] = ctx.weights(role)  # the header too: the local model is what gets evaluated
@@ -109,7 +111,7 @@ class FedGH(PersonalModels, Strategy):
         header.load_state_dict(self.state.header)
         losses, per_lar = [], self.header_update == "per_lar"
         for update in updates:  # clients in arrival order
-            lars = update.uplink["lars"]
+            lars = update.sent("lars", ClassStatistics)
             reps, labels = lars.vectors["representations"], lars.labels.long()
             losses += train_header(header, reps, labels, self.header_lr, per_lar)
         self.state.header = clone_state(header.state_dict())

@@ -20,7 +20,7 @@ from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, 
 from ..knowledge.distillation import kd_kl_loss
 from ..knowledge.public_set import target_batches
 from ..knowledge.server_optim import ServerOptimizer, server_optimizer
-from ..models.base import SplitFeatureClassifier  # not models.fedgkt: it imports torchvision
+from ..models.base import FeatureClassifier, SplitFeatureClassifier  # not models.fedgkt: it imports torchvision
 from .base import PersonalModels, ServerContext, Split, Strategy
 
 
@@ -35,7 +35,7 @@ def bidirectional_losses(
     return client, server
 
 
-def split_point(model: torch.nn.Module) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+def split_point(model: FeatureClassifier) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
     """A client model cut where FedGKT cuts it: ``(extract, classify)``. A
     :class:`~fl_lightning.models.base.SplitFeatureClassifier` (FedGKT's ResNet-8) is cut at its split point
     and sends feature maps; any other model after its feature extractor, and sends feature vectors."""
@@ -145,10 +145,11 @@ class FedGKT(PersonalModels, Strategy):
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         idx = ctx.indices.train
         x, y = ctx.data_x[idx], ctx.data_y[idx]
-        received = task.downlink.get("server_logits")
         # what the step indexes, at one address per name and shape (CUDA graphs keep their key)
         labels = ctx.on_device("labels", y)
-        teacher = None if received is None else ctx.on_device("teacher", received.tensors["logits"])
+        teacher = None
+        if "server_logits" in task.downlink:
+            teacher = ctx.on_device("teacher", task.received("server_logits", TensorPayload).tensors["logits"])
         order = torch.arange(len(idx), device=x.device)
         batches = target_batches(x, order, ctx.batch_size, ctx.local_steps(len(idx)), ctx.generator)
         alpha, temperature = self.alpha, self.temperature  # values, not the strategy, in the closure
@@ -177,7 +178,9 @@ class FedGKT(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         received: dict[int, dict[str, Tensor]] = {}
         for update in updates:
-            received[update.client.id] = {k: v.detach() for k, v in update.uplink["features"].tensors.items()}
+            received[update.client.id] = {
+                k: v.detach() for k, v in update.sent("features", TensorPayload).tensors.items()
+            }
         if not received:
             return {}
         h = torch.cat([r["features"] for r in received.values()])

@@ -88,7 +88,7 @@ class FedHe(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        received = task.downlink["class_logits"]
+        received = task.received("class_logits", ClassStatistics)
         # the server's bank lives on the CPU; the step indexes it with labels on the device
         server_logits = ctx.on_device("server_logits", received.vectors["logits"])
         available = ctx.on_device("available", received.present)
@@ -123,5 +123,5 @@ class FedHe(PersonalModels, Strategy):
                 state.bank.collapse()
                 state.last_reset_round = period_end
         for update in updates:
-            state.bank.add_statistics(update.uplink["class_logits"], "logits")
+            state.bank.add_statistics(update.sent("class_logits", ClassStatistics), "logits")
         return {"server/classes_with_logits": float(state.bank.available.sum())}

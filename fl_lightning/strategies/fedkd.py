@@ -16,7 +16,15 @@ from ..client.evaluation import Evaluator
 from ..client.joint import fit_jointly
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, clone_state, load_exchanged
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    StateDict,
+    clone_state,
+    load_exchanged,
+)
 from ..knowledge import WeightedAverage
 from ..knowledge.compression import LowRankUpdate, compress, energy_threshold
 from ..knowledge.mutual import KLReduction, hidden_map, hidden_state_loss, mutual_kl
@@ -47,9 +55,9 @@ def adaptive_mutual_losses(
     """
     (h_t, z_t), (h_s, z_s) = mentor, mentee
     ce_t, ce_s = F.cross_entropy(z_t, y), F.cross_entropy(z_s, y)
-    denominator = ce_t + ce_s if adaptive else 1.0
-    if detach and adaptive:
-        denominator = denominator.detach()
+    denominator: Tensor | float = 1.0
+    if adaptive:
+        denominator = (ce_t + ce_s).detach() if detach else ce_t + ce_s
     const_t, const_s = (h_t.detach(), h_s.detach()) if detach else (h_t, h_s)
     mentor_loss = (
         ce_t + (mutual_kl(z_t, z_s, reduction, detach) + hidden_state_loss(h_t, const_s, mapping)) / denominator
@@ -150,8 +158,8 @@ class FedKD(PersonalModels, Strategy):
     def received_mentee(self, task: ClientTask, ctx: ClientContext) -> StateDict:
         """The mentee the client holds: the full weights, or its last one plus the compressed update."""
         if self.mentee_role in task.downlink:
-            return task.downlink[self.mentee_role].state
-        delta = task.downlink["mentee_update"].reconstruct()
+            return task.received(self.mentee_role, ModelWeights).state
+        delta = task.received("mentee_update", LowRankUpdate).reconstruct()
         # the update is restored on the CPU when a run resumes; the client's last mentee is on its device
         return {k: v + delta[k].to(v.device) if k in delta else v for k, v in ctx.state["mentee_base"].items()}
 
@@ -203,7 +211,8 @@ class FedKD(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average, trained = WeightedAverage(), []
         for update in updates:
-            average.add(update.uplink["mentee_update"].reconstruct(), update.num_samples if self.weighted else 1.0)
+            delta = update.sent("mentee_update", LowRankUpdate).reconstruct()
+            average.add(delta, update.num_samples if self.weighted else 1.0)
             trained.append(update.client.id)
         if not average.count:
             return {}
@@ -214,7 +223,8 @@ class FedKD(PersonalModels, Strategy):
             self.state.last_update = sent.state_dict()
         self.state.mentee_weights = {k: v + mean[k] if k in mean else v for k, v in self.state.mentee_weights.items()}
         self.state.last_trained = trained
-        return {} if self.compression == "none" else {"server/energy": self.energy(rnd)}
+        energy = self.energy(rnd)
+        return {} if energy is None else {"server/energy": energy}
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:

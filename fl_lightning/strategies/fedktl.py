@@ -121,17 +121,14 @@ class FedKTL(PersonalModels, Strategy):
         """The common feature size D of the clients' models, whose heads must be ``nn.Linear(D, C)``."""
         heads = {r: server.model(r).head for r in self.client_roles}
         shapes = {r: (h.in_features, h.out_features) if isinstance(h, nn.Linear) else None for r, h in heads.items()}
-        if (
-            None in shapes.values()
-            or len(set(shapes.values())) != 1
-            or next(iter(shapes.values()))[1] != self.num_classes
-        ):
+        shape = next(iter(shapes.values()))
+        if shape is None or len(set(shapes.values())) != 1 or shape[1] != self.num_classes:
             raise ConfigError(
                 f"FedKTL classifies every client's {self.num_classes} outputs against one ETF and projects every "
                 f"client's features with one layer, so every client role's head must be nn.Linear(D, "
                 f"{self.num_classes}) with the same D; got (in, out) {shapes}."
             )
-        return next(iter(shapes.values()))[0]
+        return shape[0]
 
     def _check_generator(self, server: ServerContext) -> tuple[int, int]:
         """The generator's noise and latent sizes, after one probe that its images have the data's shape."""
@@ -171,10 +168,9 @@ class FedKTL(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        etf = ctx.on_device("etf", task.downlink["etf"].tensors["etf"])
+        etf = ctx.on_device("etf", task.received("etf", TensorPayload).tensors["etf"])
         margin, scale = self.margin, self.scale  # values, not the strategy, in the closure
-        generated = task.downlink.get("generated")
-        if generated is None:  # round 1: no image yet
+        if "generated" not in task.downlink:  # round 1: no image yet
 
             @vmappable  # pure: batched clients, CUDA graphs
             def step(module, batch, i):
@@ -183,7 +179,9 @@ class FedKTL(PersonalModels, Strategy):
 
             loss = ctx.fit(role, step_fn=step)["loss"]
         else:
-            loss = self.fit_with_generated(role, ctx, etf, generated, task.downlink["projection"].state)
+            generated = task.received("generated", TensorPayload)
+            projection = task.received("projection", ModelWeights).state
+            loss = self.fit_with_generated(role, ctx, etf, generated, projection)
         ctx.state["weights"] = ctx.weights(role)
         upload = self.class_prototypes(module, ctx)
         return ClientUpdate(task.client, ctx.num_examples(), {"class_prototypes": upload}, {f"{role}/loss": loss})
@@ -226,7 +224,7 @@ class FedKTL(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         rows, labels = [], []
         for update in updates:
-            upload = update.uplink["class_prototypes"]
+            upload = update.sent("class_prototypes", ClassStatistics)
             rows.append(upload.vectors["prototypes"].detach().float())
             labels.append(upload.labels.long())
         if not rows:

@@ -131,7 +131,7 @@ class FedL2G(PersonalModels, Strategy):
         role = task.client.roles[0]
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         # at one address (CUDA graphs keep their key)
-        vectors = ctx.on_device("guiding_vectors", task.downlink["guiding_vectors"].tensors["vectors"])
+        vectors = ctx.on_device("guiding_vectors", task.received("guiding_vectors", TensorPayload).tensors["vectors"])
         train = ctx.indices.train
         quiz, study = train[: self.quiz_size], train[self.quiz_size :]
         metrics = {}
@@ -174,7 +174,7 @@ class FedL2G(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         mean = ClassGradientMean(self.num_classes, self.dim)
         for update in updates:
-            upload = update.uplink["guide_gradients"]
+            upload = update.sent("guide_gradients", ClassStatistics)
             mean.add(upload.labels, upload.vectors["gradients"])
         vectors = self.state.vectors
         self.state.vectors = clipped_sgd_step(vectors, mean.mean(), self.server_lr, self.server_clip)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
@@ -60,6 +61,10 @@ class FedMD(PersonalModels, Strategy):
 
     phases = ("transfer", "communicate", "digest")
 
+    # within a round only, never checkpointed: the clients that uploaded and the consensus they get back
+    uploaders: list[ClientSpec]
+    consensus: Tensor | None
+
     def __init__(
         self,
         public_size: int | None = 5000,
@@ -105,7 +110,7 @@ class FedMD(PersonalModels, Strategy):
             positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
             down = subset_downlink("public_positions", positions)
             return [ClientTask(c, rnd, dict(down), phase) for c in clients]
-        if not self.uploaders:
+        if not self.uploaders or self.consensus is None:  # set together, by aggregate
             return []
         consensus = TensorPayload("consensus", {"logits": self.consensus})
         return [ClientTask(c, rnd, {"consensus": consensus}, phase) for c in self.uploaders]
@@ -129,7 +134,7 @@ class FedMD(PersonalModels, Strategy):
             uplink["public_logits"] = TensorPayload("public_logits", {"logits": logits})
         else:
             x_public = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("public_positions", None))
-            targets = task.downlink["consensus"].tensors["logits"].to(x_public.device)
+            targets = task.received("consensus", TensorPayload).tensors["logits"].to(x_public.device)
             batch_size = self.digest_batch_size or ctx.batch_size
             batches = target_batches(x_public, targets, batch_size, self.digest_steps, ctx.generator)
             step = digest_step(self.digest_loss, self.temperature)

@@ -15,7 +15,15 @@ from ..client.joint import fit_jointly
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.seeding import Stream, derive_seed
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, clone_state, load_exchanged
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    StateDict,
+    clone_state,
+    load_exchanged,
+)
 from ..knowledge import WeightedAverage
 from ..knowledge.matryoshka import FusedModel, fuse, matryoshka_losses, projector
 from .base import PersonalModels, SentWeights, ServerContext, Split, Strategy, global_metrics
@@ -107,7 +115,7 @@ class FedMRL(PersonalModels, Strategy):
         local, weights = self.personal_weights(task.client, ctx.state)
         small, global_dim = self.small_role, self.global_dim
         ctx.load(local, weights)
-        load_exchanged(ctx.load(small).model, task.downlink[small].state)
+        load_exchanged(ctx.load(small).model, task.received(small, ModelWeights).state)
         fusion = ctx.helper("projector", self.projector_of(local, task.client.id), ctx.state.get("projector"))
 
         @vmappable  # pure: replayed from CUDA graphs (runtime.cuda_graphs)
@@ -129,7 +137,8 @@ class FedMRL(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
-            average.add(update.uplink[self.small_role].state, update.num_samples if self.weighted else 1.0)
+            weights = update.sent(self.small_role, ModelWeights).state
+            average.add(weights, update.num_samples if self.weighted else 1.0)
         if average.count:
             self.state.small_weights = {**self.state.small_weights, **average.result()}
         return {}

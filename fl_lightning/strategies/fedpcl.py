@@ -138,10 +138,11 @@ class FedPCL(PersonalModels, Strategy):
         role = task.client.roles[0]
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         device = ctx.data_x.device
-        global_prototypes, global_has = dense_prototypes(task.downlink["global_prototypes"], self.num_classes, device)
+        received = task.received("global_prototypes", ClassStatistics)
+        global_prototypes, global_has = dense_prototypes(received, self.num_classes, device)
         metrics = {}
         if bool(global_has.any()):  # round 1 has no prototypes: nothing to train against yet (both codes)
-            sets, has = self.received_sets(task.downlink["client_prototypes"], device)
+            sets, has = self.received_sets(task.received("client_prototypes", TensorPayload), device)
             sets, has = fill_missing(sets, has, global_prototypes, global_has)
             step = self.local_step(
                 ctx.on_device("global", global_prototypes),
@@ -197,7 +198,7 @@ class FedPCL(PersonalModels, Strategy):
         sums = torch.zeros(self.num_classes, self.feature_dim, dtype=torch.float64)
         counts = torch.zeros(self.num_classes, dtype=torch.long)
         for update in updates:
-            upload, cid = update.uplink["local_prototypes"], update.client.id
+            upload, cid = update.sent("local_prototypes", ClassStatistics), update.client.id
             labels, rows = upload.labels.long().cpu(), upload.vectors["prototypes"].detach().float().cpu()
             state.client_prototypes[cid] = 0.0  # the client's latest upload replaces its earlier one
             state.client_has[cid] = False

@@ -144,7 +144,8 @@ class FedProto(PersonalModels, Strategy):
         role = task.client.roles[0]
         ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         device = ctx.data_x.device
-        prototypes, available = dense_prototypes(task.downlink["global_prototypes"], self.num_classes, device)
+        received = task.received("global_prototypes", ClassStatistics)
+        prototypes, available = dense_prototypes(received, self.num_classes, device)
         # at one address per name (CUDA graphs keep their key)
         prototypes, available = ctx.on_device("prototypes", prototypes), ctx.on_device("has", available)
         collector = ClassStatsCollector(self.num_classes, {"prototypes": self.feature_dim}, device)
@@ -172,7 +173,7 @@ class FedProto(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         bank = self.state.bank = ClassBank(self.num_classes, self.feature_dim)  # this round's uploads only
         for update in updates:
-            upload = update.uplink["local_prototypes"]
+            upload = update.sent("local_prototypes", ClassStatistics)
             labels = upload.labels.long().cpu()
             vectors = torch.zeros(self.num_classes, self.feature_dim)
             vectors[labels] = upload.vectors["prototypes"].detach().cpu()

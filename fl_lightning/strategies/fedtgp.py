@@ -120,9 +120,9 @@ class FedTGP(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        received = task.downlink.get("global_prototypes")
         step = None  # the first round: cross-entropy alone
-        if received is not None and self.lam:
+        if "global_prototypes" in task.downlink and self.lam:
+            received = task.received("global_prototypes", ClassStatistics)
             prototypes, available = dense_prototypes(received, self.num_classes, ctx.data_x.device)
             # at one address per name (CUDA graphs keep their key)
             prototypes, available = ctx.on_device("prototypes", prototypes), ctx.on_device("has", available)
@@ -149,7 +149,7 @@ class FedTGP(PersonalModels, Strategy):
         device = self.state.network.embedding.weight.device
         bank, rows, labels = ClassBank(self.num_classes, self.feature_dim, device), [], []
         for update in updates:
-            upload = update.uplink["local_prototypes"]
+            upload = update.sent("local_prototypes", ClassStatistics)
             bank.add_statistics(upload, "prototypes")
             rows.append(upload.vectors["prototypes"].detach().to(device))
             labels.append(upload.labels.long().to(device))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,7 +14,17 @@ from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.padding import class_index
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Role, StateDict, load_exchanged
+from ..federation.types import (
+    ClientSpec,
+    ClientTask,
+    ClientUpdate,
+    ModelWeights,
+    Payload,
+    Role,
+    StateDict,
+    load_exchanged,
+    payload_of,
+)
 from ..knowledge import WeightedAverage
 from ..knowledge.banks import ClassBank
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
@@ -107,10 +117,10 @@ class Felo(PersonalModels, Strategy):
     def knowledge_downlink(self) -> dict[str, ClassStatistics]:
         """The class logits and features, each with the classes the server has it for (see the class doc)."""
         logits, have_logits = self.state.logit_bank.mean(), self.state.logit_bank.available
-        features = self.server_features()
-        if features is None:
+        sent_features = self.server_features()
+        if sent_features is None:
             return {"class_knowledge": ClassStatistics.padded("class_knowledge", {"logits": logits}, have_logits)}
-        features, have_features = features
+        features, have_features = sent_features
         if torch.equal(have_features, have_logits):
             vectors = {"features": features, "logits": logits}
             return {"class_knowledge": ClassStatistics.padded("class_knowledge", vectors, have_logits)}
@@ -123,7 +133,7 @@ class Felo(PersonalModels, Strategy):
         knowledge = self.knowledge_downlink()
         tasks = []
         for c in clients:
-            downlink = dict(knowledge)
+            downlink: dict[str, Payload] = dict(knowledge)
             if self.average_weights:
                 role = c.roles[0]
                 downlink["weights"] = self.outgoing(role, self.state.global_weights[role])
@@ -134,7 +144,7 @@ class Felo(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         if self.average_weights:
-            load_exchanged(ctx.load(role).model, task.downlink["weights"].state)
+            load_exchanged(ctx.load(role).model, task.received("weights", ModelWeights).state)
         else:
             ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
         # the server's class knowledge lives on the CPU; the step indexes it with labels on the client's device
@@ -173,7 +183,7 @@ class Felo(PersonalModels, Strategy):
             collector.add(record[0], features=record[1], logits=record[2])
 
         stats = ctx.fit(role, step_fn=step, on_record=collect)
-        uplink = {"class_knowledge": collector.result("class_knowledge")}
+        uplink: dict[str, Payload] = {"class_knowledge": collector.result("class_knowledge")}
         if self.average_weights:
             uplink["weights"] = self.outgoing(role, ctx.weights(role))
         else:
@@ -189,13 +199,15 @@ class Felo(PersonalModels, Strategy):
                 bank.counts *= 1 - self.forget
         averages: dict[str, WeightedAverage] = {}
         for update in updates:
-            knowledge = update.uplink["class_knowledge"]
+            knowledge = update.sent("class_knowledge", ClassStatistics)
             state.logit_bank.add_statistics(knowledge, "logits")
             state.feature_bank.add_statistics(knowledge, "features")
             self.receive_features(knowledge.vectors["features"], knowledge.present)
             if self.average_weights:
                 role = update.client.roles[0]
-                averages.setdefault(role, WeightedAverage()).add(update.uplink["weights"].state, update.num_samples)
+                averages.setdefault(role, WeightedAverage()).add(
+                    update.sent("weights", ModelWeights).state, update.num_samples
+                )
         for role, average in averages.items():
             state.global_weights[role] = {**state.global_weights[role], **average.result()}
         return self.server_step(rnd)
@@ -220,16 +232,18 @@ class Felo(PersonalModels, Strategy):
         return metrics
 
 
-def received_targets(downlink: dict) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def received_targets(
+    downlink: Mapping[str, Payload],
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``(features [C, D], have_features [C]), (logits [C, C], have_logits [C])`` from a Felo / Velo downlink.
 
     Classes without a feature (none at all when the server sent no features) have ``have_features`` false.
     """
-    knowledge = downlink["class_knowledge"]
+    knowledge = payload_of(downlink, "class_knowledge", ClassStatistics)
     logits, have_logits = knowledge.vectors["logits"], knowledge.present
     if "features" in knowledge.vectors:
         return (knowledge.vectors["features"], have_logits), (logits, have_logits)
     if "class_features" in downlink:
-        features = downlink["class_features"]
+        features = payload_of(downlink, "class_features", ClassStatistics)
         return (features.vectors["features"], features.present), (logits, have_logits)
     return (logits.new_zeros(len(have_logits), 0), torch.zeros_like(have_logits)), (logits, have_logits)

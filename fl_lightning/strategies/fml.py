@@ -12,7 +12,7 @@ from ..client.evaluation import Evaluator
 from ..client.joint import fit_jointly
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, load_exchanged
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.mutual import KLReduction, mutual_kl
 from .base import PersonalModels, SentWeights, ServerContext, Split, Strategy, global_metrics
@@ -90,7 +90,7 @@ class FML(PersonalModels, Strategy):
         private, weights = self.personal_weights(task.client, ctx.state)
         meme = self.meme_role
         ctx.load(private, weights)
-        load_exchanged(ctx.load(meme).model, task.downlink[meme].state)
+        load_exchanged(ctx.load(meme).model, task.received(meme, ModelWeights).state)
         alpha, beta, reduction, detach = self.alpha, self.beta, self.kl_reduction, self.detach_partner
 
         @vmappable  # pure: replayed from CUDA graphs (runtime.cuda_graphs)
@@ -114,7 +114,7 @@ class FML(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
-            average.add(update.uplink[self.meme_role].state, update.num_samples if self.weighted else 1.0)
+            average.add(update.sent(self.meme_role, ModelWeights).state, update.num_samples if self.weighted else 1.0)
         if average.count:
             self.state.meme_weights = {**self.state.meme_weights, **average.result()}
         return {}

@@ -17,7 +17,7 @@ from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, Payload, StateDict, TensorPayload
 from ..models.slicing import SLICEABLE_BUILDERS, batch_norm_statistics, not_a_slice, slice_state
 from .base import ServerContext, Strategy, global_metrics
 
@@ -172,7 +172,8 @@ class HeteroFL(Strategy):
 
     # ------------------------------------------------------------------ client
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
-        ((role, payload),) = task.downlink.items()
+        (role,) = task.downlink
+        payload = task.received(role, ModelWeights)
         module = ctx.load(role)
         # batch-norm statistics stay whatever the instance holds: training normalises with batch statistics
         module.model.load_state_dict({**module.model.state_dict(), **payload.state})
@@ -191,7 +192,7 @@ class HeteroFL(Strategy):
 
         stats = ctx.fit(role, step_fn=step)
         trained = ctx.weights(role)
-        uplink = {
+        uplink: dict[str, Payload] = {
             role: ModelWeights(role, {k: trained[k] for k in payload.state}),
             "label_split": TensorPayload("label_split", {"classes": classes}),
         }
@@ -201,8 +202,8 @@ class HeteroFL(Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average = SliceAverage(self.state.global_weights, self.row_keys)
         for update in updates:
-            classes = update.uplink["label_split"].tensors["classes"] if self.label_split else None
-            (sub,) = (p.state for name, p in update.uplink.items() if name != "label_split")
+            classes = update.sent("label_split", TensorPayload).tensors["classes"] if self.label_split else None
+            (sub,) = (update.sent(name, ModelWeights).state for name in update.uplink if name != "label_split")
             average.add(sub, classes)
         self.state.global_weights = average.result(self.state.global_weights)
         return {}

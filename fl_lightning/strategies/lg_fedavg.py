@@ -107,7 +107,7 @@ class LGFedAvg(PersonalModels, Strategy):
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
         local = self.server.own_weights(task.client, ctx.state.get("weights"))
-        ctx.load(role, self.with_global(role, local, task.downlink["global_layers"].state))
+        ctx.load(role, self.with_global(role, local, task.received("global_layers", ModelWeights).state))
         stats = ctx.fit(role)
         trained = ctx.weights(role)
         ctx.state["weights"] = trained
@@ -117,7 +117,7 @@ class LGFedAvg(PersonalModels, Strategy):
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
-            average.add(update.uplink["global_layers"].state, update.num_samples if self.weighted else 1.0)
+            average.add(update.sent("global_layers", ModelWeights).state, update.num_samples if self.weighted else 1.0)
         if average.count:
             self.state.global_weights = average.result()
         return {}

@@ -34,6 +34,7 @@ class MergedCodist(FedAdam):
         **kwargs,
     ):
         super().__init__([small_role, large_role], **kwargs)  # FedAdam's server optimizer options
+        self.pools = (small_role, large_role)
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"MergedCodist alpha must be in [0, 1], got {alpha}.")
         self.alpha = alpha
@@ -41,7 +42,7 @@ class MergedCodist(FedAdam):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        self.distillation.check_roles(self.name, tuple(self.roles))
+        self.distillation.check_roles(self.name, self.pools)
         self.server_x = server.server_inputs()
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
@@ -50,7 +51,7 @@ class MergedCodist(FedAdam):
         students = self.distillation.run(
             self.server,
             self.state.global_weights,
-            tuple(self.roles),
+            self.pools,
             self.server_x,
             self.server.progress(rnd),
             generator,
@@ -59,6 +60,8 @@ class MergedCodist(FedAdam):
         for role, average in averages.items():
             g = self.pseudo_gradient(role, average)
             delta = {k: self.state.global_weights[role][k] - students[role][k] for k in g}
-            metrics[f"server/{role}/distill_to_fedavg_norm"] = float(global_norm(delta) / max(global_norm(g), 1e-12))
+            metrics[f"server/{role}/distill_to_fedavg_norm"] = float(
+                global_norm(delta) / global_norm(g).clamp_min(1e-12)
+            )
             self.apply(role, merge_gradients(g, delta, self.alpha), average, rnd)
         return metrics

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..client.context import ClientContext
-from ..client.pause import paused_fit_running
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
-from ..federation.types import ClientTask, ClientUpdate, load_exchanged
+from ..federation.types import ClientTask, ClientUpdate, ModelWeights, load_exchanged
+from ..models.base import FeatureClassifier
 from .base import ServerContext
 from .fedavg import FedAvg
 
@@ -37,7 +37,7 @@ def model_contrastive_loss(z: Tensor, z_global: Tensor, z_previous: list[Tensor]
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
 
 
-def frozen(model: torch.nn.Module, weights: dict[str, Tensor]) -> torch.nn.Module:
+def frozen(model: FeatureClassifier, weights: dict[str, Tensor]) -> FeatureClassifier:
     """A copy of ``model`` holding ``weights``, in eval mode and without gradients (a MOON reference model)."""
     reference = copy.deepcopy(model)
     load_exchanged(reference, weights)  # received weights leave out a frozen part, which the copy keeps
@@ -71,7 +71,7 @@ class MOON(FedAvg):
         if not mu >= 0 or not temperature > 0:
             raise ConfigError(f"MOON needs mu >= 0 and temperature > 0; got mu={mu}, temperature={temperature}.")
         self.mu, self.temperature = mu, temperature
-        self._references: dict[str, torch.nn.Module] = {}  # frozen copies refilled each fit (not state)
+        self._references: dict[str, FeatureClassifier] = {}  # frozen copies refilled each fit (not state)
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
@@ -90,12 +90,13 @@ class MOON(FedAvg):
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
-        received = task.downlink[role].state
+        received = task.received(role, ModelWeights).state
         module = ctx.load(role)
         load_exchanged(module.model, received)
-        global_model = self._frozen("global", module.model, received)
+        own = ctx.fits_run_later  # the executor runs the fit after the next client's update: copies of its own
+        global_model = self._frozen("global", module.model, received, own)
         previous = ctx.state.get("previous")
-        previous_models = [self._frozen("previous", module.model, previous)] if previous is not None else []
+        previous_models = [self._frozen("previous", module.model, previous, own)] if previous is not None else []
         mu, temperature = self.mu, self.temperature  # values, not the strategy, in the closure
 
         @vmappable  # pure (CUDA graphs); batched, each client's reference models are its own, so it runs alone
@@ -117,11 +118,11 @@ class MOON(FedAvg):
             task.client, ctx.num_examples(), {role: self.outgoing(role, weights)}, {f"{role}/loss": stats["loss"]}
         )
 
-    def _frozen(self, kind: str, model: torch.nn.Module, weights: dict[str, Tensor]) -> torch.nn.Module:
+    def _frozen(self, kind: str, model: FeatureClassifier, weights: dict[str, Tensor], own: bool) -> FeatureClassifier:
         """What :func:`frozen` gives, without copying a module each fit: one frozen copy per kind, refilled
-        in place (the same tensors every fit, so a CUDA graph of the step keeps its key). A fit the batched
-        executor may pause runs after the next client's update, which would refill it: it gets its own copy."""
-        if paused_fit_running():
+        in place (the same tensors every fit, so a CUDA graph of the step keeps its key). ``own``: a fit that runs
+        after the next client's update (``ctx.fits_run_later``), which would refill that copy, gets its own."""
+        if own:
             return frozen(model, weights)
         reference = self._references.get(kind)
         if reference is None:

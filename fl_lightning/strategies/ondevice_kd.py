@@ -13,7 +13,7 @@ from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
 from ..federation.errors import ConfigError
-from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Role, StateDict, load_exchanged
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, Role, StateDict, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.distillation import kd_kl_loss, ramp_up
 from .base import SentWeights, ServerContext, Strategy, global_metrics
@@ -109,7 +109,7 @@ class OnDeviceKD(Strategy):
     def receive(self, ctx: ClientContext, task: ClientTask, role: str):
         """Loads the received ``role`` weights over the client's instance (its frozen part stays); the module."""
         module = ctx.load(role)
-        load_exchanged(module.model, task.downlink[role].state)
+        load_exchanged(module.model, task.received(role, ModelWeights).state)
         return module
 
     def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "auxiliary") -> list[ClientTask]:
@@ -172,7 +172,7 @@ class OnDeviceKD(Strategy):
         role = self.aux_role if phase == "auxiliary" else self.target_role
         average = WeightedAverage()
         for update in updates:
-            average.add(update.uplink[role].state, update.num_samples if self.weighted else 1.0)
+            average.add(update.sent(role, ModelWeights).state, update.num_samples if self.weighted else 1.0)
         if average.count:
             weights = self.state.global_weights
             weights[role] = {**weights[role], **average.result()}

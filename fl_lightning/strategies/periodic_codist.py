@@ -37,6 +37,7 @@ class PeriodicCodist(FedAdam):
         **kwargs,
     ):
         super().__init__([small_role, large_role], **kwargs)  # FedAdam's server optimizer options
+        self.pools = (small_role, large_role)
         if period < 1:
             raise ConfigError(f"PeriodicCodist period must be at least 1, got {period}.")
         self.period, self.reset_server_optimizer = period, reset_server_optimizer
@@ -44,7 +45,7 @@ class PeriodicCodist(FedAdam):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        self.distillation.check_roles(self.name, tuple(self.roles))
+        self.distillation.check_roles(self.name, self.pools)
         self.server_x = server.server_inputs()
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
@@ -55,7 +56,7 @@ class PeriodicCodist(FedAdam):
         students = self.distillation.run(
             self.server,
             self.state.global_weights,
-            tuple(self.roles),
+            self.pools,
             self.server_x,
             self.server.progress(rnd),
             generator,

@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -73,11 +73,11 @@ class SweepSpec:
     base: str
     parameters: dict[str, dict[str, Any]]
     metric: str
-    direction: str = "maximize"
-    use: str = "best"
-    study_name: str | None = None
+    direction: Literal["maximize", "minimize"] = "maximize"
+    use: Literal["best", "final"] = "best"
+    study_name: str = ""  # empty: set by read_sweep, as are the defaults below
     storage: str | None = None
-    output_dir: str | None = None
+    output_dir: str = ""
     n_trials: int = 10
     timeout: float | None = None
     sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe", "seed": 0})

@@ -14,6 +14,7 @@ import yaml
 from ..data import catalog, sources
 from ..data.download import NetworkError
 from ..federation.errors import ConfigError
+from ..report.runs import json_object
 from .table import TableRun
 
 
@@ -32,7 +33,7 @@ def missing_data(run: TableRun, fit_args: list[str]) -> list[Lacking]:
     data = _data_spec(run, fit_args)
     while isinstance(data, dict):  # the data set, then the one its server set comes from (out-of-domain)
         class_name = str(data.get("class_path", "")).rsplit(".", 1)[-1]
-        init = {**_defaults(class_name), **(data.get("init_args") if isinstance(data.get("init_args"), dict) else {})}
+        init = {**_defaults(class_name), **json_object(data.get("init_args"))}
         source = catalog.NAMES.get(class_name.lower())
         data_dir = str(init.get("data_dir") or "data")
         if source is not None and not sources.present(source, Path(data_dir)):

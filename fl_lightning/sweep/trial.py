@@ -112,8 +112,8 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
     values = {name: _suggest(trial, name, p) for name, p in spec.parameters.items()}
     run_dir = Path(spec.output_dir) / f"trial_{trial.number:04d}"
     # a retry inherits its dead predecessor's attributes: each is set afresh
-    for key, value in (("output_dir", str(run_dir)), ("process", PROCESS), ("error", "")):
-        trial.set_user_attr(key, value)
+    for key, attribute in (("output_dir", str(run_dir)), ("process", PROCESS), ("error", "")):
+        trial.set_user_attr(key, attribute)
     notify("started", trial.number)
     logger = spec.logger
     if logger == "wandb" or (isinstance(logger, list) and "wandb" in logger):

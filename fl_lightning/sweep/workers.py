@@ -356,6 +356,7 @@ def _follow_parent(parent: int, interrupts: Interrupts) -> None:
     """Interrupts this worker (again and again, until it is cleaning up) once its coordinator is gone:
     the death signal comes once and may be lost."""
     main = threading.main_thread().ident
+    assert main is not None, "the main thread has started"
     while not interrupts.cleaning:
         if os.getppid() != parent:
             signal.pthread_kill(main, signal.SIGTERM)

@@ -9,9 +9,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ..federation.errors import ConfigError
+
+if TYPE_CHECKING:  # wandb is imported when the logger starts, not with the package
+    from wandb.sdk.wandb_run import Run
+
+WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 
 class RunLogger:
@@ -56,12 +61,19 @@ class WandbLogger(RunLogger):
         entity: str | None = None,
         group: str | None = None,
         tags: list[str] | None = None,
-        mode: str | None = None,
+        mode: WandbMode | None = None,
         log_checkpoints: bool = False,
     ):
         self.project, self.entity, self.group = project, entity, group
         self.tags, self.mode, self.log_checkpoints = tags or [], mode, log_checkpoints
-        self.run = None
+        self.run: Run | None = None
+
+    @property
+    def started(self) -> Run:
+        """The run :meth:`start` began (the orchestrator starts the logger before it logs anything)."""
+        if self.run is None:
+            raise RuntimeError("the wandb logger is used before its start")
+        return self.run
 
     def start(self, output_dir, name, config, state):
         try:
@@ -78,7 +90,7 @@ class WandbLogger(RunLogger):
                 name=name,
                 config=config,
                 dir=str(output_dir),
-                mode=self.mode or os.environ.get("WANDB_MODE"),
+                mode=cast("WandbMode | None", self.mode or os.environ.get("WANDB_MODE")),  # wandb checks the latter
                 id=run_id,
                 resume="allow" if run_id else None,
                 reinit="finish_previous",
@@ -91,7 +103,7 @@ class WandbLogger(RunLogger):
             ) from None
 
     def log_metrics(self, metrics, step):
-        self.run.log(metrics, step=step)
+        self.started.log(metrics, step=step)
 
     wants_images = True
 
@@ -100,26 +112,26 @@ class WandbLogger(RunLogger):
         from PIL import Image
 
         with Image.open(path) as image:  # read now: the file may be gone when W&B writes the logged row
-            self.run.log({key: wandb.Image(image.copy())}, commit=False)
+            self.started.log({key: wandb.Image(image.copy())}, commit=False)
 
     def log_files(self, paths):
         if self.log_checkpoints and paths:
             import wandb
 
-            artifact = wandb.Artifact(f"{self.run.id}-checkpoint", type="model")
+            artifact = wandb.Artifact(f"{self.started.id}-checkpoint", type="model")
             for path in paths:
                 artifact.add_file(str(path))
-            self.run.log_artifact(artifact)
+            self.started.log_artifact(artifact)
 
     def finish(self, summary):
         for section in ("final", "best"):
             for key, value in summary.get(section, {}).items():
-                self.run.summary[f"{section}/{key}"] = value
+                self.started.summary[f"{section}/{key}"] = value
         for key, value in summary.get("comm", {}).items():
             if isinstance(value, (int, float)):
-                self.run.summary[f"comm/{key}"] = value
-        offline, folder = self.run.offline, self.run.settings.sync_dir
-        self.run.finish()
+                self.started.summary[f"comm/{key}"] = value
+        offline, folder = self.started.offline, self.started.settings.sync_dir
+        self.started.finish()
         if offline:  # flrun silences wandb's own lines (WANDB_SILENT), its sync hint among them
             print(f"W&B run saved offline; upload it with: wandb sync {shown_path(folder)}", file=sys.stderr)
 

@@ -50,7 +50,9 @@ class RoundProgress:
 
     def __init__(self, enabled: bool, total: int, done: int, monitor: str, device: str = "cpu"):
         self.enabled, self.total, self.monitor, self.device = enabled, total, monitor, device
-        self.first_round, self.warned, self.last_value, self.last_evaluated = done + 1, False, None, None
+        self.first_round, self.warned = done + 1, False
+        self.last_value: float | None = None  # the monitored metric when last evaluated, and that round
+        self.last_evaluated: int | None = None
         self.round, self.phase, self.phase_clients, self.clients_done = done + 1, "", 0, 0
         self.console = Console(file=sys.stderr)
         self.interactive = enabled and self.console.is_terminal

@@ -1,14 +1,15 @@
 """How a phase's client tasks run: one after another, or batched (``runtime.executor``).
 
-Batched mode runs each task's ``client_update`` as a coroutine: a thread that the executor lets run
-alone until the client asks for a local fit. The fit is then paused (``FitRequest``: the client's tensors,
-modes, optimizer state and random state copied), the next client runs up to its own fit, and when every
-client of the chunk has paused or finished, the paused fits run together (``batched.BatchedFit``). Each
-client resumes with its own tensors restored into the shared instances and continues to its next fit or
-its end. Strategies do not change: their ``client_update`` sees the shared instances exactly as in the
-sequential loop. Threads are used only to suspend and resume a client's Python frame; one runs at a
-time, handed over explicitly, so the order of everything is fixed and runs are deterministic.
-"""
+Batched mode runs each task's ``client_update`` as a coroutine: a thread that the executor lets run alone
+until the client asks for a local fit. For the duration of a client's turn the coroutine is the loop's
+``fit_runner`` (:mod:`fl_lightning.client.fit_runner`), so its ``ctx.fit`` hands the fit over: the fit is
+paused (``FitRequest``: the client's tensors, modes, optimizer state and random state copied), the next
+client runs up to its own fit, and when every client of the chunk has paused or finished, the paused fits
+run together (``batched.BatchedFit``). Each client resumes with its own tensors restored into the shared
+instances and continues to its next fit or its end. Strategies do not change: their ``client_update`` sees
+the shared instances exactly as in the sequential loop. Threads are used only to suspend and resume a
+client's Python frame; one runs at a time, handed over explicitly, so the order of everything is fixed and
+runs are deterministic."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..pause import run_as
 from .fit_request import (
     FitRequest,
     random_state,
@@ -41,10 +41,11 @@ class _Cancelled(BaseException):
 
 
 class _Coroutine:
-    """A client task on its own thread, run only while the executor waits for it."""
+    """A client task on its own thread, run only while the executor waits for it; during its turns it is the
+    loop's fit runner (:class:`~fl_lightning.client.fit_runner.FitRunner`), which pauses it at each fit."""
 
-    def __init__(self, job: Callable[[], Any], fits: BatchedFit):
-        self.job, self.fits = job, fits
+    def __init__(self, job: Callable[[], Any], fits: BatchedFit, loop: LocalLoop):
+        self.job, self.fits, self.loop = job, fits, loop
         self.request: FitRequest | None = None
         self.done, self.cancelled = False, False
         self.value: Any = None
@@ -56,7 +57,6 @@ class _Coroutine:
         self._thread.start()
 
     def _main(self) -> None:
-        run_as(self)
         torch.set_num_threads(self._threads)
         self._turn.wait()
         try:
@@ -72,23 +72,25 @@ class _Coroutine:
             self._yielded.set()
 
     def advance(self) -> None:
-        """Lets the client run until it pauses at a fit or finishes (called by the executor's thread)."""
+        """Lets the client run until it pauses at a fit or finishes (called by the executor's thread), its fits
+        handed to this coroutine meanwhile."""
+        self.loop.fit_runner = self
         self._yielded.clear()
         self._turn.set()
         self._yielded.wait()
+        self.loop.fit_runner = None  # not on an interrupt: a client still running keeps pausing at its fits
 
-    def pause_fit(
-        self, loop: LocalLoop, slot: ModelSlot, role: str, batches, rnd: int, step_fn: StepFn, on_record
-    ) -> dict:
-        """Called on the client's thread by ``loop.fit``: copies what the fit needs and waits for its result."""
+    def run_fit(self, slot: ModelSlot, role: str, batches, rnd: int, step_fn: StepFn, on_record) -> dict:
+        """Called on the client's thread by ``loop.fit``: copies what the fit needs, pauses the client until the
+        executor has run the fit, and returns its result."""
         request = FitRequest(
             role=role,
             batches=batches,
             step_fn=step_fn,
             on_record=on_record,
             rnd=rnd,
-            slots=snapshot_slots(loop),
-            modes=training_modes(loop),
+            slots=snapshot_slots(self.loop),
+            modes=training_modes(self.loop),
             optimizer_state=snapshot_optimizer(slot),
             rng_state=random_state(),
         )
@@ -132,18 +134,17 @@ class BatchedExecutor:
             yield from self._run_chunk(jobs[start : start + self.chunk])
 
     def _run_chunk(self, jobs: list[Callable[[], Any]]) -> list[Any]:
-        coroutines = [_Coroutine(job, self.fits) for job in jobs]
+        coroutines = [_Coroutine(job, self.fits, self.loop) for job in jobs]
         last_fit: dict[str, tuple[int, FitRequest]] = {}  # per role, the fit of the latest client in task order
         try:
             for coroutine in coroutines:
                 self._advance(coroutine)
             while True:
-                paused = [(i, c) for i, c in enumerate(coroutines) if c.request is not None and not c.done]
+                paused = [(i, c, c.request) for i, c in enumerate(coroutines) if c.request is not None and not c.done]
                 if not paused:
                     break
-                self.fits.run([c.request for _, c in paused])
-                for i, coroutine in paused:
-                    request = coroutine.request
+                self.fits.run([request for _, _, request in paused])
+                for i, coroutine, request in paused:
                     if i >= last_fit.get(request.role, (-1,))[0]:
                         last_fit[request.role] = (i, request)
                     restore(self.loop, request)
@@ -153,7 +154,9 @@ class BatchedExecutor:
             for _, request in last_fit.values():
                 restore_optimizer(self.loop, request)
             # and so does torch's random state: what the server draws next (MergedCodist's distillation) follows it
-            set_random_state(coroutines[-1].final_rng_state)
+            final_rng_state = coroutines[-1].final_rng_state
+            assert final_rng_state is not None, "every client's task has finished"
+            set_random_state(final_rng_state)
         except BaseException:
             for coroutine in coroutines:
                 if not coroutine.done:

@@ -161,7 +161,7 @@ class BatchedFit:
         restore(loop, request)
         set_random_state(request.rng_state)
         slot = loop.slots[request.role]
-        request.result = loop.fit(slot, request.batches, request.rnd, request.step_fn, request.on_record)
+        request.result = loop.fit_now(slot, request.batches, request.rnd, request.step_fn, request.on_record)
         request.rng_state = random_state()
         request.slots = snapshot_slots(loop)
         request.optimizer_state = snapshot_optimizer(slot)

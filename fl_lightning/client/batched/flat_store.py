@@ -86,7 +86,7 @@ class FlatStore:
         """Each tensor's view of ``label``'s buffers ``[..., N]`` (a client's row inside vmap): ``[..., *shape]``."""
         out = {}
         for kind, flat in rows.items():
-            keys, sizes, shapes = self.layout[(label, *kind)]
+            keys, sizes, shapes = self.layout[(label,) + kind]
             lead = flat.shape[:-1]
             for key, part, shape in zip(keys, flat.split(sizes, dim=-1), shapes):
                 out[key] = part.view((*lead, *shape))  # a tuple: a 0-d tensor inside vmap has neither
@@ -98,13 +98,14 @@ class FlatStore:
             return index
         m = len(index)
         if (kind, m) not in self._positions:  # position of sub element q = base + client(member) * stride
-            member, base, stride, offset = [], [], [], 0
+            members, bases, strides, offset = [], [], [], 0
             for n in self.layout[kind][1]:
-                member.append(torch.arange(m).repeat_interleave(n))
-                base.append(offset * self.clients + torch.arange(n).repeat(m))
-                stride.append(torch.full((m * n,), n))
+                members.append(torch.arange(m).repeat_interleave(n))
+                bases.append(offset * self.clients + torch.arange(n).repeat(m))
+                strides.append(torch.full((m * n,), n))
                 offset += n
-            self._positions[kind, m] = tuple(torch.cat(part).to(index.device) for part in (member, base, stride))
+            member, base, stride = (torch.cat(part).to(index.device) for part in (members, bases, strides))
+            self._positions[kind, m] = (member, base, stride)
         member, base, stride = self._positions[kind, m]
         return base + index[member] * stride
 

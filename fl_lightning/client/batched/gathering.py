@@ -7,6 +7,8 @@ the batches with one indexing call and one augmentation call, bit-identical to c
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,7 @@ def gather(stream, parts: list[tuple[Tensor, Tensor | None]]) -> tuple[Tensor, .
     index = torch.stack([chosen for chosen, _ in parts])  # [m, B]
     x = stream.x[index.reshape(-1)]
     if stream.augment is not None:
-        x = stream.augment.apply(x, torch.cat([draws for _, draws in parts]))
+        # an augmentation that draws (gatherable) has drawn for every batch
+        x = stream.augment.apply(x, torch.cat([cast(Tensor, draws) for _, draws in parts]))
     x = x.reshape(*index.shape, *x.shape[1:])
     return (x,) if stream.y is None else (x, stream.y[index])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -58,75 +58,24 @@ class GroupTraining:
         self.role = first.role
         self.slot = loop.slots[first.role]
         self.clients = len(group)
-        module = self.slot.module
-        self.trainable = [n for n, p in module.named_parameters() if p.requires_grad]
-        self.rule = update_rule(self.slot.optimizer)
-        group_options = self.slot.optimizer.param_groups[0]
-        self.options = {k: v for k, v in group_options.items() if k != "params"}
-        self.options["lr"] = self.slot.base_lrs[0] * loop.training.lr_schedule(first.rnd, loop.rounds)
-        self.options["decoupled_weight_decay"] = isinstance(self.slot.optimizer, torch.optim.AdamW) or bool(
-            group_options.get("decoupled_weight_decay")
-        )
-        device = loop.fabric.device
+        self.trainable = [n for n, p in self.slot.module.named_parameters() if p.requires_grad]
+        rule = update_rule(self.slot.optimizer)
+        assert rule is not None, "BatchedFit batches only fits whose optimizer has a stacked update"
+        self.rule = rule
+        self.options = self._optimizer_options(first.rnd)
         trained = {("slot", self.role, n) for n in self.trainable}
         # a tensor that two roles share (one module in two roles) is stored once, under the trained role's name
         # when it is one of them: reparametrizing that name changes the module both roles hold
         self.alias = shared_tensors(loop, trained)
-        tensors: dict[tuple, Tensor] = {}
-        for role, named in first.slots.items():
-            for name in named:
-                if ("slot", role, name) not in self.alias:
-                    tensors["slot", role, name] = torch.stack([r.slots[role][name] for r in group])
-        buffers = {("slot", role, n) for role, slot in loop.slots.items() for n, _ in slot.module.named_buffers()}
-        if first.optimizer_state and set(first.optimizer_state) != set(self.trainable):
-            raise NotBatchable("the optimizer state does not cover every trained parameter")
-        self.kind_of = {
+        tensors = self._stacked_slots()
+        self.count_kind = {  # the step count a parameter shares: one per dtype and device
             n: (tensors["slot", self.role, n].dtype, tensors["slot", self.role, n].device) for n in self.trainable
         }
-        for name in self.trainable:  # moments in the parameters' order, so each moment's rows match theirs
-            if first.optimizer_state:
-                values = {
-                    k: torch.stack([r.optimizer_state[name][k] for r in group]).to(device)
-                    for k in first.optimizer_state[name]
-                }
-            else:  # fresh moments, made for the whole group at once (torch makes them at the first step)
-                values = fresh_state(self.rule, self.options, tensors["slot", self.role, name][0], self.clients)
-            for key, value in values.items():
-                if key != "step":
-                    tensors["moment", key, name] = value
-                    continue
-                # one count per client and dtype; torch counts per parameter, which differ only when a parameter
-                # once had no gradient (torch skips it): then the sequential loop keeps the counts apart
-                count = tensors.setdefault(("step", self.kind_of[name]), value.to(torch.float32))
-                if not torch.equal(count, value.to(torch.float32)):
-                    raise NotBatchable("the optimizer's step counts differ between parameters")
+        tensors.update(self._stacked_moments(tensors))
         self.moment_keys = sorted({key[1] for key in tensors if key[0] == "moment"})
-        tensors[_TOTAL] = torch.zeros(self.clients, device=device)
-
-        in_rows, self.eval_norms = norm_buffers_for_rows(loop, self.role, first.modes)
-
-        def label(key: tuple) -> str:
-            if key in buffers and key not in in_rows:
-                return "blocks"  # updated in place by vmap's batch-norm rule inside the forward: must be contiguous
-            if key in trained:
-                return "params"
-            if key[0] == "moment":
-                return f"moment:{key[1]}"
-            return "frozen" if key[0] == "slot" else "counters"
-
-        self.store = FlatStore(tensors, label)
-        for key in self.moment_keys:  # a rule adds moment rows to parameter rows element for element
-            for kind, (_, sizes, _) in self.store.layout.items():
-                if kind[0] == "params" and self.store.layout.get((f"moment:{key}", *kind[1:]), (0, None))[1] != sizes:
-                    raise NotBatchable(f"the optimizer's {key} does not match the parameters' dtypes and shapes")
-        # closure values: one object for every client stays as it is; per-client tensors are stacked and mapped
-        per_client = list(zip(*(closure_values(r.step_fn) for r in group)))
-        self.tensor_cells = [  # the group key made sure that other values are equal numbers or one object
-            i
-            for i, values in enumerate(per_client)
-            if isinstance(values[0], Tensor) and any(v is not values[0] for v in values)
-        ]
-        self.cells = [torch.stack(v) if i in self.tensor_cells else v[0] for i, v in enumerate(per_client)]
+        tensors[_TOTAL] = torch.zeros(self.clients, device=loop.fabric.device)
+        self.store, self.eval_norms = self._flat_store(tensors, trained)
+        self.stacked_cells, self.closure_values = _closure_values(group)
         # every role's module under one container: one reparametrization gives each the client's tensors
         # (keyed by position: a role's name may hold a dot, which a module name may not)
         self.role_keys = {role: f"role{i}" for i, role in enumerate(loop.slots)}
@@ -139,13 +88,88 @@ class GroupTraining:
         self.pending_records: list[tuple[Callable, tuple]] | None = []  # step 0's, delivered once it has passed
         self.mixed = str(getattr(loop.fabric.strategy.precision, "precision", "")).endswith("-mixed")
         self.memory = lockstep  # None: lockstep is off for the run
-        self.lockstep = None  # None: the group's clients step together by batch shape
-        if lockstep is not None:
-            why = lockstep.refused.get(step_key(first)) or unmaskable_norm({r: s.module for r, s in loop.slots.items()})
-            if why is None:
-                self.lockstep = Lockstep(lockstep, step_key(first), device)
-            else:
-                lockstep.refuse(step_key(first), why)
+        self.lockstep = self._lockstep(lockstep)  # None: the group's clients step together by batch shape
+
+    def _optimizer_options(self, rnd: int) -> dict:
+        """The optimizer's hyper-parameters for this round's fits (the learning rate of the round)."""
+        group_options = self.slot.optimizer.param_groups[0]
+        options = {k: v for k, v in group_options.items() if k != "params"}
+        options["lr"] = self.slot.base_lrs[0] * self.loop.training.lr_schedule(rnd, self.loop.rounds)
+        options["decoupled_weight_decay"] = isinstance(self.slot.optimizer, torch.optim.AdamW) or bool(
+            group_options.get("decoupled_weight_decay")
+        )
+        return options
+
+    def _stacked_slots(self) -> dict[tuple, Tensor]:
+        """Every role's parameters and buffers, stacked over the group's clients (``("slot", role, name)``); a
+        tensor two roles share once."""
+        group = self.group
+        return {
+            ("slot", role, name): torch.stack([r.slots[role][name] for r in group])
+            for role, named in group[0].slots.items()
+            for name in named
+            if ("slot", role, name) not in self.alias
+        }
+
+    def _stacked_moments(self, tensors: dict[tuple, Tensor]) -> dict[tuple, Tensor]:
+        """The optimizer's moments of every trained parameter, stacked (``("moment", key, name)``), in the
+        parameters' order so that each moment's rows match theirs, and one step count per client and dtype."""
+        first, device = self.group[0], self.loop.fabric.device
+        if first.optimizer_state and set(first.optimizer_state) != set(self.trainable):
+            raise NotBatchable("the optimizer state does not cover every trained parameter")
+        moments: dict[tuple, Tensor] = {}
+        for name in self.trainable:
+            if first.optimizer_state:
+                values = {
+                    k: torch.stack([r.optimizer_state[name][k] for r in self.group]).to(device)
+                    for k in first.optimizer_state[name]
+                }
+            else:  # fresh moments, made for the whole group at once (torch makes them at the first step)
+                values = fresh_state(self.rule, self.options, tensors["slot", self.role, name][0], self.clients)
+            for key, value in values.items():
+                if key != "step":
+                    moments["moment", key, name] = value
+                    continue
+                # one count per client and dtype; torch counts per parameter, which differ only when a parameter
+                # once had no gradient (torch skips it): then the sequential loop keeps the counts apart
+                count = moments.setdefault(("step", self.count_kind[name]), value.to(torch.float32))
+                if not torch.equal(count, value.to(torch.float32)):
+                    raise NotBatchable("the optimizer's step counts differ between parameters")
+        return moments
+
+    def _flat_store(self, tensors: dict[tuple, Tensor], trained: set[tuple]) -> tuple[FlatStore, list]:
+        """The group's stacked tensors in flat buffers: trained parameters and each moment in rows of one layout,
+        the other roles' parameters in rows, module buffers in blocks; and the batch norms in evaluation mode."""
+        loop = self.loop
+        buffers = {("slot", role, n) for role, slot in loop.slots.items() for n, _ in slot.module.named_buffers()}
+        in_rows, eval_norms = norm_buffers_for_rows(loop, self.role, self.group[0].modes)
+
+        def label(key: tuple) -> str:
+            if key in buffers and key not in in_rows:
+                return "blocks"  # updated in place by vmap's batch-norm rule inside the forward: must be contiguous
+            if key in trained:
+                return "params"
+            if key[0] == "moment":
+                return f"moment:{key[1]}"
+            return "frozen" if key[0] == "slot" else "counters"
+
+        store = FlatStore(tensors, label)
+        for key in self.moment_keys:  # a rule adds moment rows to parameter rows element for element
+            for kind, (_, sizes, _) in store.layout.items():
+                if kind[0] == "params" and store.layout.get((f"moment:{key}", *kind[1:]), (0, None))[1] != sizes:
+                    raise NotBatchable(f"the optimizer's {key} does not match the parameters' dtypes and shapes")
+        return store, eval_norms
+
+    def _lockstep(self, memory: LockstepMemory | None) -> Lockstep | None:
+        """The group's lockstep, or None: lockstep is off, or refused for this step function or a batch norm."""
+        if memory is None:
+            return None
+        first = self.group[0]
+        why = memory.refused.get(step_key(first)) or unmaskable_norm({r: s.module for r, s in self.loop.slots.items()})
+        if why is None:
+            return Lockstep(memory, step_key(first), self.loop.fabric.device)
+        memory.refuse(step_key(first), why)
+        return None
 
     def run(self) -> None:
         with contextlib.ExitStack() as stack:
@@ -171,10 +195,11 @@ class GroupTraining:
         step = 0
         while active:
             batches: dict[int, tuple] = {}
-            by_shape: dict[tuple, list[int]] = {}
+            by_shape: dict[int | tuple, list[int]] = {}  # by rows when gathered, else by the tensors' shapes
             try:
                 for k in list(active):
-                    batch = streams[k].next_parts() if gathered else self._next_batch(k, streams[k])
+                    # gathered: every stream is a BatchStream (gatherable)
+                    batch = cast(BatchStream, streams[k]).next_parts() if gathered else self._next_batch(k, streams[k])
                     if batch is None:
                         active.remove(k)
                     else:
@@ -205,7 +230,7 @@ class GroupTraining:
                     # its random state stays after the draw: the given-back batch is not drawn again
                     if gathered:  # the stream itself, so that a retried group still gathers at once
                         if first is not None:
-                            streams[k].give_back(first)
+                            cast(BatchStream, streams[k]).give_back(first)
                         request.batches = streams[k]
                     else:
                         request.batches = itertools.chain([first] if first is not None else [], streams[k])
@@ -228,8 +253,8 @@ class GroupTraining:
             }
             state = {n: {key: views["moment", key, n][k] for key in self.moment_keys} for n in self.trainable}
             for name, values in state.items():
-                if ("step", self.kind_of[name]) in views:  # each parameter its own count, as torch keeps them
-                    values["step"] = views["step", self.kind_of[name]][k].clone()
+                if ("step", self.count_kind[name]) in views:  # each parameter its own count, as torch keeps them
+                    values["step"] = views["step", self.count_kind[name]][k].clone()
             request.optimizer_state = state
 
     def _step_every_client(self, streams, batches: dict, by_shape: dict, gathered: bool, steps: list[int]) -> None:
@@ -263,15 +288,15 @@ class GroupTraining:
         request.rng_state = (torch.default_generator.get_state(), request.rng_state[1])
         return batch
 
-    def one_loss(self, k: int, batch: tuple, mask: Tensor | None) -> float:
+    def client_loss(self, k: int, batch: tuple, mask: Tensor | None) -> float:
         """Client ``k``'s loss on ``batch`` (no gradient), on copies of its tensors (batch norm moves statistics)."""
         selection = self.store.select(0, self.clients)
         params, frozen = self.store.rows(selection, "params"), self.store.rows(selection, "frozen")
         blocks = {key: view for key, view in self.store.views(selection).items() if key in self.store.blocks}
         one = torch.utils._pytree.tree_map_only(Tensor, lambda t: t[k].detach().clone(), (params, frozen, blocks))
         tensors = {**self.store.split("frozen", one[1]), **one[2], **self.store.split("params", one[0])}
-        cells = [self.cells[i][k] for i in self.tensor_cells]
-        loss, _ = self.loss_of(self._step_fn(cells), tensors, batch, self.step_index, mask)
+        cells = [self.closure_values[i][k] for i in self.stacked_cells]
+        loss, _ = self.reparametrized_loss(self._step_fn(cells), tensors, batch, self.step_index, mask)
         return float(loss)
 
     def _indices(self, clients: list[int]) -> Tensor:
@@ -297,7 +322,10 @@ class GroupTraining:
         views = self.store.views(selection, ("blocks", "counters"))
         buffers = {key: view for key, view in views.items() if key in self.store.blocks}
         index = selection.index
-        cells = [self.cells[i][first : first + m] if index is None else self.cells[i][index] for i in self.tensor_cells]
+        cells = [
+            self.closure_values[i][first : first + m] if index is None else self.closure_values[i][index]
+            for i in self.stacked_cells
+        ]
         try:
             if not self.checked_use:
                 self._check_every_parameter_is_used(params, frozen, buffers, cells, batch, mask)
@@ -355,7 +383,9 @@ class GroupTraining:
         tensors = {**self.store.split("frozen", one[1]), **one[2], **leaves}
         with torch.enable_grad():
             mask_of_one = mask[0] if mask is not None else None
-            loss, _ = self.loss_of(self._step_fn(cells_of_one), tensors, batch_of_one, self.step_index, mask_of_one)
+            loss, _ = self.reparametrized_loss(
+                self._step_fn(cells_of_one), tensors, batch_of_one, self.step_index, mask_of_one
+            )
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         unused = [key[2] for key, g in zip(leaves, grads) if g is None]
         if unused:
@@ -383,10 +413,10 @@ class GroupTraining:
         cells, batch = [cell[0] for cell in cells], tuple(t[0] for t in batch)
         with torch.enable_grad():
             loss, record = self._loss(leaves, frozen, buffers, cells, batch, None if mask is None else mask[0])
-            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         # rows of a dtype the loss does not reach (every tensor was checked to be used: none, in practice)
-        grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves.values(), grads)]
-        grads = {kind: g.unsqueeze(0) for kind, g in zip(leaves, grads)}
+        filled = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves.values(), found)]
+        grads = {kind: g.unsqueeze(0) for kind, g in zip(leaves, filled)}
         return grads, (loss.detach().unsqueeze(0), tuple(t.detach().unsqueeze(0) for t in record))
 
     def _loss(
@@ -394,19 +424,19 @@ class GroupTraining:
     ) -> tuple:
         """One client's loss with every role's module holding that client's tensors (vmap maps the clients)."""
         tensors = {**self.store.split("frozen", frozen), **buffers, **self.store.split("params", params)}
-        return self.loss_of(self._step_fn(tensor_cells), tensors, batch, self.step_index, mask)
+        return self.reparametrized_loss(self._step_fn(tensor_cells), tensors, batch, self.step_index, mask)
 
     def _step_fn(self, tensor_cells: list[Tensor]) -> Callable:
         """The first client's own step function, with one client's closure tensors where they differ."""
         step_fn = self.group[0].step_fn
-        if self.tensor_cells:
-            cells = list(self.cells)
-            for i, value in zip(self.tensor_cells, tensor_cells):
+        if self.stacked_cells:
+            cells = list(self.closure_values)
+            for i, value in zip(self.stacked_cells, tensor_cells):
                 cells[i] = value
             step_fn = rebuild(step_fn, cells)
         return step_fn
 
-    def loss_of(
+    def reparametrized_loss(
         self, step_fn: Callable, tensors: dict[tuple, Tensor], batch: tuple, step: int, mask: Tensor | None = None
     ) -> tuple:
         """``step_fn``'s (loss, record) for one client, every role's module holding that client's tensors
@@ -420,6 +450,18 @@ class GroupTraining:
             loss = step_fn(self.slot.module, batch, step)
         loss, record = loss if isinstance(loss, tuple) else (loss, ())
         return loss.float(), tuple(record)
+
+
+def _closure_values(group: list[FitRequest]) -> tuple[list[int], list]:
+    """The group's step-function closure: the positions of the cells that hold a tensor of each client's own,
+    and every cell's value (those tensors stacked over the clients; any other value one object for all)."""
+    per_client = list(zip(*(closure_values(r.step_fn) for r in group)))
+    stacked = [  # the group key made sure that other values are equal numbers or one object
+        i
+        for i, values in enumerate(per_client)
+        if isinstance(values[0], Tensor) and any(v is not values[0] for v in values)
+    ]
+    return stacked, [torch.stack(v) if i in stacked else v[0] for i, v in enumerate(per_client)]
 
 
 _TOTAL = ("total",)  # the store's entry for each client's summed loss

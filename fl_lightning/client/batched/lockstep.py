@@ -90,7 +90,7 @@ class OneClient(Protocol):
 
     mixed: bool  # bf16 / fp16 mixed precision: losses of two batch sizes agree less closely
 
-    def one_loss(self, k: int, batch: tuple, mask: Tensor | None) -> float: ...
+    def client_loss(self, k: int, batch: tuple, mask: Tensor | None) -> float: ...
 
 
 class Lockstep:
@@ -123,7 +123,7 @@ class Lockstep:
             x = stream.x[index]
             if stream.augment is not None:
                 x = stream.augment.apply(x, self.padder.pad([batches[k][1] for k in order], key))
-            batch = (x.view(m, rows, *x.shape[1:]),)
+            batch: tuple[Tensor, ...] = (x.view(m, rows, *x.shape[1:]),)
             batch += () if stream.y is None else (stream.y[index].view(m, rows, *stream.y.shape[1:]),)
         else:
             batch = tuple(
@@ -149,9 +149,11 @@ class Lockstep:
         variants = padding_variants(one, padded.rows, 1 if len(one) > 1 and labeled(streams) else None)
         mask = torch.arange(padded.rows, device=one[0].device) < padded.real[k]
         try:
-            losses = [training.one_loss(k, batch, None if i == 0 else mask) for i, batch in enumerate(variants)]
+            losses = [training.client_loss(k, batch, None if i == 0 else mask) for i, batch in enumerate(variants)]
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as err:
-            why = f"its step fails on a padded batch ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+            why: str | None = (
+                f"its step fails on a padded batch ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+            )
         else:
             why = padding_mismatch(losses, 2e-2 if training.mixed else 1e-3)
             if why is None and padded.real[k] >= 2 and all(math.isfinite(v) for v in losses):

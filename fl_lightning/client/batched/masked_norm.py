@@ -38,14 +38,15 @@ def masked_batch_norms(module: torch.nn.Module) -> Iterator[None]:
     norms = [m for m in module.modules() if isinstance(m, _BatchNorm)]
     before = [norm.__dict__.get("forward") for norm in norms]
     for norm in norms:
-        norm.forward = functools.partial(_masked_forward, norm, norm.forward)
+        # an instance attribute over the class's method, as torch.nn.Module allows; deleted again below
+        norm.forward = functools.partial(_masked_forward, norm, norm.forward)  # type: ignore[method-assign]
     try:
         yield
     finally:
         for norm, forward in zip(norms, before):
             del norm.forward
             if forward is not None:
-                norm.forward = forward
+                norm.forward = forward  # type: ignore[method-assign]  # the instance's own, put back
 
 
 def _masked_forward(norm: _BatchNorm, plain: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -65,10 +66,13 @@ def _masked_forward(norm: _BatchNorm, plain: Callable[[Tensor], Tensor], x: Tens
     if norm.weight is not None:
         out = out * norm.weight.view(channel) + norm.bias.view(channel)
     if norm.training and norm.track_running_stats:
-        norm.num_batches_tracked.add_(1)
-        factor = norm.momentum if norm.momentum is not None else 1.0 / norm.num_batches_tracked
+        tracked, running_mean, running_var = norm.num_batches_tracked, norm.running_mean, norm.running_var
+        # track_running_stats: torch registered the three buffers
+        assert tracked is not None and running_mean is not None and running_var is not None
+        tracked.add_(1)
+        factor = norm.momentum if norm.momentum is not None else 1.0 / tracked
         with torch.no_grad():  # as torch's kernel: (1 - momentum) * running + momentum * batch (lerp_ has no vmap rule)
-            norm.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
+            running_mean.mul_(1 - factor).add_(mean.detach() * factor)
             unbiased = variance.detach() * count / (count - 1).clamp(min=1)
-            norm.running_var.mul_(1 - factor).add_(unbiased * factor)
+            running_var.mul_(1 - factor).add_(unbiased * factor)
     return out

@@ -46,7 +46,7 @@ def shared_tensors(loop: LocalLoop, trained: set) -> dict[tuple, tuple]:
     for role, slot in loop.slots.items():
         for name, t in [*slot.module.named_parameters(), *slot.module.named_buffers()]:
             holders.setdefault(id(t), []).append(("slot", role, name))
-    alias = {}
+    alias: dict[tuple, tuple] = {}
     for keys in holders.values():
         if len(keys) > 1:
             kept = next((key for key in keys if key in trained), keys[0])

@@ -54,7 +54,7 @@ class Reparametrization:
                 entries[key] = original
 
     def _plan(self, names: tuple[str, ...]) -> list[tuple[dict, str]] | None:
-        plan = []
+        plan: list[tuple[dict, str]] = []
         for name in names:
             owner, _, key = name.rpartition(".")
             submodule = self.module.get_submodule(owner)

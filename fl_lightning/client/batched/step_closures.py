@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 
 def closure_values(fn: Callable) -> list:
     """The values a step function closes over (a bound method's instance first)."""
     function = getattr(fn, "__func__", fn)
-    values = [fn.__self__] if hasattr(fn, "__func__") else []
+    values = [cast(types.MethodType, fn).__self__] if hasattr(fn, "__func__") else []
     return values + [cell.cell_contents for cell in (function.__closure__ or ())]
 
 

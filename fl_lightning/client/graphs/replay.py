@@ -1,46 +1,16 @@
 """Local training steps replayed as CUDA graphs (``runtime.cuda_graphs``): the sequential loop without its host cost.
 
-On a GPU a small model's step is bound by the host: a ResNet20 step of 32 images is a few hundred kernel
-launches made by about 2,400 Python calls, and the card idles between them (16-25 % utilisation on an
-H200, docs/performance.md). A CUDA graph records the kernels of one whole step (forward, backward,
-gradient clipping, optimizer update) once and replays them with one launch, so each client still trains
-on its own batches, one after another, with none of the batched executor's need for equal batch shapes.
+:class:`StepGraphs` takes over ``LocalLoop.fit``'s steps (and :meth:`StepGraphs.run_joint_steps` those of models
+trained together). A step is replayed only where a replay cannot compute anything else than the eager step:
+a pure step (the default cross-entropy, or one marked ``@vmappable``), SGD, Adam or AdamW, and a key that
+covers every value the step reads (the module's tensor addresses and modes, the closure, the optimizer's
+hyper-parameters, the batch's shapes). A key's first step runs eagerly, its second is traced
+(:class:`~.trace.StepTrace` refuses random draws, host reads and tensors on another device) and then captured;
+later steps copy their batch into the graph's inputs and replay. :func:`~.optimizers.prepare_optimizer` makes Adam
+capturable for every step of the run, so eager and replayed steps round alike. On a CPU,
+:class:`CheckedReruns` stands in for CUDA graphs and fails where a replay would differ.
 
-A replay reads and writes the memory the capture used and repeats every Python value the step read then,
-so a step is replayed only where that cannot change what it computes:
-
-- The step is pure: the default cross-entropy step, or one marked
-  :func:`~fl_lightning.client.batched.fits.vmappable` (it reads tensors through its module, batch and closure
-  only, changes nothing outside, and does not branch on the step index or on tensor values).
-- Its key is equal: the module's tensors' addresses and every submodule's training mode, the closure's
-  Python values, tensors' addresses and modules (a teacher) and the attributes of the objects in it (the
-  strategy's temperature), the optimizer's hyper-parameters, learning rate included, the clipping norm
-  and the batch's shapes. A new value (the next round's learning rate) captures a new graph; a value that
-  changes every round but should not is a device tensor refilled in place (on-device KD's KD weight).
-- The key came before (its first step runs eagerly: a batch shape met once is not worth a capture), and
-  its second step, run for real before the capture, made no random draw, no host read of a tensor
-  (``.item()``, ``nonzero``, a boolean mask) and used no tensor on another device (checked op by op).
-- The optimizer is SGD, Adam or AdamW. Adam's default step reads its step count on the host and bakes
-  its bias corrections into the kernels as numbers, which a replay would repeat; its ``capturable`` mode
-  keeps the count on the device and computes them there. :func:`prepare_optimizer` switches it on for
-  every step of the run, eager ones too, so all steps round alike: a run with graphs then gives the
-  numbers of the same recipe with ``capturable: true`` and no graphs, bit for bit, and differs from the
-  default Adam by float rounding (bias corrections in float32 on the device, not float64 on the host).
-
-Models trained together (``client.joint.fit_jointly``: FML, FedKD) replay the same way
-(:meth:`StepGraphs.run_joint_steps`): one step is the backward of their summed losses, then each
-(module, optimizer) pair clipped on its own and stepped, and the key covers every pair.
-
-A batch is copied into the graph's own input tensors before a replay, and the optimizer's state (SGD's
-momentum buffers; Adam's step count and moments) stays in the tensors the graphs were captured with: a
-client's restored optimizer state is copied into them, a fresh one zeroes them (what Adam's first step
-starts from; SGD's first step then adds the gradient to zero: the copy it would make). Graphs
-share one memory pool: they are replayed one at a time, and a replay's loss and record are read before
-the next; beyond ``capacity`` they are all dropped at once (one freed graph clears the capture stream's
-cuBLAS workspace, which the others use: pytorch/pytorch#193402). On a CPU, :class:`CheckedReruns` stands in
-for CUDA graphs: it reruns a step and fails when the rerun's operations, Python values or tensor addresses
-differ from the capture's, which is what a real
-graph would silently get wrong (``tests/test_cuda_graphs.py``).
+Why each rule is there, and what it costs: ``docs/executor.md``, "CUDA graphs".
 """
 
 from __future__ import annotations
@@ -137,11 +107,7 @@ class StepGraphs:
     def resident(self, name: str, tensor: Tensor, device: torch.device) -> Tensor:
         """``tensor``'s values in a device tensor kept under ``name``, shape and dtype (refilled in place), so
         that the steps of every client and round closing over it share one graph key. Only for fits that run
-        before the next copy: the sequential executor's (the batched one pauses fits, and graphs refuse it)."""
-        from ..pause import paused_fit_running
-
-        if paused_fit_running():  # cannot happen with graphs on; a fresh copy would still be right
-            return tensor.to(device, copy=True)
+        before the next copy: the sequential executor's (``ClientContext.on_device`` asks)."""
         key = (name, tuple(tensor.shape), tensor.dtype)
         kept = self._resident.get(key)
         if kept is None:

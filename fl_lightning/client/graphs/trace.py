@@ -87,7 +87,7 @@ class StepTrace(TorchDispatchMode):
         return None
 
     def _arguments(self, values) -> tuple:
-        out = []
+        out: list[object] = []
         for v in tree_leaves(values):
             if isinstance(v, Tensor):
                 storage = _storage(v)

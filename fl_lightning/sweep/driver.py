@@ -4,6 +4,7 @@ the study holds ``n_trials``, then the results written."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..distributed.capacity import check_memory
@@ -27,7 +28,7 @@ def check_own_directory(root: Path, spec: SweepSpec) -> None:
 
 
 def run_sweep(
-    spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, out=None, warnings: list[str] = ()
+    spec: SweepSpec, n_jobs: int = 1, sweep_file: str | None = None, out=None, warnings: Sequence[str] = ()
 ) -> tuple[dict, int]:
     """Runs trials until the study holds ``n_trials`` (or ``timeout`` passes), printing progress; ``warnings``
     (from :func:`~fl_lightning.sweep.spec.check_against_recipe`) go to stderr once the study is open and checked.
@@ -79,6 +80,7 @@ def _run_study(spec: SweepSpec, study, n_jobs: int, sweep_file: str | None, prog
     status = 0
     for _ in range(3):  # further passes run trials that went stale (a killed process) while this one ran
         if n_jobs > 1:
+            assert sweep_file, "run_sweep refuses n_jobs > 1 without it"
             status = coordinate(spec, study, n_jobs, sweep_file, epoch, deadline, progress, gpus)
         else:
             status = run_in_process(spec, study, deadline, progress)

@@ -65,8 +65,8 @@ def readable(message: str, parser: Any = None) -> str:
         sentence = explain(text, keys, parser)
         if sentence:
             return sentence
-    for explain in (_init_args_not_mapping, _untrusted_class, _unknown_class, _dotted_mapping, _bad_value):
-        sentence = explain(text, key, keys, parser)
+    for explain_at_key in (_init_args_not_mapping, _untrusted_class, _unknown_class, _dotted_mapping, _bad_value):
+        sentence = explain_at_key(text, key, keys, parser)
         if sentence:
             return sentence
     return f"{_first_reason(lines)}; see `flrun fit --help`."
@@ -124,9 +124,12 @@ def _unknown_init_option(text: str, keys: list[str], parser: Any) -> str | None:
         r"Got value: Namespace\(class_path='([^']+)'",
         text,
     )
-    if not (match or behind_callable):
+    if match:
+        class_path, option = match.groups()
+    elif behind_callable:
+        class_path, option = behind_callable.group(2, 1)
+    else:
         return None
-    class_path, option = match.groups() if match else behind_callable.group(2, 1)
     params = _init_params(class_path)[0 if match else 1 :]
     hint = _did_you_mean(option, params, quote=True)
     where = f" ({'.'.join(keys)})" if keys else ""
@@ -170,6 +173,7 @@ def _unknown_class(text: str, key: str, keys: list[str], parser: Any) -> str | N
         reason = f"class_path {given!r} cannot be imported ({no_attr.group(1)})"
         names = names or _public_names(no_attr.group(2))
     else:
+        assert path is not None, "one of the four matched"
         given, reason = path.group(1), f"class_path {path.group(1)!r} cannot be imported ({path.group(2)})"
     hint = _did_you_mean(given.rpartition(".")[2], names)
     available = f"; available: {', '.join(names)}" if names and len(names) <= 40 else ""
@@ -308,7 +312,7 @@ def _first_class(hint: Any) -> type | None:
 def _subclass_names(base: type) -> list[str]:
     """Names a recipe can use for subclasses of ``base``: short names for ours, dotted paths otherwise."""
     found: dict[str, None] = {}
-    stack = list(base.__subclasses__())
+    stack: list[type] = list(base.__subclasses__())
     while stack:
         cls = stack.pop()
         stack.extend(cls.__subclasses__())
@@ -342,7 +346,7 @@ def _init_params(class_path: str) -> list[str]:
     for klass in inspect.getmro(cls) if isinstance(cls, type) else ():
         if "__init__" not in vars(klass) or klass is object:
             continue
-        signature = inspect.signature(klass.__init__)
+        signature = inspect.signature(vars(klass)["__init__"])  # its own (checked above), not an instance's
         params += [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
             break
