@@ -21,7 +21,7 @@ def readme_commands(section: str, blocks: int = 1) -> list[str]:
 def test_ci_runs_the_readme_commands_as_written_in_its_order():
     wanted = readme_commands("Install") + readme_commands("Quickstart")[:1] + readme_commands("Tests")
     assert wanted[:2] == ['pip install -e ".[dev]"', "flrun fit --config recipes/quickstart.yaml"]
-    assert "python -m pytest -q" in wanted
+    assert "python -m pytest -q -n 2" in wanted
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     positions = [ci.index(command) if command in ci else None for command in wanted]
     assert None not in positions, [c for c, p in zip(wanted, positions) if p is None]
@@ -35,7 +35,7 @@ def test_ci_checks_lint_format_layers_and_types_before_the_suites():
     checks = ["ruff check .", "ruff format --check .", "lint-imports", "mypy"]
     assert [c for c in tests if c in checks] == checks
     # a lint or type error fails CI in seconds, before the suites' many minutes (.ci/run runs with set -e)
-    assert max(tests.index(c) for c in checks) < tests.index("python -m pytest -q")
+    assert max(tests.index(c) for c in checks) < tests.index("python -m pytest -q -n 2")
     assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()
 
 
