@@ -23,7 +23,7 @@ from ..federation.errors import ConfigError
 from .build import headline
 from .markup import md, md_table
 from .render import SUMMARY_HEADER, section_view, summary_rows
-from .runs import KIB_PER_CLIENT_ROUND, KIB_TO, ROUNDS_TO
+from .runs import BEST, KIB_PER_CLIENT_ROUND, KIB_TO, ROUNDS_TO
 from .sweeps import sweep_view
 
 RUN_FOLDER = re.compile(r"^(?:offline-)?run-\d{8}_\d{6}-([A-Za-z0-9_-]+)$")  # wandb/run-20260101_120000-<id>
@@ -143,9 +143,10 @@ def _literal(text: str) -> str:
 
 
 def _plotted(section: dict) -> list[str]:
-    """The monitored metric, then the paper's other metrics that runs log every round (not derived ones)."""
+    """The monitored metric, then the paper's other metrics that runs log every round (not derived ones; a
+    ``best/<metric>`` as the curve of its metric)."""
     derived = (KIB_PER_CLIENT_ROUND, ROUNDS_TO, KIB_TO)
-    metrics = [section["monitor"], *(row["metric"] for row in section["comparison"]["rows"])]
+    metrics = [section["monitor"], *(row["metric"].removeprefix(BEST) for row in section["comparison"]["rows"])]
     return [m for m in dict.fromkeys(metrics) if not m.startswith(derived)]
 
 
