@@ -24,7 +24,8 @@ Each stated number is measured:
   from label arrays of the real layout with one-pixel images where the images would be too large;
 - by one round (two where the traffic is stated, measured in the second) on tiny files in the real formats,
   written by the tests' own writers (``kib_per_client_round``, ``numbers_up_per_client_round``,
-  ``numbers_up_per_public_example``, ``knowledge_share_of_weights``); every recipe runs its round, so a
+  ``numbers_up_per_public_example``, ``knowledge_share_of_weights``, and ``numbers_up_per_round`` /
+  ``numbers_down_per_round``: all clients of the round together); every recipe runs its round, so a
   recipe that no longer runs fails here too. With ``--one_per_shape`` a recipe whose numbers need no run
   runs its round only if no recipe of the same shape ran before it: the same settings but for the values of
   its numbers (a family's cells differ in clients, alpha, rounds or a learning rate, which a round on tiny
@@ -450,10 +451,14 @@ QUANTITIES = {
     "numbers_up_per_client_round": (lambda r, _: _run_value(r, "numbers_up_per_client_round"), False),
     "numbers_up_per_public_example": (lambda r, _: _run_value(r, "numbers_up_per_public_example"), False),
     "knowledge_share_of_weights": (lambda r, _: _run_value(r, "knowledge_share_of_weights"), False),
+    "numbers_up_per_round": (lambda r, _: _run_value(r, "numbers_up_per_round"), False),
+    "numbers_down_per_round": (lambda r, _: _run_value(r, "numbers_down_per_round"), False),
 }
 RUN_QUANTITIES = {
     KIB,
     "kib_per_client_round",
+    "numbers_up_per_round",
+    "numbers_down_per_round",
     "numbers_up_per_client_round",
     "numbers_up_per_public_example",
     "knowledge_share_of_weights",
@@ -637,7 +642,10 @@ def _models_override(r: Recipe) -> list[str]:
     """A ViT-B/16 (paper 001's CIFAR-100 target) as a one-layer random ViT and its ResNet50 auxiliary as a
     ResNet20, as the tests run them: the ViT's weights would be downloaded, and a ResNet50 after one step on a
     few random images gives non-finite test losses (the divergence check stops the run); the StackOverflow
-    LSTMs on the tiny vocabulary. No traffic is stated for these recipes."""
+    LSTMs on the tiny vocabulary; HtFLlib's extractors but its FedAvgCNN (the shared model of FML and FedKD) as its
+    ResNet4, with the same features and head: twenty clients of GoogLeNets, deep ResNets and ViTs would take
+    minutes and gigabytes a round, and the traffic stated for these recipes is the heads', the shared model's or
+    the prototypes'. No other traffic is stated for these recipes."""
     models = copy.deepcopy(r.get("models") or {})
     changed = False
     for spec in models.values():
@@ -658,6 +666,10 @@ def _models_override(r: Recipe) -> list[str]:
             changed = True
         if spec.get("builder") == "torchvision_resnet50":
             spec.update(builder="resnet20", args={"width": 0.25})
+            changed = True
+        if spec.get("builder", "").startswith("htfl_") and spec["builder"] not in ("htfl_cnn", "htfl_resnet4"):
+            kept = {k: v for k, v in (spec.get("args") or {}).items() if k in ("feature_dim", "head_hidden")}
+            spec.update(builder="htfl_resnet4", args=kept)
             changed = True
         if spec.get("builder", "").startswith("stackoverflow_lstm"):
             spec["args"] = {**(spec.get("args") or {}), "vocab_size": 34}
@@ -708,6 +720,8 @@ def tiny_run(r: Recipe) -> dict:
     per_round = r.clients_per_round() if not fixture.scale else None
     partition = json.loads((out / "partition.json").read_text())
     result = {"partition": partition}
+    if not fixture.scale:  # every client of the round, as the recipe samples them
+        result["numbers_up_per_round"], result["numbers_down_per_round"] = up / 4, down / 4
     if per_round:
         result["kib_per_client_round"] = (up + down) / 1024 / per_round
         result["numbers_up_per_client_round"] = up / 4 / per_round

@@ -156,3 +156,14 @@ def test_each_recipe_is_checked_in_a_process_of_its_own(paper_setup):
     assert torch.initial_seed() == before
     with pytest.raises(ZeroDivisionError):  # an error in the recipe's process reaches the caller
         paper_setup.isolated(divmod, 1, 0)
+
+
+@pytest.mark.slow
+def test_htfl_practical_cifar100_traffic_is_the_posters(paper_setup, capsys):
+    """LG-FedAvg's heads and FML's memes, two rounds of HtFLlib's 20 clients on tiny CIFAR-100 files: the FedKTL
+    poster's numbers per round (1.03M and 18.50M each way)."""
+    assert paper_setup.main(["--check", "--recipes", "htfl_lg_fedavg_cifar100_prac", "htfl_fml_cifar100_prac"]) == 0
+    out = capsys.readouterr().out
+    fml = r"htfl_fml_cifar100_prac\s+numbers_up_per_round\s+paper\s+18.50M\s+measured\s+1.84942e\+07\s+match"
+    heads = r"htfl_lg_fedavg_cifar100_prac\s+numbers_down_per_round\s+paper\s+1.03M\s+measured\s+1.026e\+06\s+match"
+    assert re.search(fml, out) and re.search(heads, out)
