@@ -12,6 +12,13 @@ numbers (a fidelity fix) re-records the file in the same commit and says so in t
 ``--only``, ``--write`` re-records those recipes' entries and keeps the others of the file:
 
     python benchmarks/digits_fingerprint.py --only digits_fd --write benchmarks/digits_fingerprint.json
+
+Bits depend on the CPU's vector instruction set: PyTorch's CPU kernels pick AVX2, AVX-512 or other code
+paths at run time (``torch.backends.cpu.get_cpu_capability()``), and their sums round in different orders,
+so the same code and seed give the same metrics to many digits but not the same last bits on another
+instruction set. The file therefore keeps one set of fingerprints per instruction set; ``--check`` compares
+with the set of this machine's and says so when there is none (record one with ``--write`` on code
+known to be unchanged, e.g. the main branch, before checking a change).
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def instruction_set() -> str:
+    """The vector instruction set PyTorch's CPU kernels use here (e.g. ``AVX2``, ``AVX512``)."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _tensor_digest(obj, digest) -> None:
@@ -80,24 +92,36 @@ def main() -> int:
     recipes = sorted((ROOT / "recipes").glob("digits_*.yaml")) + [ROOT / "recipes" / "quickstart.yaml"]
     if args.only:
         recipes = [r for r in recipes if r.stem in args.only]
+    isa = instruction_set()
+    expected = None
+    if args.check:
+        recorded = json.loads(args.check.read_text())
+        expected = recorded.get("by_instruction_set", {}).get(isa)
+        if expected is None or expected["rounds"] != args.rounds:
+            sys.exit(
+                f"{args.check} holds no {args.rounds}-round fingerprints for this CPU's instruction set ({isa}; "
+                f"recorded: {', '.join(recorded.get('by_instruction_set', {})) or 'none'}): record them with "
+                f"--write on unchanged code first (bits differ between instruction sets)."
+            )
     results = {r.stem: fingerprint(r, args.rounds) for r in recipes}
     if args.write:
-        recorded = results
-        if args.only and args.write.is_file():  # re-record these entries only
-            previous = json.loads(args.write.read_text())
-            if previous["rounds"] != args.rounds:
+        previous = json.loads(args.write.read_text()) if args.write.is_file() else {}
+        sets = previous.get("by_instruction_set", {})
+        entries = results
+        if args.only and isa in sets:  # re-record these entries only
+            if sets[isa]["rounds"] != args.rounds:
                 sys.exit(
-                    f"{args.write} records {previous['rounds']} rounds; --only entries must use the same --rounds."
+                    f"{args.write} records {sets[isa]['rounds']} rounds; --only entries must use the same --rounds."
                 )
-            recorded = {**previous["recipes"], **results}
-        args.write.write_text(json.dumps({"rounds": args.rounds, "recipes": recorded}, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(results)} fingerprints to {args.write}")
-    if args.check:
-        expected = json.loads(args.check.read_text())["recipes"]
-        changed = [name for name, got in results.items() if expected.get(name) != got]
+            entries = {**sets[isa]["recipes"], **results}
+        sets[isa] = {"rounds": args.rounds, "recipes": entries}
+        args.write.write_text(json.dumps({"by_instruction_set": sets}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(results)} fingerprints for {isa} to {args.write}")
+    if expected is not None:
+        changed = [name for name, got in results.items() if expected["recipes"].get(name) != got]
         for name in changed:
-            print(f"CHANGED {name}:\n  expected {expected.get(name)}\n  got      {results[name]}")
-        print(f"{len(results) - len(changed)} of {len(results)} recipes bit-identical")
+            print(f"CHANGED {name}:\n  expected {expected['recipes'].get(name)}\n  got      {results[name]}")
+        print(f"{len(results) - len(changed)} of {len(results)} recipes bit-identical ({isa})")
         return 1 if changed else 0
     if not (args.write or args.check):
         print(json.dumps(results, indent=1, sort_keys=True))

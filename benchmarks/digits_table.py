@@ -2,6 +2,7 @@
 
     python benchmarks/digits_table.py --write                     # every table, seeds 0 1 2, into the docs
     python benchmarks/digits_table.py --write --tables paper-004  # only the tables whose id starts so
+    python benchmarks/digits_table.py --write --tables htfllib    # HtFLlib's methods with their cost columns
     python benchmarks/digits_table.py --check                     # re-runs a few rows, exit 1 on a difference
     python benchmarks/digits_table.py --write --rows digits_moon "MOON (homo)"  # re-measures these rows only
     python benchmarks/digits_table.py --rounds 2 --seeds 0 --rows digits_moon digits_feddf  # a quick look (prints)
@@ -13,7 +14,7 @@ mean and sample std over seeds, then every seed's value; the ranking line says w
 method is above every other row, per metric that ranks (accuracies). Runs are deterministic on CPU, so
 ``--check`` re-runs the rows named by ``--rows`` (default: ``DEFAULT_CHECK``, in every block that has
 them) with the seeds and rounds the docs record, and fails if a row's text differs (its values are
-printed to the third decimal, the communication to the second). ``--write --rows`` re-measures the named
+printed to the third decimal, the communication in KiB to the second). ``--write --rows`` re-measures the named
 rows in every block that has them, with the seeds and rounds the block records, and redoes the ranking
 lines from the rows as the docs then print them (each seed's value).
 """
@@ -32,6 +33,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "algorithms.md"
 KIB = "comm/kib_per_client_round"
+GFLOPS = "compute/gflops_per_client_round"  # local training GFLOPs per client and round (client/flops.py)
+COST = (KIB, GFLOPS)  # derived from a run's traffic and compute: less is better, never ranked
+HTFL = ["personal/test_acc", KIB, GFLOPS]
 
 
 def _strategy(name: str, **args) -> dict:
@@ -150,6 +154,34 @@ TABLES = {
             ("FedGH", "digits_fedgh", None, ["personal/test_acc", KIB]),
         ],
     ),
+    "htfllib/suite": (
+        (
+            "HtFLlib's methods (the suite of the FedKTL paper's comparison table; Local is `Standalone`, FedDistill "
+            "is `FD`), in `digits_fedgh`'s set-up (15 clients, three architectures with a 64-d representation, 2 "
+            "classes each, all of them every round, 40 rounds; personal models on their local test splits), with "
+            "the trade-off columns: KiB down and up and local training GFLOPs (an estimate: each model's step "
+            "counted once, times the steps), per client and round. FedKTL, the FedKTL paper's own method, is the "
+            "ranked row."
+        ),
+        HTFL,
+        [
+            # one line per method: its own digits recipe when it is in digits_fedgh's set-up, else digits_fedgh
+            # with its strategy swapped in; a row whose recipe or strategy does not exist yet is listed as such
+            ("Local", "digits_fedgh", _strategy("Standalone", split="test"), HTFL),
+            ("FD", "digits_fedgh", _strategy("FD", lam=1.0, temperature=1.0, split="test"), HTFL),
+            ("FML", "digits_fml", None, HTFL),
+            ("LG-FedAvg", "digits_lg_fedavg", None, HTFL),
+            ("FedGen", "digits_fedgen", None, HTFL),
+            ("FedProto", "digits_fedproto", None, HTFL),
+            ("FedKD", "digits_fedkd", None, HTFL),
+            ("FedGH", "digits_fedgh", None, HTFL),
+            ("FedTGP", "digits_fedtgp", None, HTFL),
+            ("FedMRL", "digits_fedmrl", None, HTFL),
+            ("FedL2G", "digits_fedl2g", None, HTFL),
+            ("FedPCL", "digits_fedpcl", None, HTFL),
+            ("FedKTL", "digits_fedktl", None, HTFL),
+        ],
+    ),
 }
 ALL_RECIPES = "all-digits-recipes"
 # checked by default: the papers' own methods of two tables and the recipe whose earlier table did not reproduce
@@ -168,7 +200,7 @@ BLOCK = re.compile(
 
 
 def run_once(recipe: str, overrides: dict | None, seed: int, rounds: int | None) -> tuple[dict, dict]:
-    """One in-process run: its summary and the values of every metric asked for (the comm column too)."""
+    """One in-process run: its summary and its traffic and compute per client and round (the cost columns)."""
     from fl_lightning.cli.commands import fit_from_argv
     from fl_lightning.report.runs import load_run, measured_value
 
@@ -183,7 +215,7 @@ def run_once(recipe: str, overrides: dict | None, seed: int, rounds: int | None)
             argv += ["--rounds", str(rounds), "--eval_every", str(rounds)]
         summary = fit_from_argv(argv)
         run = load_run(out)
-        return summary, {KIB: measured_value(run, KIB)}
+        return summary, {metric: measured_value(run, metric) for metric in COST}
 
 
 def measure(recipe, overrides, metrics, seeds, rounds) -> dict[str, list[float | None]]:
@@ -247,7 +279,7 @@ def ranking_line(rows, measured: dict) -> str:
         return "Ranking: not enough rows measured."
     parts = []
     for i, metric in enumerate(metrics):
-        if metric == KIB:  # less is better, and the papers claim no order on it
+        if metric in COST:  # less is better, and the papers claim no order on it
             continue
         means = {}
         for label, _, _, row_metrics in rows:

@@ -121,7 +121,9 @@ def fit(config=None, **options):
 
     Raises:
         ConfigError: a mistake in the recipe or the options, in the one sentence ``flrun fit`` prints, naming
-            keyword arguments (``rounds=1``, ``resume="auto"``) where the command line names options.
+            keyword arguments (``rounds=1``, ``resume="auto"``) where the command line names options; also when
+            another ``fit`` runs in this process (another thread): one run at a time per process, since runs
+            share its random state, torch threads and precision settings (run several in separate processes).
     """
     from .run.api import fit_recipe
 

@@ -58,6 +58,11 @@ def _tiers(*tiers) -> dict:
 
 
 SGD = "torch.optim.SGD"
+# the three roles of the heterogeneous digits recipes, one with a 32-dimensional representation
+HEADS_32_64 = (
+    "{cnn_small: {builder: digits_mlp, args: {hidden: 32}}, cnn_large: {builder: digits_mlp, args: {hidden: 64}}, "
+    "mlp: {builder: digits_mlp, args: {hidden: 64}}}"
+)
 
 
 def _idx(array: np.ndarray) -> bytes:
@@ -422,6 +427,46 @@ CASES = [
         ["FD", "temperature > 0"],
         no_recipe=True,
     ),
+    Case(
+        "FedGen generator batch of one",
+        ["--config", "recipes/digits_fedgen.yaml", "--strategy.init_args.generator_batch_size", "1"],
+        ["FedGen", "generator_batch_size >= 2"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedGen heads of different shapes",
+        ["--config", "recipes/digits_fedgen.yaml", "--models", HEADS_32_64],
+        ["FedGen", "same parameters and shapes", "same representation size"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedTGP server_lr zero",
+        ["--config", "recipes/digits_fedtgp.yaml", "--strategy.init_args.server_lr", "0"],
+        ["FedTGP", "server_lr > 0"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedTGP feature sizes differ",
+        ["--config", "recipes/digits_fedtgp.yaml", "--models", HEADS_32_64],
+        ["FedTGP", "same feature size"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedL2G warm-up covers every round",
+        ["--config", "recipes/digits_fedl2g.yaml", "--strategy.init_args.warm_up_rounds", "40"],
+        ["FedL2G's warm_up_rounds (40) cover all 40 rounds", "lower strategy.init_args.warm_up_rounds"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedMRL small model wider than a client's",
+        [],
+        ["FedMRL's small model reads the first d1 = 64", "roles {'global': 32}", "give the small model"],
+        recipe={
+            "models": {"small": {"builder": "digits_mlp", "args": {"hidden": 64}}},
+            "population": {"num_clients": 8, "tiers": [{"name": "all", "roles": ["global", "small"]}]},
+            "strategy": {"class_path": "fl_lightning.strategies.FedMRL"},
+        },
+    ),
     Case("test share leaves no example", ["--data.init_args.test_fraction", "0.001"], ["test_fraction 0.001", "raise"]),
     Case("optimizer option misspelled", ["--training.optimizer.init_args.momentun", "0.9"], ["'momentun'", "momentum"]),
     Case("model option one key at a time", ["--models.global.args.width", "0.5"], ["models.global.args", "mapping"]),
@@ -629,6 +674,21 @@ CASES = [
         files={"recipes/cifar.yaml": TABLE_RECIPE},
         command="table",
     ),
+    # ---------------------------------------------------------------- every command's options
+    Case("option before any command", [], ["unknown command '--bogus'", "use one of"], command="--bogus"),
+    Case("unknown option of models", ["--bogus"], ["unknown option --bogus", "flrun models --help"], command="models"),
+    Case("argument models takes none of", ["resnet18"], ["unknown argument resnet18"], command="models"),
+    Case("unknown option of report", ["{tmp}", "--bogus"], ["unknown option --bogus"], command="report"),
+    Case("abbreviated option of report", ["{tmp}", "--out", "x.html"], ["unknown option --out"], command="report"),
+    Case(
+        "unknown option of sweep",
+        ["--config", "{tmp}/sweep.yaml", "--n_job", "2"],
+        ["unknown option --n_job", "flrun sweep --help"],
+        files={"sweep.yaml": SWEEP},
+        command="sweep",
+    ),
+    Case("unknown option of table", ["paper-001/table-5", "--seed", "1"], ["unknown option --seed"], command="table"),
+    Case("unknown option of data fetch", ["fetch", "mnist", "--dir", "d"], ["unknown option --dir"], command="data"),
 ]
 
 

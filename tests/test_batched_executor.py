@@ -1,7 +1,8 @@
 """runtime.executor batched: clients of one architecture trained as one vmapped computation (issue 11 item 1).
 
 Batched and sequential runs of the same recipe and seed must give every client and the server the same
-weights to float tolerance (vmapped convolutions use other kernels, so not bit for bit), and the summary
+weights to float tolerance (vmapped convolutions use other kernels, so not bit for bit; each tensor within a
+relative L2 distance, ``L2_RTOL`` below), and the summary
 must say how many fits really ran batched, so that a test cannot pass by silently running sequentially.
 The same holds in lockstep (``runtime.lockstep``: every client of a group in every step, batches padded),
 whose summary must show padded steps and none by shape.
@@ -53,18 +54,39 @@ def _tensors(obj, prefix=""):
         yield from _tensors(obj.state_dict(), prefix)
 
 
-def _named(name):
-    """assert_close's message with the tensor's name first (its own message says by how much they differ)."""
-    return lambda message: f"{name}: {message}"
+# Batched (vmapped) and sequential steps round differently (other convolution kernels), and over a run those
+# differences do not stay at float32's 1e-7: where two max-pooled values lie within a rounding of each other, the
+# argmax, and with it where a gradient goes, flips, and later steps carry the flip on. On one CPU (AMD EPYC, AVX2)
+# that put single weights of the quickstart's CNN 8.5e-5 apart after one round, 7.7 times an elementwise tolerance
+# of 1e-5 + 1e-4 |w|, and FedAdam's and MergedCodist's 4e-4, where other CPUs passed. A flip moves few elements, so
+# each tensor is compared whole: the L2 distance of the two runs' tensors must stay under 3e-3 of its norm, plus a
+# floor of 1e-5 per element (root mean square) for tensors near zero (Adam's second moments). Those runs measured
+# at most 2.3e-4 of the norm on weights; a batched step that loses one client's gradient once measured 7e-3 to
+# 6e-2 (test_a_batched_step_that_loses_one_clients_gradient_fails_the_comparison), and 0.5 on FedAdam's moments.
+L2_RTOL, RMS_ATOL = 3e-3, 1e-5
+
+
+def _assert_close_tensor(name, actual, expected):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
+    if not expected.is_floating_point():
+        assert torch.equal(actual, expected), name
+        return
+    distance = (actual.double() - expected.double()).norm().item()
+    bound = L2_RTOL * expected.double().norm().item() + RMS_ATOL * expected.numel() ** 0.5
+    assert distance <= bound, f"{name}: L2 distance {distance:.3g} over the bound {bound:.3g} (relative L2 tolerance)"
 
 
 def _assert_close_runs(sequential, weights, batched, batched_weights):
-    """Every tensor of the two runs' checkpoints and every final metric equal to float tolerance."""
+    """Every tensor of the two runs' checkpoints within the relative L2 tolerance above, and every final metric close:
+    losses to 1e-3, accuracies to 0.01 (a flipped tie can flip a prediction: 1 of the digits' 359 test images)."""
     assert weights.keys() == batched_weights.keys() and weights
     for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
+        _assert_close_tensor(name, batched_weights[name], value)
     for metric, value in sequential["final"].items():
-        assert batched["final"][metric] == pytest.approx(value, rel=1e-4, abs=1e-5), metric
+        if "acc" in metric or "share" in metric:
+            assert batched["final"][metric] == pytest.approx(value, abs=0.01), metric
+        else:
+            assert batched["final"][metric] == pytest.approx(value, rel=1e-3, abs=1e-5), metric
 
 
 def _assert_in_lockstep(summary):
@@ -153,6 +175,60 @@ def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, ext
     _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
+def test_a_batched_step_that_loses_one_clients_gradient_fails_the_comparison(tmp_path, monkeypatch):
+    """The tolerance of the comparison above still sees a batching bug: the first client of each group losing its
+    gradient in one step (one of about five steps of one of ten clients) fails it."""
+    from fl_lightning.client.batched import group_training
+
+    sequential, weights = _run(tmp_path, "quickstart.yaml", "sequential")
+    gradients = group_training.GroupTraining._gradients
+
+    def losing_one(self, *args, **kwargs):
+        grads, rest = gradients(self, *args, **kwargs)
+        if self.step_index == 2:
+            for rows in grads.values():
+                rows[0].zero_()
+        return grads, rest
+
+    monkeypatch.setattr(group_training.GroupTraining, "_gradients", losing_one)
+    batched, batched_weights = _run(tmp_path, "quickstart.yaml", "batched")
+    assert batched["executor"]["batched_fits"] > 0
+    with pytest.raises(AssertionError, match="relative L2 tolerance"):
+        _assert_close_runs(sequential, weights, batched, batched_weights)
+
+
+def test_a_model_with_dropout_runs_sequentially_from_the_start_with_the_sequential_numbers(
+    tmp_path, monkeypatch, caplog
+):
+    """Dropout draws each client's masks from the client's own random stream, which one vmapped step cannot: the
+    executor sees the layers before it builds any group (no stacked state, no failed first step), says so once in
+    the log and per fit in summary.json, and trains every fit as the sequential loop does, bit for bit."""
+    from fl_lightning.client.batched import fits as batched_module
+
+    model = ("--models", '{"global": {"builder": "fedhe_cnn0", "args": {"image_size": 8}}}')  # dropout 0.2, twice
+    sequential, weights = _run(tmp_path, "quickstart.yaml", "sequential", *model)
+    attempts, group_training = [], batched_module.GroupTraining
+    monkeypatch.setattr(batched_module, "GroupTraining", lambda *a: attempts.append(1) or group_training(*a))
+    with caplog.at_level("WARNING", logger=batched_module.__name__):
+        batched, batched_weights = _run(tmp_path, "quickstart.yaml", "batched", *model)
+    fits = 2 * 10  # 2 rounds x 10 clients
+    why = (
+        "random layers (global: features.3 (Dropout), global: features.8 (Dropout)): one vmapped step cannot draw "
+        "from each client's own stream"
+    )
+    assert attempts == [] and batched["executor"] == {
+        "mode": "batched",
+        "batched_fits": 0,
+        "sequential_fits": fits,
+        "sequential_reasons": {why: fits},
+    }
+    warnings = [r.getMessage() for r in caplog.records if "random layer" in r.getMessage()]
+    assert len(warnings) == 1 and "role 'global' has dropout" in warnings[0], warnings
+    assert batched["final"] == sequential["final"]
+    assert weights.keys() == batched_weights.keys() and weights
+    assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
 def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
     """Standalone: per-client weights persist across rounds; batched clients must not mix them up."""
     base = ("--strategy", "fl_lightning.strategies.Standalone", "--training.local_steps", "3")
@@ -163,7 +239,7 @@ def test_a_personalized_method_keeps_each_clients_own_weights(tmp_path):
         batched, batched_weights = _run(tmp_path, "quickstart.yaml", executor, *base)
         assert batched["executor"]["batched_fits"] > 0
         for name in personal:
-            torch.testing.assert_close(batched_weights[name], weights[name], rtol=1e-4, atol=1e-5, msg=_named(name))
+            _assert_close_tensor(name, batched_weights[name], weights[name])
     _assert_in_lockstep(batched)
 
 
@@ -189,6 +265,20 @@ def test_steps_that_record_what_they_observe_train_batched(tmp_path, recipe, ext
     _assert_close_runs(sequential, weights, lockstep, lockstep_weights)
 
 
+# FedProto's CNNs meet a max-pool near-tie within 2 rounds: vmapped and plain convolutions round differently, and
+# where two pooled values are one float apart the argmax, and with it where a gradient goes, flips (client 7's
+# conv weights then differ by 3.5e-5). Without lockstep that client's step ran alone by plain autograd; in lockstep
+# every step is vmapped. Its step's handling of padded rows is compared on MLP roles, which have no max pool.
+FEDPROTO_MLPS = (
+    "--models",
+    (
+        '{"cnn_small": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 1}}, '
+        '"cnn_large": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 3}}, '
+        '"mlp": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 2}}}'
+    ),
+)
+
+
 # FedMD's recipe starts with 5 + 5 epochs of transfer learning, over which float differences grow chaotically:
 # its sequential runs with 1 and with 2 CPU threads differ by up to 1.06 after 2 rounds; 1 + 1 epochs do not
 FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1")
@@ -204,6 +294,11 @@ FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.
         ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
         ("digits_fd.yaml", ()),  # a teacher per label, its logits handed out as a record
         ("digits_fedproto.yaml", ()),  # prototypes per class, its representations handed out as a record
+        ("digits_fedgen.yaml", ()),  # generated features and their labels in the batch
+        # the server's prototypes per class; on MLP roles: a client's CNN meets a max-pool near-tie in round 2 (see
+        # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
+        ("digits_fedtgp.yaml", FEDPROTO_MLPS),
+        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
     ],
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
@@ -228,20 +323,6 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
     _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
-# FedProto's CNNs meet a max-pool near-tie within 2 rounds: vmapped and plain convolutions round differently, and
-# where two pooled values are one float apart the argmax, and with it where a gradient goes, flips (client 7's
-# conv weights then differ by 3.5e-5). Without lockstep that client's step ran alone by plain autograd; in lockstep
-# every step is vmapped. Its step's handling of padded rows is compared on MLP roles, which have no max pool.
-FEDPROTO_MLPS = (
-    "--models",
-    (
-        '{"cnn_small": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 1}}, '
-        '"cnn_large": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 3}}, '
-        '"mlp": {"builder": "digits_mlp", "args": {"hidden": 64, "depth": 2}}}'
-    ),
-)
-
-
 @pytest.mark.parametrize(
     "recipe, extra",
     [
@@ -252,9 +333,13 @@ FEDPROTO_MLPS = (
         ("digits_fedgkt.yaml", ()),
         ("digits_fd.yaml", ()),  # a teacher per label: PAD labels indexed as class 0, left out of the mean
         ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
+        ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
+        ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
         ("digits_feddf.yaml", ()),
         ("digits_periodic_codist.yaml", ()),
         ("digits_fedgh.yaml", ()),
+        # guiding vectors indexed by label, the distance over the real rows; both rounds train
+        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),
         ("digits_lg_fedavg.yaml", ()),
         ("digits_weak_only.yaml", ()),
         ("digits_strong_only.yaml", ()),
@@ -299,12 +384,12 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
         assert torch.equal(batched_weights[name], value), name
 
 
-@pytest.mark.parametrize("recipe", ["digits_fml.yaml", "digits_fedkd.yaml"])
+@pytest.mark.parametrize("recipe", ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"])
 def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_so(tmp_path, recipe):
-    """FML's and FedKD's fit_jointly trains two models per client outside loop.fit: the batched executor runs
-    it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h is a
-    module of its own there, not the one instance the sequential loop reuses: a paused client's would be
-    refilled by the next.)"""
+    """FML's, FedKD's and FedMRL's fit_jointly trains two models per client outside loop.fit: the batched executor
+    runs it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h and
+    FedMRL's projector are modules of their own there, not the one instance the sequential loop reuses: a paused
+    client's would be refilled by the next.)"""
     sequential, weights = _run(tmp_path, recipe, "sequential")
     batched, batched_weights = _run(tmp_path, recipe, "batched")
     fits = 2 * 15  # 2 rounds x 15 clients
@@ -422,7 +507,7 @@ def test_a_step_drawing_a_second_stream_runs_in_both_executors(tmp_path):
     assert batched["executor"]["sequential_reasons"] == {"the step is not marked pure (@vmappable)": 8}
     assert batched["executor"]["batched_fits"] > 0
     for name, value in weights.items():
-        torch.testing.assert_close(batched_weights[name], value, rtol=1e-4, atol=1e-5, msg=_named(name))
+        _assert_close_tensor(name, batched_weights[name], value)
 
 
 def test_a_cancelled_client_thread_ends_whether_paused_or_not_started():

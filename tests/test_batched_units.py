@@ -704,3 +704,25 @@ def test_the_padding_check_runs_once_per_group(monkeypatch):
     assert fit.lockstep.counts["padded_client_steps"] == 3 and len(losses) == 3
     fit.run(requests())
     assert fit.lockstep.counts["padded_client_steps"] == 6 and len(losses) == 6
+
+
+def test_random_layers_are_those_that_draw_in_the_fit():
+    """Dropout of every kind with p > 0 and RReLU draw random numbers in training mode; in the fitted role they
+    count whatever their mode (the fit trains it), in another role only in training mode (an evaluation-mode
+    teacher draws nothing)."""
+    from fl_lightning.client.batched.randomness import random_layers
+
+    student = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.0), torch.nn.Dropout2d(0.1))
+    teacher = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.RReLU(), torch.nn.AlphaDropout(0.5))
+    loop = _loop({"student": student, "teacher": teacher}, lambda p: torch.optim.SGD(p, lr=0.1))
+    student.eval()  # the fit puts it into training mode: its dropout still draws
+    teacher.eval()
+    modes = fit_request.training_modes(loop)
+    assert random_layers(loop, "student", modes) == ["student: 2 (Dropout2d)"]
+    teacher.train()
+    assert random_layers(loop, "student", fit_request.training_modes(loop)) == [
+        "student: 2 (Dropout2d)",
+        "teacher: 1 (RReLU)",
+        "teacher: 2 (AlphaDropout)",
+    ]
+    assert random_layers(loop, "teacher", modes) == ["teacher: 1 (RReLU)", "teacher: 2 (AlphaDropout)"]

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("digits_*.yaml")) + ["quickstart.yaml"]
 # server state that meets client uploads: weights and Adam moments, class banks, headers, low-rank updates
 SERVER_STATE = ["fedadam", "periodic_codist", "merged_codist", "heterofl", "fedkd", "fedgh", "fedhe", "felo"]
-SERVER_STATE += ["velo", "fd"]
+SERVER_STATE += ["velo", "fd", "fedgen", "fedtgp"]  # FedGen: its generator and Adam; FedTGP: its prototype network
+SERVER_STATE += ["fedl2g", "fedmrl"]
 
 
 def _argv(recipe: str, out: Path, rounds: int) -> list[str]:

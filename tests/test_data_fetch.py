@@ -64,6 +64,32 @@ def test_a_corrupted_download_is_refused_and_deleted(tmp_path, monkeypatch):
         download.download(url, tmp_path / "other.bin", md5=hashlib.md5(b"something else").hexdigest())
 
 
+def test_a_full_disk_during_a_download_names_the_file_not_the_network(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    url, target = "https://example.org/file.bin", tmp_path / "file.bin"
+    serve(monkeypatch, {url: b"x" * 100_000})
+    real_open = download.Path.open
+
+    class Full(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_(path, mode="r", *args, **kwargs):  # the .part file fills the disk at its first write
+        return Full() if str(path).endswith(".part") and "w" in mode else real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(download.Path, "open", open_)
+    with pytest.raises(OSError) as raised:
+        download.download(url, target, sha256=hashlib.sha256(b"x" * 100_000).hexdigest())
+    assert not isinstance(raised.value, ConfigError)  # not "check the connection or proxy"
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(target)
+    assert not target.exists() and not (tmp_path / "file.bin.part").exists()
+
+
 def test_a_file_another_process_is_downloading_is_waited_for_and_not_fetched_again(tmp_path, monkeypatch):
     import fcntl
     import threading

@@ -112,3 +112,22 @@ def test_a_method_with_no_digits_recipe_of_the_set_up_runs_as_a_variant_of_it(di
     assert "personal/test_acc" in summary["final"]
     # FD's traffic, not FedGH's: in round 1 each client's 2 labels' logits and labels up, no teacher yet down
     assert derived[digits_table.KIB] == pytest.approx(2 * 11 * 4 / 1024)
+
+
+def test_the_htfllib_table_adds_a_method_in_one_line_with_its_cost_columns(digits_table, monkeypatch):
+    """A row is one line; a method not built yet is listed, not run; the cost columns are per client and round."""
+    title, columns, rows = digits_table.TABLES["htfllib/suite"]
+    assert columns == ["personal/test_acc", digits_table.KIB, digits_table.GFLOPS]
+    local = next(r for r in rows if r[0] == "Local")
+    unbuilt = ("FedX", "digits_fedx", None, columns)
+    monkeypatch.setitem(digits_table.TABLES, "htfllib/suite", (title, columns, [local, unbuilt]))
+    text = digits_table.comparison_table("htfllib/suite", seeds=[0], rounds=1)
+    summary, _ = digits_table.run_once(local[1], local[2], seed=0, rounds=1)
+    gflops = summary["compute"]["train_flops"] / 15 / 1e9  # one round, all 15 clients of digits_fedgh
+    assert summary["compute"]["train_flops"] > 0
+    acc = summary["final"]["personal/test_acc"]
+    assert _row(text, "Local") == (
+        f"| Local | `digits_fedgh` with its strategy changed | {acc:.3f} ({acc:.3f}) | 0.00 (0.00) "  # sends nothing
+        f"| {gflops:.3f} ({gflops:.3f}) |"
+    )
+    assert "Not yet implemented: FedX." in text and "Ranking: not enough rows measured." in text

@@ -138,6 +138,34 @@ def test_all_finite_finds_one_bad_element_among_many(bad, dtype):
     assert all_finite([torch.eye(2, dtype=dtype).to_sparse(), torch.eye(2, dtype=dtype).to_sparse_csr()])
 
 
+@pytest.mark.parametrize("fused", [False, True])  # the CPU's sums, and the GPU's one _foreach_norm call
+def test_the_cheap_total_is_finite_exactly_when_every_element_is_or_the_total_overflowed(fused):
+    from fl_lightning.run.robustness import _total
+
+    g = torch.Generator().manual_seed(0)
+    group = [torch.randn(s, generator=g) for s in [(70, 3), (5,), ()]]
+    assert torch.isfinite(_total(group, fused))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoiled = [t.clone() for t in group]
+        spoiled[0][69, 2] = bad
+        assert not torch.isfinite(_total(spoiled, fused)), bad
+    huge = [torch.full((4,), torch.finfo(torch.float32).max)]  # finite, but its total overflows: all_finite then
+    assert not torch.isfinite(_total(huge, fused)) and all_finite(huge)  # asks the exact test, which clears it
+    halves = [torch.full((8,), 60000.0, dtype=torch.float16)]  # a sum of 480,000: past float16, not past float32
+    assert torch.isfinite(_total(halves, fused))
+
+
+def test_a_finite_update_is_cleared_by_its_total_without_the_exact_test(monkeypatch):
+    """The infinity norm (5 ms at 1.6 M float32 weights on a CPU, against 0.2 ms for the sums) runs only when the
+    total is not finite: never for a finite update, once for an update with one NaN."""
+    calls, norm = [], torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, ord=2: calls.append(ord) or norm(tensors, ord))
+    weights = [torch.randn(1000, 100), torch.randn(100), torch.randn(10, 100, dtype=torch.float64)]
+    assert all_finite(weights) and float("inf") not in calls
+    weights[1][7] = float("nan")
+    assert not all_finite(weights) and calls.count(float("inf")) == 1
+
+
 def test_all_finite_takes_integer_complex_and_float8_tensors():
     assert all_finite([torch.arange(5), torch.tensor([True, False]), torch.tensor([3e38 + 3e38j])])
     assert not all_finite([torch.tensor([1 + 2j, complex(1.0, float("nan"))])])

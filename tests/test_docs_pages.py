@@ -84,7 +84,8 @@ def check_tutorial(folder: Path, log: str) -> None:
     assert sweep["trials"] == 6 and "Six trials run" in (ROOT / "docs/tutorial.md").read_text()
     quoted = _quoted("docs/tutorial.md", r"\(validation accuracy (\d\.\d{4}); on the test set, (\d\.\d{4})\)")
     assert quoted == [f"{sweep['best_value']:.4f}", f"{sweep['best_test']['value']:.4f}"]
-    assert (runs / "report.html").is_file()
+    # step 3's two runs share their data: the report draws their trade-off, as step 5 says
+    assert "<h2>Trade-off: DigitsData, test_acc</h2>" in (runs / "report.html").read_text()
     results_are_recorded("report.png", folder)  # docs/img/report.png is the report of these runs
     _check_the_table_plan(log, "It lists the 63 runs (21 recipes x 3 seeds)", "docs/tutorial.md")
     _run_the_sweep_file_comment(folder)

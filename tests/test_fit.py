@@ -4,6 +4,7 @@ import csv
 import json
 
 import pytest
+import torch
 from conftest import ROOT, read_summary, run_cli, write_recipe
 
 
@@ -59,6 +60,7 @@ def test_summary_records_the_hardware_the_wall_time_comes_from(tmp_path):
     assert hardware["device"] == "cpu" and "gpu" not in hardware
     assert hardware["threads"] == 1 and hardware["ranks"] == 1
     assert hardware["cpu"] and hardware["cpu_count"] >= 1
+    assert hardware["cpu_instruction_set"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_hardware_names_the_gpus_a_process_was_given(monkeypatch):

@@ -7,6 +7,7 @@ processes, a symbolic link, a FIFO or a check of what is on disk afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -270,7 +271,11 @@ def test_a_resume_on_a_full_disk_frees_its_own_leftovers_before_it_writes(tmp_pa
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"\x00" * 4096)
     present_at_first_write = []
-    _full_disk_at(monkeypatch, lambda path: present_at_first_write.append([p.exists() for p in leftovers]) or True)
+
+    def left(path: Path) -> bool:  # the leftover as it was (the first write may be a new file of the same name)
+        return path.exists() and path.read_bytes() == b"\x00" * 4096
+
+    _full_disk_at(monkeypatch, lambda path: present_at_first_write.append([left(p) for p in leftovers]) or True)
     capsys.readouterr()
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -287,6 +292,121 @@ def test_a_report_written_where_it_cannot_be_is_one_sentence(tmp_path, capsys):
     assert "afile" in _one_line(capsys)
 
 
+def _disk_fills_up(monkeypatch, folder: Path, room: int = 64) -> None:
+    """Files opened for writing in ``folder`` take ``room`` bytes in all, then a write fails with ENOSPC after
+    writing what still fitted: a nearly full disk under whichever open() the writer uses."""
+    import builtins
+    import io
+
+    real_open, written = io.open, [0]
+
+    class Filling:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            if written[0] + len(data) > room:
+                self.f.write(data[: max(room - written[0], 0)])
+                self.f.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written[0] += len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def filling_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        writes = any(flag in mode for flag in "wax+")
+        if writes and isinstance(file, (str, os.PathLike)) and Path(file).resolve().parent == folder.resolve():
+            return Filling(f)
+        return f
+
+    monkeypatch.setattr(builtins, "open", filling_open)
+    monkeypatch.setattr(io, "open", filling_open)
+
+
+@pytest.mark.parametrize("suffix", [".html", ".md"])
+def test_a_report_over_the_users_report_on_a_full_disk_keeps_it_and_names_it(tmp_path, capsys, monkeypatch, suffix):
+    recipe = write_recipe(tmp_path / "r.yaml", **FAST)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run")) == 0
+    out = tmp_path / "out"
+    report = out / f"report{suffix}"
+    assert run_cli("report", str(tmp_path / "run"), "--output", str(report)) == 0
+    before = _tree(out)
+    _disk_fills_up(monkeypatch, out)
+    capsys.readouterr()
+    assert run_cli("report", str(tmp_path / "run"), "--output", str(report)) == 2
+    message = _one_line(capsys)
+    assert f"{report}: No space left on device; free space on its disk" in message
+    assert _tree(out) == before  # the old report whole, no partial or temporary file beside it
+
+
+def test_a_chart_over_the_users_chart_on_a_full_disk_keeps_it_and_names_it(tmp_path, capsys, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", **FAST)
+    out = tmp_path / "out"
+    chart = out / "chart.png"
+    assert run_cli("data", "inspect", "--config", str(recipe), "--output", str(chart)) == 0
+    before = _tree(out)
+    assert before["chart.png"].startswith(b"\x89PNG")
+    _disk_fills_up(monkeypatch, out, room=100)
+    capsys.readouterr()
+    assert run_cli("data", "inspect", "--config", str(recipe), "--output", str(chart)) == 2
+    assert f"{chart}: No space left on device" in _one_line(capsys)
+    assert _tree(out) == before
+
+
+@pytest.mark.parametrize(
+    "stop, status, said", [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_stop_while_a_checkpoint_is_written_ends_as_a_stop_between_writes(
+    tmp_path, capsys, monkeypatch, stop, status, said
+):
+    """The signal arrives in the middle of torch.save's writes of the second checkpoint: the command ends with
+    the stop's one line (not torch's ``unexpected pos``), the checkpoint being written is complete, and the
+    run resumes to the numbers of an uninterrupted one."""
+    import fl_lightning.run.checkpoint as checkpoint
+
+    recipe = write_recipe(tmp_path / "r.yaml", **FAST)
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "whole")) == 0
+    real_save, saves = torch.save, []
+
+    class Signalling:
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                os.kill(os.getpid(), stop)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    def save(obj, f, *args, **kwargs):
+        saves.append(f)
+        return real_save(obj, Signalling(f) if len(saves) == 2 else f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run)) == status
+    message = _one_line(capsys)
+    assert message.startswith(f"flrun fit: {said}") and "--resume auto" in message
+    assert checkpoint.load_checkpoint(run / "checkpoints/last.ckpt")["rounds_done"] == 2
+    assert not list(run.rglob("*.tmp"))
+    monkeypatch.undo()
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), "--resume", "auto") == 0
+    assert _final(run) == _final(tmp_path / "whole")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_report_into_a_read_only_folder_is_one_sentence(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", **FAST)
@@ -295,6 +415,17 @@ def test_a_report_into_a_read_only_folder_is_one_sentence(tmp_path, capsys):
     capsys.readouterr()
     assert run_cli("report", str(tmp_path / "run"), "--output", str(tmp_path / "ro/report.html")) == 2
     assert "Permission denied" in _one_line(capsys)
+
+
+def test_output_read_by_a_reader_that_went_away_ends_quietly(tmp_path):
+    """``flrun models | head -1``: the reader closes the pipe; the command ends as a shell shows SIGPIPE, without
+    naming "a file" or printing a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "fl_lightning", "models"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # before the command has written anything (it is still starting)
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 128 + signal.SIGPIPE and err == "", err
 
 
 def test_a_users_own_sqlite_database_is_not_taken_for_a_study(tmp_path, capsys):
@@ -378,6 +509,34 @@ def test_the_launcher_names_a_rank_that_ended_and_how_to_continue(tmp_path, stop
     last = err.strip().splitlines()[-1]
     assert f"rank 1 ended ({how})" in last and "--resume auto" in last, err
     assert process.returncode == 128 + stop
+
+
+@pytest.mark.slow  # three processes, each importing the stack
+def test_ranks_end_when_their_launcher_is_killed_and_the_run_resumes(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=5000, eval_every=1000)
+    run = tmp_path / "run"
+    process = _start(["--config", str(recipe), "--output_dir", str(run), "--runtime.devices", "2"], tmp_path)
+    _wait_for(run / "checkpoints/last.ckpt", process)
+    ranks = _ranks(process.pid)
+    assert sorted(ranks) == [0, 1]
+    try:
+        process.kill()  # SIGKILL: the launcher can neither stop its ranks nor wait for them
+        _, err = process.communicate(timeout=300)  # rank 0 shares its stderr: closed once rank 0 has ended
+        deadline = time.monotonic() + 120
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values()), "ranks outlived their launcher"
+    finally:
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in err and "stopped by SIGTERM" in err.strip().splitlines()[-1], err
+    from fl_lightning.run.checkpoint import load_checkpoint
+
+    done = load_checkpoint(run / "checkpoints/last.ckpt")["rounds_done"]
+    resume = ["--resume", "auto", "--stop_after", str(done + 1)]
+    assert run_cli("fit", "--config", str(recipe), "--output_dir", str(run), *resume) == 0
+    assert load_checkpoint(run / "checkpoints/last.ckpt")["rounds_done"] == done + 1
 
 
 # ---------------------------------------------------------------------------------------------- silent wrong results

@@ -56,6 +56,42 @@ def test_weighted_average_of_mixed_tensors_equals_the_float64_sum_tensor_by_tens
     assert torch.equal(complex_mean["z"], torch.tensor([2 + 3j]))
 
 
+def test_a_flat_sum_is_cut_into_blocks_holding_pieces_of_the_tensors():
+    from fl_lightning.knowledge.averaging import blocks
+
+    # tensors of 3, 5 and 2 elements in blocks of 4: [a a a b] [b b b b] [c c]
+    assert blocks([3, 5, 2], block=4) == [
+        (0, 4, [(0, 0, 0, 3), (1, 0, 3, 1)]),
+        (4, 4, [(1, 1, 0, 4)]),
+        (8, 2, [(2, 0, 0, 2)]),
+    ]
+    assert blocks([4], block=4) == [(0, 4, [(0, 0, 0, 4)])] and blocks([], block=4) == []
+
+
+def test_the_average_by_blocks_is_bit_for_bit_one_add_over_the_whole_flat_buffer():
+    """A CPU adds each state a cache-sized block at a time; tensors that straddle blocks, a block of many small
+    tensors and a last short block give, bit for bit, the sums of one float64 add over the concatenation."""
+    from fl_lightning.knowledge.averaging import BLOCK
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [BLOCK + 3, 5, 1, BLOCK - 9, 2 * BLOCK + 77, 10]
+
+    def state(scale):
+        return {f"t{i}": torch.randn(n, generator=g) * scale for i, n in enumerate(sizes)}
+
+    states, weights = [state(10.0**k) for k in (-3, 0, 3, 1)], [50.0, 0.3, 7.0, 1e-3]
+    flat = [torch.cat(list(s.values())) for s in states]
+    total = flat[0].double() * weights[0]
+    for x, w in zip(flat[1:], weights[1:]):
+        total.add_(x, alpha=w)  # the average before it was cut into blocks
+    average = WeightedAverage()
+    for x, w in zip(states, weights):
+        average.add(x, w)
+    assert torch.equal(average._sum[torch.device("cpu"), torch.float32], total)  # the float64 sums themselves
+    expected = (total / sum(weights)).float().split(sizes)
+    assert all(torch.equal(average.result()[f"t{i}"], e) for i, e in enumerate(expected))
+
+
 def test_weighted_average_rejects_mismatched_architectures_and_bad_weights():
     avg = WeightedAverage()
     avg.add({"w": torch.zeros(2)}, 1.0)

@@ -118,7 +118,8 @@ QUICK = ["digits_fedproto", "digits_feddf", "digits_fedhe"]  # a split method, a
 METHODS = [
     "digits_fedadam", "digits_fedhe_async", "digits_ondevice_kd", "digits_periodic_codist", "digits_merged_codist",
     "digits_felo", "digits_velo", "digits_fedgh", "digits_lg_fedavg", "digits_fml", "digits_fedkd", "digits_fd",
-    "digits_dsfl", "digits_fedmd", "digits_fedgems", "digits_fedgkt",
+    "digits_dsfl", "digits_fedmd", "digits_fedgems", "digits_fedgkt", "digits_fedgen", "digits_fedtgp",
+    "digits_fedl2g", "digits_fedmrl",
 ]  # fmt: skip
 
 

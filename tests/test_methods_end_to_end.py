@@ -17,10 +17,14 @@ CASES = [
     ("digits_felo", 20, "personal/test_acc", 0.7),
     ("digits_velo", 20, "personal/test_acc", 0.7),
     ("digits_fedgh", 10, "personal/test_acc", 0.7),
+    ("digits_fedgen", 10, "personal/test_acc", 0.7),  # 0.99 measured
     ("digits_fedproto", 10, "personal/test_acc", 0.7),  # 0.86 measured
+    ("digits_fedtgp", 10, "personal/test_acc", 0.7),  # 0.83 measured
     ("digits_lg_fedavg", 10, "personal/test_acc", 0.7),  # 0.87 measured
     ("digits_fml", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_fedkd", 10, "personal/test_acc", 0.7),  # 0.91 measured
+    ("digits_fedl2g", 20, "personal/test_acc", 0.7),  # 0.85 measured
+    ("digits_fedmrl", 10, "personal/test_acc", 0.7),  # 0.98 measured
     ("digits_fd", 60, "personal/test_acc", 0.5),
     ("digits_feddf", 20, "small/test_acc", 0.7),  # 0.81 measured
     ("digits_moon", 40, "small/test_acc", 0.7),  # 0.928 measured (lr 0.02)

@@ -55,3 +55,47 @@ def test_population_benchmark_prints_one_json_line_per_population():
         assert line["checkpoint_s_per_round"] > 0 and line["checkpoint_bytes_per_round"] > 10 * 4000
         assert 10 <= line["clients_evaluated"] <= 20  # the clients of 2 rounds of 10: those that trained
         assert line["python_calls_per_round"] > 10 * 3 * 20  # 10 clients x 3 steps, tens of calls each
+
+
+def test_the_peer_benchmark_model_is_pfl_researchs_simple_cnn():
+    peer = _module("peer_pfl")
+    model = peer.simple_cnn()
+    assert sum(p.numel() for p in model.parameters()) == 1_626_442  # pfl-research's 1.63 M
+    kinds = [type(m).__name__ for m in [*model.features, model.head]]
+    assert kinds == ["Conv2d", "ReLU", "Conv2d", "ReLU", "MaxPool2d", "Dropout", "Flatten", "Linear", "ReLU"] + [
+        "Dropout",
+        "Linear",
+    ]
+    assert [m.p for m in model.features if isinstance(m, torch.nn.Dropout)] == [0.25, 0.5]
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_the_peer_benchmarks_minimal_loop_times_each_round(tmp_path):
+    peer = _module("peer_pfl")
+    peer.write_random_cifar10(tmp_path, per_batch=10 * 50 // 5)  # 10 clients of 50 images
+    result = peer.run_minimal(tmp_path, clients=10, per_round=2, rounds=3)
+    assert len(result["round_s"]) == len(result["cpu_round_s"]) == 3
+    assert result["s_per_round"] == result["round_s"][1] and result["cpu_s_per_round"] == result["cpu_round_s"][1]
+    schedule = peer.sampled(10, 2, 3)
+    assert [len(chosen) for chosen in schedule] == [2, 2, 2] and schedule != [schedule[0]] * 3
+
+
+@pytest.mark.slow  # runs both sides of the peer benchmark, each in its own process
+def test_the_peer_benchmark_prints_each_sides_seconds_and_ratio():
+    command = [sys.executable, str(ROOT / "benchmarks/peer_pfl.py"), "--tiny", "--executor", "sequential", "batched"]
+    out = subprocess.run([*command, "--json"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    sides = ["minimal", "fl-lightning-sequential", "fl-lightning-batched"]
+    assert list(result["s_per_round"]) == sides + (["pfl-research"] if result["skipped"] is None else [])
+    assert result["ratio_to_minimal"]["minimal"] == 1.0 and all(s > 0 for s in result["s_per_round"].values())
+    assert result["cpu_ratio_to_minimal"]["minimal"] == 1.0 and all(s > 0 for s in result["cpu_s_per_round"].values())
+    assert result["workload"] == {"clients": 20, "clients_per_round": 4, "rounds": 3, "repeats": 1} | {
+        "torch": torch.__version__
+    }
+    # the model's dropout keeps every fit in the sequential loop, said up front
+    fits = result["fits"]["fl-lightning-batched"]
+    assert fits["batched_fits"] == 0 and fits["sequential_fits"] == 3 * 4, fits
+    assert list(fits["sequential_reasons"]) == [
+        "random layers (global: features.5 (Dropout), global: features.9 (Dropout)): one vmapped step cannot draw "
+        "from each client's own stream"
+    ]

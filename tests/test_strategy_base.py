@@ -28,6 +28,8 @@ from fl_lightning.strategies.fedgh import FedGHState
 from fl_lightning.strategies.fedgkt import FedGKTState
 from fl_lightning.strategies.fedhe import FedHeState
 from fl_lightning.strategies.fedkd import FedKDState
+from fl_lightning.strategies.fedl2g import FedL2GState
+from fl_lightning.strategies.fedmrl import FedMRLState
 from fl_lightning.strategies.fedproto import FedProtoState
 from fl_lightning.strategies.felo import FeloState
 from fl_lightning.strategies.fml import FMLState
@@ -68,6 +70,8 @@ CHECKPOINT_KEYS = [
         ["global_weights", "logit_bank", "feature_bank", "cvae", "stored_features", "stored_labels", "synthetic"],
     ),
     (FedGHState, ["header"]),
+    (FedL2GState, ["vectors"]),
+    (FedMRLState, ["small_weights"]),
 ]
 
 
@@ -160,6 +164,25 @@ def test_client_context_gives_the_recipes_step_counts():
     steps = LocalTraining(local_steps=5, batch_size=16)
     server = method_env(FedAvg(), MLP, ONE_ROLE, training=steps)
     assert ClientContext(server.clients[0], 1, server._loop, server.data, {}, 0).local_steps(1000) == 5
+
+
+def test_client_context_batches_draw_from_the_indices_given():
+    server = method_env(FedAvg(), MLP, ONE_ROLE, training=LocalTraining(batch_size=4))
+    ctx = ClientContext(server.clients[0], 1, server._loop, server.data, {}, 0)
+    part = ctx.indices.train[:6]
+    drawn = torch.cat([x for x, _ in ctx.batches(indices=part, steps=2)])  # one pass: a batch of 4, one of 2
+    assert sorted(map(tuple, drawn.flatten(1).tolist())) == sorted(map(tuple, server.data.x[part].flatten(1).tolist()))
+
+
+def test_client_context_gives_the_rounds_learning_rate():
+    """The recipe's rate times the schedule's factor of the round: what a fit steps with, for a step a strategy
+    takes itself (FedL2G's differentiable step)."""
+    from fl_lightning.federation.schedules import StepLR
+
+    training = LocalTraining(lr_schedule=StepLR([2], gamma=0.5))  # SGD at 0.05 by default; halved after round 2
+    server = method_env(FedAvg(), MLP, ONE_ROLE, training=training, rounds=4)
+    rates = [ClientContext(server.clients[0], r, server._loop, server.data, {}, 0).learning_rate("m") for r in (1, 3)]
+    assert rates == [0.05, 0.025]
 
 
 def test_the_set_up_checks_name_the_strategy_itself():

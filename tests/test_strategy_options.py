@@ -32,6 +32,9 @@ CASES = [
     ("digits_velo", [S + "max_features", "0"], "Velo max_features must be at least 2"),
     ("digits_velo", [S + "forget", "-0.1"], "Velo needs alpha >= 0"),
     ("digits_fedgh", [S + "header_lr", "-0.01"], "FedGH header_lr must be >= 0, got -0.01"),
+    ("digits_fedl2g", [S + "server_clip", "0"], "FedL2G needs guide_weight >= 0, warm_up_rounds >= 0, server_lr"),
+    ("digits_fedl2g", [S + "warm_up_rounds", "-1"], "warm_up_rounds=-1"),
+    ("digits_fedl2g", [S + "quiz_batches", "0"], "FedL2G needs study_batches >= 1 and quiz_batches >= 1"),
     ("digits_dsfl", [S + "distill_batch_size", "0"], "DS-FL distill_batch_size must be at least 1"),
     ("digits_fedmd", [S + "digest_batch_size", "0"], "FedMD digest_batch_size must be at least 1"),
 ]
@@ -47,6 +50,8 @@ CHOICES = [
     ("digits_fedkd", "kl_reduction", "batchmean, mean"),
     ("digits_fedkd", "compression", "none, svd"),
     ("digits_fml", "kl_reduction", "batchmean, mean"),
+    ("digits_fedl2g", "target", "feature, logit"),
+    ("digits_fedmrl", "evaluate_small", "local, global"),
     ("digits_fedproto", "weighting", "uniform, samples"),
     ("digits_fedproto", "inference", "prototypes, local_head"),
     ("digits_fedproto", "split", "global, test, val"),

@@ -272,7 +272,7 @@ def test_workers_are_spread_over_the_gpus_and_a_replacement_takes_the_dead_worke
             worker.close()
 
 
-def wait_for_running(storage, count=1, timeout=300):
+def wait_for_running(storage, count=1, timeout=600):
     """Trials running in worker processes (their pid in the `process` attribute), once `count` run."""
     from sqlalchemy.exc import IntegrityError, OperationalError
 
@@ -329,7 +329,8 @@ def test_a_killed_sweep_ends_its_workers_and_a_rerun_finishes_exactly_n_trials(t
     running = wait_for_running(storage, count=2)
     workers = [int(t.user_attrs["process"].rsplit(":", 1)[1]) for t in running]
     process.kill()  # SIGKILL: no chance to clean up; the workers must notice on their own
-    finish(process)
+    _, _, err = finish(process)  # the workers share its stderr: closed once they have ended
+    assert "Traceback" not in err and "Exception ignored" not in err, err  # nothing on the user's terminal
     end = time.monotonic() + 60
     while any(map(alive, workers)) and time.monotonic() < end:
         time.sleep(0.2)

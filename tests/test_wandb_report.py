@@ -58,7 +58,12 @@ def test_each_experiment_gets_its_runs_grouped_by_recipe_a_plot_per_round_and_a_
     monkeypatch.setenv("WANDB_MODE", "offline")  # built without an account: nothing here reaches W&B
     report = build_wandb_report(build_report([str(runs)]), "my-team", "fl-lightning")
     assert (report.entity, report.project, report.title) == ("my-team", "fl-lightning", "Reproducibility report")
-    assert [b.text for b in report.blocks if isinstance(b, wr.H2)] == ["Paper vs measured", "cell", "plain"]
+    assert [b.text for b in report.blocks if isinstance(b, wr.H2)] == [
+        "Paper vs measured",
+        "Trade-off: DigitsData, test_acc",  # cell and plain share TINY's data
+        "cell",
+        "plain",
+    ]
 
     summaries = [read_summary(runs / "cell" / f"seed{s}") for s in (0, 1)]
     finals = [s["final"]["global/test_acc"] for s in summaries]
@@ -99,6 +104,36 @@ def test_each_experiment_gets_its_runs_grouped_by_recipe_a_plot_per_round_and_a_
         versions = summary["versions"]
         assert f"(round {summary['best_round']}) |" in row
         assert f"| fl_lightning {versions['fl_lightning']}, torch {versions['torch']}, " in row  # words, not JSON
+
+
+def test_the_tradeoff_plots_each_run_against_the_traffic_and_compute_it_logged_with_the_papers_points(runs):
+    report = build_report([str(runs)])
+    section = blocks_after(build_wandb_report(report, "me", "proj"), "Trade-off: DigitsData, test_acc")
+    texts = [b.text for b in section if isinstance(b, wr.P)]
+    assert texts[0].startswith("Each method's metric against the MiB each client sent and received")
+    assert "Note: 1 of these runs have no W&B run in their directory" in texts[-1]  # plain's
+    (grid,) = [b for b in section if isinstance(b, wr.PanelGrid)]
+    (runset,) = grid.runsets
+    assert runset.groupby == []  # a line per run: per method and seed
+    assert filter_tree(runset)["filters"] == [
+        {"op": "IN", "key": {"section": "config", "name": "name"}, "value": ["cell", "plain"], "disabled": False},
+        {"op": "IN", "key": {"section": "config", "name": "seed"}, "value": [0, 1], "disabled": False},
+    ]
+    traffic, compute = grid.panels
+    assert (traffic.x, traffic.y, compute.x, compute.y) == (
+        "comm/mib_per_client",  # metrics.csv's columns, logged every round
+        ["global/test_acc"],
+        "compute/gflops_per_client",
+        ["global/test_acc"],
+    )
+    # the traffic of TINY's runs grows with the rounds only: less than two decades, a linear axis
+    assert traffic.log_x is False and compute.log_x is False
+    table = section[-1].text.splitlines()
+    assert table[0].startswith("| method | metric | runs | final (mean) | MiB per client (mean) |")
+    (tradeoff,) = report["tradeoffs"]
+    cell = tradeoff["setting"].methods[0]
+    mib = sum(c.mib[-1] for c in cell.curves) / 2
+    assert any(row.startswith("| cell | global/test_acc | 2 | ") and f"| {mib:.4f} |" in row for row in table)
 
 
 def test_runs_logged_without_wandb_are_selected_by_recipe_name_and_seed_and_the_report_says_so(runs):
@@ -196,7 +231,7 @@ def test_with_an_account_the_report_is_saved_and_its_address_printed(runs, tmp_p
     out = tmp_path / "report.html"
     assert run_cli("report", str(runs), "--output", str(out), "--wandb", "me/proj") == 0
     assert "W&B Report: https://wandb.ai/me/proj/reports/abc123" in capsys.readouterr().out
-    assert out.is_file() and len(saved) == 1 and sum(isinstance(b, wr.PanelGrid) for b in saved[0].blocks) == 2
+    assert out.is_file() and len(saved) == 1 and sum(isinstance(b, wr.PanelGrid) for b in saved[0].blocks) == 3
 
     def refused(report, draft=False, clone=False):
         raise RuntimeError("403 Client Error: Forbidden\nmore lines")

@@ -98,7 +98,7 @@ def run_fit(argv: list[str]) -> int:
 
             with RunLock(root) as probe:
                 probe.acquire()
-        return launch(["fit", *given], runtime.devices)
+        return launch(["fit", *given], runtime.devices, runtime.accelerator)
     from ..distributed.fabric import fabric_class
 
     fabric_class()  # the last import of start-up: fit() makes its Fabric from it

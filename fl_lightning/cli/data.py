@@ -6,22 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..run.arguments import UserError, parse_fit, recipe_name
+from .parsers import CommandParser
 
 
 def run_data(argv: list[str]) -> int:
     """``flrun data inspect --config RECIPE [--output PNG] [overrides]`` or
     ``flrun data fetch DATASET [--data_dir data] [--revision COMMIT] [--force]``."""
     if argv and argv[0] == "fetch":
-        import argparse
-
         from ..data import catalog, sources
 
         names = ", ".join(s.name for s in catalog.SOURCES)
-        parser = argparse.ArgumentParser(
+        parser = CommandParser(
             prog="flrun data fetch",
             description="Download a data set (or the ViT weights) into data_dir and verify its checksums, e.g. on "
             "a login node with internet, so that runs on an offline machine find the files.",
-            allow_abbrev=False,
         )
         parser.add_argument("dataset", help=f"one of {names} (or the data set's class name)")
         parser.add_argument("--data_dir", default="data", help="the recipes' data_dir (default: data)")

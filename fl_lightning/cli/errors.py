@@ -35,6 +35,8 @@ def error_status(command: str, err: Exception) -> int:
     if isinstance(err, (UserError, ConfigError)):
         print(f"flrun {command}: error: {clipped(str(err))}", file=sys.stderr)
         return 2
+    if isinstance(err, BrokenPipeError):  # the reader of the output went away (`flrun models | head -1`)
+        return _quietly_closed_pipe()
     sentence = file_system_cause(err)
     if sentence is None:
         raise err
@@ -76,8 +78,18 @@ def os_error_sentence(err: OSError) -> str:
         errno.ENOTDIR: "a file stands where a folder goes: move it away",
         errno.EEXIST: "a file stands where a folder goes: move it away",
     }
-    path = err.filename if err.filename is not None else "a file"
-    return f"{clipped(str(path))}: {err.strerror or err}; {fixes.get(err.errno, 'check that path')}"
+    if err.filename is None:  # every file flrun writes names itself; this came from elsewhere (a library)
+        return f"the file system refused an operation ({err.strerror or err}); {fixes.get(err.errno, 'check it')}"
+    return f"{clipped(str(err.filename))}: {err.strerror or err}; {fixes.get(err.errno, 'check that path')}"
+
+
+def _quietly_closed_pipe() -> int:
+    """The status of a command whose output nobody reads any more, as a shell shows a process SIGPIPE ended; the
+    output still buffered goes nowhere, so the interpreter's exit says nothing either."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def file_system_cause(err: BaseException) -> str | None:

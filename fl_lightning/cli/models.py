@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .parsers import CommandParser
+
 # the bundled builders' counts, written by `python -m fl_lightning.models.catalog` (read here without importing
 # the models package, which imports torch)
 MODEL_CATALOG = Path(__file__).resolve().parents[1] / "models" / "catalog.json"
@@ -15,7 +17,17 @@ def run_models(argv: list[str]) -> int:
     catalog (no torch import, no model built), installed entry points by name; ``--count`` builds them all."""
     import json
 
-    if "--count" in argv:
+    parser = CommandParser(
+        prog="flrun models",
+        description="The registered model builders with their parameter counts.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the list as JSON")
+    parser.add_argument("--count", action="store_true", help="build every builder and count (installed ones too)")
+    try:
+        args = parser.parse_args(argv)  # an unknown option is refused, not ignored
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    if args.count:
         from ..models import registered_models
         from ..models.catalog import count
 
@@ -23,7 +35,7 @@ def run_models(argv: list[str]) -> int:
     else:
         rows = json.loads(MODEL_CATALOG.read_text())
         rows += _installed_builders({row["name"] for row in rows})
-    if "--json" in argv:
+    if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"{'name':<26} {'parameters':>12} {'trainable':>12} {'MiB':>9}  description")

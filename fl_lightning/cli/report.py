@@ -6,19 +6,19 @@ import sys
 from pathlib import Path
 
 from ..run.arguments import UserError
+from .parsers import CommandParser
 
 
 def run_report(argv: list[str]) -> int:
     """``flrun report RUN_OR_SWEEP_DIR... --output report.html|report.md [--wandb ENTITY/PROJECT] [--wandb_run
     [PROJECT]] [--table PAPER/TABLE]``."""
-    import argparse
 
     from ..report.build import build_report, headline
     from ..report.render import write_html, write_markdown
     from ..report.runs import report_output
     from ..report.wandb_report import build_wandb_report, report_target, save_wandb_report
 
-    parser = argparse.ArgumentParser(prog="flrun report", description="Reproducibility report against the papers.")
+    parser = CommandParser(prog="flrun report", description="Reproducibility report against the papers.")
     parser.add_argument("paths", nargs="+", help="run or sweep directories")
     parser.add_argument("--output", default="report.html", help="report file (.html or .md)")
     parser.add_argument(

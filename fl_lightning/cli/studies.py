@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..run.arguments import UserError
+from .parsers import CommandParser
 
 
 def split_fit_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -29,11 +30,10 @@ def run_sweep_command(argv: list[str]) -> int:
     from ..sweep.spec import check_against_recipe, read_sweep
 
     argv, fit_args = split_fit_args(argv)
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="flrun sweep",
         description="Optuna study over a base recipe. Arguments after -- go to every trial's flrun fit "
         "(e.g. -- --rounds 4); like the sweep file's overrides, they are part of what defines the study.",
-        allow_abbrev=False,
     )
     parser.add_argument("-c", "--config", required=True, help="sweep file (sweeps/*.yaml)")
     parser.add_argument("--n_trials", type=int, help="trials in the study in total (re-running resumes up to it)")
@@ -85,7 +85,6 @@ def run_table(argv: list[str]) -> int:
 
     The data of every run to do are checked before any starts (:mod:`fl_lightning.sweep.table_data`).
     """
-    import argparse
 
     from ..report.runs import report_output
     from ..report.tables import build_table, write_table_html, write_table_markdown
@@ -93,11 +92,10 @@ def run_table(argv: list[str]) -> int:
     from ..sweep.table import check_fit_args, plan, run_all
 
     argv, fit_args = split_fit_args(argv)
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="flrun table",
         description="Runs every recipe x seed a paper table still lacks (complete runs are skipped, interrupted "
         "ones resume), then writes the table as flrun report --table does. Arguments after -- go to every flrun fit.",
-        allow_abbrev=False,
     )
     parser.add_argument("table", help="the table's id, e.g. paper-001/table-5 (an unknown id lists the known ones)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every cell (default 0 1 2)")

@@ -50,6 +50,7 @@ class ClientContext:
         parts = (seed, rnd, client.id, Stream.BATCH_ORDER) + ((stream,) if stream else ())
         self.generator = torch.Generator().manual_seed(derive_seed(*parts))
         self._loaded: set[str] = set()
+        self.trained_steps: dict[str, int] = {}  # per role, the optimizer steps of this update (the compute estimate)
 
     # ------------------------------------------------------------------ data
     @property
@@ -104,6 +105,13 @@ class ClientContext:
         features or representations."""
         return self.loop.training.eval_batch_size
 
+    def learning_rate(self, role: str) -> float:
+        """The role's learning rate in this round: the recipe's (its optimizer's first parameter group) times
+        ``training.lr_schedule``'s factor, as the round's fit steps with. For a step a strategy takes itself
+        (FedL2G's differentiable step)."""
+        training = self.loop.training
+        return self.slot(role).base_lrs[0] * training.lr_schedule(self.round, self.loop.rounds)
+
     def local_steps(self, num_examples: int | None = None) -> int:
         """The steps of one local training on ``num_examples`` examples (the training split's when None):
         ``training.local_steps``, or ``training.local_epochs`` passes of :attr:`batch_size`."""
@@ -116,10 +124,23 @@ class ClientContext:
         """
         return -(-num_examples // self.batch_size)
 
-    def batches(self, split: str = "train", steps: int | None = None, batch_size: int | None = None) -> Iterator[tuple]:
+    def batches(
+        self,
+        split: str = "train",
+        steps: int | None = None,
+        batch_size: int | None = None,
+        indices: Tensor | None = None,
+    ) -> Iterator[tuple]:
         """Training batches of a local split (``train`` labeled, ``unlabeled`` gives ``(x,)``), or of the
-        labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels)."""
-        idx = self.public_indices if split == "public" else getattr(self.indices, split)
+        labeled public set (``public``: FedMD's transfer learning; the strategy checks it has labels).
+
+        ``indices`` (pool indices, a part of ``split``) draws from those examples only: FedL2G trains on its
+        training split less the examples it holds out as a quiz.
+        """
+        if indices is not None:
+            idx = indices
+        else:
+            idx = self.public_indices if split == "public" else getattr(self.indices, split)
         steps = steps if steps is not None else self.local_steps(len(idx))
         y = None if split == "unlabeled" else self._data.y
         # a data set's own CropFlip can be drawn per client and applied to many clients at once (batched
@@ -165,7 +186,14 @@ class ClientContext:
         A step may return ``(loss, record)`` (a tuple of tensors): ``on_record`` gets each step's record.
         """
         batches = batches if batches is not None else self.batches(split, steps)
-        return self.loop.fit(self.slot(role), batches, self.round, step_fn, on_record)
+        stats = self.loop.fit(self.slot(role), batches, self.round, step_fn, on_record)
+        self.count_steps(role, int(stats["steps"]))
+        return stats
+
+    def count_steps(self, role: str, steps: int) -> None:
+        """Adds ``steps`` training steps of ``role`` to this update's count (the run's compute estimate,
+        ``client/flops.py``); :meth:`fit` counts its own, a strategy training a role otherwise calls it."""
+        self.trained_steps[role] = self.trained_steps.get(role, 0) + steps
 
     def helper(self, name: str, module: torch.nn.Module, weights: StateDict | None = None) -> torch.nn.Module:
         """A small module the strategy trains next to its roles (FedKD's ``W_h``), holding this client's

@@ -17,6 +17,7 @@ from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
 from ..federation.types import PAD, ClientSpec, StateDict
 from .loop import LocalLoop
+from .module import ClientModule
 from .stacked_eval import StackedEvaluation
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ class PersonalEvaluation:
             test set (their weights stacked, one batched forward pass per test batch: ``torch.func.vmap``);
             1 evaluates one client at a time. Metrics equal one at a time's to float tolerance (bit for
             bit on linear layers, within a few units in the last place through convolutions); models
-            vmap cannot run (LSTMs) and local test splits are evaluated one client at a time. Memory
-            grows with it: this many copies of the weights and of a test batch's activations.
+            vmap cannot run (LSTMs), local test splits and models a strategy assembles from several roles'
+            (FedMRL's fused models) are evaluated one client at a time. Memory grows with it: this many
+            copies of the weights and of a test batch's activations.
         average: what ``personal/test_acc`` (and each tier's) averages: ``clients``, the mean of every client's
             accuracy; ``examples``, the share of all evaluated examples classified correctly, each client
             weighted by its examples (HtFLlib's sum of correct predictions over the sum of samples). The loss
@@ -100,6 +102,7 @@ class Evaluator:
         self._most_stacked: dict[str, int] = {}  # per role, the most clients stacked since more ran out of memory
         self.validation: dict[str, dict[str, float]] = {}  # per role, this evaluation's scores on the val splits
         self._pooled_val: tuple[Tensor, Tensor] | None = None
+        self._wrappers: dict[str, ClientModule] = {}  # strategies' assembled models in their module wrapper
 
     def begin(self, rnd: int, final: bool) -> None:
         """The evaluation of round ``rnd`` starts (``final``: the run's last round, which covers every client)."""
@@ -174,6 +177,7 @@ class Evaluator:
         weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]],
         split: str = "global",
         prefix: str = "personal",
+        models: Mapping[str, torch.nn.Module] | None = None,
     ) -> dict[str, float]:
         """Mean, spread and per-tier mean accuracy of every client's own model (or of those ``plan`` covers).
 
@@ -182,6 +186,9 @@ class Evaluator:
             split: ``global`` evaluates each client on the global test set (FedHe, Felo); ``test`` on its
                 local test split (FedGH's 8:1:1 setting).
             prefix: metric name prefix.
+            models: a model the strategy assembles from the roles' instances, per name that ``weights_of``
+                gives instead of a role (FedMRL's fused model: two extractors, a projector and a head); the
+                weights are loaded into it and clients are evaluated one at a time.
         """
         covered = self._covered()
         if not covered:  # `untrained: skip` before any client trained
@@ -191,7 +198,7 @@ class Evaluator:
             return {**{f"{prefix}/{name}": nan for name in names}, f"{prefix}/clients_evaluated": 0.0}
         accs: dict[str, list[float]] = {}
         losses, counts = [], []
-        for client, (acc, loss) in zip(covered, self._scores(covered, weights_of, split)):
+        for client, (acc, loss) in zip(covered, self._scores(covered, weights_of, split, models)):
             accs.setdefault(client.tier, []).append(acc)
             losses.append(loss)
             if self.plan.average == "examples":
@@ -237,7 +244,11 @@ class Evaluator:
         return metrics
 
     def _scores(
-        self, covered: list[ClientSpec], weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]], split: str
+        self,
+        covered: list[ClientSpec],
+        weights_of: Callable[[ClientSpec, dict], tuple[str, StateDict]],
+        split: str,
+        models: Mapping[str, torch.nn.Module] | None = None,
     ) -> list[tuple[float, float]]:
         """``(accuracy, mean loss)`` of each covered client's model, in the order of ``covered``.
 
@@ -248,7 +259,8 @@ class Evaluator:
         of one process, so each score is computed as there) and the ranks exchange their scores.
         """
         ranks = current_ranks()
-        if split != "global" or self.plan.clients_per_batch == 1:  # local splits differ per client
+        # one at a time: local splits differ per client, and a strategy's assembled models are not stacked
+        if models is not None or split != "global" or self.plan.clients_per_batch == 1:
             if split != "global" and ranks.world > 1:
                 for client in covered:  # an empty split fails every rank alike, not one while the others wait
                     if not len(getattr(self.data.clients[client.id], split)):
@@ -259,7 +271,8 @@ class Evaluator:
                 if position % ranks.world != ranks.rank:
                     continue  # another rank's share
                 x, y = (self.data.test_x, self.data.test_y) if split == "global" else self._split(client.id, split)
-                scores[position] = _acc_loss(self._run(role, weights, x, y))
+                module = self._assembled(role, models[role]) if models is not None else None
+                scores[position] = _acc_loss(self._run(role, weights, x, y, module=module))
             return _every_ranks(scores, len(covered))
         return _every_ranks(self._stacked_scores(covered, weights_of, ranks.rank, ranks.world), len(covered))
 
@@ -342,14 +355,29 @@ class Evaluator:
         cursor = {tier: iter(values) for tier, values in accs.items()}
         return [next(cursor[client.tier]) for client in clients]
 
+    def _assembled(self, name: str, model: torch.nn.Module) -> ClientModule:
+        """``model`` (a strategy's assembled model) in the module wrapper whose ``test_step`` the evaluation runs,
+        made once per name and model."""
+        wrapped = self._wrappers.get(name)
+        if wrapped is None or wrapped.model is not model:
+            wrapped = self._wrappers[name] = ClientModule(model, None)
+        return wrapped
+
     @torch.no_grad()
     def _run(
-        self, role: str, weights: StateDict | None, x: Tensor, y: Tensor, shared: bool = False
+        self,
+        role: str,
+        weights: StateDict | None,
+        x: Tensor,
+        y: Tensor,
+        shared: bool = False,
+        module: torch.nn.Module | None = None,
     ) -> dict[str, float]:
-        """Accuracy, loss and top-class share of ``weights`` on ``(x, y)``. ``shared`` (every rank evaluates the
-        same model on the same set): each rank passes every ``world``-th batch and the ranks exchange the
-        batches' sums, which every rank then adds up in batch order, as one process does."""
-        module = self.loop.slots[role].module
+        """Accuracy, loss and top-class share of ``weights`` on ``(x, y)``, in the role's instance or in ``module``.
+        ``shared`` (every rank evaluates the same model on the same set): each rank passes every ``world``-th batch
+        and the ranks exchange the batches' sums, which every rank then adds up in batch order, as one process
+        does."""
+        module = module if module is not None else self.loop.slots[role].module
         if weights is not None:
             module.model.load_state_dict(weights)
         module.eval()

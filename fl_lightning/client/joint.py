@@ -63,14 +63,17 @@ def fit_jointly(
     modules = {role: slot.module for role, slot in slots.items()}
     trained = [(module, optimizer) for module, optimizer, _ in trained]
     clip = loop.training.grad_clip_norm
+    batches = ctx.batches(split)
+    for role in roles:
+        ctx.count_steps(role, batches.num_steps)
     if loop.graphs is not None:  # runtime.cuda_graphs: the same steps, replayed where their key allows
-        return loop.graphs.run_joint_steps(modules, trained, ctx.batches(split), step_fn, clip)
+        return loop.graphs.run_joint_steps(modules, trained, batches, step_fn, clip)
     for module, _ in trained:
         module.train()
     optimizer_step = loop.fabric.strategy.optimizer_step
     totals = {role: torch.zeros((), device=loop.fabric.device) for role in roles}
     steps = 0
-    for i, batch in enumerate(ctx.batches(split)):
+    for i, batch in enumerate(batches):
         for _, optimizer in trained:
             optimizer.zero_grad(set_to_none=True)
         with loop.fabric.autocast():  # the forward only: see LocalLoop.run_steps (stale low-precision weights)

@@ -130,16 +130,11 @@ def flock_if_supported(lock) -> None:
 def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:
     part = path.with_name(path.name + ".part")
     try:
-        with _open(url) as response, part.open("wb") as out:
-            final = response.geturl() if hasattr(response, "geturl") else url
-            if not str(final).startswith("https://"):
-                raise ConfigError(f"refusing {url}: the server redirected to a non-https address ({final}).")
-            print(f"downloading {url} -> {path}", file=sys.stderr, flush=True)  # only once it is reachable
-            for chunk in iter(lambda: response.read(CHUNK), b""):
-                out.write(chunk)
-    except OSError as err:  # URLError, HTTPError, timeouts and resets are all OSErrors
+        with part.open("wb") as out:
+            _download_into(out, url, path)
+    except OSError as err:  # this machine's disk (full, read-only): the network's errors are NetworkErrors by now
         part.unlink(missing_ok=True)
-        raise NetworkError(url, err) from None
+        raise OSError(err.errno, err.strerror, str(path)) from None
     except ConfigError:
         part.unlink(missing_ok=True)
         raise
@@ -152,6 +147,27 @@ def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:
         )
     part.replace(path)
     return path
+
+
+def _download_into(out, url: str, path: Path) -> None:
+    """Copies ``url`` into the open file ``out``; the server's failures raise NetworkError, the disk's OSError."""
+    try:
+        response = _open(url)
+    except OSError as err:  # URLError, HTTPError, timeouts and resets are all OSErrors
+        raise NetworkError(url, err) from None
+    with response:
+        final = response.geturl() if hasattr(response, "geturl") else url
+        if not str(final).startswith("https://"):
+            raise ConfigError(f"refusing {url}: the server redirected to a non-https address ({final}).")
+        print(f"downloading {url} -> {path}", file=sys.stderr, flush=True)  # only once it is reachable
+        while True:
+            try:
+                chunk = response.read(CHUNK)
+            except OSError as err:
+                raise NetworkError(url, err) from None
+            if not chunk:
+                return
+            out.write(chunk)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from ..federation.files import replacing
 from .federated import FederatedData
 
 
@@ -83,29 +83,24 @@ def index_ticks(n: int, most: int = 25) -> list[int]:
 
 
 def save_figure(fig, path: Path, replace: bool) -> Path:
-    """Saves ``fig`` at ``path`` (its suffix is the format) through a temporary file in the same folder.
+    """Saves ``fig`` at ``path`` (its suffix is the format), replaced atomically
+    (:func:`fl_lightning.federation.files.replacing`: a full disk leaves the old chart whole and names the file).
 
     ``replace``: an existing ``path`` is replaced by the rename. Otherwise the first free name of ``path``,
     ``<stem>_2``, ``<stem>_3``, ... is reserved (created exclusively, so two processes never pick the same)
     and the rename fills it. Returns the path written.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f"{path.suffix}.tmp")
-    target = None
+    target = path if replace else _reserve_free_name(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with replacing(target) as f:
             fig.savefig(f, format=path.suffix.lstrip(".").lower(), dpi=120)
-        target = path if replace else _reserve_free_name(path)
-        os.replace(tmp, target)
-        return target
     except BaseException:
-        if target is not None and not replace:  # the reserved name, still empty
+        if not replace:  # the reserved name, still empty
             with contextlib.suppress(OSError):
                 os.unlink(target)
         raise
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    return target
 
 
 def _reserve_free_name(path: Path) -> Path:

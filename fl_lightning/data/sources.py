@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..federation.errors import ConfigError
+from ..federation.files import atomic_write
 from .catalog import HubFiles, Source, source
 from .download import NetworkError, download, hub_download, hub_files, hub_resolve, lock_file, safe_extract
 
@@ -261,4 +262,4 @@ def _fetch_hub(hub: HubFiles, data_dir: Path, revision: str | None) -> None:
         name = Path(entry["path"]).name
         shutil.move(str(staging / name), folder / name)
     shutil.rmtree(data_dir / ".fetch", ignore_errors=True)
-    (folder / "REVISION").write_text(f"{hub.repo_id} {revision}\n")
+    atomic_write(folder / "REVISION", f"{hub.repo_id} {revision}\n")

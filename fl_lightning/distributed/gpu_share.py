@@ -1,8 +1,10 @@
 """The child processes of one command on one machine: each is given one GPU through ``CUDA_VISIBLE_DEVICES``,
-and none outlives the command.
+and none outlives the command, however it ends (:func:`as_child` and :func:`follow_parent`; a sweep's workers,
+which fail and re-queue their trial first, follow theirs in ``sweep/workers.py``).
 
 Used by ``flrun sweep --n_jobs K`` (its worker processes) and ``flrun table --n_jobs K`` (its runs), so that K
-processes on a machine with G GPUs spread over them instead of all training on the first.
+processes on a machine with G GPUs spread over them instead of all training on the first, and by the ranks of
+``flrun fit --runtime.devices N``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -70,12 +74,48 @@ def environment_for(gpu: str | None, environ: dict[str, str] | None = None) -> d
 
 
 def end_with_parent() -> None:
-    """Asks Linux to send this process SIGTERM when its parent dies, even by SIGKILL (run in the child: a
-    worker at its start, or as ``preexec_fn`` before a run's ``flrun fit``)."""
+    """Asks Linux to send this process SIGTERM when its parent dies, even by SIGKILL (run in the child at its
+    start; a sweep's worker, or :func:`follow_parent`)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+PARENT_ENV = "FLRUN_PARENT_PID"  # in a child's environment: the flrun command it must not outlive
+FOLLOW_INTERVAL_S = 1.0  # how often a child looks whether its parent is still there
+RESEND_S = 5.0  # after the parent ended, SIGTERM again this often until the child has ended
+
+
+def as_child(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` for a ``python -m fl_lightning`` child process (a ``flrun table`` run, a rank) that is to end
+    when this process does, however this one ends (SIGKILL included): the child calls :func:`follow_parent`."""
+    return {**environ, PARENT_ENV: str(os.getpid())}
+
+
+def follow_parent() -> None:
+    """In a child started with :func:`as_child`'s environment: SIGTERM (which ``flrun fit`` ends on, keeping its
+    last checkpoint) once the parent is gone. Linux's parent-death signal comes at once; a thread that looks at
+    the parent every second is the fallback elsewhere, and sends it again while the child lives on (a signal
+    that arrives inside a finalizer is lost). Nothing without the variable (a command a user started)."""
+    parent = os.environ.pop(PARENT_ENV, None)  # removed: this process's own children follow this process
+    if not parent or not parent.isdigit():
+        return
+    end_with_parent()
+    if os.getppid() != int(parent):  # the parent died before the request was made: nothing to wait for
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True, name="flrun-follow-parent").start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(FOLLOW_INTERVAL_S)
+    main = threading.main_thread().ident
+    while True:
+        time.sleep(RESEND_S if sys.platform.startswith("linux") else 0.0)  # Linux: the death signal came already
+        signal.pthread_kill(main, signal.SIGTERM)
+        time.sleep(RESEND_S)
 
 
 def raise_interrupt(signum, frame):

@@ -1,5 +1,6 @@
 """``flrun fit --runtime.devices N`` on one machine: the same command re-run as N ranks, as torchrun does, with
-rank 0 on the terminal, the others' output shown only when they fail, and every rank ended together."""
+rank 0 on the terminal, the others' output shown only when they fail, and every rank ended together (also when
+the launcher itself is killed: each rank follows it, ``gpu_share.follow_parent``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import tempfile
 import time
 from typing import IO
 
+from .capacity import check_capacity
+from .gpu_share import as_child
 from .messages import MAILBOX_ENV, make_mailbox_folder
 
 GRACE_S = 30.0  # after a rank fails, how long the others get to stop on their own (rank 0 writes its summary)
@@ -21,13 +24,15 @@ LAUNCHED_ENV = "FLRUN_LAUNCHED"  # set for the ranks this launcher starts
 LOST_STATUS = 3  # a rank's exit when it lost the others (it says nothing: the launcher names the rank that ended)
 
 
-def launch(argv: list[str], devices: int) -> int:
+def launch(argv: list[str], devices: int, accelerator: str = "auto") -> int:
     """Runs ``python -m fl_lightning *argv`` as ``devices`` ranks on this machine; returns the exit status.
 
     Rank 0 keeps this terminal (progress bar, messages, the final lines). The other ranks' output goes to
     temporary files, shown only when such a rank fails and rank 0 has not said why itself. When a rank fails,
     the others get ``GRACE_S`` seconds to stop on their own (rank 0 writes the summary), then are terminated.
+    Ranks that the machine's cores (on CPU) or free memory cannot hold are refused before any starts.
     """
+    check_capacity(devices, accelerator)
     env = {
         **os.environ,
         "WORLD_SIZE": str(devices),
@@ -45,7 +50,9 @@ def launch(argv: list[str], devices: int) -> int:
             files.callback(shutil.rmtree, env[MAILBOX_ENV], True)
         logs = [None] + [files.enter_context(tempfile.TemporaryFile()) for _ in range(devices - 1)]
         processes = [
-            subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=logs[r])
+            subprocess.Popen(
+                command, env=as_child({**env, "RANK": str(r), "LOCAL_RANK": str(r)}), stdout=logs[r], stderr=logs[r]
+            )
             for r in range(devices)
         ]
         previous = signal.signal(signal.SIGTERM, lambda *_: _terminate(processes))  # a job scheduler's stop

@@ -13,6 +13,7 @@ The server side (:class:`~fl_lightning.knowledge.banks.ClassBank`) accepts eithe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +94,30 @@ class ClassStatsCollector:
         """Padded class means: ``sums / counts`` (``sums / (counts + 1)`` with ``plus_one``, FedHe eq. 8)."""
         denominator = (self.counts + 1 if plus_one else self.counts.clamp(min=1))[:, None]
         return ClassStatistics.padded(kind, {k: s / denominator for k, s in self.sums.items()}, self.counts > 0)
+
+
+@torch.no_grad()
+def class_means(
+    features: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    idx: Tensor,
+    batch_size: int,
+    dims: tuple[str, int],
+    num_classes: int,
+    kind: str,
+) -> ClassStatistics:
+    """Compact class means ``[S, D]`` of ``features`` over the examples ``idx`` of the pool ``x``, ``y``, in
+    passes of ``batch_size`` (FedGH's LARs, FedTGP's client prototypes: the model in eval mode after training).
+
+    Args:
+        features: the model's representation (``module.features``), already in the wanted mode.
+        dims: the statistic's name in the payload and its size D, e.g. ``("representations", 64)``.
+        kind: the payload's name in the ledger.
+    """
+    name, dim = dims
+    collector = ClassStatsCollector(num_classes, {name: dim}, idx.device)
+    for start in range(0, len(idx), batch_size):
+        chosen = idx[start : start + batch_size]
+        collector.add(y[chosen], **{name: features(x[chosen])})
+    return collector.result(kind).compact()

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..federation.files import atomic_write
+
 CATALOG = Path(__file__).with_name("catalog.json")
 
 
@@ -43,13 +45,16 @@ def bundled() -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
+    if argv not in ([], ["--check"]):  # an unknown option would rewrite the catalog instead of checking it
+        print("usage: python -m fl_lightning.models.catalog [--check]", file=sys.stderr)
+        return 2
     fresh = json.dumps(bundled(), indent=1) + "\n"
     if "--check" in argv:
         if CATALOG.read_text() != fresh:
             print(f"{CATALOG} is out of date: run `python -m fl_lightning.models.catalog`.", file=sys.stderr)
             return 1
         return 0
-    CATALOG.write_text(fresh)
+    atomic_write(CATALOG, fresh)
     print(f"wrote {CATALOG}")
     return 0
 

@@ -106,3 +106,75 @@ def client_histogram_figure(group: list[dict]):
     ax.set_xlabel("personalized test accuracy")
     ax.set_ylabel(f"clients ({len(accs)}, all seeds)")
     return fig
+
+
+# a method's colour and marker: 10 colours against 7 markers (coprime), so 70 methods before a pair repeats
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+LEGEND_COLUMNS = 5
+TRADEOFF_AXES = (
+    ("mib", "MiB sent and received per client (cumulative)"),
+    ("gflops", "local training GFLOPs per client (cumulative)"),
+)
+
+
+def x_scale(values: list[float]) -> tuple[str, dict]:
+    """How an axis of ``values`` is drawn: linear, unless its positive values span two decades or more; then
+    logarithmic, or symmetric-logarithmic when a value is 0 (a method that sends nothing): linear below the
+    smallest positive value's decade, where 0 sits, logarithmic above."""
+    positive = [v for v in values if v > 0]
+    if not positive or max(positive) < 100 * min(positive):
+        return "linear", {}
+    if len(positive) == len(values):
+        return "log", {}
+    return "symlog", {"linthresh": 10 ** np.floor(np.log10(min(positive))), "linscale": 0.5}
+
+
+def tradeoff_figure(setting):
+    """A setting's trade-off (``report.tradeoff``): its metric against the traffic per client and, where runs
+    recorded it, against the local training compute per client, side by side; per method a colour and marker,
+    per seed a thin line through the evaluated rounds ending in a large marker, the paper's points as stars
+    (on the traffic panel); one legend row of methods below. None with nothing to draw."""
+    from matplotlib.lines import Line2D
+
+    methods = [m for m in setting.methods if m.curves or m.paper]  # the others: the setting's notes say why
+    curves = [c for m in methods for c in m.curves]
+    if not methods:
+        return None
+    axes_shown = [a for a in TRADEOFF_AXES if a[0] == "mib" or any(c.gflops for c in curves)]
+    plt = pyplot()
+    rows = -(-(len(methods) + 1) // LEGEND_COLUMNS)
+    fig, axes = plt.subplots(
+        1, len(axes_shown), figsize=(WIDTH_IN, 3.6 + 0.22 * rows), squeeze=False, sharey=True, layout="constrained"
+    )
+    colors = plt.get_cmap("tab10").colors
+    handles = []
+    for i, method in enumerate(methods):
+        style = {"color": colors[i % len(colors)], "marker": MARKERS[i % len(MARKERS)]}
+        for ax, (field, _) in zip(axes[0], axes_shown):
+            for curve in method.curves:
+                xs = getattr(curve, field)
+                if xs:
+                    ax.plot(xs, curve.acc, linewidth=1, alpha=0.55, markersize=3, **style)
+                    ax.plot(xs[-1:], curve.acc[-1:], linestyle="none", markersize=8, mec="black", mew=0.6, **style)
+            if field == "mib" and method.paper:
+                points = [(p.mib, p.acc) for p in method.paper]
+                ax.plot(*zip(*points), linestyle="none", marker="*", markersize=14, color=style["color"], mec="black")
+        handles.append(Line2D([], [], linewidth=1, markersize=7, label=_short(method.label), **style))
+    if any(m.paper for m in methods):
+        handles.append(Line2D([], [], linestyle="none", marker="*", markersize=12, color="white", mec="black",
+                              label="paper's point"))  # fmt: skip
+    for ax, (field, label) in zip(axes[0], axes_shown):
+        values = [x for c in curves for x in (getattr(c, field) or [])]
+        values += [p.mib for m in methods for p in m.paper] if field == "mib" else []
+        scale, options = x_scale(values)
+        ax.set_xscale(scale, **options)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3, which="both" if scale != "linear" else "major")
+    metrics = {m.metric for m in methods}
+    axes[0][0].set_ylabel(metrics.pop() if len(metrics) == 1 else "each method's reported metric")
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), LEGEND_COLUMNS), fontsize=9)
+    return fig
+
+
+def _short(label: str, chars: int = 40) -> str:
+    return label if len(label) <= chars else label[: chars - 1] + "…"

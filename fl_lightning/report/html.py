@@ -8,6 +8,8 @@ import base64
 from functools import cache
 from pathlib import Path
 
+from ..federation.files import atomic_write
+
 TEMPLATES = Path(__file__).parent / "templates"
 
 
@@ -29,4 +31,4 @@ def environment():
 
 def write_page(template: str, path: Path, **context) -> None:
     """Renders ``template`` with ``context`` into ``path``."""
-    path.write_text(environment().get_template(template).render(**context) + "\n")
+    atomic_write(path, environment().get_template(template).render(**context) + "\n")

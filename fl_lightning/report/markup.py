@@ -6,6 +6,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from ..federation.files import atomic_write
+
 
 def md(value) -> str:
     """A value read from a file as Markdown table text: no HTML, no column breaks, one line."""
@@ -22,5 +24,5 @@ def save_figure(directory: Path, name: str, kind: str, image: bytes) -> str:
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(name)).strip("._") or "figure"
     directory.mkdir(parents=True, exist_ok=True)
     file = directory / f"{safe}_{kind}.png"
-    file.write_bytes(image)
+    atomic_write(file, image)
     return file.name

@@ -6,10 +6,12 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from ..federation.files import atomic_write
 from .build import headline
 from .groups import value_text
 from .markup import md, md_table, save_figure
 from .runs import MEASURED_NOTE, fmt, plural
+from .tradeoff import TRADEOFF_NOTE, tradeoff_markdown, tradeoff_view
 
 SUMMARY_HEADER = [
     "recipe",
@@ -100,6 +102,8 @@ def write_html(report: dict, path: Path) -> None:
         summary_header=SUMMARY_HEADER,
         summary_rows=[[(cell, "num" if i >= 2 else "") for i, cell in enumerate(row)] for row in summary_rows(report)],
         measured_note=MEASURED_NOTE,
+        tradeoffs=[tradeoff_view(t) for t in report["tradeoffs"]],
+        tradeoff_note=TRADEOFF_NOTE,
         sections=[section_view(s) for s in report["sections"]],
         sweeps=[sweep_view(sweep) for sweep in report["sweeps"]],
     )
@@ -154,6 +158,8 @@ def write_markdown(report: dict, path: Path) -> None:
         rows = [[md(c) for c in row] for row in summary_rows(report)]
         lines += md_table(SUMMARY_HEADER, rows) + ["", md(MEASURED_NOTE)]
     figures = path.parent / f"{path.stem}_figures"
+    for tradeoff in report["tradeoffs"]:
+        lines += tradeoff_markdown(tradeoff_view(tradeoff), figures)
     for s in report["sections"]:
         c = s["comparison"]
         lines += ["", f"## {md(s['name'])}", ""]
@@ -183,7 +189,7 @@ def write_markdown(report: dict, path: Path) -> None:
         )
     for sweep in report["sweeps"]:
         lines += sweep_markdown(sweep, figures)
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, "\n".join(lines) + "\n")
 
 
 def log_to_wandb(report: dict, project: str, directory: Path):
@@ -212,6 +218,9 @@ def log_to_wandb(report: dict, project: str, directory: Path):
             )
         if s["curve"]:
             run.log({f"curves/{s['name']}": wandb.Image(Image.open(io.BytesIO(s["curve"])))})
+    for t in report["tradeoffs"]:
+        if t["figure"]:
+            run.log({f"tradeoff/{t['setting'].title}": wandb.Image(Image.open(io.BytesIO(t["figure"])))})
     run.log({"paper_vs_measured": table})
     for sweep in report["sweeps"]:
         if sweep["history"]:

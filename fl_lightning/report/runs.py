@@ -20,6 +20,7 @@ from ..federation.errors import ConfigError
 from ..run.safe_yaml import read_file
 
 KIB_PER_CLIENT_ROUND = "comm/kib_per_client_round"
+GFLOPS_PER_CLIENT_ROUND = "compute/gflops_per_client_round"  # local training GFLOPs, as KiB per client and round
 ROUNDS_TO = "rounds_to/"  # rounds_to/<metric>@<target>: the first round the metric reaches the target
 KIB_TO = "comm/kib_to/"  # comm/kib_to/<metric>@<target>: KiB sent down and up until that round
 BEST = "best/"  # best/<metric>: the metric's highest value over the evaluated rounds (HtFLlib reports the best round)
@@ -163,11 +164,24 @@ def paper_values(reference: dict) -> dict[str, tuple[float | None, float | None]
     return {k: (v[0], v[1]) for k, v in wanted.items()}
 
 
+def run_metric(run: dict, position: int, metric: str) -> str:
+    """The metric a run measures a table cell's ``position``-th metric with: the one at that position of its own
+    reference block (the same name for a run of the cell's recipe; a digits run given the cell with
+    ``--reference`` may name its own, e.g. small/test_acc for aux/test_acc)."""
+    metrics = _reference(run["summary"]).get("metrics")
+    own = [str(m) for m in metrics] if isinstance(metrics, dict) else []
+    return own[position] if position < len(own) else metric
+
+
 def measured_value(run: dict, metric: str) -> float | None:
-    """A run's final value of ``metric``; ``comm/kib_per_client_round`` is derived from its traffic, and
-    ``rounds_to/<metric>@<target>`` / ``comm/kib_to/<metric>@<target>`` / ``best/<metric>`` from its metrics.csv."""
+    """A run's final value of ``metric``; ``comm/kib_per_client_round`` is derived from its traffic,
+    ``compute/gflops_per_client_round`` from its local training FLOPs (summary.json's ``compute``), and
+    ``rounds_to/<metric>@<target>`` / ``comm/kib_to/<metric>@<target>`` / ``best/<metric>`` from its
+    metrics.csv."""
     if metric == KIB_PER_CLIENT_ROUND:
         return kib_per_client_round(run)
+    if metric == GFLOPS_PER_CLIENT_ROUND:
+        return gflops_per_client_round(run)
     if metric.startswith(BEST):
         values = [row[metric[len(BEST) :]] for row in run["curve"] if metric[len(BEST) :] in row]
         values = [v for v in values if not math.isnan(v)]
@@ -206,8 +220,8 @@ def to_target(run: dict, metric: str, target: float | None, traffic: bool) -> fl
 
 def kib_per_client_round(run: dict) -> float | None:
     """KiB sent down and up per participating client and round (paper 004's CO/c/r): the ledger's total
-    over the rounds run and the clients the run's UniformSampler takes per round (config.yaml); None
-    when any of these is unknown."""
+    over the rounds run and the clients the run's UniformSampler takes per round (config.yaml, which may come
+    from anyone: it is parsed as plain YAML only); None when any of these is unknown."""
     summary = run["summary"]
     comm = summary.get("comm") if isinstance(summary.get("comm"), dict) else {}
     up, down, rounds = (
@@ -215,22 +229,32 @@ def kib_per_client_round(run: dict) -> float | None:
         number(comm.get("downlink_bytes")),
         number(summary.get("rounds")),
     )
-    per_round = clients_per_round(run["root"] / "config.yaml")
+    per_round = clients_per_round_of(read_config(run["root"]))
     if None in (up, down, rounds, per_round) or not rounds or not per_round:
         return None
     return (up + down) / 1024 / (rounds * per_round)
 
 
-def clients_per_round(config_path: Path) -> int | None:
-    """Clients a run's UniformSampler (fit's default when the recipe has none: every client) draws per
-    round, from its resolved config; None for another sampler or an unreadable file (the file may come
-    from anyone: it is parsed as plain YAML only)."""
+def gflops_per_client_round(run: dict) -> float | None:
+    """Local training GFLOPs per participating client and round (``client/flops.py``'s estimate), as
+    :func:`kib_per_client_round` divides the traffic; None when the run recorded no compute."""
+    summary = run["summary"]
+    compute = summary.get("compute") if isinstance(summary.get("compute"), dict) else {}
+    flops, rounds = number(compute.get("train_flops")), number(summary.get("rounds"))
+    per_round = clients_per_round_of(read_config(run["root"]))
+    if None in (flops, rounds, per_round) or not rounds or not per_round:
+        return None
+    return flops / 1e9 / (rounds * per_round)
+
+
+def clients_per_round_of(config: dict | None) -> int | None:
+    """Clients a recipe's UniformSampler (fit's default when the recipe has none: every client) draws per
+    round, from the resolved recipe; None for another sampler or a recipe that does not say."""
     from ..federation.population import Population, Tier
     from ..federation.sampling import round_half
 
-    config = read_config(config_path.parent)
     try:
-        sampler = config["sampler"] or {
+        sampler = config.get("sampler") or {
             "class_path": "fl_lightning.federation.sampling.UniformSampler"
         }  # fit's default
         population = config["population"]

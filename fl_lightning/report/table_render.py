@@ -1,13 +1,16 @@
 """A paper table as a page: HTML from ``templates/table.html.j2`` (autoescaped) or Markdown (``markup.md``),
-the paper's layout with paper vs measured per cell, a ranking line per method, and the runs behind it."""
+the paper's layout with paper vs measured per cell, a ranking line per method, the trade-off of each setting,
+and the runs behind it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from ..federation.files import atomic_write
 from ..run.recipes import natural_key
 from .markup import md, md_table
+from .tradeoff import TRADEOFF_NOTE, tradeoff_markdown, tradeoff_view
 
 TABLE_NOTE = (
     "Paper = the recipe's reference block (its std after ±; – where the paper prints no number). Ours = the "
@@ -120,6 +123,8 @@ def write_table_html(table: dict, path: Path) -> None:
         ranking_note=RANKING_NOTE,
         provenance_header=PROVENANCE_HEADER,
         provenance_rows=[[(value, "") for value in row] for row in _provenance(table)],
+        tradeoffs=[tradeoff_view(t) for t in table["tradeoffs"]],
+        tradeoff_note=TRADEOFF_NOTE,
     )
 
 
@@ -133,6 +138,9 @@ def write_table_markdown(table: dict, path: Path) -> None:
         rows.append(cells_md)
     lines = [f"# {md(table['paper'])}, {md(table['table'])}", "", f"{md(_title(table))}.", ""]
     lines += md_table(header, rows) + [""] + [f"**Warning:** {md(w)}\n" for w in table.get("warnings", [])]
-    lines += [md(TABLE_NOTE), "", md(RANKING_NOTE), "", "## Runs", ""]
+    lines += [md(TABLE_NOTE), "", md(RANKING_NOTE)]
+    for tradeoff in table["tradeoffs"]:
+        lines += tradeoff_markdown(tradeoff_view(tradeoff), path.parent / f"{path.stem}_figures")
+    lines += ["", "## Runs", ""]
     lines += md_table(PROVENANCE_HEADER, [[md(v) for v in r] for r in _provenance(table)])
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, "\n".join(lines) + "\n")

@@ -11,8 +11,10 @@ number twice), so the runs of either fill both. Per cell: the paper's number and
 and sample std over seeds (one run per seed), or "not run"; a run measures the cell's metrics with those
 its own reference block names, position by position.
 
-Each method (the axis along which the recipes' strategy changes; the other axis holds data sets or
-settings) gets a ranking line: in how many settings the paper has it first and whether it is first in
+Per setting (a label of the axis that is not the methods'), the trade-off of its methods: accuracy against the
+traffic and the local training compute per client, with the paper's points (``report.tradeoff``). Each
+method (the axis along which the recipes' strategy changes; the other axis holds data sets or settings)
+gets a ranking line: in how many settings the paper has it first and whether it is first in
 our runs too, and how many of the paper's pairwise orders against the other methods hold in our runs.
 """
 
@@ -24,9 +26,11 @@ from typing import Any
 
 from ..federation.errors import ConfigError
 from ..run.recipes import BASE_KEY, RECIPES_DIR, _read, load_recipe, natural_key, paper_recipes
+from .figures import png, tradeoff_figure
 from .groups import differing_keys, experiment_digest, one_per_seed
-from .runs import find_runs, load_run, measured_value, number, read_config
+from .runs import find_runs, load_run, measured_value, number, read_config, run_metric
 from .table_render import write_table_html, write_table_markdown  # noqa: F401 (where the command line found them)
+from .tradeoff import cell_config, table_settings
 
 Key = tuple[str, str, str, str]  # (paper id, table id, row, column)
 
@@ -126,7 +130,7 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         cell["values"] = _values(cell)
     first = table[0]["reference"]
     method_axis, compared = _method_axis(table)
-    return {
+    result = {
         "id": wanted,
         "paper": str(first.get("paper")),
         "table": str(first.get("table")),
@@ -138,6 +142,9 @@ def build_table(paths: list[str], wanted: str, recipes_dir: Path = RECIPES_DIR) 
         "runs": sum(len(c["runs"]) for c in table),
         "warnings": warnings,
     }
+    configs = {key: cell_config(cell, recipes_dir) for key, cell in result["cells"].items()}
+    result["tradeoffs"] = [{"setting": s, "figure": png(tradeoff_figure(s))} for s in table_settings(result, configs)]
+    return result
 
 
 def _one_experiment(runs: list[dict], cell: str) -> tuple[list[dict], str | None]:
@@ -164,19 +171,6 @@ def _one_experiment(runs: list[dict], cell: str) -> tuple[list[dict], str | None
     )
 
 
-def _metrics(reference: Any) -> list[str]:
-    metrics = reference.get("metrics") if isinstance(reference, dict) else None
-    return [str(m) for m in metrics] if isinstance(metrics, dict) else []
-
-
-def _run_metric(run: dict, position: int, metric: str) -> str:
-    """The metric a run measures a cell's ``position``-th metric with: the one at that position of its own
-    reference block (the same name for a run of the cell's recipe; a digits run given the cell with
-    ``--reference`` may name its own, e.g. small/test_acc for aux/test_acc)."""
-    own = _metrics(run["summary"].get("reference"))
-    return own[position] if position < len(own) else metric
-
-
 def _values(cell: dict) -> list[dict[str, Any]]:
     """Per metric of the reference (headline first): paper value and std, measured mean, std, n."""
     reference = cell["reference"]
@@ -185,7 +179,7 @@ def _values(cell: dict) -> list[dict[str, Any]]:
     values = []
     for position, (metric, paper) in enumerate(metrics.items()):
         measured = [
-            v for r in cell["runs"] if (v := measured_value(r, _run_metric(r, position, str(metric)))) is not None
+            v for r in cell["runs"] if (v := measured_value(r, run_metric(r, position, str(metric)))) is not None
         ]
         mean = sum(measured) / len(measured) if measured else None
         std = None

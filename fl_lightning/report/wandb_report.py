@@ -1,7 +1,9 @@
 """``flrun report RUNS --wandb ENTITY/PROJECT``: a W&B Report (``wandb-workspaces``, the W&B Reports API) of the
 runs, in the project their ``--logger wandb`` runs went to.
 
-Per experiment (a recipe and its seeds, as the HTML report groups them): its paper reference, a run set of its
+Per setting holding two experiments or more (``report.tradeoff``), the trade-off: each run's metric against the
+MiB each client sent and received and against its local training GFLOPs per client, and the paper's points. Per
+experiment (a recipe and its seeds, as the HTML report groups them): its paper reference, a run set of its
 W&B runs grouped by recipe (the seeds as one line with their spread), a line plot of every round's monitored
 metric, a run comparer (the runs' config side by side) and a table of each run's seed, W&B run, code version
 (git commit), config hash and versions; before them the paper-vs-measured table, after them the sweeps. A
@@ -21,10 +23,12 @@ from typing import Any
 
 from ..federation.errors import ConfigError
 from .build import headline
+from .figures import TRADEOFF_AXES, x_scale
 from .markup import md, md_table
 from .render import SUMMARY_HEADER, section_view, summary_rows
 from .runs import BEST, KIB_PER_CLIENT_ROUND, KIB_TO, ROUNDS_TO
 from .sweeps import sweep_view
+from .tradeoff import TRADEOFF_NOTE, tradeoff_view
 
 RUN_FOLDER = re.compile(r"^(?:offline-)?run-\d{8}_\d{6}-([A-Za-z0-9_-]+)$")  # wandb/run-20260101_120000-<id>
 ACCOUNT = (
@@ -87,6 +91,8 @@ def build_wandb_report(report: dict[str, Any], entity: str, project: str):
     if report["sections"]:
         rows = [[md(cell) for cell in row] for row in summary_rows(report)]
         blocks += [wr.H2("Paper vs measured"), wr.MarkdownBlock("\n".join(md_table(SUMMARY_HEADER, rows)))]
+    for tradeoff in report["tradeoffs"]:
+        blocks += _tradeoff_blocks(wr, tradeoff, entity, project)
     for section in report["sections"]:
         blocks += _experiment_blocks(wr, section, entity, project)
     for sweep in report["sweeps"]:
@@ -133,6 +139,57 @@ def _experiment_blocks(wr, section: dict, entity: str, project: str) -> list:
     ]
     blocks.append(wr.MarkdownBlock("\n".join(md_table(header, rows))))
     return blocks
+
+
+def _tradeoff_blocks(wr, tradeoff: dict, entity: str, project: str) -> list:
+    """A setting's trade-off as the HTML report draws it: a line plot of each method's metric against the runs'
+    logged ``comm/mib_per_client`` and ``compute/gflops_per_client`` (one line per run), the points table with
+    the paper's points, which a W&B plot cannot hold."""
+    view = tradeoff_view(tradeoff)
+    curves = [c for m in tradeoff["setting"].methods for c in m.curves]
+    blocks = [wr.H2(f"Trade-off: {view['title']}"), wr.P(TRADEOFF_NOTE)]
+    blocks += [wr.P(f"Note: {note}") for note in view["notes"]]
+    ids = {c.root: run_ids(Path(c.root)) for c in curves}
+    if all(ids.values()):
+        filters = f"Metric('ID') in {sorted({i for found in ids.values() for i in found})!r}"
+    else:
+        names = ", ".join(_literal(n) for n in sorted({c.name for c in curves}))
+        seeds = sorted({c.seed for c in curves if isinstance(c.seed, int) and not isinstance(c.seed, bool)})
+        filters = f"Config('name') in [{names}] and Config('seed') in {seeds!r}"
+        blocks.append(
+            wr.P(
+                f"Note: {sum(not found for found in ids.values())} of these runs have no W&B run in their directory "
+                f"(not logged with --logger wandb), so this run set selects the runs of {project} by recipe name "
+                "and seed."
+            )
+        )
+    metrics = sorted({c.metric for c in curves})
+    plots = []
+    for i, (field, key, title) in enumerate(
+        (
+            ("mib", "comm/mib_per_client", TRADEOFF_AXES[0][1]),
+            ("gflops", "compute/gflops_per_client", TRADEOFF_AXES[1][1]),
+        )
+    ):
+        scale, _ = x_scale([x for c in curves for x in (getattr(c, field) or [])])
+        plots.append(
+            wr.LinePlot(
+                title=f"{', '.join(metrics)} against {title}",
+                x=key,  # logged every round by the runs, as the report computes it from their files
+                y=metrics,
+                title_x=title,
+                title_y=", ".join(metrics),
+                log_x=scale != "linear",
+                layout=wr.Layout(x=12 * i, y=0, w=12, h=9),
+            )
+        )
+    runset = wr.Runset(entity=entity, project=project, name=view["title"], filters=filters)
+    rows = [[md(text) for text, _ in row] for row in view["rows"]]
+    return [
+        *blocks,
+        wr.PanelGrid(runsets=[runset], panels=plots),
+        wr.MarkdownBlock("\n".join(md_table(view["header"], rows))),
+    ]
 
 
 def _literal(text: str) -> str:

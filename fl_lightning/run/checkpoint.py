@@ -5,9 +5,11 @@
   Saving anything else is a programming error and raises before the file is written.
 - A SHA-256 of the content is stored in the file and checked on load: a damaged file is refused, naming
   the previous good checkpoint.
-- The file is written to ``last.ckpt.tmp``, fsynced and renamed over ``last.ckpt``; the checkpoint it
-  replaces is kept as ``previous.ckpt`` (a hard link, so ``last.ckpt`` exists at every moment), provided
-  it is known to be intact: written or verified by this process, or verified before it is kept.
+- The file is written to ``last.ckpt.tmp``, fsynced and renamed over ``last.ckpt``
+  (:func:`fl_lightning.federation.files.replacing`: SIGTERM or Ctrl-C during the write take effect once it is
+  done, and a failed write names ``last.ckpt``); the checkpoint it replaces is kept as ``previous.ckpt`` (a hard
+  link, so ``last.ckpt`` exists at every moment), provided it is known to be intact: written or verified by this
+  process, or verified before it is kept.
 - Per-client state is not inside the file: it holds a manifest of the client-state files next to it
   (``client_store.py``), each named once, written and fsynced before the checkpoint that names it.
 """
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from ..federation.errors import ConfigError
-from ..tracking.run_files import fsync_directory, write_synced
+from ..federation.files import replacing
 
 FORMAT = 2  # 1: pickled with weights_only=False and no checksum (before this module checked both)
 PREVIOUS = "previous.ckpt"
@@ -54,16 +56,10 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Writes ``state`` (tensors and plain containers) with its checksum; keeps the old file as previous.ckpt."""
     content = {**state, "format": FORMAT}
     digest = content_sha256(content)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write_synced(tmp, lambda f: torch.save({**content, "sha256": digest}, f))
-    except OSError as err:  # a full disk: write_synced took the partial file away; name the checkpoint itself
-        raise OSError(err.errno, err.strerror, str(path)) from None
-    if path.exists():
-        _keep_previous(path)
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
+    with replacing(path) as f:  # a full disk, SIGTERM or Ctrl-C meanwhile: last.ckpt stays the previous one
+        torch.save({**content, "sha256": digest}, f)
+        if path.exists():
+            _keep_previous(path)
     _known_good.add(_identity(path))
 
 

@@ -35,7 +35,7 @@ import torch
 from torch.serialization import default_restore_location
 
 from ..federation.errors import ConfigError
-from ..tracking.run_files import fsync_directory, write_synced
+from ..federation.files import fsync_directory, write_synced
 from .checkpoint import PREVIOUS, check_plain, load_checkpoint
 
 CLIENTS_DIR = "clients"  # next to last.ckpt

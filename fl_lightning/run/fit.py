@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +33,33 @@ from .run_dir import check_output_dir, check_resume_target, check_still_ours, fr
 from .runtime import Runtime, resolve_executor
 from .state import check_monitor, check_resume, planned_rounds
 
+_ONE_RUN = threading.Lock()
 
+
+def _one_run_at_a_time(run: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Refuses a run while another runs in this process. A run sets process-wide state (the global random
+    generators it seeds, ``torch.set_num_threads``, deterministic kernels, flush-denormal), so two at once in two
+    threads would change each other's numbers; the lock is tried, never waited on. ``functools.wraps`` keeps the
+    signature and docstring the command line's parser reads (defined here: the wrapper resolves the signature's
+    annotations in this module)."""
+
+    @functools.wraps(run)
+    def one_run(*args, **kwargs):
+        if not _ONE_RUN.acquire(blocking=False):
+            raise ConfigError(
+                "another fit is running in this process (in another thread), and runs share the process's random "
+                "state, torch threads and precision settings; run them one after another, or in separate "
+                "processes (flrun fit, or a process pool)."
+            )
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _ONE_RUN.release()
+
+    return one_run
+
+
+@_one_run_at_a_time
 def fit(
     data: FederatedData,
     models: dict[str, ModelSpec],
@@ -91,6 +120,11 @@ def fit(
 
     Returns:
         The summary written to ``summary.json``.
+
+    Raises:
+        ConfigError: for a recipe that cannot run, and when another run is in progress in this process (in
+            another thread): runs share the process's random state, torch threads and precision settings, so a
+            second one is refused rather than changing the first one's numbers.
     """
     name = name or "run"
     _check_counts(rounds=rounds, eval_every=eval_every, checkpoint_every=checkpoint_every, stop_after=stop_after)

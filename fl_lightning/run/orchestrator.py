@@ -19,6 +19,7 @@ import numpy as np
 from ..client.batched.executor import BatchedExecutor
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator, PersonalEvaluation
+from ..client.flops import role_step_flops
 from ..client.loop import LocalLoop
 from ..data import FederatedData
 from ..distributed.ranks import check_shardable, current_ranks
@@ -33,6 +34,8 @@ from .client_store import CLIENTS_DIR
 from .robustness import FAULT_KINDS, FIX, Diverged, Faults, nonfinite_metrics, nonfinite_parts, poison
 from .sharding import ShardedPhases
 from .state import RunState
+
+STEPS = "steps/"  # events[STEPS + role]: the training steps of a role's clients this round
 
 
 class FederationOrchestrator:
@@ -110,6 +113,7 @@ class FederationOrchestrator:
         self.faults, self.divergence = faults, divergence
         # per-round counts of lost updates; logged only when something can be lost, so default rows keep their columns
         self.event_keys = (*(FAULT_KINDS if faults else ()), "dropped_nonfinite", "phases_without_updates")
+        # per-round counts the ranks add up: the lost updates by cause, and each role's training steps (STEPS + role)
         self.events: dict[str, int] = {}
         self.ranks = current_ranks()  # one process, or one of several that share each phase's clients
         client_dir = files.checkpoints / CLIENTS_DIR if self.ranks.writes else self.ranks.scratch  # rank 0 alone
@@ -140,6 +144,11 @@ class FederationOrchestrator:
         strategy.setup(server)
         check_evaluation_split(strategy, server)
         self.monitor = monitor or strategy.monitor
+        # after setup, which may freeze a backbone: a frozen parameter's gradient is not computed, nor counted
+        models = {role: slot.module.model for role, slot in loop.slots.items()}
+        self.step_flops, self.uncounted = role_step_flops(models, data.x[:1], loop.training.batch_size)
+        if self.uncounted:
+            self.state.train_flops = None  # a role's steps without their cost: no total rather than a low one
 
     # ------------------------------------------------------------------ the round loop
     def run(self, checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -206,6 +215,9 @@ class FederationOrchestrator:
             summary["cuda_graphs"] = self.loop.graphs.summary()
         if self.faults is not None or self.divergence == "drop":
             summary["faults"] = {k: state.events.get(k, 0) for k in self.event_keys}
+        summary["compute"] = {"train_flops": state.train_flops, "step_flops": dict(self.step_flops)}
+        if self.uncounted:
+            summary["compute"]["not_counted"] = dict(self.uncounted)
         if self.ranks.writes:
             self.files.write_json(self.files.summary, summary)
         return summary
@@ -230,6 +242,7 @@ class FederationOrchestrator:
             num_tasks = self.asynchronous.run_round(rnd, client_metrics, server_metrics)
         ledger = self.state.ledger
         traffic = ledger.per_round.get(rnd, {"uplink": 0, "downlink": 0})
+        steps = {key[len(STEPS) :]: self.events.pop(key) for key in list(self.events) if key.startswith(STEPS)}
         row: dict[str, Any] = {"round": rnd, "clients": num_tasks}
         row.update({f"train/{k}": float(np.mean(v)) for k, v in client_metrics.items()})
         if client_metrics:
@@ -245,8 +258,13 @@ class FederationOrchestrator:
                 "comm/round_downlink_bytes": traffic["downlink"],
                 "comm/uplink_bytes": ledger.uplink_bytes,
                 "comm/downlink_bytes": ledger.downlink_bytes,
+                "comm/mib_per_client": (ledger.uplink_bytes + ledger.downlink_bytes) / len(self.clients) / 2**20,
             }
         )
+        if self.state.train_flops is not None:  # None: a role's step could not be counted (summary.json says why)
+            self.state.train_flops += sum(n * self.step_flops[role] for role, n in steps.items())
+            row["compute/train_flops"] = self.state.train_flops
+            row["compute/gflops_per_client"] = self.state.train_flops / len(self.clients) / 1e9
         return row
 
     def _synchronous(self, rnd: int, client_metrics: dict[str, list[float]], server_metrics: dict[str, float]) -> int:
@@ -311,6 +329,8 @@ class FederationOrchestrator:
         ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
         update = self.strategy.client_update(task, ctx)
         ctx.finish()
+        for role, steps in ctx.trained_steps.items():  # trained, whether or not its update arrives
+            self.events[STEPS + role] = self.events.get(STEPS + role, 0) + steps
         client_states.close(client.id, ctx.state)  # kept, or written to its file beyond the memory budget
         self.progress.client_done()
         if fault == "nan":

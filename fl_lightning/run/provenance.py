@@ -49,6 +49,9 @@ def hardware(device: torch.device, world: int = 1) -> dict[str, Any]:
         "device": str(device),
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
+        # PyTorch's CPU kernels pick their code path by instruction set (AVX2, AVX512, ...): runs agree bit for
+        # bit only on the same one
+        "cpu_instruction_set": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "ranks": world,
     }

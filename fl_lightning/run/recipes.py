@@ -38,6 +38,7 @@ from jsonargparse import ActionConfigFile
 from jsonargparse import Path as ArgPath
 
 from ..federation.errors import ConfigError
+from ..federation.files import atomic_write
 from .safe_yaml import clip, read_file
 
 BASE_KEY = "base"
@@ -285,7 +286,7 @@ def readme(current: str, folder: Path = RECIPES_DIR) -> str:
 
 def main(argv: list[str]) -> int:
     """``python -m fl_lightning.run.recipes readme [--check]``: rewrite (or check) recipes/README.md's tables."""
-    if not argv or argv[0] != "readme":
+    if argv not in (["readme"], ["readme", "--check"]):  # an unknown option would rewrite instead of checking
         print("usage: python -m fl_lightning.run.recipes readme [--check]", file=sys.stderr)
         return 2
     target = RECIPES_DIR / "README.md"
@@ -300,7 +301,7 @@ def main(argv: list[str]) -> int:
             print(f"{target} is out of date: run `python -m fl_lightning.run.recipes readme`.", file=sys.stderr)
             return 1
         return 0
-    target.write_text(fresh)
+    atomic_write(target, fresh)
     print(f"wrote {target}")
     return 0
 

@@ -72,7 +72,8 @@ def check_monitor(monitor: str, metrics: dict[str, float], rnd: int | None = Non
 
 
 class RunState:
-    """Rounds done, metric history, best and last evaluation, elapsed time, client states and traffic.
+    """Rounds done, metric history, best and last evaluation, elapsed time, client states, traffic and the
+    local training compute.
 
     Args:
         client_dir: where the client-state files go (``<run>/checkpoints/clients``).
@@ -101,6 +102,7 @@ class RunState:
         self.client_states = ClientStateStore(client_dir, client_state_memory_mb, device)
         self.ledger = CommunicationLedger()
         self.events: dict[str, int] = {}  # lost updates over the run, by cause (robustness.py)
+        self.train_flops: int | None = 0  # the clients' local training FLOPs so far (client/flops.py); None: unknown
 
     def record_evaluation(
         self, rnd: int, metrics: dict[str, float], monitor: str, per_client: dict[int, float] | None = None
@@ -150,6 +152,7 @@ class RunState:
             "shared_optimizers": {r: s.optimizer.state_dict() for r, s in loop.slots.items()} if shared else {},
             "ledger": self.ledger.state_dict(),
             "events": dict(self.events),
+            "train_flops": self.train_flops,
             "history": self.history,
             "best": self.best,
             "last_eval": self.last_eval,
@@ -184,6 +187,8 @@ class RunState:
             loop.slots[role].optimizer.load_state_dict(opt_state)
         self.ledger.load_state_dict(state["ledger"])
         self.events = dict(state.get("events", {}))  # checkpoints written before faults existed have none
+        if self.train_flops is not None:  # a checkpoint written before the compute estimate: unknown from here on
+            self.train_flops = state.get("train_flops")
         self.history, self.best, self.elapsed = state["history"], state["best"], state["elapsed"]
         self.last_eval = state["last_eval"]
         set_rng_state(state["rng"])

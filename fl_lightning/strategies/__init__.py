@@ -8,12 +8,16 @@ from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .feddf import FedDF
 from .fedgems import FedGEMS
+from .fedgen import FedGen
 from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
+from .fedl2g import FedL2G
 from .fedmd import FedMD
+from .fedmrl import FedMRL
 from .fedproto import FedProto
+from .fedtgp import FedTGP
 from .felo import Felo
 from .fml import FML
 from .heterofl import HeteroFL
@@ -35,12 +39,16 @@ __all__ = [
     "FedAvg",
     "FedDF",
     "FedGEMS",
+    "FedGen",
     "FedGH",
     "FedGKT",
     "FedHe",
     "FedKD",
+    "FedL2G",
     "FedMD",
+    "FedMRL",
     "FedProto",
+    "FedTGP",
     "Felo",
     "HeteroFL",
     "LGFedAvg",

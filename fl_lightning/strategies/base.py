@@ -70,6 +70,11 @@ class ServerContext:
         """How far round ``rnd`` is through the run: 0 in round 1, 1 in the last round."""
         return round_progress(rnd, self.rounds)
 
+    @property
+    def batch_size(self) -> int:
+        """Examples per client training step (``training.batch_size``), for checks of the set-up that depend on it."""
+        return self._loop.training.batch_size
+
     def round_generator(self) -> torch.Generator:
         """A generator for server-side randomness (batch orders), seeded from torch's global generator, which the
         orchestrator seeds per round and phase: what it draws depends on the run's seed and the round only."""

@@ -6,13 +6,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import nn
 
 from ..client.context import ClientContext
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, clone_state
-from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
+from ..knowledge.class_stats import ClassStatistics, class_means
 from ..knowledge.header import train_header
 from .base import PersonalModels, ServerContext, Strategy
 
@@ -89,16 +88,20 @@ class FedGH(PersonalModels, Strategy):
         lars = self.local_averaged_representations(module, ctx)
         return ClientUpdate(task.client, ctx.num_examples(), {"lars": lars}, {f"{role}/loss": stats["loss"]})
 
-    @torch.no_grad()
     def local_averaged_representations(self, module, ctx: ClientContext) -> ClassStatistics:
         """Class means ``[S, D]`` of eval-mode representations over the local training data (compact)."""
         module.eval()
-        idx, size = ctx.indices.train, ctx.eval_batch_size
-        collector = ClassStatsCollector(self.num_classes, {"representations": self.feature_dim}, idx.device)
-        for start in range(0, len(idx), size):
-            chosen = idx[start : start + size]
-            collector.add(ctx.data_y[chosen], representations=module.features(ctx.data_x[chosen]))
-        return collector.result("lars").compact()
+        dims = ("representations", self.feature_dim)
+        return class_means(
+            module.features,
+            ctx.data_x,
+            ctx.data_y,
+            ctx.indices.train,
+            ctx.eval_batch_size,
+            dims,
+            self.num_classes,
+            "lars",
+        )
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
         weight = self.state.header["weight"]  # [C, D]

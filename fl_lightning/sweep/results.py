@@ -4,6 +4,7 @@ and ``best_recipe.yaml`` (the base recipe plus the best trial's parameters, as a
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shlex
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 
 from ..federation.errors import ConfigError
+from ..federation.files import atomic_write
 from .metric import test_counterpart
 from .spec import SweepSpec, shared_args
 from .storage import shown_storage, tally
@@ -264,10 +266,11 @@ def write_results(study, spec: SweepSpec, root: Path) -> dict[str, Any]:
     columns: dict[str, None] = {}
     for row in rows:
         columns.update(dict.fromkeys(row))
-    with (root / "trials.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns) or ["trial"])
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(columns) or ["trial"])
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(root / "trials.csv", table.getvalue())
     trials = study.get_trials(deepcopy=False)
     counts = tally(trials)
     result: dict[str, Any] = {
@@ -301,13 +304,13 @@ def write_results(study, spec: SweepSpec, root: Path) -> dict[str, Any]:
     best = _best(trials, spec)
     if best is not None:
         path = root / "best_recipe.yaml"
-        path.write_text(best_recipe(spec, best, path))
+        atomic_write(path, best_recipe(spec, best, path))
         result.update(
             {"best_trial": best.number, "best_value": best.value, "best_params": best.params, "best_recipe": str(path)}
         )
         if "test_value" in best.user_attrs:  # the tuned recipe's test score: the test set chose nothing
             result["best_test"] = {"metric": test_counterpart(spec.metric), "value": best.user_attrs["test_value"]}
-    (root / "sweep.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    atomic_write(root / "sweep.json", json.dumps(result, indent=2, default=str) + "\n")
     return result
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..distributed.capacity import check_memory
 from ..federation.errors import ConfigError
 from .spec import SweepSpec
-from .storage import _sampler, open_slots, open_study
+from .storage import _sampler, open_or_create_study, open_slots
 
 
 def check_own_directory(root: Path, spec: SweepSpec) -> None:
@@ -38,12 +39,9 @@ def run_sweep(
     Refuses (ConfigError) a study whose recorded definition differs from ``spec``'s.
     """
     import sys
-    import time
 
-    from ..distributed.gpu_share import visible_gpus
-    from .results import Progress, write_results
-    from .study import check_definition, definition
-    from .workers import coordinate, run_in_process, wait_for_stale
+    from .results import Progress
+    from .study import check_definition, definition, running
 
     if n_jobs < 1:
         raise ConfigError(f"--n_jobs must be at least 1, got {n_jobs}.")
@@ -53,9 +51,24 @@ def run_sweep(
     check_own_directory(root, spec)
     current = definition(spec)
     root.mkdir(parents=True, exist_ok=True)
-    study = open_study(spec)
+    study, created = open_or_create_study(spec)
     progress = Progress(spec, study, out or sys.stdout)
-    check_definition(study, spec, current, progress.note)
+    with running(study):  # before the check: a second command starting now sees this one
+        check_definition(study, spec, current, progress.note, created)
+        if n_jobs > 1:  # the workers this machine cannot hold are refused before any starts
+            check_memory(min(n_jobs, open_slots(study, spec.n_trials)), "--n_jobs", "worker processes")
+        return _run_study(spec, study, n_jobs, sweep_file, progress, warnings)
+
+
+def _run_study(spec: SweepSpec, study, n_jobs: int, sweep_file: str | None, progress, warnings) -> tuple[dict, int]:
+    """Trials until the study is full (or the timeout ends it), then the results; see :func:`run_sweep`."""
+    import time
+
+    from ..distributed.gpu_share import visible_gpus
+    from .results import write_results
+    from .workers import coordinate, run_in_process, wait_for_stale
+
+    root = Path(spec.output_dir)
     for warning in warnings:
         progress.note(f"warning: {warning}")
     epoch = len(study.get_trials(deepcopy=False))

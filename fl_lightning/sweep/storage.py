@@ -69,6 +69,11 @@ def retry_callback(spec: SweepSpec):
 def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
     """The study on its storage, with heartbeats: a trial whose process stops beating for ``grace_period``
     is failed and queued again by the next process that asks for a trial."""
+    return open_or_create_study(spec, epoch, worker, create=False)[0]
+
+
+def open_or_create_study(spec: SweepSpec, epoch: int = 0, worker: int = 0, create: bool = True):
+    """The study as :func:`open_study` gives it, and whether this call made it (``create``: tell)."""
     import inspect
 
     import optuna
@@ -99,14 +104,15 @@ def open_study(spec: SweepSpec, epoch: int = 0, worker: int = 0):
             if attempt == 2:
                 raise
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # the sweep prints each trial's outcome itself
-    return optuna.create_study(
-        study_name=spec.study_name,
-        storage=storage,
-        sampler=_sampler(spec, epoch, worker),
-        pruner=_pruner(spec),
-        direction=spec.direction,
-        load_if_exists=True,
+    study = dict(
+        study_name=spec.study_name, storage=storage, sampler=_sampler(spec, epoch, worker), pruner=_pruner(spec)
     )
+    if not create:
+        return optuna.create_study(**study, direction=spec.direction, load_if_exists=True), False
+    try:  # the storage's unique study name decides which of two commands starting at once made it
+        return optuna.create_study(**study, direction=spec.direction), True
+    except optuna.exceptions.DuplicatedStudyError:
+        return optuna.load_study(**study), False
 
 
 def _make_sqlite_folder(url: str) -> None:

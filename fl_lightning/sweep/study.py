@@ -17,7 +17,12 @@ The sweep's metric is checked by :mod:`fl_lightning.sweep.metric`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -102,11 +107,13 @@ def _shown(value: Any) -> str:
     return "(absent)" if value is None else json.dumps(value, sort_keys=True)  # as the storage returns it
 
 
-def check_definition(study, spec, current: dict[str, Any], note) -> None:
-    """Records ``current`` in a new study; refuses (ConfigError) a study that was defined otherwise.
+def check_definition(study, spec, current: dict[str, Any], note, created: bool = False) -> None:
+    """Records ``current`` in a study this command ``created``; refuses (ConfigError) a study that was defined
+    otherwise.
 
-    A study whose trials all failed has no value to mix: it takes the new definition (a wrong metric is
-    fixed so). A study made before definitions were recorded is taken to match, with a note, and records it.
+    A study whose trials all failed (or that has none yet) has no value to mix: it takes the new definition (a
+    wrong metric is fixed so), unless another ``flrun sweep`` runs it now, whose trials would then be mixed with
+    this one's. A study made before definitions were recorded is taken to match, with a note, and records it.
     """
     where = f"study {spec.study_name!r}"
     if study.direction.name.lower() != spec.direction:  # Optuna's own record, in studies of any age
@@ -114,8 +121,11 @@ def check_definition(study, spec, current: dict[str, Any], note) -> None:
             f"{where} was made to {study.direction.name.lower()} and the sweep file says direction "
             f"{spec.direction}; give the changed sweep a new study_name (and output_dir) or storage, or revert it."
         )
+    if created:
+        study.set_user_attr(STUDY_KEY, current)
+        return
+    recorded = _recorded_definition(study)
     trials = study.get_trials(deepcopy=False)
-    recorded = study.user_attrs.get(STUDY_KEY)
     if recorded is None:
         if trials:
             note(
@@ -130,11 +140,78 @@ def check_definition(study, spec, current: dict[str, Any], note) -> None:
     listed = list(changed.items())
     shown = ", ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, (old, new) in listed[:6])
     shown += f" and {len(listed) - 6} more" if len(listed) > 6 else ""
+    others = others_running(study)
+    if others:
+        raise ConfigError(
+            f"{where} in {shown_storage(spec)} is being run by another flrun sweep ({', '.join(others)}) with another "
+            f"sweep definition ({shown}); give this sweep its own study_name (and output_dir), or wait for that one "
+            "to end."
+        )
     if all(t.state.name == "FAIL" for t in trials):
-        note(f"the {len(trials)} trial(s) of {where} all failed, so it takes the changed sweep file ({shown}).")
+        count = f"the {len(trials)} trial(s) of {where} all failed" if trials else f"{where} has no trials yet"
+        note(f"{count}, so it takes the changed sweep file ({shown}).")
         study.set_user_attr(STUDY_KEY, current)
         return
     raise ConfigError(
         f"{where} in {shown_storage(spec)} was run with another sweep definition ({shown}); give the changed sweep "
         "a new study_name (and output_dir) or storage, or revert the sweep file."
     )
+
+
+def _recorded_definition(study, wait_s: float = 10.0) -> dict[str, Any] | None:
+    """The study's recorded definition. A study without one and without trials was made an instant ago by another
+    command (which records it next) or by one that died before it could: waits ``wait_s`` for the record."""
+    end = time.monotonic() + wait_s
+    while True:
+        recorded = study.user_attrs.get(STUDY_KEY)
+        if recorded is not None or study.get_trials(deepcopy=False) or time.monotonic() > end:
+            return recorded
+        time.sleep(0.2)
+
+
+# One user attribute per command that runs the study, ``flrun_sweep_running:<host>:<pid>``: True while it runs,
+# False once it ended (Optuna cannot delete an attribute). Per command, so that two commands never overwrite one
+# attribute; one killed leaves True behind, which the next command on its host that looks clears.
+RUNNING_KEY = "flrun_sweep_running:"
+
+
+def this_command() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@contextlib.contextmanager
+def running(study) -> Iterator[None]:
+    """Marks ``study`` as run by this command until the block ends."""
+    key = RUNNING_KEY + this_command()
+    study.set_user_attr(key, True)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # a storage gone (a full disk) must not hide why the sweep ended
+            study.set_user_attr(key, False)
+
+
+def others_running(study) -> list[str]:
+    """``host:pid`` of the other commands that run ``study`` now; one on another host is taken to run (its
+    process cannot be looked at from here). A mark left by a command of this host that was killed is cleared."""
+    me, host = this_command(), socket.gethostname()
+    marked = [key[len(RUNNING_KEY) :] for key, on in study.user_attrs.items() if key.startswith(RUNNING_KEY) and on]
+    others = []
+    for who in marked:
+        if who == me:
+            continue
+        if who.startswith(f"{host}:") and not _alive(int(who.rpartition(":")[2])):
+            study.set_user_attr(RUNNING_KEY + who, False)  # before its pid can be given to another process
+            continue
+        others.append(who)
+    return others
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -28,7 +28,8 @@ from typing import Any, TextIO
 
 import yaml
 
-from ..distributed.gpu_share import end_with_parent, environment_for, least_used, raise_interrupt, visible_gpus
+from ..distributed.capacity import check_memory
+from ..distributed.gpu_share import as_child, environment_for, least_used, raise_interrupt, visible_gpus
 from ..federation.errors import ConfigError
 from ..report.tables import _experiments, recipe_cells
 
@@ -147,7 +148,7 @@ def run_all(
     ones with a reason. ``states``: each run's :meth:`TableRun.state` by ``id``, when known already.
 
     Ctrl-C or SIGTERM (raising KeyboardInterrupt here) or any error ends the running processes, each to
-    resume from its last checkpoint next time; they also end if this process is killed (Linux).
+    resume from its last checkpoint next time; they also end if this process is killed (even by SIGKILL).
     """
     previous = signal.signal(signal.SIGTERM, raise_interrupt)  # `kill PID` must not leave the runs going on alone
     try:
@@ -166,6 +167,7 @@ class _Runner:
         self.pending = [(run, states[id(run)]) for run in runs if states[id(run)] != "done"]
         self.todo = len(self.pending)
         self.say(f"{len(self.done)} of {len(runs)} runs done; {self.todo} to run")
+        check_memory(min(n_jobs, self.todo), "--n_jobs", "run processes")  # before any starts
         self.gpus = visible_gpus() if n_jobs > 1 else []
         if self.gpus:
             _refuse_several_devices({run.recipe: run for run, _ in self.pending}.values(), fit_args, n_jobs)
@@ -214,8 +216,7 @@ class _Runner:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=environment_for(gpu),
-                preexec_fn=end_with_parent,  # noqa: PLW1509 - this process starts no threads
+                env=as_child(environment_for(gpu)),  # it ends when this command does, even by SIGKILL
             )
             self.active[process] = (run, gpu, time.monotonic())
         self.say(f"{run.name}: started ({state}){f' on GPU {gpu}' if gpu is not None else ''}")

@@ -35,16 +35,38 @@ from .trial import PROCESS, run_trial, warm_up
 
 
 class Interrupts:
-    """SIGTERM (also sent when the parent dies) interrupts like Ctrl-C, so the running trial is failed
-    and queued again. Python drops an exception raised where it cannot propagate (a finalizer), so
-    the signal may come again; once the re-queueing has begun (``cleaning``) further ones are ignored."""
+    """SIGTERM (also sent when the parent dies) interrupts like Ctrl-C, so the running trial is failed and queued
+    again. The interrupt is raised only inside a trial's run (``running``): one that arrives while Optuna records
+    a trial in the storage would cut its bookkeeping (Optuna then fails with its own traceback), so it waits
+    (``pending``) until the trial is recorded. Python drops an exception raised where it cannot propagate (a
+    finalizer), so the signal may come again and is raised again after ``LOST_S``; once the re-queueing has begun
+    (``cleaning``) further ones are ignored."""
+
+    LOST_S = 1.5
 
     def __init__(self):
-        self.cleaning = False
+        self.cleaning = self.running = self.pending = False
+        self.raised_at: float | None = None
 
     def __call__(self, signum, frame):
-        if not self.cleaning:
+        if self.cleaning:
+            return
+        self.pending = True
+        now = time.monotonic()
+        if self.running and (self.raised_at is None or now - self.raised_at > self.LOST_S):
+            self.raised_at = now
             raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def trial(self):
+        """The span of one trial's run, where an interrupt is raised at once."""
+        self.running, self.raised_at = True, None
+        if self.pending:
+            raise KeyboardInterrupt
+        try:
+            yield
+        finally:
+            self.running = False
 
 
 @contextlib.contextmanager
@@ -60,24 +82,28 @@ def interruptible():
 
 def work(spec: SweepSpec, study, may_start, notify, interrupts: Interrupts | None = None) -> None:
     """Runs one trial at a time while ``may_start()`` allows; ``notify(event, trial_number)`` hears of
-    each trial's start and end."""
-    while may_start():
+    each trial's start and end. Raises KeyboardInterrupt when interrupted (the running trial queued again)."""
+    interrupts = interrupts or Interrupts()
+    while not interrupts.pending and may_start():
         current: list = []
 
         def objective(trial, current=current):
             current.append(trial)
-            return run_trial(spec, trial, notify)
+            with interrupts.trial():
+                return run_trial(spec, trial, notify)
 
         try:
             study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
         except KeyboardInterrupt:
-            if interrupts is not None:
-                interrupts.cleaning = True
+            interrupts.cleaning = True
             if current:
                 requeue(study, spec, current[0]._trial_id, "interrupted; its parameters are queued again")
             raise
         if current:
             notify("finished", current[0].number)
+    if interrupts.pending:  # it came while Optuna recorded a trial, or between two trials
+        interrupts.cleaning = True
+        raise KeyboardInterrupt
 
 
 def _deadline_passed(deadline: float | None) -> bool:
@@ -338,11 +364,19 @@ def _follow_parent(parent: int, interrupts: Interrupts) -> None:
             time.sleep(1.0)
 
 
+def _drop_lost_interrupts(unraisable) -> None:
+    """An interrupt raised inside a finalizer is lost (``_follow_parent`` sends it again): not a traceback on the
+    terminal of a user whose sweep was killed; anything else is printed as Python prints it."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
 def run_worker(spec: SweepSpec, info: dict) -> int:
     """A worker process: trials while its coordinator allows, with its own sampler seed."""
     end_with_parent()  # SIGTERM when the coordinator dies (checked next that it is still there)
     if os.getppid() != info["parent"]:  # the coordinator died before this process could follow it
         return 0
+    sys.unraisablehook = _drop_lost_interrupts
     channel = _Channel(*info["fds"])
     with interruptible() as interrupts:
         threading.Thread(target=_follow_parent, args=(info["parent"], interrupts), daemon=True).start()

@@ -3,27 +3,27 @@
 ``run.json`` marks the directory as a run's, with the run's id: a run writes only into a new or empty directory
 or one its own marker names (``run/run_dir.py``), never into a folder of the user's.
 
-Every file is replaced atomically (written to ``<name>.tmp``, fsynced, renamed over the old one, and the
-directory fsynced): a run killed at any moment, or a machine that loses power, leaves the old file or the
-new one, never a part of one. A write that fails (a full disk) removes its ``.tmp`` file and raises an OSError
-that names the file.
+Every file is replaced atomically (:mod:`fl_lightning.federation.files`: written to ``<name>.tmp``, fsynced,
+renamed over the old one, and the directory fsynced): a run killed at any moment, or a machine that loses power,
+leaves the old file or the new one, never a part of one. A write that fails (a full disk) removes its ``.tmp``
+file and raises an OSError that names the file; SIGTERM or Ctrl-C during a write take effect once it is done.
+metrics.csv too is rewritten whole from the run's history at each evaluation, never appended to, so a cut
+write cannot leave half a row.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import fcntl
 import io
 import json
 import math
-import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from ..federation.errors import ConfigError
+from ..federation.files import atomic_write
 
 MARKER = "run.json"  # what makes a directory a run's
 MARKER_KIND = "flrun fit run directory"
@@ -71,7 +71,7 @@ class RunFiles:
         self.write_text(path, json.dumps(_finite(data), indent=2, sort_keys=False) + "\n")
 
     def write_text(self, path: Path, text: str) -> None:
-        replace_file(path, lambda f: f.write(text.encode()))
+        atomic_write(path, text)
 
 
 class RunLock:
@@ -121,55 +121,6 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def write_synced(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Writes ``path`` with ``write(file)`` and fsyncs it, so its bytes are on disk when this returns.
-
-    A write that fails (a full disk, a quota) removes what it wrote and raises an OSError naming ``path``.
-    """
-    try:
-        with open(path, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as err:
-        if not isinstance(err, (IsADirectoryError, PermissionError)):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        raise OSError(err.errno, err.strerror, str(path)) from None
-    except RuntimeError as err:  # in case a writer (torch.save) wraps the failed write in a RuntimeError
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        cause = err.__cause__ or err.__context__
-        if isinstance(cause, OSError):
-            raise OSError(cause.errno, cause.strerror, str(path)) from None
-        raise
-
-
-def fsync_directory(path: Path) -> None:
-    """Makes the renames inside ``path`` durable (POSIX; other systems cannot open a directory)."""
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Replaces ``path`` atomically and durably with what ``write(file)`` writes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write_synced(tmp, write)
-        os.replace(tmp, path)
-    except OSError as err:  # a full disk, a directory where the file goes: the new content is not left behind
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise OSError(err.errno, err.strerror, str(path)) from None  # the file the user knows, not its .tmp
-    fsync_directory(path.parent)
 
 
 def marker_id(root: Path) -> str | None:

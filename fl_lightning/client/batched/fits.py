@@ -10,9 +10,9 @@ of a vmapped batch use other kernels), not bit for bit.
 
 A step function may run batched only when it is a pure function of its module, batch and closure:
 the default cross-entropy step is; a strategy marks others with :func:`vmappable`. Whatever cannot run
-batched (a step with side effects, dropout drawing random numbers, an optimizer other than SGD / Adam /
-AdamW, several parameter groups, a single client) runs through the sequential loop, so the executor
-never changes what a strategy computes, only how many clients share a kernel launch.
+batched (a step with side effects, dropout drawing random numbers (``randomness``), an optimizer other than
+SGD / Adam / AdamW, several parameter groups, a single client) runs through the sequential loop, so the
+executor never changes what a strategy computes, only how many clients share a kernel launch.
 
 This module forms the groups and falls back; ``group_training.GroupTraining`` trains one group (its state
 in ``flat_store``, its optimizer rules in ``stacked_optim``, its modules reparametrized by
@@ -31,6 +31,7 @@ from .fit_request import FitRequest, random_state, restore, set_random_state, sn
 from .fit_request import step_key as _step_key
 from .group_training import GroupTraining, NotBatchable, OutOfMemory
 from .lockstep import LockstepMemory
+from .randomness import random_layers
 from .stacked_optim import update_rule
 from .step_closures import closure_values, identity
 
@@ -50,6 +51,8 @@ class BatchedFit:
         self.memory_limit: dict[str, int] = {}  # per role, the most clients batched since a larger group ran out
         self.counts = {"batched_fits": 0, "sequential_fits": 0}  # reported in summary.json
         self.sequential_reasons: dict[str, int] = {}  # why fits ran sequentially, in fits (summary.json)
+        self.random: dict[tuple, str | None] = {}  # (role, modes): why random layers keep its fits sequential
+        self.warned: set[str] = set()  # roles whose random layers the log has named
 
     def run(self, requests: list[FitRequest]) -> None:
         groups: dict[Any, list[FitRequest]] = {}
@@ -120,12 +123,36 @@ class BatchedFit:
             return "SGD's dampening"
         if _step_key(request) in self.unbatchable:
             return self.unbatchable[_step_key(request)]
+        random = self._randomness(request)
+        if random is not None:
+            return random
         constants = tuple(
             ("tensor", tuple(v.shape), v.dtype) if isinstance(v, Tensor) else ("value", identity(v))
             for v in closure_values(fn)
         )
         state_keys = tuple(sorted((n, tuple(sorted(s))) for n, s in request.optimizer_state.items()))
         return (request.role, function.__code__, constants, request.modes, state_keys, request.rnd)
+
+    def _randomness(self, request: FitRequest) -> str | None:
+        """Why random layers keep this fit out of a vmapped group (None: none draws); a warning once per role."""
+        key = (request.role, request.modes)
+        if key not in self.random:
+            layers = random_layers(self.loop, request.role, request.modes)
+            self.random[key] = (
+                f"random layers ({', '.join(layers)}): one vmapped step cannot draw from each client's own stream"
+                if layers
+                else None
+            )
+            if layers and request.role not in self.warned:
+                self.warned.add(request.role)
+                log.warning(
+                    "runtime.executor batched: role %r has dropout or another random layer (%s), whose draws one "
+                    "vmapped step cannot take from each client's own random stream, so its fits run one client at "
+                    "a time, with the numbers of runtime.executor sequential.",
+                    request.role,
+                    ", ".join(layers),
+                )
+        return self.random[key]
 
     # ------------------------------------------------------------------ sequential fallback
     def _sequential(self, request: FitRequest) -> None:

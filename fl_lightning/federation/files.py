@@ -1,0 +1,153 @@
+"""Files written for a user: replaced whole or not at all, and every failure naming the file.
+
+Every file the project writes for a user (a run's files and checkpoints, reports, charts, tables, a sweep's
+results) goes through :func:`atomic_write` or :func:`replacing`: the content goes to ``<name>.tmp`` in the same
+folder, is flushed to disk (fsync) and renamed over the old file, and the folder is fsynced. So the old file stays
+whole until the new one is, at every moment: a full disk, a kill or a power cut leaves the old file or the new
+one, never a part of one. A write that fails (a full disk, a quota, a read-only folder) removes its ``.tmp`` file
+and raises an OSError naming the file the user knows (not its ``.tmp``). SIGINT (Ctrl-C) and SIGTERM that arrive
+during a write take effect as soon as it is done, so they end a command as they would between two writes.
+
+Example::
+
+    atomic_write(Path("report.html"), page)
+    with replacing(Path("chart.png")) as f:  # writers that want a file object
+        fig.savefig(f, format="png")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+TMP_SUFFIX = ".tmp"
+
+
+def temporary_path(path: Path) -> Path:
+    """Where the new content of ``path`` is written before it replaces ``path``."""
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def atomic_write(path: str | os.PathLike, content: bytes | str) -> None:
+    """Replaces ``path`` atomically and durably with ``content`` (text is written as UTF-8)."""
+    data = content.encode() if isinstance(content, str) else content
+    with replacing(path) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """A binary file whose content replaces ``path`` when the block ends without an error.
+
+    The folder is created when missing. An error inside the block (or while writing) leaves ``path`` as it was
+    and no ``.tmp`` file behind; an OSError is raised again naming ``path``.
+    """
+    path = Path(path)
+    tmp = temporary_path(path)
+    with signals_held():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            _remove(tmp, err)
+            renamed = named(err, path)
+            if renamed is err:
+                raise
+            raise renamed from None
+        fsync_directory(path.parent)
+
+
+def write_synced(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Writes a new file ``path`` with ``write(file)`` and fsyncs it (no rename: for files named once, such as a
+    client's state file). A write that fails removes what it wrote and raises an OSError naming ``path``."""
+    with signals_held():
+        try:
+            with open(path, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException as err:
+            _remove(path, err)
+            renamed = named(err, path)
+            if renamed is err:
+                raise
+            raise renamed from None
+
+
+def _remove(partial: Path, err: BaseException) -> None:
+    """Removes what a failed write left, unless the failure was that ``partial`` is a file this process may not
+    open (someone else's)."""
+    if not isinstance(err, PermissionError):
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+
+
+def named(err: BaseException, path: Path) -> BaseException:
+    """``err`` as an OSError naming ``path`` when the file system caused it, also when a writer (torch.save)
+    wrapped the failed write in a RuntimeError; any other error unchanged."""
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, OSError):
+        if not isinstance(cause, RuntimeError):
+            return err
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or cause.errno is None:
+        return err
+    return OSError(cause.errno, cause.strerror, str(path))
+
+
+def fsync_directory(path: Path) -> None:
+    """Makes the renames inside ``path`` durable (POSIX; other systems cannot open a directory)."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside the block are handled when it ends, by the handlers that were in
+    place: a stop never cuts a file in two (torch.save interrupted mid-file raises ``RuntimeError: ...
+    unexpected pos`` instead of the stop). Only the main thread runs Python's signal handlers, so elsewhere this
+    changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous: dict[int, Any] = {}
+    for number in _HELD:
+        handler = signal.getsignal(number)
+        if handler is None:  # installed outside Python: left alone
+            continue
+        previous[number] = signal.signal(number, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in dict.fromkeys(arrived):
+            _deliver(number, previous[number])
+
+
+def _deliver(number: int, handler: Any) -> None:
+    """What the signal would have done had it not been held."""
+    if handler == signal.SIG_IGN:
+        return
+    if handler == signal.SIG_DFL:
+        signal.raise_signal(number)  # the default action: the process ends by the signal
+        return
+    handler(number, None)
