@@ -9,6 +9,7 @@ from conftest import ROOT, read_summary, run_cli
 from test_vision_data import write_cifar10
 
 from fl_lightning.report.runs import load_run, measured_value
+from fl_lightning.report.tables import build_table
 from fl_lightning.run.recipes import base_files, load_recipe
 
 TINY_POPULATION = json.dumps(
@@ -650,6 +651,13 @@ def test_htfl_pathological_recipe_pools_the_test_set_and_scores_correct_over_sam
     run = load_run(tmp_path / "htfl_fedproto_cifar10_pat")
     assert measured_value(run, "best/personal/test_acc") == summary["final"]["personal/test_acc"]  # one round
     assert summary["reference"]["metrics"] == {"best/personal/test_acc": 0.8339}
+    # the run fills its cell of the poster's main table, laid out as the paper: methods down, settings across
+    table = build_table([str(tmp_path)], "htfl/main-table")
+    [value] = table["cells"][("FedProto", "Pat, CIFAR-10")]["values"]
+    assert (value["paper"], value["paper_std"], value["n"]) == (0.8339, 0.0015, 1)
+    assert value["mean"] == summary["final"]["personal/test_acc"]
+    assert table["columns"] == ["Pat, CIFAR-10", "Pat, CIFAR-100", "Prac, CIFAR-10", "Prac, CIFAR-100"]
+    assert {"FedProto", "FedDistill", "LG-FedAvg", "FedGen"} <= set(table["rows"]) and table["runs"] == 1
 
 
 def test_htfl_practical_cifar100_recipe_sends_the_heads_of_its_cyclic_tiers(tmp_path):
