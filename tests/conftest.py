@@ -106,6 +106,17 @@ def _restore_torch_settings():
     torch.use_deterministic_algorithms(False)
 
 
+def slow_beyond(first: int, cases: list) -> list:
+    """Cases of a parametrized end-to-end comparison: the first ``first`` in the default suite, the others in the
+    slow one. Each case is a few seconds of runs of one more method through the same code path; the default suite
+    keeps the path covered and stays within minutes, the slow suite (and CI) runs every method."""
+    marked = []
+    for i, case in enumerate(cases):
+        values = case if isinstance(case, tuple) else (case,)
+        marked.append(case if i < first else pytest.param(*values, marks=pytest.mark.slow))
+    return marked
+
+
 def write_recipe(path: Path, **changes) -> Path:
     recipe = json.loads(json.dumps(TINY))
     recipe.update(changes)

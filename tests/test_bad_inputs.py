@@ -65,6 +65,13 @@ HEADS_32_64 = (
 )
 
 
+MLPS_64 = (
+    "{cnn_small: {builder: digits_mlp, args: {hidden: 64}}, cnn_large: {builder: digits_mlp, args: {hidden: 64}}, "
+    "mlp: {builder: digits_mlp, args: {hidden: 64}}}"
+)
+MLPS_64_AND_SMALL_IMAGES = MLPS_64[:-1] + ", generator: {builder: random_image_generator, args: {image_size: 4}}}"
+
+
 def _idx(array: np.ndarray) -> bytes:
     """A gzipped idx file (MNIST's format) holding ``array`` as uint8."""
     header = bytes([0, 0, 8, array.ndim]) + b"".join(int(size).to_bytes(4, "big") for size in array.shape)
@@ -466,6 +473,45 @@ CASES = [
             "population": {"num_clients": 8, "tiers": [{"name": "all", "roles": ["global", "small"]}]},
             "strategy": {"class_path": "fl_lightning.strategies.FedMRL"},
         },
+    ),
+    Case(
+        "FedPCL temperature zero",
+        ["--config", "recipes/digits_fedpcl.yaml", "--strategy.init_args.tau", "0"],
+        ["FedPCL needs tau > 0", "tau: 0.07"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedPCL features not of unit length",
+        ["--config", "recipes/digits_fedpcl.yaml", "--models", MLPS_64],
+        ["FedPCL needs unit-length projections", "role 'cnn_small'", "build it with frozen_backbones"],
+        no_recipe=True,
+    ),
+    Case(
+        "frozen backbone weights missing",
+        [],
+        ["backbone weights 'missing.safetensors' for builder 'digits_cnn' not found", "nothing is downloaded"],
+        recipe={
+            "models": {
+                "frozen": {
+                    "builder": "frozen_backbones",
+                    "args": {"backbones": [{"builder": "digits_cnn", "weights": "missing.safetensors"}]},
+                }
+            },
+            **_tiers({"name": "all", "roles": ["frozen"]}),
+            "strategy": {"class_path": "fl_lightning.strategies.FedPCL"},
+        },
+    ),
+    Case(
+        "FedKTL generator images of another shape",
+        ["--config", "recipes/digits_fedktl.yaml", "--models", MLPS_64_AND_SMALL_IMAGES],
+        ["FedKTL's generator role 'generator'", "images [1, 4, 4]", "examples are [1, 8, 8]"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedKTL server batch of one",
+        ["--config", "recipes/digits_fedktl.yaml", "--strategy.init_args.server_batch_size", "1"],
+        ["FedKTL needs server_epochs >= 1 and server_batch_size >= 2", "server_batch_size=1"],
+        no_recipe=True,
     ),
     Case("test share leaves no example", ["--data.init_args.test_fraction", "0.001"], ["test_fraction 0.001", "raise"]),
     Case("optimizer option misspelled", ["--training.optimizer.init_args.momentun", "0.9"], ["'momentun'", "momentum"]),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import slow_beyond
 
 from fl_lightning.cli.commands import fit_from_argv
 from fl_lightning.client.batched.fits import _ALONE
@@ -110,59 +111,69 @@ def _run(tmp_path, recipe, executor, *extra):
 
 @pytest.mark.parametrize(
     "recipe, extra",
-    [
-        ("quickstart.yaml", ()),  # FedAvg, SGD with momentum, a CNN
-        # two roles; the target's KD step runs the auxiliary teacher per client. Full KD weight from round 1: with
-        # the recipe's ramp, round 2 is so ill-conditioned that even 1 vs 2 CPU threads in the sequential loop
-        # move target weights by 4.4e-4, which says nothing about batching
-        ("digits_ondevice_kd.yaml", ("--strategy.init_args.ramp_rounds", "0")),
-        (
-            "digits_fedadam.yaml",
-            ("--training.optimizer_state", "per_client"),
-        ),  # the server's Adam; client SGD state kept
-        # a role name with a dot (not a valid module name: the batched step keys roles by position)
-        (
-            "quickstart.yaml",
-            ("--models", '{"a.b": {"builder": "digits_cnn"}}', "--population.tiers", "[{roles: [a.b]}]"),
-        ),
-        # paper 001's one state per role, taken at each phase's start (the order-free form batched clients can run)
-        (
-            "digits_ondevice_kd.yaml",
-            ("--strategy.init_args.ramp_rounds", "0", "--training.optimizer_state", "shared_per_phase"),
-        ),
-        # batch norm: running statistics are updated in place inside the vmapped forward (vmap's rule dropped
-        # the update of a strided running mean: relative error ~1 before the statistics were kept contiguous)
-        ("quickstart.yaml", ("--models", BATCH_NORM_CNN)),
-        # batch norm in both roles: the teacher's (evaluation mode) statistics and every num_batches_tracked sit in
-        # strided rows, the trained role's running statistics in blocks
-        (
-            "digits_ondevice_kd.yaml",
-            ("--strategy.init_args.ramp_rounds", "0", "--training.optimizer_state", "shared_per_phase")
-            + ("--models", BATCH_NORM_KD),
-        ),
-        # the optimizer rules' other branches, on whole parameter rows: clipping per client, Nesterov with
-        # weight decay, Adam (with batch norm) and AdamW with each client's own moments and step count. Few
-        # steps: Adam divides by the root of tiny second moments, which blows float noise up to the learning
-        # rate where a gradient is ~0 (AdamW's moments of a bias before batch norm are pure noise)
-        (
-            "quickstart.yaml",
-            ("--training.grad_clip_norm", "0.5", "--training.optimizer.init_args.nesterov", "true")
-            + ("--training.optimizer.init_args.weight_decay", "0.001"),
-        ),
-        (
-            "quickstart.yaml",
-            ("--training.optimizer", "{class_path: torch.optim.Adam, init_args: {lr: 0.01, weight_decay: 0.01}}")
-            + ("--training.optimizer_state", "per_client", "--models", BATCH_NORM_CNN, "--training.local_steps", "3"),
-        ),
-        (
-            "quickstart.yaml",
-            ("--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.01, weight_decay: 0.01}}")
-            + ("--training.optimizer_state", "per_client", "--training.local_steps", "2"),
-        ),
-        # the server seeds its distillation from torch's random state after the clients' updates: the batched
-        # executor must leave that state as the last client left it (the server's weights differed by ~0.1)
-        ("digits_merged_codist.yaml", ()),
-    ],
+    slow_beyond(
+        2,
+        [
+            ("quickstart.yaml", ()),  # FedAvg, SGD with momentum, a CNN
+            # two roles; the target's KD step runs the auxiliary teacher per client. Full KD weight from round 1: with
+            # the recipe's ramp, round 2 is so ill-conditioned that even 1 vs 2 CPU threads in the sequential loop
+            # move target weights by 4.4e-4, which says nothing about batching
+            ("digits_ondevice_kd.yaml", ("--strategy.init_args.ramp_rounds", "0")),
+            (
+                "digits_fedadam.yaml",
+                ("--training.optimizer_state", "per_client"),
+            ),  # the server's Adam; client SGD state kept
+            # a role name with a dot (not a valid module name: the batched step keys roles by position)
+            (
+                "quickstart.yaml",
+                ("--models", '{"a.b": {"builder": "digits_cnn"}}', "--population.tiers", "[{roles: [a.b]}]"),
+            ),
+            # paper 001's one state per role, taken at each phase's start (the order-free form batched clients can run)
+            (
+                "digits_ondevice_kd.yaml",
+                ("--strategy.init_args.ramp_rounds", "0", "--training.optimizer_state", "shared_per_phase"),
+            ),
+            # batch norm: running statistics are updated in place inside the vmapped forward (vmap's rule dropped
+            # the update of a strided running mean: relative error ~1 before the statistics were kept contiguous)
+            ("quickstart.yaml", ("--models", BATCH_NORM_CNN)),
+            # batch norm in both roles: the teacher's (evaluation mode) statistics and every num_batches_tracked sit in
+            # strided rows, the trained role's running statistics in blocks
+            (
+                "digits_ondevice_kd.yaml",
+                ("--strategy.init_args.ramp_rounds", "0", "--training.optimizer_state", "shared_per_phase")
+                + ("--models", BATCH_NORM_KD),
+            ),
+            # the optimizer rules' other branches, on whole parameter rows: clipping per client, Nesterov with
+            # weight decay, Adam (with batch norm) and AdamW with each client's own moments and step count. Few
+            # steps: Adam divides by the root of tiny second moments, which blows float noise up to the learning
+            # rate where a gradient is ~0 (AdamW's moments of a bias before batch norm are pure noise)
+            (
+                "quickstart.yaml",
+                ("--training.grad_clip_norm", "0.5", "--training.optimizer.init_args.nesterov", "true")
+                + ("--training.optimizer.init_args.weight_decay", "0.001"),
+            ),
+            (
+                "quickstart.yaml",
+                ("--training.optimizer", "{class_path: torch.optim.Adam, init_args: {lr: 0.01, weight_decay: 0.01}}")
+                + (
+                    "--training.optimizer_state",
+                    "per_client",
+                    "--models",
+                    BATCH_NORM_CNN,
+                    "--training.local_steps",
+                    "3",
+                ),
+            ),
+            (
+                "quickstart.yaml",
+                ("--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr: 0.01, weight_decay: 0.01}}")
+                + ("--training.optimizer_state", "per_client", "--training.local_steps", "2"),
+            ),
+            # the server seeds its distillation from torch's random state after the clients' updates: the batched
+            # executor must leave that state as the last client left it (the server's weights differed by ~0.1)
+            ("digits_merged_codist.yaml", ()),
+        ],
+    ),
 )
 def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, extra):
     sequential, weights = _run(tmp_path, recipe, "sequential", *extra)
@@ -284,22 +295,44 @@ FEDPROTO_MLPS = (
 FEDMD_SHORT = ("--strategy.init_args.public_epochs", "1", "--strategy.init_args.private_epochs", "1")
 
 
+# FedPCL's frozen CNN backbones round differently vmapped (as FedProto's CNNs above): a projection unit at its ReLU's
+# edge then flips, and the temperature of 0.07 summed over 15 prototype sets carries it on (one client's projection
+# bias 1.5% apart after one round of training). Its steps are compared over frozen MLP backbones, which have no
+# max pool (those runs give the same numbers bit for bit here).
+FEDPCL_MLPS = (
+    "--models",
+    (
+        '{"cnn_small": {"builder": "frozen_backbones", "args": {"backbones": [{"builder": "digits_mlp", '
+        '"args": {"hidden": 64, "depth": 1}}]}}, '
+        '"cnn_large": {"builder": "frozen_backbones", "args": {"backbones": [{"builder": "digits_mlp", '
+        '"args": {"hidden": 64, "depth": 3}}]}}, '
+        '"mlp": {"builder": "frozen_backbones", "args": {"backbones": [{"builder": "digits_mlp", '
+        '"args": {"hidden": 64, "depth": 2}}]}}}'
+    ),
+)
+
+
 @pytest.mark.parametrize(
     "recipe, extra",
-    [
-        ("digits_dsfl.yaml", ()),
-        ("digits_fedmd.yaml", FEDMD_SHORT),
-        ("digits_fedgems.yaml", ()),
-        ("digits_heterofl.yaml", ()),
-        ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
-        ("digits_fd.yaml", ()),  # a teacher per label, its logits handed out as a record
-        ("digits_fedproto.yaml", ()),  # prototypes per class, its representations handed out as a record
-        ("digits_fedgen.yaml", ()),  # generated features and their labels in the batch
-        # the server's prototypes per class; on MLP roles: a client's CNN meets a max-pool near-tie in round 2 (see
-        # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
-        ("digits_fedtgp.yaml", FEDPROTO_MLPS),
-        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
-    ],
+    slow_beyond(
+        2,
+        [
+            ("digits_dsfl.yaml", ()),
+            ("digits_fedmd.yaml", FEDMD_SHORT),
+            ("digits_fedgems.yaml", ()),
+            ("digits_heterofl.yaml", ()),
+            ("digits_fedgkt.yaml", ()),  # its server's logits for each of a client's examples
+            ("digits_fd.yaml", ()),  # a teacher per label, its logits handed out as a record
+            ("digits_fedproto.yaml", ()),  # prototypes per class, its representations handed out as a record
+            ("digits_fedgen.yaml", ()),  # generated features and their labels in the batch
+            # the server's prototypes per class; on MLP roles: a client's CNN meets a max-pool near-tie in round 2 (see
+            # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
+            ("digits_fedtgp.yaml", FEDPROTO_MLPS),
+            ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
+            # every client's prototypes as anchors; frozen backbones under the projection
+            ("digits_fedpcl.yaml", FEDPCL_MLPS),
+        ],
+    ),
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
     """Steps closing over server knowledge per client (FedGEMS' teacher and public labels, FedGKT's teacher
@@ -325,25 +358,30 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
 
 @pytest.mark.parametrize(
     "recipe, extra",
-    [
-        ("digits_dsfl.yaml", ()),  # soft targets in the batch: KL over the real rows
-        ("digits_fedmd.yaml", FEDMD_SHORT),  # L1 to the consensus over the real rows
-        ("digits_fedgems.yaml", ()),  # cross-entropy of labels it computes (real_labels), KL over the real rows
-        ("digits_heterofl.yaml", ()),
-        ("digits_fedgkt.yaml", ()),
-        ("digits_fd.yaml", ()),  # a teacher per label: PAD labels indexed as class 0, left out of the mean
-        ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
-        ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
-        ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
-        ("digits_feddf.yaml", ()),
-        ("digits_periodic_codist.yaml", ()),
-        ("digits_fedgh.yaml", ()),
-        # guiding vectors indexed by label, the distance over the real rows; both rounds train
-        ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),
-        ("digits_lg_fedavg.yaml", ()),
-        ("digits_weak_only.yaml", ()),
-        ("digits_strong_only.yaml", ()),
-    ],
+    slow_beyond(
+        3,
+        [
+            ("digits_dsfl.yaml", ()),  # soft targets in the batch: KL over the real rows
+            ("digits_fedmd.yaml", FEDMD_SHORT),  # L1 to the consensus over the real rows
+            ("digits_fedgems.yaml", ()),  # cross-entropy of labels it computes (real_labels), KL over the real rows
+            ("digits_heterofl.yaml", ()),
+            ("digits_fedgkt.yaml", ()),
+            ("digits_fd.yaml", ()),  # a teacher per label: PAD labels indexed as class 0, left out of the mean
+            ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
+            ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
+            ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
+            ("digits_fedpcl.yaml", FEDPCL_MLPS),  # padded rows neither anchors nor contrasted
+            ("digits_fedpcl.yaml", (*FEDPCL_MLPS, "--strategy.init_args.loss", "prototype_ce")),  # nor in the CE's mean
+            ("digits_feddf.yaml", ()),
+            ("digits_periodic_codist.yaml", ()),
+            ("digits_fedgh.yaml", ()),
+            # guiding vectors indexed by label, the distance over the real rows; both rounds train
+            ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),
+            ("digits_lg_fedavg.yaml", ()),
+            ("digits_weak_only.yaml", ()),
+            ("digits_strong_only.yaml", ()),
+        ],
+    ),
 )
 def test_every_batchable_method_gives_the_sequential_numbers_in_lockstep(tmp_path, recipe, extra):
     """Each method's steps with padded batches: every group step of all its clients, the same weights."""
@@ -384,7 +422,7 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
         assert torch.equal(batched_weights[name], value), name
 
 
-@pytest.mark.parametrize("recipe", ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"])
+@pytest.mark.parametrize("recipe", slow_beyond(1, ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"]))
 def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_so(tmp_path, recipe):
     """FML's, FedKD's and FedMRL's fit_jointly trains two models per client outside loop.fit: the batched executor
     runs it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h and
@@ -402,6 +440,21 @@ def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_s
     assert batched["final"] == sequential["final"]
     assert weights.keys() == batched_weights.keys() and weights
     assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
+def test_fedktl_batches_its_first_rounds_fits_and_trains_model_and_projection_together_after(tmp_path):
+    """FedKTL's round 1 is the ArcFace step alone, pure, so batched; from round 2 each client trains its model and
+    the projection to the generator's latents together (fit_jointly), one client at a time, and the summary
+    says so."""
+    # the server's Adam barely moving: its first steps on F and the centroids are about +-lr whatever the
+    # gradient's size, which turns the float noise of round 1's batched convolutions into differences of lr
+    still = ("--strategy.init_args.server_epochs", "1", "--strategy.init_args.server_lr", "1e-9")
+    sequential, weights = _run(tmp_path, "digits_fedktl.yaml", "sequential", *still)
+    batched, batched_weights = _run(tmp_path, "digits_fedktl.yaml", "batched", *still)
+    counts = batched["executor"]
+    assert counts["batched_fits"] == 15 and counts["sequential_fits"] == 15, counts
+    assert counts["sequential_reasons"] == {"models trained together (fit_jointly) train one client at a time": 15}
+    _assert_close_runs(sequential, weights, batched, batched_weights)
 
 
 def test_asynchronous_rounds_train_one_arrival_at_a_time_and_the_summary_says_so(tmp_path):

@@ -25,6 +25,7 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("digits_*.yaml")) + ["q
 SERVER_STATE = ["fedadam", "periodic_codist", "merged_codist", "heterofl", "fedkd", "fedgh", "fedhe", "felo"]
 SERVER_STATE += ["velo", "fd", "fedgen", "fedtgp"]  # FedGen: its generator and Adam; FedTGP: its prototype network
 SERVER_STATE += ["fedl2g", "fedmrl"]
+SERVER_STATE += ["fedktl", "fedpcl"]  # FedKTL: its ETF, feature transformer and centroids; FedPCL: every client's set
 
 
 def _argv(recipe: str, out: Path, rounds: int) -> list[str]:

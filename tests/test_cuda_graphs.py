@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import slow_beyond
 from torch import nn
 
 from fl_lightning.cli.commands import fit_from_argv
@@ -58,25 +59,36 @@ ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr
 
 @pytest.mark.parametrize(
     ("recipe", "extra", "replayed_share"),
-    [
-        ("quickstart.yaml", [], 0.5),  # optimizer state reset each fit: a fit's first step makes the momenta
-        ("quickstart.yaml", ["--training.optimizer_state", "per_client"], 0.5),  # a client's momenta copied in
-        ("digits_ondevice_kd.yaml", [], 0.5),  # a teacher, a KD weight ramped each round, a local temperature
-        # a record of training-mode logits handed out each step; the server's logits, sent anew each round,
-        # reach the step through ClientContext.on_device (one address), so fits keep their graphs
-        ("digits_fedhe.yaml", SGD, 0.4),
-        # its recipe's Adam, one state per client: step counts and moments copied in, zeroed at a first fit
-        ("digits_fedhe.yaml", [], 0.4),
-        ("digits_felo.yaml", [], 0.5),  # server features and logits by class, Adam per client
-        ("digits_fedgems.yaml", [], 0.5),  # a distillation step over the server's logits and public labels
-        ("digits_heterofl.yaml", [], 0.5),  # logits of a client's absent classes masked
-        # models trained together (fit_jointly): mentor, mentee and W_h each clipped and stepped after one backward;
-        # W_h is one instance (ctx.helper) that every fit starts with a fresh, zeroed momentum
-        ("digits_fedkd.yaml", [], 0.5),
-        ("digits_fml.yaml", ["--training.optimizer", "{class_path: torch.optim.Adam, init_args: {lr: 0.003}}"], 0.5),
-        # a constant learning rate: at a cosine schedule's last round, 0, capturable Adam writes NaN (see below)
-        ("quickstart.yaml", [*ADAMW, "--training.lr_schedule", "fl_lightning.federation.schedules.ConstantLR"], 0.5),
-    ],
+    slow_beyond(
+        3,
+        [
+            ("quickstart.yaml", [], 0.5),  # optimizer state reset each fit: a fit's first step makes the momenta
+            ("quickstart.yaml", ["--training.optimizer_state", "per_client"], 0.5),  # a client's momenta copied in
+            ("digits_ondevice_kd.yaml", [], 0.5),  # a teacher, a KD weight ramped each round, a local temperature
+            # a record of training-mode logits handed out each step; the server's logits, sent anew each round,
+            # reach the step through ClientContext.on_device (one address), so fits keep their graphs
+            ("digits_fedhe.yaml", SGD, 0.4),
+            # its recipe's Adam, one state per client: step counts and moments copied in, zeroed at a first fit
+            ("digits_fedhe.yaml", [], 0.4),
+            ("digits_felo.yaml", [], 0.5),  # server features and logits by class, Adam per client
+            ("digits_fedgems.yaml", [], 0.5),  # a distillation step over the server's logits and public labels
+            ("digits_heterofl.yaml", [], 0.5),  # logits of a client's absent classes masked
+            # models trained together (fit_jointly): mentor, mentee and W_h each clipped and stepped after one backward;
+            # W_h is one instance (ctx.helper) that every fit starts with a fresh, zeroed momentum
+            ("digits_fedkd.yaml", [], 0.5),
+            (
+                "digits_fml.yaml",
+                ["--training.optimizer", "{class_path: torch.optim.Adam, init_args: {lr: 0.003}}"],
+                0.5,
+            ),
+            # a constant learning rate: at a cosine schedule's last round, 0, capturable Adam writes NaN (see below)
+            (
+                "quickstart.yaml",
+                [*ADAMW, "--training.lr_schedule", "fl_lightning.federation.schedules.ConstantLR"],
+                0.5,
+            ),
+        ],
+    ),
 )
 def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra, replayed_share):
     adam = "Adam" in " ".join(extra) or (not extra and ("fedhe" in recipe or "felo" in recipe))
@@ -419,6 +431,7 @@ def test_impossible_settings_are_refused_before_the_run(tmp_path, options, messa
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow  # the flagship's ResNets on a CPU: half a minute
 def test_the_flagship_replays_its_resnet_steps_as_run_eagerly(tmp_path, stand_in):
     """Paper 001 on CIFAR-10 shrunk (random pixels in the real pickle files): ResNet20s with batch norm, the
     auxiliary model as a training-mode teacher, augmentation, momentum carried from client to client."""

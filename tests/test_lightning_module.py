@@ -119,7 +119,7 @@ METHODS = [
     "digits_fedadam", "digits_fedhe_async", "digits_ondevice_kd", "digits_periodic_codist", "digits_merged_codist",
     "digits_felo", "digits_velo", "digits_fedgh", "digits_lg_fedavg", "digits_fml", "digits_fedkd", "digits_fd",
     "digits_dsfl", "digits_fedmd", "digits_fedgems", "digits_fedgkt", "digits_fedgen", "digits_fedtgp",
-    "digits_fedl2g", "digits_fedmrl",
+    "digits_fedl2g", "digits_fedmrl", "digits_fedktl",
 ]  # fmt: skip
 
 
@@ -139,6 +139,7 @@ def test_every_method_but_the_model_specific_ones_runs_with_a_lightning_client(u
     [
         ("digits_moon", "MOON needs a projection head on its model"),
         ("digits_heterofl", "HeteroFL needs width-sliceable models"),
+        ("digits_fedpcl", "FedPCL needs unit-length projections"),  # its frozen_backbones' L2-normalised projection
     ],
 )
 def test_methods_needing_a_built_in_model_refuse_a_lightning_module(user_modules, tmp_path, recipe, message):

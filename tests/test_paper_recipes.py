@@ -229,6 +229,7 @@ def _tiny_run(tmp_path, recipe, *overrides):
     return read_summary(out)
 
 
+@pytest.mark.slow  # ResNets on a CPU: half a minute
 def test_velo_extreme_resnets_recipe_runs_a_round(tmp_path):
     write_cifar10(tmp_path, per_batch=20, test=10)
     depths = [10, 18, 26, 34, 50]

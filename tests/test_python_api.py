@@ -189,6 +189,7 @@ def test_importing_the_package_imports_no_torch():
     assert result.stdout.split() == ["True", "False"]
 
 
+@pytest.mark.slow  # half a minute of runs; the docs pages test runs this page too, in the slow suite
 def test_the_howto_example_runs_as_written(tmp_path):
     """The page's code, run as a notebook would run it, from a folder holding the recipes (its runs go there)."""
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, write_recipe
+from conftest import ROOT, run_cli, slow_beyond, write_recipe
 
 from fl_lightning.distributed import launch, messages, ranks
 from fl_lightning.federation.errors import ConfigError
@@ -330,7 +330,7 @@ print(json.dumps({"received": received, "mailbox": folder is not None, "left": f
 """
 
 
-@pytest.mark.parametrize("fail_post", [None, "1"])
+@pytest.mark.parametrize("fail_post", slow_beyond(1, [None, "1"]))
 def test_ranks_of_one_machine_exchange_through_shared_memory_or_else_gloo(fail_post):
     """Two ranks on this machine exchange three messages of different sizes through the mailbox; a rank that
     cannot post its message sends it through gloo, and every rank receives the same objects either way."""
@@ -486,6 +486,7 @@ def test_another_ranks_updates_reach_this_device_one_at_a_time_as_aggregate_take
     assert kinds == ({"ClientUpdate"} if device == "cpu" else {"_Sent"})
 
 
+@pytest.mark.slow  # two ranks start: half a minute
 def test_two_ranks_of_fedadam_do_not_stop_on_a_spurious_server_state_difference(tmp_path, monkeypatch):
     """The moments of FedAdam's server optimizer are filled from a set of names, whose order differs per process,
     so the fingerprint sorts dict keys. Each rank's interpreter hashes strings with its own seed (unless

@@ -35,6 +35,8 @@ CASES = [
     ("digits_fedl2g", [S + "server_clip", "0"], "FedL2G needs guide_weight >= 0, warm_up_rounds >= 0, server_lr"),
     ("digits_fedl2g", [S + "warm_up_rounds", "-1"], "warm_up_rounds=-1"),
     ("digits_fedl2g", [S + "quiz_batches", "0"], "FedL2G needs study_batches >= 1 and quiz_batches >= 1"),
+    ("digits_fedktl", [S + "mu", "-1"], "FedKTL needs mu >= 0, lam >= 0, margin >= 0, scale > 0 and server_lr > 0"),
+    ("digits_fedktl", [S + "server_epochs", "0"], "server_epochs=0"),
     ("digits_dsfl", [S + "distill_batch_size", "0"], "DS-FL distill_batch_size must be at least 1"),
     ("digits_fedmd", [S + "digest_batch_size", "0"], "FedMD digest_batch_size must be at least 1"),
 ]
@@ -52,6 +54,8 @@ CHOICES = [
     ("digits_fml", "kl_reduction", "batchmean, mean"),
     ("digits_fedl2g", "target", "feature, logit"),
     ("digits_fedmrl", "evaluate_small", "local, global"),
+    ("digits_fedpcl", "loss", "supcon, prototype_ce"),
+    ("digits_fedpcl", "inference", "own, global"),
     ("digits_fedproto", "weighting", "uniform, samples"),
     ("digits_fedproto", "inference", "prototypes, local_head"),
     ("digits_fedproto", "split", "global, test, val"),

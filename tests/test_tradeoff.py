@@ -282,6 +282,7 @@ def test_twenty_five_methods_get_distinct_colour_and_marker_pairs_and_one_legend
     pyplot().close("all")
 
 
+@pytest.mark.slow  # a paper table's tiny runs: half a minute
 def test_a_paper_table_draws_each_settings_methods_with_the_papers_points(tmp_path):
     """A digits FedGH run given paper 004's FedGH / CIFAR-10 cell: its curve and the paper's two points, placed
     with the run's 15 clients and 2 rounds; the other CIFAR-10 methods with their stated points only."""

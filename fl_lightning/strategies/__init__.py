@@ -13,9 +13,11 @@ from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
 from .fedkd import FedKD
+from .fedktl import FedKTL
 from .fedl2g import FedL2G
 from .fedmd import FedMD
 from .fedmrl import FedMRL
+from .fedpcl import FedPCL
 from .fedproto import FedProto
 from .fedtgp import FedTGP
 from .felo import Felo
@@ -44,9 +46,11 @@ __all__ = [
     "FedGKT",
     "FedHe",
     "FedKD",
+    "FedKTL",
     "FedL2G",
     "FedMD",
     "FedMRL",
+    "FedPCL",
     "FedProto",
     "FedTGP",
     "Felo",

@@ -137,13 +137,27 @@ class ServerContext:
 
     # ------------------------------------------------------------------ server-side computation
     @torch.no_grad()
-    def features(self, role: str, weights: StateDict, x: Tensor, batch_size: int = 512) -> Tensor:
-        """Eval-mode features ``[N, D]`` of the role's model with ``weights`` on ``x`` (FedGKT's evaluation)."""
-        module = self._loop.slots[role].module
-        module.model.load_state_dict(weights)
-        module.eval()
+    def features(self, role: str, weights: StateDict | None, x: Tensor, batch_size: int = 512) -> Tensor:
+        """Eval-mode features ``[N, D]`` of the role's model with ``weights`` on ``x`` (FedGKT's evaluation);
+        ``weights`` None: the weights the role's instance holds (a server-only role no client loads, such as
+        FedKTL's generator, keeps its built ones)."""
+        module = self._eval_module(role, weights)
         with self._loop.fabric.autocast():
             return torch.cat([module.model.features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+    @torch.no_grad()
+    def head_outputs(self, role: str, weights: StateDict | None, h: Tensor, batch_size: int = 512) -> Tensor:
+        """Eval-mode ``head`` outputs of the role's model on features ``h`` ``[N, D]`` (a generator's images from its
+        latents: FedKTL); ``weights`` as in :meth:`features`."""
+        module = self._eval_module(role, weights)
+        with self._loop.fabric.autocast():
+            return torch.cat([module.model.head(h[i : i + batch_size]) for i in range(0, len(h), batch_size)])
+
+    def _eval_module(self, role: str, weights: StateDict | None):
+        module = self._loop.slots[role].module
+        if weights is not None:
+            module.model.load_state_dict(weights)
+        return module.eval()
 
     @torch.no_grad()
     def predict(self, role: str, weights: StateDict, x: Tensor, batch_size: int = 512) -> Tensor:
