@@ -658,7 +658,7 @@ def test_htfl_pathological_recipe_pools_the_test_set_and_scores_correct_over_sam
     assert (value["paper"], value["paper_std"], value["n"]) == (0.8339, 0.0015, 1)
     assert value["mean"] == summary["final"]["personal/test_acc"]
     assert table["columns"] == ["Pat, CIFAR-10", "Pat, CIFAR-100", "Prac, CIFAR-10", "Prac, CIFAR-100"]
-    assert {"FedProto", "FedDistill", "LG-FedAvg", "FedGen"} <= set(table["rows"]) and table["runs"] == 1
+    assert {"FedProto", "FedDistill", "LG-FedAvg", "FedGen", "FedKTL"} <= set(table["rows"]) and table["runs"] == 1
 
 
 def test_htfl_practical_cifar100_recipe_sends_the_heads_of_its_cyclic_tiers(tmp_path):
