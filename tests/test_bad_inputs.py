@@ -251,7 +251,7 @@ CASES = [
     Case(
         "assignment unknown",
         ["--population.assignment", "roundrobin"],
-        ["population.assignment", "roundrobin", "contiguous, interleaved, random"],
+        ["population.assignment", "roundrobin", "contiguous, interleaved, cyclic, random"],
     ),
     Case("normalize unknown", ["--data.init_args.normalize", "standard"], ["data.normalize", "standard", "pixel"]),
     Case(
@@ -265,6 +265,12 @@ CASES = [
         ["data.pool_users", "sorted", "first, random"],
     ),
     Case("untrained unknown", ["--evaluation.untrained", "ignore"], ["evaluation.untrained", "evaluate, skip"]),
+    Case(
+        "cyclic tiers with sizes",
+        ["--population.assignment", "cyclic"],
+        ["cyclic", "remove count and fraction from tier(s) a"],
+        recipe=_tiers({"name": "a", "roles": ["global"], "count": 4}, {"name": "b", "roles": ["global"]}),
+    ),
     Case("sampler fraction above one", ["--sampler.init_args.fraction", "2"], ["fraction", "(0, 1]"]),
     Case("sampler fraction zero", ["--sampler.init_args.fraction", "0"], ["fraction", "(0, 1]"]),
     Case("sampler count too large", ["--sampler.init_args.num_per_round", "50"], ["50", "clients"]),
@@ -281,6 +287,17 @@ CASES = [
     Case("too many clients", ["--population.num_clients", "1000"], ["1000 clients"]),
     Case("server_fraction one", ["--data.init_args.server_fraction", "1.0"], ["server_fraction", "[0, 1)"]),
     Case("local_split bad", ["--data.init_args.local_split", "[0.5, 0.5, 0.5]"], ["local_split", "summing to 1"]),
+    Case(
+        "pool_test_set without a test split",
+        ["--data.init_args.pool_test_set", "true"],
+        ["pool_test_set", "test share"],
+    ),
+    Case("evaluation average unknown", ["--evaluation.average", "samples"], ["average", "samples"]),
+    Case(
+        "htfl feature_dim zero",
+        ["--models.global", "{builder: htfl_cnn, args: {feature_dim: 0}}"],
+        ["htfl_cnn", "feature_dim must be a positive whole number, got 0"],
+    ),
     Case("test_fraction above one", ["--data.init_args.test_fraction", "1.5"], ["test_fraction", "1.5"]),
     Case("partitioner unknown", ["--data.init_args.partitioner", "Dirichlet"], ["Dirichlet", "DirichletPartitioner"]),
     Case("data option misspelled", ["--data.init_args.test_fractoin", "0.3"], ["test_fractoin", "'test_fraction'"]),

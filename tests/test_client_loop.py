@@ -59,3 +59,21 @@ def test_local_loop_equals_a_hand_written_sgd_loop():
     assert abs(stats["loss"] - sum(losses) / 6) < 1e-6
     for (name, a), b in zip(slot.module.model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_drop_last_ends_each_pass_at_its_last_full_batch():
+    x, y = torch.arange(10).float().unsqueeze(1), torch.arange(10)
+    idx = torch.tensor([1, 3, 4, 6, 8, 9, 0])
+    batches = list(batch_stream(x, y, idx, 3, 4, torch.Generator().manual_seed(0), drop_last=True))
+    assert [len(b[1]) for b in batches] == [3, 3, 3, 3]  # 7 examples: two full batches a pass, the 7th left out
+    for one_pass in (batches[:2], batches[2:]):
+        labels = torch.cat([b[1] for b in one_pass]).tolist()
+        assert len(set(labels)) == 6 and set(labels) <= set(idx.tolist())
+    # as many steps per epoch as full batches (DataLoader(drop_last=True)); a client smaller than a batch takes one
+    loop = LocalLoop(
+        L.Fabric(accelerator="cpu", devices=1), LocalTraining(batch_size=3, local_epochs=2, drop_last=True), rounds=1
+    )
+    assert (loop.num_steps(7), loop.num_steps(2)) == (4, 2)
+    assert LocalLoop(L.Fabric(accelerator="cpu", devices=1), LocalTraining(batch_size=3), rounds=1).num_steps(7) == 3
+    small = list(batch_stream(x, y, idx[:2], 3, 2, torch.Generator().manual_seed(0), drop_last=True))
+    assert [len(b[1]) for b in small] == [2, 2]

@@ -265,3 +265,14 @@ def test_heterofl_of_paper_003_trains_width_slices_of_resnet26_and_evaluates_the
     drawn = {role: sent / _sliced_bytes(rates[role]) for role, sent in uplink.items()}
     assert all(n == int(n) for n in drawn.values()) and sum(drawn.values()) == 5, drawn
     assert summary["comm"]["by_payload"]["downlink"] == uplink  # the same slices went out
+
+
+def test_best_metric_is_the_highest_value_over_the_evaluated_rounds(tmp_path):
+    """HtFLlib's papers report the best round: ``best/<metric>`` reads it from metrics.csv."""
+    (tmp_path / "summary.json").write_text(json.dumps({"final": {"personal/test_acc": 0.6}, "best": {}}))
+    rows = ["round,personal/test_acc", "1,0.5", "2,", "3,0.7", "4,0.6"]
+    (tmp_path / "metrics.csv").write_text("\n".join(rows) + "\n")
+    run = load_run(tmp_path)
+    assert measured_value(run, "best/personal/test_acc") == 0.7
+    assert measured_value(run, "personal/test_acc") == 0.6  # the final round's, as every other cell
+    assert measured_value(run, "best/global/test_acc") is None  # never logged

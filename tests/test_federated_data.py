@@ -52,3 +52,19 @@ def test_bad_fractions_are_rejected():
         DigitsData(local_split=(0.5, 0.1, 0.1))
     with pytest.raises(ConfigError, match="unlabeled_fraction"):
         DigitsData(unlabeled_fraction=1.0)
+
+
+def test_pool_test_set_splits_train_and_test_among_clients_and_tests_on_their_local_test_splits():
+    plain = DigitsData(test_fraction=0.2)
+    plain.setup(num_clients=4, seed=0)
+    pooled = DigitsData(test_fraction=0.2, pool_test_set=True, local_split=(0.75, 0.0, 0.25))
+    pooled.setup(num_clients=4, seed=0)
+    assert len(pooled.x) == len(plain.x) + len(plain.test_x) == 1797  # the test set joined the pool
+    held = sum(len(c.train) + len(c.test) for c in pooled.clients)
+    assert held == 1797 and all(len(c.test) == round(0.25 * (len(c.train) + len(c.test))) for c in pooled.clients)
+    tests = torch.cat([c.test for c in pooled.clients])
+    # the global test set is the clients' local test splits together: no example a client trains on
+    assert torch.equal(pooled.test_x, pooled.x[tests]) and torch.equal(pooled.test_y, pooled.y[tests])
+    assert not set(tests.tolist()) & set(torch.cat([c.train for c in pooled.clients]).tolist())
+    with pytest.raises(ConfigError, match=r"give local_split a test share, e.g. \[0.75, 0.0, 0.25\]"):
+        DigitsData(pool_test_set=True)

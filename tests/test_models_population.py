@@ -49,3 +49,12 @@ def test_sampler_respects_fraction_tiers_and_seed():
     assert [c.tier for c in strong] == ["s", "s", "s"]
     with pytest.raises(ConfigError, match="cannot sample 4"):
         UniformSampler(num_per_round=4, tiers=["s"]).sample(1, clients, np.random.default_rng(0))
+
+
+def test_cyclic_assignment_gives_client_k_tier_k_mod_t_for_any_population():
+    tiers = [Tier(name, [name]) for name in ("cnn", "googlenet", "resnet18")]
+    clients = Population(num_clients=8, tiers=tiers, assignment="cyclic").build(0)
+    assert [c.tier for c in clients] == ["cnn", "googlenet", "resnet18"] * 2 + ["cnn", "googlenet"]
+    assert Population(num_clients=8, tiers=tiers, assignment="cyclic").tier_counts() == [3, 3, 2]
+    with pytest.raises(ConfigError, match="remove count and fraction from tier\\(s\\) cnn"):
+        Population(2, [Tier("cnn", ["cnn"], count=1), Tier("b", ["b"])], assignment="cyclic").build(0)

@@ -4,10 +4,12 @@ import gzip
 import json
 
 import pytest
+import yaml
 from conftest import ROOT, read_summary, run_cli
 from test_vision_data import write_cifar10
 
 from fl_lightning.report.runs import load_run, measured_value
+from fl_lightning.report.tables import build_table
 from fl_lightning.run.recipes import base_files, load_recipe
 
 TINY_POPULATION = json.dumps(
@@ -623,6 +625,55 @@ def test_fedgh_cifar100_heterogeneous_recipe_runs_a_round(tmp_path):
     assert summary["comm"]["downlink_bytes"] == 10 * (500 * 100 + 100) * 4  # the header to all 10 clients
 
 
+def _small_htfe8():
+    """HtFE8's eight roles with HtFLlib's FedAvgCNN and ResNet4 standing in for the larger networks (the same
+    features and head), on eight clients: one of each architecture."""
+    roles = ["cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+    models = {role: {"builder": "htfl_cnn" if role == "cnn" else "htfl_resnet4"} for role in roles}
+    return "--models", json.dumps(models), "--population.num_clients", "8"
+
+
+def test_htfl_pathological_recipe_pools_the_test_set_and_scores_correct_over_samples(tmp_path):
+    write_cifar10(tmp_path, per_batch=40, test=40)
+    summary = _tiny_run(tmp_path, "htfl_fedproto_cifar10_pat", "--eval_every", "1", *_small_htfe8())
+    partition = json.loads((tmp_path / "htfl_fedproto_cifar10_pat/partition.json").read_text())
+    clients = partition["clients"]
+    # PFLlib's blocks: 8 clients x 2 classes, 2 holders a class, so clients 2j and 2j + 1 hold classes 2j and 2j + 1
+    # (in unequal counts: at these sizes a client's few examples of one may all fall in its test split) and classes
+    # 8 and 9 go to nobody
+    held = [{k for k, n in enumerate(c["class_counts"]) if n} for c in clients]
+    assert all(held[i] and held[i] <= {2 * (i // 2), 2 * (i // 2) + 1} for i in range(8))
+    # the 200 training and 40 test images pooled (24 of each class), each client's share split 75 / 25, the global
+    # test set the local test splits together
+    assert sum(c["train"] + c["test"] for c in clients) == 8 * 24 and partition["test_size"] == sum(
+        c["test"] for c in clients
+    )
+    assert all(c["test"] == round(0.25 * (c["train"] + c["test"])) for c in clients)
+    run = load_run(tmp_path / "htfl_fedproto_cifar10_pat")
+    assert measured_value(run, "best/personal/test_acc") == summary["final"]["personal/test_acc"]  # one round
+    assert summary["reference"]["metrics"] == {"best/personal/test_acc": 0.8339}
+    # the run fills its cell of the poster's main table, laid out as the paper: methods down, settings across
+    table = build_table([str(tmp_path)], "htfl/main-table")
+    [value] = table["cells"][("FedProto", "Pat, CIFAR-10")]["values"]
+    assert (value["paper"], value["paper_std"], value["n"]) == (0.8339, 0.0015, 1)
+    assert value["mean"] == summary["final"]["personal/test_acc"]
+    assert table["columns"] == ["Pat, CIFAR-10", "Pat, CIFAR-100", "Prac, CIFAR-10", "Prac, CIFAR-100"]
+    assert {"FedProto", "FedDistill", "LG-FedAvg", "FedGen", "FedKTL"} <= set(table["rows"]) and table["runs"] == 1
+
+
+def test_htfl_practical_cifar100_recipe_sends_the_heads_of_its_cyclic_tiers(tmp_path):
+    write_cifar100(tmp_path, train=400, test=80)
+    summary = _tiny_run(
+        tmp_path,
+        "htfl_lg_fedavg_cifar100_prac",
+        *_small_htfe8(),
+        *("--data.init_args.partitioner.init_args.min_partition_size", "8"),
+    )
+    config = yaml.safe_load((tmp_path / "htfl_lg_fedavg_cifar100_prac/config.yaml").read_text())
+    assert config["population"]["assignment"] == "cyclic" and config["training"]["drop_last"] is True
+    assert summary["comm"]["uplink_bytes"] == summary["comm"]["downlink_bytes"] == 8 * (512 * 100 + 100) * 4
+
+
 # The recipes the tests above run a round of: every base naming a data set must be in one's chain.
 TINY_RUNS = (
     "ondevice_kd_cifar10",
@@ -642,6 +693,8 @@ TINY_RUNS = (
     "fedhe_cifar10_heterogeneous",
     "felo_cinic10_iid_homogeneous",
     "fedgh_cifar100_heterogeneous",
+    "htfl_fedproto_cifar10_pat",
+    "htfl_lg_fedavg_cifar100_prac",
 )
 
 

@@ -1,6 +1,7 @@
 """benchmarks/paper_setup.py: the papers' set-up numbers each recipe states, measured and compared."""
 
 import importlib.util
+import os
 import re
 import sys
 
@@ -116,3 +117,53 @@ def test_every_paper_recipe_states_no_undocumented_mismatch_and_the_docs_table_i
     assert f"{paper_setup.BEGIN}\n{paper_setup.summary_table(lines)}\n{paper_setup.END}" in docs, (
         "docs/algorithms.md's paper-setup table is stale: run `python benchmarks/paper_setup.py --write`"
     )
+
+
+def test_imdb_recipes_partition_the_real_reviews_with_the_papers_remedy(paper_setup, tmp_path):
+    """Dirichlet(0.1) over 50 clients and two classes leaves a client without a review in nearly every draw; the
+    recipes take paper 001's remedy (alpha 0.2, no empty client), reported against Table 11's 0.1."""
+    recipe = paper_setup.Recipe(ROOT / "recipes/weak_only_imdb.yaml", None)
+    assert paper_setup.partition_line(recipe).verdict == "match"
+    assert len(recipe.layout.clients) == 50 and sum(len(c.train) for c in recipe.layout.clients) == 25_000
+    [alpha] = [line for line in paper_setup.check_recipe(recipe) if line.quantity == "dirichlet_alpha"]
+    assert (alpha.paper, alpha.measured, alpha.verdict) == (0.1, 0.2, "documented departure")
+    table_11 = _recipe(
+        tmp_path,
+        "alpha01",
+        f"base: {ROOT / 'recipes/weak_only_imdb.yaml'}\n"
+        "data: {init_args: {partitioner: {init_args: {alpha: 0.1, max_tries: 100}}}}\n",
+    )
+    line = paper_setup.partition_line(paper_setup.Recipe(table_11, None))
+    assert line.verdict == "MISMATCH" and "did not give all 50 clients at least 1 examples" in line.why
+
+
+def _set_global_state() -> tuple[int, int]:
+    """What a recipe's run may leave behind: a seed (here, in the process that calls it)."""
+    import torch
+
+    torch.manual_seed(1234)
+    return os.getpid(), torch.initial_seed()
+
+
+def test_each_recipe_is_checked_in_a_process_of_its_own(paper_setup):
+    """A recipe's run changes nothing the next one sees: what it sets ends with its own process. The parent has
+    run torch first, as a test session has: a forked child of such a process could hang on the thread pool."""
+    torch = pytest.importorskip("torch")
+    torch.ones(256, 256) @ torch.ones(256, 256)  # the parent's thread pool has run
+    before = torch.initial_seed()
+    first, second = paper_setup.isolated(_set_global_state), paper_setup.isolated(_set_global_state)
+    assert first[1] == second[1] == 1234 and len({first[0], second[0], os.getpid()}) == 3
+    assert torch.initial_seed() == before
+    with pytest.raises(ZeroDivisionError):  # an error in the recipe's process reaches the caller
+        paper_setup.isolated(divmod, 1, 0)
+
+
+@pytest.mark.slow
+def test_htfl_practical_cifar100_traffic_is_the_posters(paper_setup, capsys):
+    """LG-FedAvg's heads and FML's memes, two rounds of HtFLlib's 20 clients on tiny CIFAR-100 files: the FedKTL
+    poster's numbers per round (1.03M and 18.50M each way)."""
+    assert paper_setup.main(["--check", "--recipes", "htfl_lg_fedavg_cifar100_prac", "htfl_fml_cifar100_prac"]) == 0
+    out = capsys.readouterr().out
+    fml = r"htfl_fml_cifar100_prac\s+numbers_up_per_round\s+paper\s+18.50M\s+measured\s+1.84942e\+07\s+match"
+    heads = r"htfl_lg_fedavg_cifar100_prac\s+numbers_down_per_round\s+paper\s+1.03M\s+measured\s+1.026e\+06\s+match"
+    assert re.search(fml, out) and re.search(heads, out)

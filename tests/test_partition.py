@@ -101,3 +101,47 @@ def test_natural_id_partition_is_each_chosen_groups_indices_in_order(seed):
     assert len(parts) == len(chosen)
     for part, group in zip(parts, chosen):
         assert part.tolist() == np.flatnonzero(groups == group).tolist()
+
+
+def test_pathological_sequential_gives_blocks_of_clients_the_same_classes_as_pflib():
+    # PFLlib's generator: class by class, the first ceil(N k / C) = ceil(20 x 2 / 10) = 4 clients that still
+    # hold fewer than k classes take it, so clients 0-3 hold classes 0 and 1, clients 4-7 classes 2 and 3, ...
+    parts = PathologicalPartitioner(2, assignment="sequential")(LABELS, 20, np.random.default_rng(0))
+    assert [sorted(set(LABELS[p].tolist())) for p in parts] == [[2 * (i // 4), 2 * (i // 4) + 1] for i in range(20)]
+    assert [len(p) for p in parts] == [50] * 20  # each class's 100 examples, 25 to each of its 4 holders
+    _check_disjoint_cover(parts, len(LABELS))
+    # CIFAR-100's 10 of 100 classes over 20 clients: 2 holders a class, clients 2j and 2j+1 share classes 10j..10j+9
+    many = np.repeat(np.arange(100), 6)
+    parts = PathologicalPartitioner(10, assignment="sequential")(many, 20, np.random.default_rng(0))
+    assert [sorted(set(many[p].tolist())) for p in parts] == [
+        list(range(10 * (i // 2), 10 * (i // 2) + 10)) for i in range(20)
+    ]
+
+
+def test_pathological_unbalanced_counts_follow_pflib_bounds():
+    # each class's 100 examples over 4 holders: an even share is 25, so the first three draw from [2, 25) and
+    # the last holder takes the rest
+    parts = PathologicalPartitioner(2, assignment="sequential", balanced=False)(LABELS, 20, np.random.default_rng(0))
+    for c in range(10):
+        counts = [int((LABELS[parts[i]] == c).sum()) for i in range(4 * (c // 2), 4 * (c // 2) + 4)]
+        assert all(2 <= n < 25 for n in counts[:3]) and sum(counts) == 100
+    assert len({len(p) for p in parts}) > 1  # the clients differ in size
+    _check_disjoint_cover(parts, len(LABELS))
+
+
+def test_self_balancing_dirichlet_stops_giving_to_clients_that_hold_their_share():
+    # five clients, five classes of 100: once a client holds n / num_clients = 100 examples it gets none of the
+    # later classes, so the clients stay smaller than without the cap
+    labels = np.repeat(np.arange(5), 100)
+    capped = [
+        DirichletPartitioner(0.1, 0, 1, self_balancing=True)(labels, 5, np.random.default_rng(s)) for s in range(20)
+    ]
+    free = [DirichletPartitioner(0.1, 0, 1)(labels, 5, np.random.default_rng(s)) for s in range(20)]
+    for parts in capped:
+        sizes = [len(p) for p in parts]
+        assert sum(sizes) == 500
+        for part in parts:  # every class after the one that filled the client is absent
+            held = np.cumsum([int((labels[part] == c).sum()) for c in range(5)])
+            full = np.flatnonzero(held >= 100)
+            assert not len(full) or held[-1] == held[full[0]]
+    assert max(len(p) for parts in free for p in parts) > max(len(p) for parts in capped for p in parts)

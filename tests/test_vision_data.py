@@ -45,6 +45,16 @@ def test_cifar10_pickles_load_normalised_nchw(tmp_path):
     assert sum(len(c.train) for c in data.clients) == 100
 
 
+def test_symmetric_normalisation_maps_pixels_to_minus_one_one_as_pflib(tmp_path):
+    write_cifar10(tmp_path)
+    data = Cifar10Data(data_dir=str(tmp_path), normalize="symmetric")
+    data.setup(num_clients=2, seed=0)
+    raw = pickle.load((tmp_path / "cifar-10-batches-py/data_batch_1").open("rb"))["data"][0]
+    red = raw[:1024].reshape(32, 32) / 255.0
+    # PFLlib's Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)): (x - 0.5) / 0.5
+    assert torch.allclose(data.x[0, 0], torch.tensor((red - 0.5) / 0.5, dtype=torch.float32), atol=1e-6)
+
+
 def test_cifar100_uses_fine_labels(tmp_path):
     folder = tmp_path / "cifar-100-python"
     folder.mkdir()

@@ -19,24 +19,26 @@ def batch_stream(
     num_steps: int,
     generator: torch.Generator,
     augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
+    drop_last: bool = False,
 ) -> BatchStream:
     """``num_steps`` batches gathered from the in-memory pool by index (see :class:`BatchStream`)."""
-    return BatchStream(x, y, idx, batch_size, num_steps, generator, augment)
+    return BatchStream(x, y, idx, batch_size, num_steps, generator, augment, drop_last)
 
 
 class BatchStream:
     """``num_steps`` batches gathered from the in-memory pool by index; iterate it for ``(x, y)`` / ``(x,)``.
 
     Each pass over ``idx`` is a fresh permutation; the last batch of a pass may be smaller, so an epoch
-    sees every example exactly once. With ``y`` None (unlabeled data) batches are ``(x,)``. ``augment``
+    sees every example exactly once; with ``drop_last`` a pass ends at its last full batch (a pass of fewer
+    examples than a batch is one batch of them all). With ``y`` None (unlabeled data) batches are ``(x,)``. ``augment``
     is applied to each batch with the same generator; when it is a :class:`~fl_lightning.data.transforms.
     CropFlip` the batched executor takes :meth:`next_parts` (indices and augmentation draws) from every
     client and gathers and augments all of them at once, with the same random numbers in the same order.
     Nothing is drawn before the first batch is asked for.
     """
 
-    def __init__(self, x, y, idx, batch_size, num_steps, generator, augment=None):
-        self.x, self.y, self.idx = x, y, idx
+    def __init__(self, x, y, idx, batch_size, num_steps, generator, augment=None, drop_last=False):
+        self.x, self.y, self.idx, self.drop_last = x, y, idx, drop_last
         self.batch_size, self.num_steps, self.generator, self.augment = batch_size, num_steps, generator, augment
         self.produced, self._order, self._start = 0, None, 0
         self._iterator: Iterator[tuple] | None = None
@@ -66,7 +68,8 @@ class BatchStream:
                 "a client has no examples in the split it must train on; check the partition "
                 "(min_partition_size) and the labeled / local-split fractions."
             )
-        if self._order is None or self._start >= n:  # a new pass: a fresh permutation
+        partial = self.drop_last and self._start + self.batch_size > n >= self.batch_size  # what drop_last drops
+        if self._order is None or self._start >= n or partial:  # a new pass: a fresh permutation
             self._order = self.idx[to_device(torch.randperm(n, generator=self.generator), self.idx.device)]
             self._start = 0
         chosen = self._order[self._start : self._start + self.batch_size]

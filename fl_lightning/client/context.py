@@ -154,7 +154,9 @@ class ClientContext:
         # executor); a data set that overrides augment() is called as it is
         data = self._data
         augment = data.augmentation if type(data).augment is FederatedData.augment else data.augment
-        return batch_stream(data.x, y, idx, batch_size or self.batch_size, steps, self.generator, augment)
+        return batch_stream(
+            data.x, y, idx, batch_size or self.batch_size, steps, self.generator, augment, self.loop.training.drop_last
+        )
 
     # ------------------------------------------------------------------ models
     def load(self, role: str, weights: StateDict | None = None) -> ClientModule:

@@ -55,11 +55,16 @@ class PersonalEvaluation:
             vmap cannot run (LSTMs), local test splits and models a strategy assembles from several roles'
             (FedMRL's fused models) are evaluated one client at a time. Memory grows with it: this many
             copies of the weights and of a test batch's activations.
+        average: what ``personal/test_acc`` (and each tier's) averages: ``clients``, the mean of every client's
+            accuracy; ``examples``, the share of all evaluated examples classified correctly, each client
+            weighted by its examples (HtFLlib's sum of correct predictions over the sum of samples). The loss
+            follows it; ``personal/test_acc_std`` and ``_min`` stay over clients.
     """
 
     sample: int | None = None
     untrained: Literal["evaluate", "skip"] = "evaluate"
     clients_per_batch: int = 1
+    average: Literal["clients", "examples"] = "clients"
 
     def __post_init__(self):
         if not isinstance(self.clients_per_batch, int) or self.clients_per_batch < 1:
@@ -198,10 +203,12 @@ class Evaluator:
             names = ("test_acc", "test_acc_std", "test_acc_min", "test_loss")
             return {**{f"{prefix}/{name}": nan for name in names}, f"{prefix}/clients_evaluated": 0.0}
         accs: dict[str, list[float]] = {}
-        losses = []
+        losses, counts = [], []
         for client, (acc, loss) in zip(covered, self._scores(covered, weights_of, split, models)):
             accs.setdefault(client.tier, []).append(acc)
             losses.append(loss)
+            if self.plan.average == "examples":
+                counts.append(self._examples(client, split))
         every = [a for tier in accs.values() for a in tier]
         self.per_client = {client.id: acc for client, acc in zip(covered, self._in_order(accs, covered))}
         metrics = {
@@ -212,8 +219,34 @@ class Evaluator:
         }
         if len(accs) > 1:
             metrics.update({f"{prefix}/{tier}/test_acc": float(np.mean(v)) for tier, v in accs.items()})
+        if self.plan.average == "examples":  # HtFLlib's: correct predictions over samples, all clients together
+            metrics.update(self._pooled(covered, self._in_order(accs, covered), losses, counts, prefix))
         if len(covered) < len(self.clients):  # the row says what its personal metrics cover
             metrics[f"{prefix}/clients_evaluated"] = float(len(covered))
+        return metrics
+
+    def _examples(self, client: ClientSpec, split: str) -> int:
+        """How many labels a client's personal evaluation on ``split`` scores."""
+        labels = self.data.test_y if split == "global" else self.data.y[getattr(self.data.clients[client.id], split)]
+        return int((labels != PAD).sum())
+
+    @staticmethod
+    def _pooled(
+        covered: list[ClientSpec], accs: list[float], losses: list[float], counts: list[int], prefix: str
+    ) -> dict[str, float]:
+        """``average: examples``: the personal accuracy and loss (and each tier's accuracy) over all examples,
+        each client's share weighted by its number of examples."""
+        metrics = {
+            f"{prefix}/test_acc": float(np.average(accs, weights=counts)),
+            f"{prefix}/test_loss": float(np.average(losses, weights=counts)),
+        }
+        tiers = dict.fromkeys(client.tier for client in covered)
+        if len(tiers) > 1:
+            for tier in tiers:
+                mine = [i for i, client in enumerate(covered) if client.tier == tier]
+                metrics[f"{prefix}/{tier}/test_acc"] = float(
+                    np.average([accs[i] for i in mine], weights=[counts[i] for i in mine])
+                )
         return metrics
 
     def _scores(

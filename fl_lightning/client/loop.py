@@ -156,6 +156,8 @@ class LocalLoop:
     def num_steps(self, num_examples: int) -> int:
         if self.training.local_steps is not None:
             return self.training.local_steps
+        if self.training.drop_last:
+            return self.training.local_epochs * max(1, num_examples // self.training.batch_size)
         return self.training.local_epochs * -(-num_examples // self.training.batch_size)
 
     def fit(

@@ -38,6 +38,9 @@ class LocalTraining:
             between clients, so the clients of a phase can train at once (``runtime.executor: batched``).
         grad_clip_norm: clip the gradient norm to this value (FedGH uses 50); ``None`` to disable.
         eval_batch_size: batch size of evaluation passes.
+        drop_last: drop each pass's last partial batch, as a PyTorch ``DataLoader(drop_last=True)`` (HtFLlib's
+            loaders): an epoch takes ``n // batch_size`` full batches (one batch of all ``n`` when fewer), so no
+            batch holds the single example that batch norm cannot normalise in training.
     """
 
     optimizer: Callable[[Iterable], torch.optim.Optimizer] | None = None
@@ -48,6 +51,7 @@ class LocalTraining:
     optimizer_state: Literal["reset", "per_client", "shared", "shared_per_phase"] = "reset"
     grad_clip_norm: float | None = None
     eval_batch_size: int = 512
+    drop_last: bool = False
 
     def __post_init__(self):
         if self.batch_size < 1:

@@ -7,6 +7,7 @@ splits is common and lives here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -53,6 +54,10 @@ class FederatedData:
             18,500 images of the 185 Federated CIFAR-100 clients outside the 315-client pool). Needs a
             partition that leaves examples over (natural ids with fewer clients than ids); replaces
             ``server_fraction``, which takes its share of the pool before the partition.
+        pool_test_set: the published test set joins the training pool before the partition, and the global
+            test set becomes every client's local test split, pooled (PFLlib's generator, HtFLlib's data:
+            CIFAR's 60,000 images split among the clients, each client's split 75 / 25 into train / test).
+            Needs a local test share and a data set partitioned by label.
     """
 
     default_partitioner: type[Partitioner] = IidPartitioner  # natural-id data sets default to one client per id
@@ -66,6 +71,7 @@ class FederatedData:
         partition_seed: int | None = None,
         server_dataset: FederatedData | None = None,
         server_examples: int | None = None,
+        pool_test_set: bool = False,
     ):
         self.partitioner = partitioner or self.default_partitioner()
         self.server_dataset = server_dataset
@@ -85,6 +91,12 @@ class FederatedData:
                 raise ConfigError(
                     "server_examples replaces server_fraction and server_dataset; set only one of the three."
                 )
+        if pool_test_set and local_split[2] <= 0:
+            raise ConfigError(
+                "pool_test_set puts the test set into the clients' data, so each client needs a local test split; "
+                "give local_split a test share, e.g. [0.75, 0.0, 0.25]."
+            )
+        self.pool_test_set = pool_test_set
         self.server_fraction = server_fraction
         self.server_examples = server_examples
         self.unlabeled_fraction = unlabeled_fraction
@@ -112,6 +124,8 @@ class FederatedData:
         """Loads the arrays and builds every client's index sets, deterministically from the seed."""
         arrays = self.load()
         self.num_classes = check_arrays(arrays, type(self).__name__)  # the door: one sentence, never a traceback
+        if self.pool_test_set:
+            arrays = self._with_test_pooled(arrays)
         self.x, self.y = arrays.x, arrays.y.long()
         self.test_x, self.test_y = arrays.test_x, arrays.test_y.long()
         self.groups = arrays.groups
@@ -149,6 +163,9 @@ class FederatedData:
         self.clients = [self._split_client(pool[part], rng) for part in parts]
         self._require_training_examples()
         self._require_requested_splits()
+        if self.pool_test_set:  # the clients' local test splits, together, stand in for the global test set
+            tests = torch.cat([client.test for client in self.clients])
+            self.test_x, self.test_y = self.x[tests], self.y[tests]
         if self.server_examples is not None:  # drawn after the clients, who are then as without a server set
             self.server_idx = self._draw_unassigned(pool, parts, rng, self.server_examples)
         if arrays.unlabeled_x is not None:  # appended to the pool, shared IID as every client's unlabeled data
@@ -158,6 +175,17 @@ class FederatedData:
             extra = np.array_split(rng.permutation(np.arange(start, len(self.x))), len(self.clients))
             for client, more in zip(self.clients, extra):
                 client.unlabeled = torch.cat([client.unlabeled, torch.from_numpy(np.sort(more)).long()])
+
+    def _with_test_pooled(self, arrays: DataArrays) -> DataArrays:
+        """``arrays`` with the test set appended to the training pool (``pool_test_set``)."""
+        if arrays.groups is not None:
+            raise ConfigError(
+                f"pool_test_set needs a data set partitioned by label; {type(self).__name__}'s clients are its "
+                "natural ids, whose test set has none: leave pool_test_set out."
+            )
+        return dataclasses.replace(
+            arrays, x=torch.cat([arrays.x, arrays.test_x]), y=torch.cat([arrays.y, arrays.test_y.to(arrays.y.dtype)])
+        )
 
     def _require_training_examples(self) -> None:
         """A client without a training example could never train (FedAvg would weigh its update by 0): refused."""

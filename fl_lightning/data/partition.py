@@ -52,9 +52,14 @@ class DirichletPartitioner(Partitioner):
         min_partition_size: every client must receive at least this many examples; the draw is
             repeated (fresh randomness) up to ``max_tries`` times until it does.
         max_tries: draws before giving up with an error.
+        self_balancing: a client that already holds ``n / num_clients`` examples gets none of the later
+            classes (their shares renormalised over the others), as flwr-datasets' ``self_balancing`` and
+            PFLlib's generator (HtFLlib's data), which caps how large a client grows.
     """
 
-    def __init__(self, alpha: float = 0.5, min_partition_size: int = 10, max_tries: int = 10):
+    def __init__(
+        self, alpha: float = 0.5, min_partition_size: int = 10, max_tries: int = 10, self_balancing: bool = False
+    ):
         if not 0 < alpha < math.inf:  # NaN too: numpy's Dirichlet would fail inside
             raise ConfigError(f"Dirichlet alpha must be positive, got {alpha}.")
         if min_partition_size < 0 or max_tries < 1:
@@ -65,21 +70,12 @@ class DirichletPartitioner(Partitioner):
         self.alpha = alpha
         self.min_partition_size = min_partition_size
         self.max_tries = max_tries
+        self.self_balancing = self_balancing
 
     def __call__(self, labels, num_clients, rng, groups=None):
         self._check_count(len(labels), num_clients, self.min_partition_size)
-        classes = np.unique(labels)
         for _ in range(self.max_tries):
-            parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-            for c in classes:
-                idx = rng.permutation(np.flatnonzero(labels == c))
-                shares = rng.dirichlet(np.full(num_clients, self.alpha))
-                # multinomial counts: cutting at truncated (or rounded) cumulative shares always hands a
-                # class's remainder to the same clients, which starves them when classes are small
-                cuts = np.cumsum(rng.multinomial(len(idx), shares))[:-1]
-                for client, piece in enumerate(np.split(idx, cuts)):
-                    parts[client].append(piece)
-            result = [np.sort(np.concatenate(p)) for p in parts]
+            result = self._draw(labels, num_clients, rng)
             if min(len(p) for p in result) >= self.min_partition_size:
                 return result
         raise ConfigError(
@@ -88,27 +84,51 @@ class DirichletPartitioner(Partitioner):
             "raise alpha, lower min_partition_size or use fewer clients."
         )
 
+    def _draw(self, labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        held = np.zeros(num_clients, dtype=np.int64)
+        for c in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            shares = rng.dirichlet(np.full(num_clients, self.alpha))
+            if self.self_balancing:
+                open_shares = shares * (held < len(labels) / num_clients)
+                shares = open_shares / open_shares.sum() if open_shares.sum() > 0 else shares
+            # multinomial counts: cutting at truncated (or rounded) cumulative shares always hands a
+            # class's remainder to the same clients, which starves them when classes are small
+            cuts = np.cumsum(rng.multinomial(len(idx), shares))[:-1]
+            for client, piece in enumerate(np.split(idx, cuts)):
+                parts[client].append(piece)
+                held[client] += len(piece)
+        return [np.sort(np.concatenate(p)) for p in parts]
+
 
 class PathologicalPartitioner(Partitioner):
     """Each client holds exactly ``classes_per_client`` classes (e.g. 2 of 10, 10 of 100 in FedGH).
 
-    Each class is split evenly among the clients holding it; a class no client holds is unused.
+    A class no client holds is unused.
 
     Args:
         classes_per_client: k.
-        assignment: ``random`` (k distinct classes drawn per client) or ``deterministic``
-            (client i holds classes i, i+1, ..., i+k-1 modulo C, so every class is used when N >= C).
+        assignment: ``random`` (k distinct classes drawn per client), ``deterministic`` (client i holds
+            classes i, i+1, ..., i+k-1 modulo C, so every class is used when N >= C) or ``sequential``
+            (PFLlib's generator, HtFLlib's data: class by class, the first ``ceil(N k / C)`` clients that
+            hold fewer than k classes take it, so blocks of clients share the same k classes).
+        balanced: split each class evenly among its holders; ``false``: every holder but the last gets a
+            count drawn uniformly between a tenth of an even share and an even share, the last the rest
+            (PFLlib's unbalanced split).
         min_partition_size: smallest acceptable client.
     """
 
     def __init__(
         self,
         classes_per_client: int = 2,
-        assignment: Literal["random", "deterministic"] = "deterministic",
+        assignment: Literal["random", "deterministic", "sequential"] = "deterministic",
+        balanced: bool = True,
         min_partition_size: int = 1,
     ):
         self.k = classes_per_client
         self.assignment = assignment
+        self.balanced = balanced
         self.min_partition_size = min_partition_size
 
     def __call__(self, labels, num_clients, rng, groups=None):
@@ -118,16 +138,11 @@ class PathologicalPartitioner(Partitioner):
                 f"classes_per_client={self.k} is impossible with {len(classes)} classes; choose 1..{len(classes)}."
             )
         self._check_count(len(labels), num_clients, self.min_partition_size)
-        if self.assignment == "deterministic":
-            held = [classes[(i + np.arange(self.k)) % len(classes)] for i in range(num_clients)]
-        else:
-            held = [rng.choice(classes, self.k, replace=False) for _ in range(num_clients)]
-        holders = {c: [i for i in range(num_clients) if c in held[i]] for c in classes}
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        for c, owners in holders.items():
+        for c, owners in self._holders(classes, num_clients, rng).items():
             if owners:
                 idx = rng.permutation(np.flatnonzero(labels == c))
-                for owner, piece in zip(owners, np.array_split(idx, len(owners))):
+                for owner, piece in zip(owners, self._split(idx, len(owners), rng)):
                     parts[owner].append(piece)
         result = [np.sort(np.concatenate(p)) if p else np.empty(0, dtype=np.int64) for p in parts]
         smallest = min(len(p) for p in result)
@@ -137,6 +152,29 @@ class PathologicalPartitioner(Partitioner):
                 f"(minimum {self.min_partition_size}); use fewer clients or more classes per client."
             )
         return result
+
+    def _holders(self, classes: np.ndarray, num_clients: int, rng: np.random.Generator) -> dict[int, list[int]]:
+        """The clients holding each class, in client order."""
+        if self.assignment == "sequential":
+            quota, per_class, holders = [self.k] * num_clients, math.ceil(num_clients * self.k / len(classes)), {}
+            for c in classes:
+                holders[c] = [i for i in range(num_clients) if quota[i] > 0][:per_class]
+                for i in holders[c]:
+                    quota[i] -= 1
+            return holders
+        if self.assignment == "deterministic":
+            held = [classes[(i + np.arange(self.k)) % len(classes)] for i in range(num_clients)]
+        else:
+            held = [rng.choice(classes, self.k, replace=False) for _ in range(num_clients)]
+        return {c: [i for i in range(num_clients) if c in held[i]] for c in classes}
+
+    def _split(self, idx: np.ndarray, holders: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """One class's shuffled examples cut among its ``holders``: evenly, or PFLlib's unbalanced counts."""
+        if self.balanced or holders == 1:
+            return np.array_split(idx, holders)
+        even = len(idx) / holders
+        counts = rng.integers(int(even / 10), max(int(even), int(even / 10) + 1), holders - 1)
+        return np.split(idx, np.cumsum(counts))
 
 
 class NaturalIdPartitioner(Partitioner):

@@ -26,7 +26,7 @@ from .transforms import CropFlip
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # papers 002 / 003
 
-Normalization = Literal["channel", "pixel", "mean_image", "none"]
+Normalization = Literal["channel", "pixel", "mean_image", "symmetric", "none"]
 
 
 class ImageData(FederatedData):
@@ -37,7 +37,8 @@ class ImageData(FederatedData):
         download: fetch missing files (needs internet).
         normalize: ``channel`` (per-channel mean / std), ``pixel`` (per-pixel mean and std of the
             training set, paper 001's code), ``mean_image`` (subtract the per-pixel mean image, FedHe's
-            MNIST / CIFAR preprocessing) or ``none`` (values in [0, 1]).
+            MNIST / CIFAR preprocessing), ``symmetric`` (values in [-1, 1], mean and std 0.5 per channel:
+            PFLlib's and HtFLlib's) or ``none`` (values in [0, 1]).
         augment: pad-4 random crop and horizontal flip on training batches (paper 001 / 002 CIFAR).
         augment_per_example: a fresh crop / flip per image (``false``: one per batch, as FedJAX).
         (partitioner, server_fraction, unlabeled_fraction, local_split, partition_seed: see FederatedData)
@@ -78,6 +79,8 @@ class ImageData(FederatedData):
             m = torch.tensor(mean[: x.shape[1]]).view(1, -1, 1, 1)
             s = torch.tensor(std[: x.shape[1]]).view(1, -1, 1, 1)
             x, tx = (x - m) / s, (tx - m) / s
+        elif self.normalize == "symmetric":  # (x - 0.5) / 0.5, exactly
+            x, tx = x * 2 - 1, tx * 2 - 1
         elif self.normalize in ("pixel", "mean_image"):
             m = x.mean(0, keepdim=True)
             scale = x.std(0, keepdim=True).clamp(min=1e-6) if self.normalize == "pixel" else 1.0

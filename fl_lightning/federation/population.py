@@ -48,12 +48,14 @@ class Population:
         tiers: the tiers; one tier ``all`` training role ``global`` by default.
         assignment: how client ids map to tiers: ``contiguous`` (tier 0 gets ids 0..n0-1, as paper 001's
             code makes clients 0-19 strong), ``interleaved`` (client k in tier k mod T, as FedGH gives
-            client k CNN-((k mod 5)+1)) or ``random`` (seeded by the run seed).
+            client k CNN-((k mod 5)+1)), ``cyclic`` (client k in tier k mod T for any number of clients, the
+            tiers' sizes following from it, so they give no count or fraction: HtFLlib's ``models[k % n]``)
+            or ``random`` (seeded by the run seed).
     """
 
     num_clients: int = 20
     tiers: list[Tier] = field(default_factory=lambda: [Tier(name="all", roles=["global"])])
-    assignment: Literal["contiguous", "interleaved", "random"] = "contiguous"
+    assignment: Literal["contiguous", "interleaved", "cyclic", "random"] = "contiguous"
 
     def build(self, seed: int) -> list[ClientSpec]:
         """The clients, each with its tier and roles."""
@@ -62,6 +64,8 @@ class Population:
             tier_of = np.repeat(np.arange(len(self.tiers)), counts)
         elif self.assignment == "interleaved":
             tier_of = np.array(_interleave(counts))
+        elif self.assignment == "cyclic":
+            tier_of = np.arange(self.num_clients) % len(self.tiers)
         elif self.assignment == "random":
             tier_of = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(self.tiers)), counts))
         else:  # only code that bypasses the parser, which refuses any other value, gets here
@@ -76,6 +80,8 @@ class Population:
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}.")
+        if self.assignment == "cyclic":
+            return self._cyclic_counts()
         counts: list[int | None] = []
         for tier in self.tiers:
             if tier.count is not None:
@@ -98,6 +104,16 @@ class Population:
                 "adjust the fractions / counts or leave one tier without either."
             )
         return sizes
+
+    def _cyclic_counts(self) -> list[int]:
+        """``cyclic``: tier t holds the clients k with k mod T = t; a tier that states its own size is refused."""
+        sized = [t.name for t in self.tiers if t.count is not None or t.fraction is not None]
+        if sized:
+            raise ConfigError(
+                f"with population.assignment cyclic, client k joins tier k mod {len(self.tiers)} and the tiers' sizes "
+                f"follow from num_clients; remove count and fraction from tier(s) {', '.join(sized)}."
+            )
+        return [len(range(t, self.num_clients, len(self.tiers))) for t in range(len(self.tiers))]
 
     def roles(self) -> list[Role]:
         """Every role some tier trains, in first-seen order."""

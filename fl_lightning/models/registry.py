@@ -41,7 +41,7 @@ ENTRY_POINT_GROUP = "fl_lightning.models"
 TRUST_ENV = "FLRUN_TRUSTED_MODULES"
 # Bundled modules that import torchvision: a run of the other models never needs it, so they are imported
 # only for a name the other bundled modules do not register (tests/test_startup.py keeps the others light).
-_TORCHVISION_MODULES = frozenset({"cifar_resnet", "fedgkt"})
+_TORCHVISION_MODULES = frozenset({"cifar_resnet", "fedgkt", "htfl"})
 
 
 def register_model(name: str) -> Callable[[Builder], Builder]:

@@ -23,6 +23,7 @@ KIB_PER_CLIENT_ROUND = "comm/kib_per_client_round"
 GFLOPS_PER_CLIENT_ROUND = "compute/gflops_per_client_round"  # local training GFLOPs, as KiB per client and round
 ROUNDS_TO = "rounds_to/"  # rounds_to/<metric>@<target>: the first round the metric reaches the target
 KIB_TO = "comm/kib_to/"  # comm/kib_to/<metric>@<target>: KiB sent down and up until that round
+BEST = "best/"  # best/<metric>: the metric's highest value over the evaluated rounds (HtFLlib reports the best round)
 
 MEASURED_NOTE = (
     "Measured = the value after the last round (summary.json final), the mean over seeds; std over seeds = the "
@@ -180,11 +181,16 @@ def run_metric(run: dict, position: int, metric: str) -> str:
 def measured_value(run: dict, metric: str) -> float | None:
     """A run's final value of ``metric``; ``comm/kib_per_client_round`` is derived from its traffic,
     ``compute/gflops_per_client_round`` from its local training FLOPs (summary.json's ``compute``), and
-    ``rounds_to/<metric>@<target>`` / ``comm/kib_to/<metric>@<target>`` from its metrics.csv."""
+    ``rounds_to/<metric>@<target>`` / ``comm/kib_to/<metric>@<target>`` / ``best/<metric>`` from its
+    metrics.csv."""
     if metric == KIB_PER_CLIENT_ROUND:
         return kib_per_client_round(run)
     if metric == GFLOPS_PER_CLIENT_ROUND:
         return gflops_per_client_round(run)
+    if metric.startswith(BEST):
+        values = [row[metric[len(BEST) :]] for row in run["curve"] if metric[len(BEST) :] in row]
+        values = [v for v in values if not math.isnan(v)]
+        return max(values) if values else None
     for prefix in (ROUNDS_TO, KIB_TO):
         if metric.startswith(prefix) and "@" in metric:
             name, _, target = metric[len(prefix) :].rpartition("@")

@@ -18,7 +18,8 @@ TABLE_NOTE = (
     "value after the last round (summary.json final), the mean over seeds ± the sample standard deviation, one run "
     "per seed; n = runs. Accuracies in %; comm/kib_per_client_round = KiB down and up per participating client and "
     "round; rounds_to/M@X = the first evaluated round whose M reaches X, comm/kib_to/M@X = the KiB sent until "
-    "then (paper 004's Rounds (X) and CO). A cell also shows the runs of a recipe that is the same experiment "
+    "then (paper 004's Rounds (X) and CO); best/M = the highest M over the evaluated rounds (HtFLlib's papers "
+    "report the best round). A cell also shows the runs of a recipe that is the same experiment "
     "(a base recipe plus a reference)."
 )
 RANKING_LABEL = "ranking in our runs"

@@ -26,7 +26,7 @@ from .build import headline
 from .figures import TRADEOFF_AXES, x_scale
 from .markup import md, md_table
 from .render import SUMMARY_HEADER, section_view, summary_rows
-from .runs import KIB_PER_CLIENT_ROUND, KIB_TO, ROUNDS_TO
+from .runs import BEST, KIB_PER_CLIENT_ROUND, KIB_TO, ROUNDS_TO
 from .sweeps import sweep_view
 from .tradeoff import TRADEOFF_NOTE, tradeoff_view
 
@@ -200,9 +200,10 @@ def _literal(text: str) -> str:
 
 
 def _plotted(section: dict) -> list[str]:
-    """The monitored metric, then the paper's other metrics that runs log every round (not derived ones)."""
+    """The monitored metric, then the paper's other metrics that runs log every round (not derived ones; a
+    ``best/<metric>`` as the curve of its metric)."""
     derived = (KIB_PER_CLIENT_ROUND, ROUNDS_TO, KIB_TO)
-    metrics = [section["monitor"], *(row["metric"] for row in section["comparison"]["rows"])]
+    metrics = [section["monitor"], *(row["metric"].removeprefix(BEST) for row in section["comparison"]["rows"])]
     return [m for m in dict.fromkeys(metrics) if not m.startswith(derived)]
 
 
