@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,15 @@ def _restore_torch_settings():
     yield
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def terminal_sigint():
+    """Ctrl-C raises KeyboardInterrupt in this process, as in a user's terminal: a pytest-xdist worker process
+    ignores SIGINT, and a run keeps an ignored SIGINT ignored (as Python does for a background job)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def slow_beyond(first: int, cases: list) -> list:

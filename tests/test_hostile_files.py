@@ -366,7 +366,7 @@ def test_a_chart_over_the_users_chart_on_a_full_disk_keeps_it_and_names_it(tmp_p
     "stop, status, said", [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")]
 )
 def test_a_stop_while_a_checkpoint_is_written_ends_as_a_stop_between_writes(
-    tmp_path, capsys, monkeypatch, stop, status, said
+    tmp_path, capsys, monkeypatch, terminal_sigint, stop, status, said
 ):
     """The signal arrives in the middle of torch.save's writes of the second checkpoint: the command ends with
     the stop's one line (not torch's ``unexpected pos``), the checkpoint being written is complete, and the
