@@ -119,6 +119,9 @@ def test_models_trained_together_capture_their_graphs_once_for_every_client_and_
 
 DIGITS_RECIPES = sorted(path.name for path in Path("recipes").glob("digits_*.yaml"))
 KEY_COSTS = {"a key's first step (captured if the key recurs)", "a key's second step (run, then captured)"}
+# FedKTL's joint step (from round 2) picks its generated images by the step index in Python, so it is not marked
+# pure and runs eagerly by design (docs/algorithms.md); its round-1 step replays
+EAGER_BY_DESIGN = {"digits_fedktl.yaml"}
 
 
 @pytest.mark.slow  # every digits recipe twice, 3 rounds each
@@ -139,6 +142,9 @@ def test_every_digits_method_replays_its_steps_as_they_run_eagerly(tmp_path, sta
     assert replayed_tensors.keys() == eager_tensors.keys()
     assert all(torch.equal(t, eager_tensors[k]) for k, t in replayed_tensors.items())
     counts = replayed["cuda_graphs"]
+    if recipe in EAGER_BY_DESIGN:
+        assert counts["graphed_steps"] > 0, counts
+        return
     assert set(counts["eager_reasons"]) <= KEY_COSTS, counts
     assert counts["graphed_steps"] >= 0.4 * (counts["graphed_steps"] + counts["eager_steps"]), counts
 
