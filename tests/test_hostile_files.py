@@ -447,8 +447,8 @@ def test_a_users_own_sqlite_database_is_not_taken_for_a_study(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------- signals and ranks
-def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _start(argv: list[str], cwd: Path, **env_vars: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_vars}
     command = [sys.executable, "-m", "fl_lightning", "fit", *argv]
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -500,8 +500,10 @@ def _ranks(launcher: int) -> dict[int, int]:
 )
 def test_the_launcher_names_a_rank_that_ended_and_how_to_continue(tmp_path, stop, how):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=5000, eval_every=1000)
-    run = tmp_path / "run"
-    process = _start(["--config", str(recipe), "--output_dir", str(run), "--runtime.devices", "2"], tmp_path)
+    run, scratch = tmp_path / "run", tmp_path / "tmp"
+    scratch.mkdir()
+    argv = ["--config", str(recipe), "--output_dir", str(run), "--runtime.devices", "2"]
+    process = _start(argv, tmp_path, TMPDIR=str(scratch))
     _wait_for(run / "checkpoints/last.ckpt", process)
     ranks = _ranks(process.pid)
     assert sorted(ranks) == [0, 1]
@@ -511,6 +513,8 @@ def test_the_launcher_names_a_rank_that_ended_and_how_to_continue(tmp_path, stop
     last = err.strip().splitlines()[-1]
     assert f"rank 1 ended ({how})" in last and "--resume auto" in last, err
     assert process.returncode == 128 + stop
+    # the ranks' scratch folders went with the run, a killed rank's too (torch keeps a cache of its own there)
+    assert [p.name for p in scratch.glob("flrun-*")] == []
 
 
 @pytest.mark.slow  # three processes, each importing the stack

@@ -17,7 +17,7 @@ from typing import IO
 
 from .capacity import check_capacity
 from .gpu_share import as_child
-from .messages import MAILBOX_ENV, make_mailbox_folder
+from .messages import MAILBOX_ENV, SCRATCH_ENV, make_mailbox_folder
 
 GRACE_S = 30.0  # after a rank fails, how long the others get to stop on their own (rank 0 writes its summary)
 LAUNCHED_ENV = "FLRUN_LAUNCHED"  # set for the ranks this launcher starts
@@ -48,6 +48,10 @@ def launch(argv: list[str], devices: int, accelerator: str = "auto") -> int:
         with contextlib.suppress(OSError):
             env[MAILBOX_ENV] = make_mailbox_folder()
             files.callback(shutil.rmtree, env[MAILBOX_ENV], True)
+        # the ranks' scratch folders (spilled client states) go inside one that is removed here for the same reason
+        with contextlib.suppress(OSError):
+            env[SCRATCH_ENV] = tempfile.mkdtemp(prefix="flrun-ranks-")
+            files.callback(shutil.rmtree, env[SCRATCH_ENV], True)
         logs = [None] + [files.enter_context(tempfile.TemporaryFile()) for _ in range(devices - 1)]
         processes = [
             subprocess.Popen(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 MAILBOX_ENV = "FLRUN_EXCHANGE_DIR"  # the folder launch() made for its ranks' mailbox
+SCRATCH_ENV = "FLRUN_SCRATCH_DIR"  # the folder launch() made for its ranks' scratch folders
 
 
 def make_mailbox_folder() -> str:

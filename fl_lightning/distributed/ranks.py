@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..federation.errors import ConfigError, RankLost
-from .messages import Mailbox, pack, unpack
+from .messages import SCRATCH_ENV, Mailbox, pack, unpack
 
 TIMEOUT = timedelta(hours=2)  # one exchange's wait: a phase of a paper-scale model can run long on one rank
 
@@ -185,7 +185,8 @@ def connect_ranks(ranks: Ranks, device: torch.device) -> Ranks:
             timeout=TIMEOUT,
         )
         if ranks.rank > 0:
-            ranks.scratch = Path(tempfile.mkdtemp(prefix=f"flrun-rank{ranks.rank}-"))
+            # inside the launcher's folder where it made one: the launcher removes it even after a killed rank
+            ranks.scratch = Path(tempfile.mkdtemp(prefix=f"flrun-rank{ranks.rank}-", dir=os.environ.get(SCRATCH_ENV)))
             atexit.register(shutil.rmtree, ranks.scratch, True)
         ranks.mailbox = Mailbox.open(ranks.rank, ranks.world)
     _current = ranks
