@@ -50,6 +50,7 @@ import json
 import math
 import multiprocessing
 import re
+import shutil
 import site
 import sys
 import tempfile
@@ -732,6 +733,9 @@ def tiny_run(r: Recipe) -> dict:
     payloads = summary["comm"]["by_payload"]["uplink"]
     if payloads.get("weights") and "class_knowledge" in payloads:
         result["knowledge_share_of_weights"] = payloads["class_knowledge"] / payloads["weights"]
+    # the run's checkpoints (every client's model, up to gigabytes for a hundred ResNets) are not needed again:
+    # kept until the check ended, the runs took more than 20 GB of the temporary folder
+    shutil.rmtree(out)
     return result
 
 
@@ -863,31 +867,47 @@ def check_one(
     return found, ran, {name: fixture.done for name, fixture in FIXTURES.items()}
 
 
-def isolated(fn, *args):
-    """``fn(*args)`` in a fresh process spawned for it, its result (or its error) handed back: what a recipe's run
-    allocates or sets (torch's heap and threads, seeds, global flags) ends with that process, so that no recipe's
-    run changes another's or grows the check's memory. Spawned, not forked: a fork of a process whose torch ran
-    its thread pool can wait forever on a lock the pool held (seen under pytest), and a spawned worker shares
-    nothing. ``fn`` is found by its module's name, so the worker puts this folder on its path first."""
+RECIPES_PER_PROCESS = 12  # a spawned process and its torch import cost about 3 s, most recipes' checks less
+
+
+def isolated_pool(recipes_per_process: int = RECIPES_PER_PROCESS) -> ProcessPoolExecutor:
+    """One spawned worker process that serves ``recipes_per_process`` checks and is then replaced: what runs
+    allocate (torch's heap and threads) ends with it, and the check's memory stays bounded. Every run seeds
+    itself and every partition draws from its own seeded generator, so a check does not depend on the ones
+    before it in the same process. Spawned, not forked: a fork of a process whose torch ran its thread pool can
+    wait forever on a lock the pool held (seen under pytest), and a spawned worker shares nothing. Functions are
+    found by their module's name, so the worker puts this folder on its path first."""
     context = multiprocessing.get_context("spawn")
     here = str(Path(__file__).resolve().parent)
-    with ProcessPoolExecutor(1, mp_context=context, initializer=site.addsitedir, initargs=(here,)) as pool:
+    return ProcessPoolExecutor(
+        1,
+        mp_context=context,
+        initializer=site.addsitedir,
+        initargs=(here,),
+        max_tasks_per_child=recipes_per_process,
+    )
+
+
+def isolated(fn, *args):
+    """``fn(*args)`` in a fresh spawned process of its own (:func:`isolated_pool`), its result (or its error)
+    handed back."""
+    with isolated_pool(1) as pool:
         return pool.submit(fn, *args).result()
 
 
 def run_check(names: list[str] | None, run: bool, out=None, one_per_shape: bool = False) -> list[Line]:
-    """Checks the recipes, each in a process of its own (:func:`isolated`); prints one line per stated number (and
-    each recipe's partition and round) and returns them. ``one_per_shape``: a recipe whose numbers need no run runs
-    its round only as the first of its shape."""
+    """Checks the recipes in spawned processes of a few recipes each (:func:`isolated_pool`); prints one line per
+    stated number (and each recipe's partition and round) and returns them. ``one_per_shape``: a recipe whose
+    numbers need no run runs its round only as the first of its shape."""
     out = out or sys.stdout
     lines: list[Line] = []
     shapes_run: set[str] = set()
     written: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, isolated_pool() as pool:
         for path in paper_recipe_paths(names):
             skip = shapes_run if one_per_shape else set()
             # the tiny files a recipe's process wrote serve the next recipes too
-            found, ran, written = isolated(check_one, path, Path(tmp) if run else None, skip, written)
+            found, ran, written = pool.submit(check_one, path, Path(tmp) if run else None, skip, written).result()
             shapes_run |= {ran} if ran else set()
             for line in found:
                 why = f" ({line.why})" if line.why else ""

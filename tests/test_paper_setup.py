@@ -145,8 +145,8 @@ def _set_global_state() -> tuple[int, int]:
     return os.getpid(), torch.initial_seed()
 
 
-def test_each_recipe_is_checked_in_a_process_of_its_own(paper_setup):
-    """A recipe's run changes nothing the next one sees: what it sets ends with its own process. The parent has
+def test_recipes_are_checked_in_spawned_processes_replaced_after_a_few_recipes(paper_setup):
+    """What a recipe's check sets ends with its process, which serves a bounded number of checks; the parent has
     run torch first, as a test session has: a forked child of such a process could hang on the thread pool."""
     torch = pytest.importorskip("torch")
     torch.ones(256, 256) @ torch.ones(256, 256)  # the parent's thread pool has run
@@ -154,6 +154,9 @@ def test_each_recipe_is_checked_in_a_process_of_its_own(paper_setup):
     first, second = paper_setup.isolated(_set_global_state), paper_setup.isolated(_set_global_state)
     assert first[1] == second[1] == 1234 and len({first[0], second[0], os.getpid()}) == 3
     assert torch.initial_seed() == before
+    with paper_setup.isolated_pool(2) as pool:
+        pids = [pool.submit(_set_global_state).result()[0] for _ in range(5)]
+    assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4] and os.getpid() not in pids
     with pytest.raises(ZeroDivisionError):  # an error in the recipe's process reaches the caller
         paper_setup.isolated(divmod, 1, 0)
 
