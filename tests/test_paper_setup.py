@@ -104,6 +104,25 @@ def test_recipes_of_one_family_share_a_shape_and_other_methods_do_not(paper_setu
 
 
 @pytest.mark.slow
+def test_every_paper_recipe_s_numbers_and_partition_hold_without_a_run(paper_setup):
+    """Every stated number that needs no run (sizes, counts, rates, the real-size partition) of every paper
+    recipe; the traffic numbers, measured in runs, are the ``full`` tier's (next test) and the CI sample's."""
+    lines = paper_setup.run_check(None, run=False)
+    assert len({line.recipe for line in lines}) == len(paper_setup.paper_recipe_paths(None))
+    assert sum(line.quantity == paper_setup.PARTITION for line in lines) > 200
+
+    # traffic, and the unlabeled share of a data set whose layout only a run gives (FEMNIST's writers), need a run
+    def needs_run(line) -> bool:
+        return line.quantity in paper_setup.RUN_QUANTITIES or (
+            line.quantity.endswith("_share") and line.measured is None
+        )
+
+    assert sum(map(needs_run, lines)) < 100
+    failing = [f"{x.recipe} {x.quantity}: {x.verdict} {x.why}" for x in lines if x.failed and not needs_run(x)]
+    assert failing == []
+
+
+@pytest.mark.full
 def test_every_paper_recipe_states_no_undocumented_mismatch_and_the_docs_table_is_current(paper_setup, capsys):
     """Every stated number of every paper recipe, traffic measured in runs included; of the recipes whose numbers
     need no run, one of each shape runs its round (the rest differ in numbers only). The full check, every
