@@ -370,6 +370,19 @@ def _printed_values(cell_text: str) -> list[float | None]:
     return [None if v.strip() == "n/a" else float(v) for v in inner.split(",")]
 
 
+def _with_new_recipe_rows(lines: list[str], labels: list[str]) -> list[str]:
+    """The every-recipe block's lines with a placeholder row for each recipe of ``labels`` it lacks, placed as
+    :func:`digits_recipes` orders them (the caller measures it like any named row)."""
+    order = digits_recipes()
+    listed = {line.split(" | ")[0][2:] for line in lines if line.startswith("| ")}
+    for recipe in (label for label in labels if label in order and label not in listed):
+        rows = [i for i, line in enumerate(lines) if line.startswith("| ") and line.split(" | ")[0][2:] in order]
+        after = [i for i in rows if order.index(lines[i].split(" | ")[0][2:]) < order.index(recipe)]
+        at = (after[-1] + 1) if after else (rows[0] if rows else len(lines))
+        lines = [*lines[:at], f"| {recipe} | not measured |", *lines[at:]]
+    return lines
+
+
 def write_rows(docs: Path, tables: list[str], labels: list[str]) -> int:
     """Re-measures the rows ``labels`` of the blocks of ``tables`` (their recorded seeds and rounds) and writes
     them into ``docs``, with each comparison table's ranking line redone from the rows as printed."""
@@ -380,6 +393,8 @@ def write_rows(docs: Path, tables: list[str], labels: list[str]) -> int:
             continue
         seeds, rounds, content, match = found[table_id]
         lines = content.splitlines()
+        if table_id == ALL_RECIPES:  # a recipe added since the block was written gets its row, in name order
+            lines = _with_new_recipe_rows(lines, labels)
         for i, line in enumerate(lines):
             label = line.split(" | ")[0][2:] if line.startswith("| ") else None
             if label in labels:

@@ -131,3 +131,18 @@ def test_the_htfllib_table_adds_a_method_in_one_line_with_its_cost_columns(digit
         f"| {gflops:.3f} ({gflops:.3f}) |"
     )
     assert "Not yet implemented: FedX." in text and "Ranking: not enough rows measured." in text
+
+
+def test_write_rows_adds_a_new_recipes_row_to_the_every_recipe_block_in_name_order(digits_table, tmp_path):
+    docs = tmp_path / "algorithms.md"
+    header = "| recipe | metric | final: mean ± std (per seed) | other accuracies (mean) |\n|---|---|---|---|"
+    kept = ["| quickstart | global/test_acc | 0.5 (0.5) |  |", "| digits_fedgh | personal/test_acc | 0.5 (0.5) |  |"]
+    docs.write_text(
+        "<!-- digits-table all-digits-recipes: seeds 0; rounds 1 -->\nEvery digits recipe:\n\n"
+        f"{header}\n{kept[0]}\n{kept[1]}\n<!-- end of digits-table -->\n"
+    )
+    assert digits_table.main(["--write", "--tables", "all-digits", "--rows", "digits_fd", "--docs", str(docs)]) == 0
+    rows = [line for line in docs.read_text().splitlines() if line.startswith("| ") and "| metric |" not in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| quickstart", "| digits_fd", "| digits_fedgh"]
+    assert rows[0] == kept[0] and rows[2] == kept[1]  # the rows not named are not re-measured
+    assert rows[1] == digits_table.recipe_row("digits_fd", [0], 1)  # measured as --write measures it
