@@ -193,3 +193,7 @@ def test_the_ledger_counts_what_each_round_sends(tmp_path):
     fixed = C * C + D * L + L  # the ETF and the projection, every round
     down = [4 * fixed * 4, 4 * (fixed + C * (64 + L)) * 4]  # from round 2 the images and latents too
     assert [int(r["comm/round_downlink_bytes"]) for r in metrics] == down
+    # the local training compute counts the clients' role only: the server's generator is no client's training
+    compute = json.loads((tmp_path / "run" / "summary.json").read_text())["compute"]
+    assert list(compute["step_flops"]) == ["global"] and "not_counted" not in compute
+    assert compute["train_flops"] == int(metrics[-1]["compute/train_flops"]) > 0

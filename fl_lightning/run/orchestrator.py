@@ -110,8 +110,10 @@ class FederationOrchestrator:
         strategy.setup(server)
         check_evaluation_split(strategy, server)
         self.monitor = output.monitor or strategy.monitor
-        # after setup, which may freeze a backbone: a frozen parameter's gradient is not computed, nor counted
-        models = {role: slot.module.model for role, slot in loop.slots.items()}
+        # after setup, which may freeze a backbone: a frozen parameter's gradient is not computed, nor counted;
+        # only the roles clients train (a server's model, such as FedKTL's generator, is no local training)
+        trained = {role for client in clients for role in client.roles}
+        models = {role: slot.module.model for role, slot in loop.slots.items() if role in trained}
         self.step_flops, self.uncounted = role_step_flops(models, data.x[:1], loop.training.batch_size)
         if self.uncounted:
             self.state.train_flops = None  # a role's steps without their cost: no total rather than a low one
