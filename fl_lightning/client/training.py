@@ -18,6 +18,16 @@ from ..federation.schedules import ConstantLR, RoundSchedule
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
+# jsonargparse's lazy_instance finds its caller's module with inspect.stack(), which reads the source of every frame
+# on the stack: a third of a second under a test's or a notebook's deep stack, paid by every LocalTraining built
+# (each parse of a recipe builds several). Its class is made once, here; a default is a new instance of it, as
+# lazy_instance returns (its class is also what lazy_instance would reuse, from this module).
+_LazyConstantLR = type(lazy_instance(ConstantLR))
+
+
+def _constant_lr() -> RoundSchedule:
+    return _LazyConstantLR(ConstantLR, {})
+
 
 @dataclass
 class LocalTraining:
@@ -47,7 +57,7 @@ class LocalTraining:
     local_epochs: int = 1
     local_steps: int | None = None
     batch_size: int = 32
-    lr_schedule: RoundSchedule = field(default_factory=lambda: lazy_instance(ConstantLR))
+    lr_schedule: RoundSchedule = field(default_factory=_constant_lr)
     optimizer_state: Literal["reset", "per_client", "shared", "shared_per_phase"] = "reset"
     grad_clip_norm: float | None = None
     eval_batch_size: int = 512
