@@ -360,7 +360,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
 @pytest.mark.parametrize(
     "recipe, extra",
     slow_beyond(
-        3,
+        1,
         [
             ("digits_dsfl.yaml", ()),  # soft targets in the batch: KL over the real rows
             ("digits_fedmd.yaml", FEDMD_SHORT),  # L1 to the consensus over the real rows
