@@ -156,6 +156,19 @@ def test_hostile_yaml_is_one_sentence_wherever_it_is(tmp_path, capsys, where, pr
     assert not (tmp_path / "run").exists()
 
 
+def test_libyaml_s_parser_reads_every_shipped_file_as_pythons_does():
+    """Files are parsed by libyaml (when PyYAML has it) under the same checks and scalars; a refused one is read
+    again in Python for the message. Both readers give the same values for every recipe, base and sweep file."""
+    from fl_lightning.run import safe_yaml
+
+    files = [*(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "sweeps").rglob("*.yaml")]
+    assert len(files) > 400
+    for path in files:
+        text = path.read_text()
+        assert yaml.load(text, Loader=safe_yaml._FastLoader) == yaml.load(text, Loader=safe_yaml._Loader), path
+    assert yaml.__with_libyaml__ is False or safe_yaml._FastLoader is not safe_yaml._Loader
+
+
 def test_a_diamond_of_base_files_reads_each_file_once(tmp_path):
     for i in range(30):  # each file builds on the next one twice: 2^30 paths to the last file
         (tmp_path / f"d{i}.yaml").write_text(f"base: [d{i + 1}.yaml, d{i + 1}.yaml]\nk{i}: {i}\n")

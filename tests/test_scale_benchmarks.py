@@ -31,6 +31,7 @@ def test_the_minimal_loop_trains_on_the_examples_fl_lightnings_batches_hold():
     assert result["examples"] > 0 and result["losses"] == [] and 0.1 < result["acc"] <= 1.0
 
 
+@pytest.mark.slow  # three profiled runs of the overhead benchmark
 def test_counts_are_the_same_in_every_run_and_grow_with_the_steps():
     overhead = _module("overhead")
     overhead.Probe.counting = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from jsonargparse import lazy_instance
@@ -22,7 +22,7 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 # on the stack: a third of a second under a test's or a notebook's deep stack, paid by every LocalTraining built
 # (each parse of a recipe builds several). Its class is made once, here; a default is a new instance of it, as
 # lazy_instance returns (its class is also what lazy_instance would reuse, from this module).
-_LazyConstantLR = type(lazy_instance(ConstantLR))
+_LazyConstantLR: Any = type(lazy_instance(ConstantLR))
 
 
 def _constant_lr() -> RoundSchedule:
