@@ -116,14 +116,14 @@ def terminal_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
-def slow_beyond(first: int, cases: list) -> list:
-    """Cases of a parametrized end-to-end comparison: the first ``first`` in the default suite, the others in the
-    slow one. Each case is a few seconds of runs of one more method through the same code path; the default suite
-    keeps the path covered and stays within minutes, the slow suite (and CI) runs every method."""
+def marked_beyond(first: int, cases: list, mark=pytest.mark.slow) -> list:
+    """Cases of a parametrized end-to-end comparison: the first ``first`` in the default suite, the others under
+    ``mark`` (the slow suite, which CI runs, or the full tier). Each case is a few seconds of runs of one more
+    method through the same code path; the default suite keeps the path covered and stays within minutes."""
     marked = []
     for i, case in enumerate(cases):
         values = case if isinstance(case, tuple) else (case,)
-        marked.append(case if i < first else pytest.param(*values, marks=pytest.mark.slow))
+        marked.append(case if i < first else pytest.param(*values, marks=mark))
     return marked
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import slow_beyond
+from conftest import marked_beyond
 
 from fl_lightning.cli.commands import fit_from_argv
 from fl_lightning.client.batched.fits import _ALONE
@@ -112,7 +112,7 @@ def _run(tmp_path, recipe, executor, *extra):
 
 @pytest.mark.parametrize(
     "recipe, extra",
-    slow_beyond(
+    marked_beyond(
         2,
         [
             ("quickstart.yaml", ()),  # FedAvg, SGD with momentum, a CNN
@@ -174,6 +174,7 @@ def _run(tmp_path, recipe, executor, *extra):
             # executor must leave that state as the last client left it (the server's weights differed by ~0.1)
             ("digits_merged_codist.yaml", ()),
         ],
+        pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),
 )
 def test_batched_and_sequential_runs_give_the_same_weights(tmp_path, recipe, extra):
@@ -315,7 +316,7 @@ FEDPCL_MLPS = (
 
 @pytest.mark.parametrize(
     "recipe, extra",
-    slow_beyond(
+    marked_beyond(
         2,
         [
             ("digits_dsfl.yaml", ()),
@@ -333,6 +334,7 @@ FEDPCL_MLPS = (
             # every client's prototypes as anchors; frozen backbones under the projection
             ("digits_fedpcl.yaml", FEDPCL_MLPS),
         ],
+        pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),
 )
 def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatch, recipe, extra):
@@ -359,7 +361,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
 
 @pytest.mark.parametrize(
     "recipe, extra",
-    slow_beyond(
+    marked_beyond(
         1,
         [
             ("digits_dsfl.yaml", ()),  # soft targets in the batch: KL over the real rows
@@ -382,6 +384,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
             ("digits_weak_only.yaml", ()),
             ("digits_strong_only.yaml", ()),
         ],
+        pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),
 )
 def test_every_batchable_method_gives_the_sequential_numbers_in_lockstep(tmp_path, recipe, extra):
@@ -423,7 +426,7 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
         assert torch.equal(batched_weights[name], value), name
 
 
-@pytest.mark.parametrize("recipe", slow_beyond(1, ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"]))
+@pytest.mark.parametrize("recipe", marked_beyond(1, ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"]))
 def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_so(tmp_path, recipe):
     """FML's, FedKD's and FedMRL's fit_jointly trains two models per client outside loop.fit: the batched executor
     runs it as the sequential loop does, bit for bit, and counts each such fit with its reason. (FedKD's W_h and

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import slow_beyond
+from conftest import marked_beyond
 from torch import nn
 
 from fl_lightning.cli.commands import fit_from_argv
@@ -59,7 +59,7 @@ ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr
 
 @pytest.mark.parametrize(
     ("recipe", "extra", "replayed_share"),
-    slow_beyond(
+    marked_beyond(
         1,
         [
             ("quickstart.yaml", [], 0.5),  # optimizer state reset each fit: a fit's first step makes the momenta
@@ -88,6 +88,7 @@ ADAMW = ["--training.optimizer", "{class_path: torch.optim.AdamW, init_args: {lr
                 0.5,
             ),
         ],
+        pytest.mark.full,
     ),
 )
 def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recipe, extra, replayed_share):
@@ -125,7 +126,7 @@ KEY_COSTS = {"a key's first step (captured if the key recurs)", "a key's second 
 EAGER_BY_DESIGN = {"digits_fedktl.yaml"}
 
 
-@pytest.mark.slow  # every digits recipe twice, 3 rounds each
+@pytest.mark.full  # every digits recipe twice, 3 rounds each: about 7 minutes of CPU
 @pytest.mark.parametrize("recipe", DIGITS_RECIPES)
 def test_every_digits_method_replays_its_steps_as_they_run_eagerly(tmp_path, stand_in, recipe):
     """Every method whose clients train through the loop replays most of its steps, and ends where its eager

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, slow_beyond, write_recipe
+from conftest import ROOT, marked_beyond, run_cli, write_recipe
 
 from fl_lightning.distributed import launch, messages, ranks
 from fl_lightning.federation.errors import ConfigError
@@ -331,7 +331,7 @@ print(json.dumps({"received": received, "mailbox": folder is not None, "left": f
 """
 
 
-@pytest.mark.parametrize("fail_post", slow_beyond(1, [None, "1"]))
+@pytest.mark.parametrize("fail_post", marked_beyond(1, [None, "1"]))
 def test_ranks_of_one_machine_exchange_through_shared_memory_or_else_gloo(fail_post):
     """Two ranks on this machine exchange three messages of different sizes through the mailbox; a rank that
     cannot post its message sends it through gloo, and every rank receives the same objects either way."""

@@ -31,7 +31,7 @@ def test_the_minimal_loop_trains_on_the_examples_fl_lightnings_batches_hold():
     assert result["examples"] > 0 and result["losses"] == [] and 0.1 < result["acc"] <= 1.0
 
 
-@pytest.mark.slow  # three profiled runs of the overhead benchmark
+@pytest.mark.full  # three profiled runs of the overhead benchmark
 def test_counts_are_the_same_in_every_run_and_grow_with_the_steps():
     overhead = _module("overhead")
     overhead.Probe.counting = True
@@ -44,7 +44,7 @@ def test_counts_are_the_same_in_every_run_and_grow_with_the_steps():
     assert 1.9 < two["torch_ops"] / one["torch_ops"] < 2.1 and one["torch_ops"] > 200 * 50
 
 
-@pytest.mark.slow  # runs the population benchmark
+@pytest.mark.full  # runs the population benchmark
 def test_population_benchmark_prints_one_json_line_per_population():
     command = [sys.executable, str(ROOT / "benchmarks/population.py"), "--method", "fedhe", "--clients", "10", "30"]
     out = subprocess.run([*command, "--rounds", "2", "--json", "--counts"], capture_output=True, text=True, check=True)
@@ -81,7 +81,7 @@ def test_the_peer_benchmarks_minimal_loop_times_each_round(tmp_path):
     assert [len(chosen) for chosen in schedule] == [2, 2, 2] and schedule != [schedule[0]] * 3
 
 
-@pytest.mark.slow  # runs both sides of the peer benchmark, each in its own process
+@pytest.mark.full  # runs both sides of the peer benchmark, each in its own process
 def test_the_peer_benchmark_prints_each_sides_seconds_and_ratio():
     command = [sys.executable, str(ROOT / "benchmarks/peer_pfl.py"), "--tiny", "--executor", "sequential", "batched"]
     out = subprocess.run([*command, "--json"], capture_output=True, text=True, check=True)
