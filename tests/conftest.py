@@ -162,10 +162,9 @@ def constant_logits_model(num_classes: int = 10, in_channels: int = 1):
 
 def method_env(strategy, models, tiers, num_clients=4, training=None, data=None, seed=0, rounds=1):
     """Sets up a strategy on digits without the orchestrator, for unit tests of its hooks."""
-    import lightning as L
-
     from fl_lightning.client import LocalLoop, LocalTraining
     from fl_lightning.data import DigitsData
+    from fl_lightning.distributed.fabric import fabric_class
     from fl_lightning.federation.population import Population
     from fl_lightning.strategies import ServerContext
     from fl_lightning.strategies.base import roles_to_build
@@ -174,7 +173,7 @@ def method_env(strategy, models, tiers, num_clients=4, training=None, data=None,
     population = Population(num_clients=num_clients, tiers=tiers)
     clients = population.build(seed)
     data.setup(num_clients, seed)
-    loop = LocalLoop(L.Fabric(accelerator="cpu", devices=1), training or LocalTraining(), rounds)
+    loop = LocalLoop(fabric_class()(accelerator="cpu", devices=1), training or LocalTraining(), rounds)
     roles = roles_to_build(population.roles(), strategy)
     loop.build_slots(models, roles, seed, num_classes=10, in_channels=1)
     server = ServerContext(clients, roles, data, rounds, seed, loop)

@@ -317,7 +317,7 @@ FEDPCL_MLPS = (
 @pytest.mark.parametrize(
     "recipe, extra",
     marked_beyond(
-        2,
+        1,
         [
             ("digits_dsfl.yaml", ()),
             ("digits_fedmd.yaml", FEDMD_SHORT),

@@ -10,7 +10,6 @@ batches, and steps or batch norms that cannot leave padded rows out.
 
 import copy
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from fl_lightning.client.batches import batch_stream
 from fl_lightning.client.loop import LocalLoop
 from fl_lightning.client.steps import ModelSlot
 from fl_lightning.client.training import LocalTraining
+from fl_lightning.distributed.fabric import fabric_class
 from fl_lightning.federation.padding import class_index, padded_loss
 
 
@@ -32,7 +32,7 @@ def _cross_entropy(module, batch, i):
 
 
 def _loop(modules: dict, optimizer) -> LocalLoop:
-    loop = LocalLoop(L.Fabric(accelerator="cpu", devices=1), LocalTraining(), rounds=1)
+    loop = LocalLoop(fabric_class()(accelerator="cpu", devices=1), LocalTraining(), rounds=1)
     for role, module in modules.items():
         opt = optimizer(module.parameters())
         loop.slots[role] = ModelSlot(module, opt, [g["lr"] for g in opt.param_groups])

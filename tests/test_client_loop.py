@@ -1,10 +1,10 @@
 import copy
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
 from fl_lightning.client import LocalLoop, LocalTraining, batch_stream
+from fl_lightning.distributed.fabric import fabric_class
 from fl_lightning.federation.schedules import ConstantLR, CosineLR, LinearDecayLR, StepLR
 from fl_lightning.models import ModelSpec
 
@@ -40,7 +40,7 @@ def test_local_loop_equals_a_hand_written_sgd_loop():
     x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 10, (40,))
     idx = torch.arange(40)
     training = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), local_steps=6, batch_size=8)
-    loop = LocalLoop(L.Fabric(accelerator="cpu", devices=1), training, rounds=1)
+    loop = LocalLoop(fabric_class()(accelerator="cpu", devices=1), training, rounds=1)
     loop.build_slots({"m": ModelSpec("digits_mlp", {"hidden": 16})}, ["m"], seed=0, num_classes=10)
     slot = loop.slots["m"]
     model = copy.deepcopy(slot.module.model)  # the same initial weights, trained by hand below
@@ -71,9 +71,13 @@ def test_drop_last_ends_each_pass_at_its_last_full_batch():
         assert len(set(labels)) == 6 and set(labels) <= set(idx.tolist())
     # as many steps per epoch as full batches (DataLoader(drop_last=True)); a client smaller than a batch takes one
     loop = LocalLoop(
-        L.Fabric(accelerator="cpu", devices=1), LocalTraining(batch_size=3, local_epochs=2, drop_last=True), rounds=1
+        fabric_class()(accelerator="cpu", devices=1),
+        LocalTraining(batch_size=3, local_epochs=2, drop_last=True),
+        rounds=1,
     )
     assert (loop.num_steps(7), loop.num_steps(2)) == (4, 2)
-    assert LocalLoop(L.Fabric(accelerator="cpu", devices=1), LocalTraining(batch_size=3), rounds=1).num_steps(7) == 3
+    assert (
+        LocalLoop(fabric_class()(accelerator="cpu", devices=1), LocalTraining(batch_size=3), rounds=1).num_steps(7) == 3
+    )
     small = list(batch_stream(x, y, idx[:2], 3, 2, torch.Generator().manual_seed(0), drop_last=True))
     assert [len(b[1]) for b in small] == [2, 2]

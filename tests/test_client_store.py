@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, read_summary, run_cli, write_recipe
+from conftest import ROOT, marked_beyond, read_summary, run_cli, write_recipe
 
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.run.checkpoint import load_checkpoint, save_checkpoint
@@ -296,7 +296,7 @@ def test_the_checkpoint_grows_by_its_manifest_only_and_a_resume_elsewhere_links_
     assert read_summary(moved)["final"] == uninterrupted[0]["final"]
 
 
-@pytest.mark.parametrize("recipe", ["digits_dsfl", "digits_moon"])  # state kept between phases; a previous model
+@pytest.mark.parametrize("recipe", marked_beyond(1, ["digits_dsfl", "digits_moon"]))  # phase state; a previous model
 def test_states_read_back_from_files_give_the_numbers_of_states_kept_in_memory(tmp_path, recipe):
     common = ["--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--rounds", "2", "--eval_every", "2"]
     common += ["--runtime.progress", "false"]

@@ -251,6 +251,7 @@ def _sliced_bytes(rate):
     return sum(p.numel() * 4 for p in registered_models()["cifar_resnet26"](rate=rate).parameters())
 
 
+@pytest.mark.slow  # five ResNet26 slices; the slicing and its sizes have fast tests (test_heterofl.py)
 def test_heterofl_of_paper_003_trains_width_slices_of_resnet26_and_evaluates_the_global_model(tmp_path):
     write_cifar10(tmp_path, per_batch=20, test=10)  # 100 training images over 5 clients
     population = json.dumps({"num_clients": 5, "tiers": [{"name": "all", "roles": ["a", "b", "c", "d", "e"]}]})

@@ -509,7 +509,7 @@ def _ranks(launcher: int) -> dict[int, int]:
 
 
 @pytest.mark.parametrize(
-    "stop, how", marked_beyond(1, [(signal.SIGTERM, "exit status 143"), (signal.SIGKILL, "killed by SIGKILL")])
+    "stop, how", marked_beyond(0, [(signal.SIGTERM, "exit status 143"), (signal.SIGKILL, "killed by SIGKILL")])
 )
 def test_the_launcher_names_a_rank_that_ended_and_how_to_continue(tmp_path, stop, how):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=5000, eval_every=1000)

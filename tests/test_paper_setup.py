@@ -74,6 +74,7 @@ def test_data_sizes_come_from_the_real_layout(paper_setup):
     assert measured["params/small"] == 109_348 and measured["params/large"] == 410_084
 
 
+@pytest.mark.slow  # a spawned process and three tiny CIFAR/MNIST runs; each method's traffic has a fast test
 def test_the_ci_sample_checks_traffic_payloads_and_sizes_and_passes(paper_setup, capsys):
     """The sample: FD's traffic by paper 004's count (a two-round run on tiny CIFAR-10 files), FedMD's by paper
     000's with its documented departure, DS-FL's message size per public example (paper 001's Table 2)."""
@@ -164,6 +165,7 @@ def _set_global_state() -> tuple[int, int]:
     return os.getpid(), torch.initial_seed()
 
 
+@pytest.mark.slow  # four spawned processes, each importing torch
 def test_recipes_are_checked_in_spawned_processes_replaced_after_a_few_recipes(paper_setup):
     """What a recipe's check sets ends with its process, which serves a bounded number of checks; the parent has
     run torch first, as a test session has: a forked child of such a process could hang on the thread pool."""

@@ -13,7 +13,7 @@ def _final(tmp_path, recipe: str, precision: str) -> dict:
     return read_summary(out)["final"]
 
 
-@pytest.mark.parametrize("recipe", marked_beyond(1, ["quickstart", "digits_ondevice_kd"]))
+@pytest.mark.parametrize("recipe", marked_beyond(0, ["quickstart", "digits_ondevice_kd"]))
 def test_bf16_mixed_ends_near_32_true(tmp_path, recipe):
     # Autocast around several optimizer steps kept computing with the first step's bf16 weight copies:
     # these runs ended near 10% accuracy (0.20 quickstart, 0.10 on-device KD) where 32-true reached 0.92 / 0.74.
@@ -27,13 +27,12 @@ def test_bf16_mixed_ends_near_32_true(tmp_path, recipe):
 
 
 def test_the_low_precision_weight_copies_follow_every_optimizer_step():
-    import lightning as L
-
     from fl_lightning.client import LocalLoop, LocalTraining
     from fl_lightning.client.module import ClientModule
+    from fl_lightning.distributed.fabric import fabric_class
     from fl_lightning.models import ModelSpec
 
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    fabric = fabric_class()(accelerator="cpu", devices=1, precision="bf16-mixed")
     torch.manual_seed(0)
     model = ModelSpec("digits_mlp", {"hidden": 16}).build(num_classes=10, in_channels=1)
     module = fabric.setup_module(ClientModule(model, lambda p: torch.optim.SGD(p, lr=0.5))).module
