@@ -336,3 +336,30 @@ def test_fit_h_is_the_summary_without_the_parser():
     assert result.stdout.startswith("usage: flrun fit [-c RECIPE ...]")
     assert "`flrun fit --help` adds every option" in result.stdout
     assert result.stdout.split()[-1] == "False" and len(result.stdout.splitlines()) < 30
+
+
+def test_the_parser_kept_between_runs_gives_each_recipe_what_a_fresh_parser_gives(tmp_path):
+    """fit_parser is built once per process; a parse (or a refused one) must leave nothing for the next."""
+    from fl_lightning.run import arguments
+
+    argvs = [
+        ["--config", str(ROOT / "recipes/digits_fedhe.yaml"), "--rounds", "3", "--training.batch_size", "8"],
+        ["--config", str(ROOT / "recipes/quickstart.yaml"), "--sampler.init_args.fraction", "2"],  # refused
+        ["--config", str(ROOT / "recipes/digits_ondevice_kd.yaml")],
+        ["--config", str(ROOT / "recipes/quickstart.yaml")],
+    ]
+    kept = []
+    for argv in argvs:
+        try:
+            kept.append(arguments.parse_fit(argv)[2])
+        except arguments.UserError as err:
+            kept.append(str(err))
+    assert arguments.fit_parser() is arguments.fit_parser()
+    for argv, text in zip(argvs, kept, strict=True):
+        arguments._built_fit_parser.cache_clear()
+        try:
+            fresh = arguments.parse_fit(argv)[2]
+        except arguments.UserError as err:
+            fresh = str(err)
+        assert fresh == text, argv
+    assert "sampler fraction must be in (0, 1]" in kept[1] and "rounds: 3" in kept[0]

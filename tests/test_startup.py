@@ -281,10 +281,11 @@ def test_a_misspelled_recipe_key_is_answered_before_torch_is_imported(tmp_path, 
 
 def test_the_early_checks_know_every_option_the_parser_has():
     """The names read from the source (precheck) are exactly the parser's: none refused that it takes."""
-    from fl_lightning.run.arguments import fit_parser
+    from fl_lightning.run.arguments import _built_fit_parser
     from fl_lightning.run.precheck import GROUPS, _check_option, fit_options, group_fields
 
-    options = [o[2:] for action in fit_parser()._actions for o in action.option_strings if o.startswith("--")]
+    parser = _built_fit_parser.__wrapped__("flrun fit")  # as built: a parse adds jsonargparse's --print_shtab
+    options = [o[2:] for action in parser._actions for o in action.option_strings if o.startswith("--")]
     for option in options:
         _check_option(option)  # raises on a name the parser takes
     top = {o.split(".")[0].rstrip("+") for o in options} - {"config", "print_config", "help"}

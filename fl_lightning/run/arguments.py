@@ -6,6 +6,7 @@ neither, so the two never import each other.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -47,14 +48,24 @@ common options:
 
 
 def fit_parser(prog: str = "flrun fit"):
-    from jsonargparse import ArgumentParser
-
-    from .fit import fit
-    from .recipes import RecipeConfigFile
+    """The parser of ``flrun fit``'s options (``prog`` names the command in ``--help``), built once per process
+    and command: a parse leaves it as it was (but for the ``--print_shtab`` option jsonargparse adds at the first),
+    and building it is a fifth of a parse's time. The YAML loader and the
+    trusted class paths are set again on each call (``FLRUN_TRUSTED_MODULES`` may change between runs)."""
     from .safe_yaml import use_for_jsonargparse
 
     use_for_jsonargparse()  # option values and the files jsonargparse reads: bounded, duplicate keys refused
     trust_class_paths()
+    return _built_fit_parser(prog)
+
+
+@functools.lru_cache(maxsize=4)
+def _built_fit_parser(prog: str):
+    from jsonargparse import ArgumentParser
+
+    from .fit import fit
+    from .recipes import RecipeConfigFile
+
     parser = ArgumentParser(
         prog=prog,
         usage=USAGE,
@@ -138,7 +149,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     refuse_non_finite(cfg.as_dict())
     if cfg.get("name") is None:
         cfg.name = recipe_name(argv)
-    resolved = parser.dump(cfg, skip_none=False)
+    resolved = parser.dump(cfg, skip_unset=False, skip_validation=True)  # validated by parse_args just now
     try:
         init = parser.instantiate(cfg)
     except Exception as err:  # noqa: BLE001 - a component's own validation, wrapped by jsonargparse in any type
