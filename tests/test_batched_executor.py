@@ -676,6 +676,7 @@ def test_parameter_and_moment_rows_line_up_so_a_rule_runs_on_whole_rows():
     assert one_row[("p", "a")].shape == (3, 2) and torch.equal(one_row[("p", "b")], after[("p", "b")][2])
 
 
+@pytest.mark.slow  # two opt-in settings together, four runs
 def test_bf16_mixed_trains_batched_as_close_to_float32_as_sequentially(tmp_path):
     """bf16-mixed with batch norm runs batched (vmap's batch-norm rule rejected a bf16 input with float32
     statistics, so every fit fell back to the sequential loop), and in lockstep, and its weights are as near the

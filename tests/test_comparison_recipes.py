@@ -180,6 +180,7 @@ def test_feddf_large_runs_on_the_strong_clients_only(tmp_path):
     assert summary["comm"]["uplink_bytes"] == 2 * target and summary["reference"]["row"] == "FedDF(large)"
 
 
+@pytest.mark.slow  # FedMD's transfer learning and a round on tiny CIFAR; its MNIST recipe has a fast test
 def test_fedmd_of_paper_000_aligns_n_public_examples_per_round(tmp_path):
     _tiny_mnist(tmp_path)  # 60 training images: 6 for the public set
     summary = _tiny_run(
