@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TINY, marked_beyond, read_summary, run_cli, write_recipe
+from conftest import ROOT, TINY, read_summary, run_cli, write_recipe
 
 FAST = {"rounds": 4, "eval_every": 1}
 
@@ -508,9 +508,8 @@ def _ranks(launcher: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.parametrize(
-    "stop, how", marked_beyond(0, [(signal.SIGTERM, "exit status 143"), (signal.SIGKILL, "killed by SIGKILL")])
-)
+@pytest.mark.slow  # a launcher and two ranks, each importing the stack
+@pytest.mark.parametrize("stop, how", [(signal.SIGTERM, "exit status 143"), (signal.SIGKILL, "killed by SIGKILL")])
 def test_the_launcher_names_a_rank_that_ended_and_how_to_continue(tmp_path, stop, how):
     recipe = write_recipe(tmp_path / "r.yaml", rounds=5000, eval_every=1000)
     run, scratch = tmp_path / "run", tmp_path / "tmp"
