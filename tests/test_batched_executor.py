@@ -113,7 +113,7 @@ def _run(tmp_path, recipe, executor, *extra):
 @pytest.mark.parametrize(
     "recipe, extra",
     marked_beyond(
-        2,
+        1,
         [
             ("quickstart.yaml", ()),  # FedAvg, SGD with momentum, a CNN
             # two roles; the target's KD step runs the auxiliary teacher per client. Full KD weight from round 1: with

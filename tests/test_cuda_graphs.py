@@ -107,7 +107,7 @@ def test_replayed_steps_give_the_eager_run_bit_for_bit(tmp_path, stand_in, recip
     assert "cuda_graphs" not in eager
 
 
-@pytest.mark.slow  # FedKD twice, 6 rounds in all
+@pytest.mark.full  # FedKD twice, 6 rounds in all
 def test_models_trained_together_capture_their_graphs_once_for_every_client_and_round(tmp_path, stand_in):
     """FedKD's fits (mentor, mentee and each client's W_h, fit_jointly) share graphs across clients and rounds:
     rounds 3 and 4 capture nothing new. With a new W_h module per fit every fit captured again (150 graphs

@@ -168,6 +168,11 @@ def storage(request, tmp_path):
     return request.getfixturevalue("postgres_url")
 
 
+# worker processes, each importing the stack: SQLite in the slow suite; PostgreSQL in the full tier, and in the
+# slow suite through the heartbeat test below
+BOTH_STORAGES = [pytest.param("sqlite", marks=pytest.mark.slow), pytest.param("postgresql", marks=pytest.mark.full)]
+
+
 def load(storage, name="s"):
     import optuna
 
@@ -185,7 +190,7 @@ def by_state(study):
     return tally(study.get_trials())
 
 
-@pytest.mark.slow  # worker processes, each importing the stack
+@pytest.mark.parametrize("storage", BOTH_STORAGES, indirect=True)
 def test_two_workers_draw_different_parameters_and_record_every_trial_once(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=4, parameters=LR)
     # two "GPUs" by UUID, which CUDA finds nowhere (the CPU recipe uses none): each worker must be given its own
@@ -302,7 +307,7 @@ def alive(pid):
 LONG = {"overrides": {"rounds": 160, "eval_every": 80}, "parameters": LR}
 
 
-@pytest.mark.slow  # worker processes, each importing the stack
+@pytest.mark.parametrize("storage", BOTH_STORAGES, indirect=True)
 def test_a_killed_worker_s_trial_runs_again_and_the_study_ends_full(tmp_path, storage):
     sweep = write_sweep(tmp_path / "s.yaml", n_trials=3, **LONG)
     process = sweep_command(sweep, "--n_jobs", "2", "--storage", storage)
