@@ -15,9 +15,11 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 def _first_of_each_base(recipes: list[Path]) -> set[Path]:
     """A recipe without a base, and the first (by name) of the recipes whose first base is the same: the rest of
     a family differs from its first in numbers, overrides and further bases, which the slow suite parses."""
+    from fl_lightning.run.safe_yaml import load_text  # the recipes' own reader: libyaml's parser, at collection
+
     seen, first = set(), set()
     for recipe in recipes:
-        base = yaml.safe_load(recipe.read_text()).get("base")
+        base = load_text(recipe.read_text(), recipe.name).get("base")
         family = str(base[0] if isinstance(base, list) else base)
         if base is None or family not in seen:
             first.add(recipe)

@@ -50,8 +50,8 @@ common options:
 def fit_parser(prog: str = "flrun fit"):
     """The parser of ``flrun fit``'s options (``prog`` names the command in ``--help``), built once per process
     and command: a parse leaves it as it was (but for the ``--print_shtab`` option jsonargparse adds at the first),
-    and building it is a fifth of a parse's time. The YAML loader and the
-    trusted class paths are set again on each call (``FLRUN_TRUSTED_MODULES`` may change between runs)."""
+    and building it is a fifth of a parse's time. The YAML loader and the trusted class paths are set again on each
+    call (``FLRUN_TRUSTED_MODULES`` may change between runs)."""
     from .safe_yaml import use_for_jsonargparse
 
     use_for_jsonargparse()  # option values and the files jsonargparse reads: bounded, duplicate keys refused
