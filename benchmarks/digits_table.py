@@ -11,7 +11,9 @@ Each paper's table runs the methods of its comparison table that exist, each on 
 the paper's set-up (a method without its own digits recipe in that set-up runs the set-up's recipe with
 its strategy swapped in: a variant recipe built on it with ``base:``). A cell is the final-round value,
 mean and sample std over seeds, then every seed's value; the ranking line says whether the paper's own
-method is above every other row, per metric that ranks (accuracies). Runs are deterministic on CPU, so
+method is above every other row, per metric that ranks (accuracies). Runs are deterministic on CPUs whose
+PyTorch kernels use the same vector instructions (each block records the set it was measured with: AVX2,
+AVX512; another set rounds sums in another order and gives other last digits), so on such a CPU
 ``--check`` re-runs the rows named by ``--rows`` (default: ``DEFAULT_CHECK``, in every block that has
 them) with the seeds and rounds the docs record, and fails if a row's text differs (its values are
 printed to the third decimal, the communication in KiB to the second). ``--write --rows`` re-measures the named
@@ -188,15 +190,36 @@ ALL_RECIPES = "all-digits-recipes"
 DEFAULT_CHECK = ["Proposed (hetero)", "FedGH", "digits_fedhe"]
 
 
-def begin_marker(table: str, seeds: list[int], rounds: int | None) -> str:
+def kernels() -> str:
+    """The vector instruction set of PyTorch's CPU kernels here (``AVX2``, ``AVX512``, ...): float sums round in
+    another order on another set, so a block records the set it was measured with."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def begin_marker(table: str, seeds: list[int], rounds: int | None, measured_with: str) -> str:
     rounds_text = "recipe" if rounds is None else str(rounds)
-    return f"<!-- digits-table {table}: seeds {' '.join(map(str, seeds))}; rounds {rounds_text} -->"
+    seeds_text = " ".join(map(str, seeds))
+    return f"<!-- digits-table {table}: seeds {seeds_text}; rounds {rounds_text}; kernels {measured_with} -->"
 
 
 END_MARKER = "<!-- end of digits-table -->"
 BLOCK = re.compile(
-    r"<!-- digits-table (\S+): seeds ([\d ]+); rounds (\w+) -->\n(.*?)" + re.escape(END_MARKER), re.DOTALL
+    r"<!-- digits-table (\S+): seeds ([\d ]+); rounds (\w+)(?:; kernels (\w+))? -->\n(.*?)" + re.escape(END_MARKER),
+    re.DOTALL,
 )
+
+
+def other_kernels(table_id: str, measured_with: str | None) -> str | None:
+    """Why a block cannot be checked or extended on this CPU (measured with other kernels), else None."""
+    if measured_with == kernels():
+        return None
+    return (
+        f"{table_id} was measured with {measured_with or 'unrecorded'} kernels and this CPU's PyTorch kernels are "
+        f"{kernels()}, whose sums round to other last digits: check or extend it on a CPU with "
+        f"{measured_with or 'its'} kernels, or write the whole table again here (--write --tables {table_id})."
+    )
 
 
 def run_once(recipe: str, overrides: dict | None, seed: int, rounds: int | None) -> tuple[dict, dict]:
@@ -339,12 +362,13 @@ def regenerate_row(table_id: str, label: str, seeds, rounds) -> str | None:
     return None
 
 
-def blocks(text: str) -> dict[str, tuple[list[int], int | None, str, re.Match]]:
-    """The generated blocks of the docs: table id -> seeds, rounds, content, match."""
+def blocks(text: str) -> dict[str, tuple[list[int], int | None, str | None, str, re.Match]]:
+    """The generated blocks of the docs: table id -> seeds, rounds, kernels, content, match."""
     found = {}
     for match in BLOCK.finditer(text):
         rounds = None if match.group(3) == "recipe" else int(match.group(3))
-        found[match.group(1)] = ([int(s) for s in match.group(2).split()], rounds, match.group(4), match)
+        seeds = [int(s) for s in match.group(2).split()]
+        found[match.group(1)] = (seeds, rounds, match.group(4), match.group(5), match)
     return found
 
 
@@ -354,11 +378,12 @@ def write(docs: Path, tables: list[str], seeds, rounds) -> None:
         found = blocks(text)
         if table_id not in found:
             sys.exit(
-                f"{docs} has no block for {table_id}: add '{begin_marker(table_id, seeds, rounds)}' and "
+                f"{docs} has no block for {table_id}: add '{begin_marker(table_id, seeds, rounds, kernels())}' and "
                 f"'{END_MARKER}' lines where the table belongs."
             )
-        match = found[table_id][3]
-        fresh = f"{begin_marker(table_id, seeds, rounds)}\n{generate(table_id, seeds, rounds)}\n{END_MARKER}"
+        match = found[table_id][4]
+        marker = begin_marker(table_id, seeds, rounds, kernels())
+        fresh = f"{marker}\n{generate(table_id, seeds, rounds)}\n{END_MARKER}"
         text = text[: match.start()] + fresh + text[match.end() :]
         docs.write_text(text)  # after every table, so an interrupted run keeps what it measured
         print(f"wrote {table_id} into {docs}", file=sys.stderr)
@@ -385,13 +410,17 @@ def _with_new_recipe_rows(lines: list[str], labels: list[str]) -> list[str]:
 
 def write_rows(docs: Path, tables: list[str], labels: list[str]) -> int:
     """Re-measures the rows ``labels`` of the blocks of ``tables`` (their recorded seeds and rounds) and writes
-    them into ``docs``, with each comparison table's ranking line redone from the rows as printed."""
+    them into ``docs``, with each comparison table's ranking line redone from the rows as printed. A block
+    measured with other CPU kernels is left as it is (its rows would mix two sets' digits) and said so."""
     written = 0
     for table_id in tables:
         found = blocks(docs.read_text())
         if table_id not in found:
             continue
-        seeds, rounds, content, match = found[table_id]
+        seeds, rounds, measured_with, content, match = found[table_id]
+        if (why := other_kernels(table_id, measured_with)) is not None:
+            print(why, file=sys.stderr)
+            continue
         lines = content.splitlines()
         if table_id == ALL_RECIPES:  # a recipe added since the block was written gets its row, in name order
             lines = _with_new_recipe_rows(lines, labels)
@@ -411,8 +440,9 @@ def write_rows(docs: Path, tables: list[str], labels: list[str]) -> int:
                     measured[row[0]] = {m: _printed_values(v) for m, v in zip(row[3], cells[2:])}
             lines = [ranking_line(rows, measured) if line.startswith("Ranking") else line for line in lines]
         text = docs.read_text()
-        match = blocks(text)[table_id][3]
-        fresh_block = f"{begin_marker(table_id, seeds, rounds)}\n" + "\n".join(lines) + f"\n{END_MARKER}"
+        match = blocks(text)[table_id][4]
+        marker = begin_marker(table_id, seeds, rounds, kernels())
+        fresh_block = f"{marker}\n" + "\n".join(lines) + f"\n{END_MARKER}"
         docs.write_text(text[: match.start()] + fresh_block + text[match.end() :])
     print(f"re-measured {written} rows in {docs}", file=sys.stderr)
     return 0 if written else 1
@@ -420,12 +450,16 @@ def write_rows(docs: Path, tables: list[str], labels: list[str]) -> int:
 
 def check(docs: Path, tables: list[str], labels: list[str]) -> int:
     """Re-runs the rows ``labels`` of the blocks of ``tables`` with the seeds and rounds each records; returns 1
-    if any row differs from the docs (or none was found), else 0."""
-    failures, checked = [], 0
-    for table_id, (seeds, rounds, content, _) in blocks(docs.read_text()).items():
+    if any row differs from the docs (or none was found), 2 if the rows are in blocks measured with other CPU
+    kernels only, else 0."""
+    failures, checked, elsewhere = [], 0, []
+    for table_id, (seeds, rounds, measured_with, content, _) in blocks(docs.read_text()).items():
         if table_id not in tables:
             continue
         rows = {line.split(" | ")[0][2:]: line for line in content.splitlines() if line.startswith("| ")}
+        if any(label in rows for label in labels) and (why := other_kernels(table_id, measured_with)) is not None:
+            elsewhere.append(why)
+            continue
         for label in labels:
             if label not in rows:
                 continue
@@ -433,6 +467,10 @@ def check(docs: Path, tables: list[str], labels: list[str]) -> int:
             checked += 1
             if fresh != rows[label]:
                 failures.append(f"{table_id} {label}:\n  docs:  {rows[label]}\n  rerun: {fresh}")
+    for why in elsewhere:
+        print(why, file=sys.stderr)
+    if not checked and elsewhere:
+        return 2
     if not checked:
         print(f"no row of {labels} is in a generated block of {docs}; run --write first.", file=sys.stderr)
         return 1

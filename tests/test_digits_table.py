@@ -4,6 +4,7 @@ import importlib.util
 import re
 
 import pytest
+import torch
 from conftest import ROOT
 
 BLOCK = "<!-- digits-table paper-002/table-1: seeds 0 1 2; rounds recipe -->\nnot yet\n<!-- end of digits-table -->"
@@ -36,7 +37,8 @@ def test_write_fills_the_block_with_one_row_per_method_and_records_seeds_and_rou
     from fl_lightning.cli.commands import fit_from_argv
 
     text = written.read_text()
-    assert text.startswith("intro\n\n<!-- digits-table paper-002/table-1: seeds 0; rounds 1 -->\n")
+    kernels = torch.backends.cpu.get_cpu_capability()  # the CPU kernels' vector instructions, recorded
+    assert text.startswith(f"intro\n\n<!-- digits-table paper-002/table-1: seeds 0; rounds 1; kernels {kernels} -->\n")
     assert text.endswith("<!-- end of digits-table -->\n\noutro\n") and "not yet" not in text
     # the FedAdam row holds the values of the same run made directly
     summary = fit_from_argv(
@@ -94,6 +96,22 @@ def test_write_rows_remeasures_the_named_rows_only_and_redoes_the_ranking(digits
     assert digits_table.main(["--write", "--rows", "no such row", "--docs", str(changed)]) == 1
 
 
+def test_a_block_of_other_kernels_is_neither_checked_nor_extended_here(digits_table, written, tmp_path, capsys):
+    """A block measured with other CPU kernels (AVX2 here on AVX-512, or the other way) gives other last digits
+    by design: --check says so and exits 2 instead of failing every row, --write --rows leaves the block."""
+    other = "AVX2" if digits_table.kernels() != "AVX2" else "AVX512"
+    marker = next(line for line in written.read_text().splitlines() if line.startswith("<!-- digits-table"))
+    assert marker.endswith(f"; kernels {digits_table.kernels()} -->")  # --write recorded this CPU's
+    elsewhere = tmp_path / "elsewhere.md"
+    text = written.read_text().replace(marker, marker.replace(digits_table.kernels(), other))
+    elsewhere.write_text(text)
+    assert digits_table.main(["--check", "--rows", "FedAdam", "--docs", str(elsewhere)]) == 2
+    err = capsys.readouterr().err
+    assert f"paper-002/table-1 was measured with {other} kernels and this CPU's PyTorch kernels are" in err
+    assert digits_table.main(["--write", "--rows", "FedAdam", "--docs", str(elsewhere)]) == 1  # no row written
+    assert elsewhere.read_text() == text and "--write --tables paper-002/table-1" in capsys.readouterr().err
+
+
 def test_check_without_a_generated_row_fails_and_write_needs_the_markers(digits_table, tmp_path, capsys):
     docs = tmp_path / "algorithms.md"
     docs.write_text(f"{BLOCK}\n")
@@ -138,7 +156,8 @@ def test_write_rows_adds_a_new_recipes_row_to_the_every_recipe_block_in_name_ord
     header = "| recipe | metric | final: mean ± std (per seed) | other accuracies (mean) |\n|---|---|---|---|"
     kept = ["| quickstart | global/test_acc | 0.5 (0.5) |  |", "| digits_fedgh | personal/test_acc | 0.5 (0.5) |  |"]
     docs.write_text(
-        "<!-- digits-table all-digits-recipes: seeds 0; rounds 1 -->\nEvery digits recipe:\n\n"
+        f"<!-- digits-table all-digits-recipes: seeds 0; rounds 1; kernels {digits_table.kernels()} -->\n"
+        "Every digits recipe:\n\n"
         f"{header}\n{kept[0]}\n{kept[1]}\n<!-- end of digits-table -->\n"
     )
     assert digits_table.main(["--write", "--tables", "all-digits", "--rows", "digits_fd", "--docs", str(docs)]) == 0
