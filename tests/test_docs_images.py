@@ -62,10 +62,17 @@ def test_the_report_picture_is_made_by_the_tutorial_s_commands():
 
 
 def results_are_recorded(name: str, folder) -> None:
-    """The results under ``folder`` (runs made by the picture's commands) are those the picture shows."""
+    """The results under ``folder`` (runs made by the picture's commands) are those the picture shows, as this
+    CPU's kernels give them; where none are recorded for its kernels, the test ends here, skipped."""
     module = maker()
-    roots = module.PICTURES[name][1]
-    assert module.results_digest(folder, roots) == recorded()[name]["results_sha256"], (
+    roots, kernels = module.PICTURES[name][1], module.kernels()
+    results = recorded()[name]["results_sha256"]
+    if kernels not in results:
+        pytest.skip(
+            f"docs/img/images.json records {name}'s results for {', '.join(sorted(results))} kernels, not this "
+            f"CPU's ({kernels}): `python docs/img/make_images.py --results_only {name}` adds them"
+        )
+    assert module.results_digest(folder, roots) == results[kernels], (
         f"the runs give other results than docs/img/{name} shows; " + REMAKE.format(name=name)
     )
 

@@ -15,9 +15,15 @@ machine's:
 
 docs/img/images.json holds, per picture, the SHA-256 of the PNG, of the report code that rendered it
 (``sources``) and of the results it shows (``results``: every run's metrics and every sweep trial, times
-left out). tests/test_docs_images.py recomputes the first two in the default suite; the slow suite recomputes
-the results from the same commands (the tutorial's page test for report.png). A failing check means: run
-this script and commit what it writes.
+left out), the latter per vector instruction set of PyTorch's CPU kernels (``AVX2``, ``AVX512``: the same
+commands give other last digits on another set, so other results). tests/test_docs_images.py recomputes the
+first two in the default suite; the slow suite recomputes the results from the same commands (the tutorial's
+page test for report.png) and compares them with those of its CPU's set. A failing check means: run this
+script and commit what it writes. A remade picture keeps the other sets' results only where its own set's are
+unchanged; on a CPU of another set, ``--results_only`` adds that set's results without remaking the picture,
+run on code known to give the recorded ones (as ``benchmarks/digits_fingerprint.py --write`` is):
+
+    python docs/img/make_images.py --results_only    # needs no Chromium
 """
 
 from __future__ import annotations
@@ -141,6 +147,13 @@ def sources_digest() -> str:
     return digest.hexdigest()
 
 
+def kernels() -> str:
+    """The vector instruction set of PyTorch's CPU kernels on this machine (``AVX2``, ``AVX512``, ...)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -165,33 +178,65 @@ def screenshot(html: Path, png: Path, width: int) -> None:
     small.quantize(64).save(png, optimize=True)
 
 
-def make(name: str) -> dict:
+def make(name: str, picture: bool = True) -> str:
+    """Runs the picture's commands in a fresh folder, screenshots its page unless ``picture`` is false, and
+    returns the digest of the results."""
     commands, roots, page, width = PICTURES[name]
     with tempfile.TemporaryDirectory(prefix="fl-lightning-") as tmp:
         folder = clone_root(Path(tmp))
         run_commands(commands, folder)
-        screenshot(folder / page, IMAGES / name, width)
-        results = results_digest(folder, roots)
+        if picture:
+            screenshot(folder / page, IMAGES / name, width)
+        return results_digest(folder, roots)
+
+
+def record_picture(name: str, previous: dict) -> dict:
+    """The record of the picture made anew; ``previous`` is its last record. Other instruction sets' results
+    are kept when this CPU's are those recorded for it (the code gives the numbers it gave), else dropped."""
+    results = make(name)
+    others = previous.get("results_sha256", {})
+    if others.get(kernels()) != results:
+        others = {}
     return {
         "command": f"python docs/img/make_images.py {name}",
         "png_sha256": file_digest(IMAGES / name),
         "sources_sha256": sources_digest(),
-        "results_sha256": results,
+        "kernels": kernels(),  # the set the picture's runs used
+        "results_sha256": {**others, kernels(): results},
     }
+
+
+def record_results(name: str, record: dict) -> dict:
+    """``record`` with this CPU's results of the picture's commands added; the picture stays as it is. Run on
+    code known to give the recorded results (the commit that made the picture, or main before a change)."""
+    return {**record, "results_sha256": {**record["results_sha256"], kernels(): make(name, picture=False)}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("pictures", nargs="*", metavar="PICTURE", help=f"one of {', '.join(PICTURES)} (default: all)")
+    parser.add_argument(
+        "--results_only",
+        action="store_true",
+        help="record the results this CPU's kernels give (another instruction set), not the picture",
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.pictures if name not in PICTURES]
     if unknown:
         parser.error(f"no picture {unknown[0]}; the pictures are {', '.join(PICTURES)}.")
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     for name in args.pictures or list(PICTURES):
-        record[name] = make(name)
+        if args.results_only:
+            if name not in record:
+                parser.error(
+                    f"docs/img/{name} is not recorded yet; make it first: python docs/img/make_images.py {name}"
+                )
+            record[name] = record_results(name, record[name])
+            done = f"{kernels()} kernels' results"
+        else:
+            record[name], done = record_picture(name, record.get(name, {})), "made"
         RECORD.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        print(f"{IMAGES / name}: made; recorded in {RECORD.relative_to(ROOT)}")
+        print(f"{IMAGES / name}: {done}; recorded in {RECORD.relative_to(ROOT)}")
     return 0
 
 
