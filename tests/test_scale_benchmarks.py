@@ -100,3 +100,11 @@ def test_the_peer_benchmark_prints_each_sides_seconds_and_ratio():
         "random layers (global: features.5 (Dropout), global: features.9 (Dropout)): one vmapped step cannot draw "
         "from each client's own stream"
     ]
+
+
+@pytest.mark.full  # two sweeps, each starting worker processes
+def test_the_sweep_workers_benchmark_times_the_same_trials_with_one_and_two_workers():
+    command = [sys.executable, str(ROOT / "benchmarks/sweep_workers.py"), "--trials", "2", "--json"]
+    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    assert [len(result[side]["trial_s"]) for side in ("one_worker", "two_workers")] == [2, 2]
+    assert result["trial_time_ratio"] == result["two_workers"]["trial_s_mean"] / result["one_worker"]["trial_s_mean"]
