@@ -181,8 +181,32 @@ def method_env(strategy, models, tiers, num_clients=4, training=None, data=None,
     return server
 
 
+def _phase(strategy, name):
+    from fl_lightning.strategies.base import phase_table
+
+    phases = {phase.name: phase for phase in phase_table(strategy)}
+    assert name in phases, f"{strategy.name} has phases {list(phases)}, not {name!r}"
+    return phases[name]
+
+
+def phase_tasks(strategy, rnd, clients, phase="train"):
+    """The tasks of ``phase`` as the orchestrator makes them: configured, then stamped with the phase's name."""
+    tasks = _phase(strategy, phase).configure(rnd, clients)
+    for task in tasks:
+        task.phase = phase
+    return tasks
+
+
+def aggregate_phase(strategy, rnd, updates, phase="train"):
+    """The server's aggregation of ``phase`` on ``updates`` (a list), as the orchestrator calls it."""
+    aggregate = _phase(strategy, phase).aggregate
+    assert aggregate is not None, f"{strategy.name}'s phase {phase!r} has no aggregation"
+    return aggregate(rnd, iter(updates))
+
+
 def client_update(strategy, server, task, state=None):
+    """A client's work on ``task`` by its phase's hook, as the orchestrator dispatches it."""
     from fl_lightning.client import ClientContext
 
     ctx = ClientContext(task.client, task.round, server._loop, server.data, state if state is not None else {}, 0)
-    return strategy.client_update(task, ctx)
+    return _phase(strategy, task.phase).client_update(task, ctx)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, client_update, method_env, read_summary, run_cli
+from conftest import ROOT, aggregate_phase, client_update, method_env, phase_tasks, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.data import DigitsData
@@ -55,7 +55,7 @@ def test_server_averages_over_clients_then_applies_era(aggregation):
     strategy = DSFL(open_size=4, aggregation=aggregation, era_temperature=0.1)
     server = _env(strategy)
     c = server.clients
-    strategy.aggregate(1, iter([_probs_upload(c[0], 1.0, 4), _probs_upload(c[2], 0.1, 4)]))
+    aggregate_phase(strategy, 1, [_probs_upload(c[0], 1.0, 4), _probs_upload(c[2], 0.1, 4)], "train")
     # average: 0.55 on class 0, 0.05 elsewhere; ERA: softmax of (5.5, 0.5, ..., 0.5)
     if aggregation == "era":
         first = math.exp(5.5) / (math.exp(5.5) + 9 * math.exp(0.5))
@@ -64,7 +64,7 @@ def test_server_averages_over_clients_then_applies_era(aggregation):
     else:
         expected = torch.tensor([0.55] + [0.05] * 9)
     assert torch.allclose(strategy.global_probs, expected.expand(4, 10), atol=1e-6)
-    tasks = strategy.configure_round(1, c, "distill")  # only the two uploaders distill
+    tasks = phase_tasks(strategy, 1, c, "distill")  # only the two uploaders distill
     assert [t.client.id for t in tasks] == [c[0].id, c[2].id] and tasks[0].phase == "distill"
 
 
@@ -72,20 +72,20 @@ def test_bytes_each_way_open_positions_predictions_and_soft_labels():
     strategy = DSFL(open_size=5)
     server = _env(strategy, training=LocalTraining(local_steps=1))
     client = server.clients[0]
-    task = strategy.configure_round(3, [client], "train")[0]
+    task = phase_tasks(strategy, 3, [client], "train")[0]
     positions = task.downlink["open_positions"].tensors["positions"]
     assert task.downlink["open_positions"].nbytes == 5 * 4  # n int32 positions
     assert positions.tolist() == sorted(set(positions.tolist())) and int(positions.max()) < strategy.num_public
     assert torch.equal(
-        positions, strategy.configure_round(3, [client], "train")[0].downlink["open_positions"].tensors["positions"]
+        positions, phase_tasks(strategy, 3, [client], "train")[0].downlink["open_positions"].tensors["positions"]
     )
     state = {}
     update = client_update(strategy, server, task, state)
     assert update.uplink["open_outputs"].nbytes == 5 * 10 * 4  # n x C float32
     assert torch.allclose(update.uplink["open_outputs"].tensors["outputs"].sum(1), torch.ones(5))
     assert torch.equal(state["open_positions"], positions)  # remembered for the distill phase
-    strategy.aggregate(3, iter([update]))
-    distill = strategy.configure_round(3, [client], "distill")[0]
+    aggregate_phase(strategy, 3, [update], "train")
+    distill = phase_tasks(strategy, 3, [client], "distill")[0]
     assert distill.downlink["global_soft_labels"].nbytes == 5 * 10 * 4
     assert client_update(strategy, server, distill, state).uplink == {} and "open_positions" not in state
 
@@ -93,7 +93,7 @@ def test_bytes_each_way_open_positions_predictions_and_soft_labels():
 def test_the_whole_open_set_sends_no_positions():
     strategy = DSFL(open_size=None)
     server = _env(strategy)
-    assert strategy.configure_round(1, [server.clients[0]], "train")[0].downlink == {}
+    assert phase_tasks(strategy, 1, [server.clients[0]], "train")[0].downlink == {}
 
 
 def test_one_distillation_step_is_soft_cross_entropy_towards_the_global_labels():
@@ -129,7 +129,7 @@ def test_bad_settings_are_refused_in_one_sentence():
 def test_early_aijack_uploads_logits_and_takes_the_softmax_of_their_mean():
     strategy = DSFL(open_size=2, upload="logits", era_temperature=1.0)
     server = _env(strategy, training=LocalTraining(local_steps=1))
-    task = strategy.configure_round(1, [server.clients[0]], "train")[0]
+    task = phase_tasks(strategy, 1, [server.clients[0]], "train")[0]
     sent = client_update(strategy, server, task).uplink["open_outputs"].tensors["outputs"]
     # the constant model: the logits are its bias (0, ..., 9), SGD on a CE step changes only the bias,
     # so they are the same for both examples; what is sent is the logits, not their softmax
@@ -141,7 +141,7 @@ def test_early_aijack_uploads_logits_and_takes_the_softmax_of_their_mean():
         ClientUpdate(c[i], 1, {"open_outputs": TensorPayload("open_outputs", {"outputs": z})})
         for i, z in enumerate(logits)
     ]
-    strategy.aggregate(1, iter(uploads))
+    aggregate_phase(strategy, 1, uploads, "train")
     first = math.exp(2) / (math.exp(2) + 9)
     assert torch.allclose(strategy.global_probs[:, 0], torch.full((2,), first), atol=1e-6)
 

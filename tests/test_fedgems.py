@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, client_update, method_env, read_summary, run_cli
+from conftest import ROOT, aggregate_phase, client_update, method_env, phase_tasks, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.data import DigitsData
@@ -130,10 +130,10 @@ def test_a_clients_distillation_step_trains_on_that_loss(form):
     strategy = FedGEMS(epsilon=0.75, temperature=2.0, distill_steps=1, batch_size=10_000, kl_form=form)
     server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=frozen, data=DigitsData(server_fraction=0.2))
     client, state = server.clients[0], {}
-    client_update(strategy, server, strategy.configure_round(1, [client], "train")[0], state)
+    client_update(strategy, server, phase_tasks(strategy, 1, [client], "train")[0], state)
     n = len(strategy.public_y)
     strategy.uploaders, strategy.server_logits = [client], torch.linspace(-1, 1, n * 10).reshape(n, 10)
-    update = client_update(strategy, server, strategy.configure_round(1, [client], "distill")[0], state)
+    update = client_update(strategy, server, phase_tasks(strategy, 1, [client], "distill")[0], state)
     z = torch.arange(10.0).expand(n, 10)
     expected = client_distillation_loss(z, strategy.public_y, strategy.server_logits, 0.75, 2.0, form).item()
     assert update.metrics["m/distill_loss"] == pytest.approx(expected, rel=1e-5)
@@ -160,15 +160,15 @@ def test_bytes_each_way_positions_logits_and_server_logits():
     strategy = FedGEMS(public_size=5, server_steps=1, distill_steps=1)
     server = _env(strategy)
     client = server.clients[1]
-    task = strategy.configure_round(3, [client], "train")[0]
+    task = phase_tasks(strategy, 3, [client], "train")[0]
     assert task.downlink["public_positions"].nbytes == 5 * 4  # n int32 positions
     state = {}
     update = client_update(strategy, server, task, state)
     assert update.uplink["public_logits"].nbytes == 5 * 10 * 4  # n x C float32 up
     before = {k: v.clone() for k, v in strategy.state.server_weights.items()}
-    strategy.aggregate(3, iter([update]), "train")
+    aggregate_phase(strategy, 3, [update], "train")
     assert any(not torch.equal(before[k], v) for k, v in strategy.state.server_weights.items())  # the server trained
-    down = strategy.configure_round(3, [client], "distill")[0]
+    down = phase_tasks(strategy, 3, [client], "distill")[0]
     assert down.downlink["server_logits"].nbytes == 5 * 10 * 4  # n x C float32 down
     update = client_update(strategy, server, down, state)
     assert update.uplink == {} and "public_positions" not in state

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ROOT, client_update, method_env, read_summary, run_cli
+from conftest import ROOT, aggregate_phase, client_update, method_env, phase_tasks, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.data import DigitsData
@@ -39,9 +39,9 @@ def test_consensus_is_the_plain_mean_of_the_clients_logits():
     strategy = FedMD(public_size=4)
     server = _env(strategy)
     c = server.clients
-    strategy.aggregate(2, iter([_logits_upload(c[1], 2.0, 4), _logits_upload(c[3], 5.0, 4)]), "communicate")
+    aggregate_phase(strategy, 2, [_logits_upload(c[1], 2.0, 4), _logits_upload(c[3], 5.0, 4)], "communicate")
     assert torch.allclose(strategy.consensus, torch.full((4, 10), 3.5))  # (2 + 5) / 2, unweighted
-    tasks = strategy.configure_round(2, c, "digest")  # only the two uploaders digest
+    tasks = phase_tasks(strategy, 2, c, "digest")  # only the two uploaders digest
     assert [t.client.id for t in tasks] == [c[1].id, c[3].id] and tasks[0].phase == "digest"
     assert tasks[0].downlink["consensus"].nbytes == 4 * 10 * 4
 
@@ -49,9 +49,9 @@ def test_consensus_is_the_plain_mean_of_the_clients_logits():
 def test_transfer_learning_runs_once_on_every_client_and_learns_the_public_labels():
     strategy = FedMD(public_size=None, public_epochs=1, private_epochs=0)
     server = _env(strategy, training=_sgd(batch_size=512))  # one full batch over the public set
-    tasks = strategy.configure_round(1, server.clients[:1], "transfer")
+    tasks = phase_tasks(strategy, 1, server.clients[:1], "transfer")
     assert [t.client.id for t in tasks] == [c.id for c in server.clients] and tasks[0].downlink == {}
-    assert strategy.configure_round(2, server.clients, "transfer") == []
+    assert phase_tasks(strategy, 2, server.clients, "transfer") == []
     state = {}
     assert client_update(strategy, server, tasks[0], state).uplink == {}
     # one SGD step (lr 1) of the batch-mean cross-entropy on the whole public set moves the constant
@@ -85,15 +85,15 @@ def test_bytes_each_way_positions_logits_and_consensus():
     strategy = FedMD(public_size=5, public_epochs=0, private_epochs=0)
     server = _env(strategy, training=_sgd())
     client = server.clients[2]
-    task = strategy.configure_round(4, [client], "communicate")[0]
+    task = phase_tasks(strategy, 4, [client], "communicate")[0]
     assert task.downlink["public_positions"].nbytes == 5 * 4  # n int32 positions
     state = {}
     update = client_update(strategy, server, task, state)
     sent = update.uplink["public_logits"]
     assert sent.nbytes == 5 * 10 * 4  # n x C float32
     assert torch.allclose(sent.tensors["logits"], torch.arange(10.0).expand(5, 10))  # the constant model's scores
-    strategy.aggregate(4, iter([update]), "communicate")
-    assert strategy.configure_round(4, [client], "digest")[0].downlink["consensus"].nbytes == 5 * 10 * 4
+    aggregate_phase(strategy, 4, [update], "communicate")
+    assert phase_tasks(strategy, 4, [client], "digest")[0].downlink["consensus"].nbytes == 5 * 10 * 4
 
 
 def test_bad_settings_are_refused_in_one_sentence():

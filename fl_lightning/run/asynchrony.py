@@ -26,7 +26,7 @@ from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Payload
 from .tally import RoundTally, TrainedRound
 
 if TYPE_CHECKING:
-    from ..strategies.base import Strategy
+    from ..strategies.base import Phase
     from .robustness import Faults
 
 RunClient = Callable[[int, ClientTask, RoundTally, int], ClientUpdate | None]
@@ -127,7 +127,7 @@ class AsynchronousRounds:
 
     Args:
         schedule: the clock, client speeds and event queue.
-        strategy: the federated algorithm (one phase per round).
+        phases: the strategy's phases (``phase_table``): asynchrony needs exactly one.
         clients: the population.
         ledger: counts each update's uplink when it arrives.
         seed: the run seed.
@@ -139,17 +139,21 @@ class AsynchronousRounds:
     def __init__(
         self,
         schedule: AsynchronousSchedule,
-        strategy: Strategy,
+        phases: tuple[Phase, ...],
         clients: list[ClientSpec],
         ledger: CommunicationLedger,
         seed: int,
         run_client: RunClient,
         faults: Faults | None = None,
     ):
-        if len(strategy.phases) > 1:
-            raise ConfigError(f"{type(strategy).__name__} has several phases per round and cannot run asynchronously.")
+        if len(phases) > 1:
+            names = ", ".join(p.name for p in phases)
+            raise ConfigError(
+                f"the strategy has several phases per round ({names}) and cannot run asynchronously; "
+                "remove runtime.asynchronous or choose a one-phase method."
+            )
         schedule.setup(clients, derive_seed(seed, 0, Owner.SERVER, Stream.SPEEDS))
-        self.schedule, self.strategy, self.clients = schedule, strategy, clients
+        self.phase, self.schedule, self.clients = phases[0], schedule, clients
         self.ledger, self.seed, self.run_client = ledger, seed, run_client
         self.faults = faults
 
@@ -168,7 +172,8 @@ class AsynchronousRounds:
             if arrival.update is not None:  # a lost update: the server keeps its state and sends the client again
                 self.ledger.record(rnd, "uplink", arrival.update.uplink)
                 seed_torch(derive_seed(self.seed, schedule.seq, Owner.SERVER, server_phase(0)))
-                server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
+                if self.phase.aggregate is not None:  # none: the server uses nothing of the update
+                    server_metrics.update(self.phase.aggregate(rnd, iter([arrival.update])) or {})
                 schedule.version += 1
             self._dispatch(rnd, self.clients[arrival.client_id], tally)
         server_metrics.update(
@@ -193,7 +198,8 @@ class AsynchronousRounds:
 
     def _dispatch(self, rnd: int, client: ClientSpec, tally: RoundTally) -> None:
         """Sends a client the current server state and computes its update, delivered at its arrival."""
-        task = self.strategy.configure_round(rnd, [client])[0]
+        task = self.phase.configure(rnd, [client])[0]
+        task.phase = self.phase.name
         stream = self.schedule.seq + 1  # tells this dispatch's random streams apart from the client's others
         update = self.run_client(rnd, task, tally, stream)
         rng = np.random.default_rng(derive_seed(self.seed, stream, client.id, Stream.ARRIVAL))

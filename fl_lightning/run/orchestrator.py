@@ -1,9 +1,10 @@
 """FederationOrchestrator: the only round loop of the code base. It does no algorithm math.
 
-A round: sample clients; per phase of the strategy, ``configure_round`` (the downlink), each client's
-``client_update`` (one after another, batched, or a rank's share), ``aggregate`` consuming the updates as they
-come; then, by the :class:`RoundPlan`, evaluate, log and checkpoint. The options arrive checked, in groups
-(``options.py``, ``robustness.Robustness``): nothing here checks them again.
+A round: sample clients; per phase of the strategy (``Strategy.phases``, checked once), its ``configure`` (the
+downlink), each client's ``client_update`` (one after another, batched, or a rank's share), its ``aggregate``
+consuming the updates as they come (a phase without one: its updates are drained); then, by the
+:class:`RoundPlan`, evaluate, log and checkpoint. The options arrive checked, in groups (``options.py``,
+``robustness.Robustness``): nothing here checks them again.
 
 Every random choice is drawn from a stream derived from (seed, round, client, purpose) (``seeding.py``),
 so a resumed run continues exactly where an uninterrupted one would be, and client order does not matter.
@@ -13,6 +14,7 @@ asynchronous round body lives next to its schedule in ``asynchrony.py``.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import time
@@ -31,7 +33,7 @@ from ..distributed.ranks import current_ranks
 from ..federation.sampling import ClientSampler
 from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
-from ..strategies.base import ServerContext, Strategy, check_evaluation_split
+from ..strategies.base import ServerContext, Strategy, check_evaluation_split, phase_table
 from ..tracking import RoundProgress
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
 from .client_store import CLIENTS_DIR
@@ -94,13 +96,6 @@ class FederationOrchestrator:
         self.schedule = schedule
         batched = execution.executor == "batched"
         self.batched = BatchedExecutor(loop, execution.batch_clients, execution.lockstep) if batched else None
-        self.asynchronous = (
-            AsynchronousRounds(
-                schedule, strategy, clients, self.state.ledger, seed, self._run_client, robustness.faults
-            )
-            if schedule is not None
-            else None
-        )
         self.sharded = (
             ShardedPhases(self.ranks, self.state, loop, self._crashes, strategy.state_dict)
             if self.ranks.world > 1
@@ -109,6 +104,15 @@ class FederationOrchestrator:
         server = ServerContext(clients, list(loop.slots), data, plan.rounds, seed, loop)
         strategy.setup(server)
         check_evaluation_split(strategy, server)
+        self.phases = phase_table(strategy)  # once: the round loop reads phases, never phase names
+        self.client_work = {phase.name: phase.client_update for phase in self.phases}
+        self.asynchronous = (
+            AsynchronousRounds(
+                schedule, self.phases, clients, self.state.ledger, seed, self._run_client, robustness.faults
+            )
+            if schedule is not None
+            else None
+        )
         self.monitor = output.monitor or strategy.monitor
         # after setup, which may freeze a backbone: a frozen parameter's gradient is not computed, nor counted;
         # only the roles clients train (a server's model, such as FedKTL's generator, is no local training)
@@ -238,12 +242,12 @@ class FederationOrchestrator:
         rng = np.random.default_rng(derive_seed(self.seed, rnd, Owner.SERVER, Stream.SAMPLER))
         sampled = self.sampler.sample(rnd, self.clients, rng)
         num_tasks, server_metrics = 0, {}
-        for number, phase in enumerate(self.strategy.phases):
-            tasks = self.strategy.configure_round(rnd, sampled, phase)
+        for number, phase in enumerate(self.phases):
+            tasks = phase.configure(rnd, sampled)
             for task in tasks:
-                task.phase = phase
+                task.phase = phase.name
             num_tasks += len(tasks)
-            self.progress.start_phase(phase, len(tasks))
+            self.progress.start_phase(phase.name, len(tasks))
             if self.sharded is None:
                 updates = self._client_updates(rnd, tasks, tally)
             else:  # this rank trains its share; every rank gets every update, in task order (sharding.py)
@@ -255,9 +259,15 @@ class FederationOrchestrator:
                     continue
                 updates = itertools.chain([first], updates)
             seed_torch(derive_seed(self.seed, rnd, Owner.SERVER, server_phase(number)))  # server-side randomness
-            server_metrics.update(self.strategy.aggregate(rnd, updates, phase) or {})
+            if phase.aggregate is None:  # the server uses nothing of this phase: its clients run, their updates go
+                collections.deque(updates, maxlen=0)
+                continue
+            server_metrics.update(phase.aggregate(rnd, updates) or {})
             if next(updates, None) is not None:
-                raise RuntimeError(f"{type(self.strategy).__name__}.aggregate did not consume every client update")
+                raise RuntimeError(
+                    f"{type(self.strategy).__name__}'s aggregate of phase {phase.name!r} did not consume every "
+                    "client update"
+                )
         return TrainedRound(num_tasks, server_metrics)
 
     def _client_updates(self, rnd: int, tasks: list[ClientTask], tally: RoundTally) -> Iterator[ClientUpdate]:
@@ -289,7 +299,7 @@ class FederationOrchestrator:
         seed_torch(derive_seed(self.seed, rnd, client.id, Stream.DROPOUT, *((stream,) if stream else ())))
         client_states = self.state.client_states
         ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
-        update = self.strategy.client_update(task, ctx)
+        update = self.client_work[task.phase](task, ctx)
         ctx.finish()
         tally.add_steps(ctx.trained_steps)  # trained, whether or not its update arrives
         client_states.close(client.id, ctx.state)  # kept, or written to its file beyond the memory budget

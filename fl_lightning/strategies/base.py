@@ -2,14 +2,18 @@
 
 The orchestrator owns the round loop and calls, per round::
 
-    for phase in strategy.phases:                                     # usually just ("train",)
-        tasks   = strategy.configure_round(rnd, sampled_clients, phase)   # what each client receives
-        updates = (strategy.client_update(task, ctx) for each task)       # lazily, one client at a time
-        strategy.aggregate(rnd, updates, phase)                           # server-side math, streaming
-    strategy.evaluate(evaluator)                                      # every eval_every rounds and at the end
+    for phase in strategy.phases():                          # one Phase("train", ...) unless overridden
+        tasks   = phase.configure(rnd, sampled_clients)      # what each client receives
+        updates = (phase.client_update(task, ctx) for each task)  # lazily, one client at a time
+        phase.aggregate(rnd, updates)                        # server-side math, streaming; None: drained
+    strategy.evaluate(evaluator)                             # every eval_every rounds and at the end
 
-A round has several phases when the server must aggregate between two client steps (paper 001: the
-auxiliary model is averaged before strong clients distill from it).
+A one-phase method implements the three hooks ``configure_round``, ``client_update`` and ``aggregate`` (and
+``evaluate`` and ``monitor``); the base class turns them into its one phase. A round has several phases
+when the server must aggregate between two client steps (paper 001: the auxiliary model is averaged before
+strong clients distill from it): such a method overrides :meth:`Strategy.phases` and names a method per
+phase and event, so no hook compares phase names. A phase whose clients send nothing the server uses
+(a local digest) has no ``aggregate``: the orchestrator runs its clients and drains their updates.
 
 Payloads in ``ClientTask.downlink`` and ``ClientUpdate.uplink`` are all that crosses the network, so the
 communication ledger counts them without any help from the strategy.
@@ -17,6 +21,7 @@ communication ledger counts them without any help from the strategy.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, overload
@@ -31,7 +36,7 @@ from ..client.steps import StepFn
 from ..data import FederatedData
 from ..federation.errors import ConfigError
 from ..federation.schedules import round_progress
-from ..federation.seeding import Stream, derive_seed
+from ..federation.seeding import MAX_PHASES, Stream, derive_seed
 from ..federation.types import (
     ClientSpec,
     ClientTask,
@@ -248,7 +253,55 @@ class ServerContext:
             )
 
 
-class Strategy:
+Configure = Callable[[int, list[ClientSpec]], list[ClientTask]]
+ClientWork = Callable[[ClientTask, ClientContext], ClientUpdate]
+Aggregate = Callable[[int, Iterator[ClientUpdate]], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One exchange of a round: the server's downlink, the clients' work on it, the server's use of the uplink.
+
+    Args:
+        name: the phase's name (``task.phase`` of its tasks, the progress line, the batched executor's groups).
+        configure: ``(rnd, sampled_clients) -> tasks``; may address any client of the population.
+        client_update: ``(task, ctx) -> update``, on the client side.
+        aggregate: ``(rnd, updates) -> server metrics``, consuming every update; None when the server uses
+            nothing of the phase's uploads (the orchestrator runs the clients and drains their updates).
+
+    Example, FedMD's local digest after the consensus::
+
+        Phase("digest", self.configure_digest, self.digest)
+    """
+
+    name: str
+    configure: Configure
+    client_update: ClientWork
+    aggregate: Aggregate | None = None
+
+
+ONE_PHASE_HOOKS = frozenset({"configure_round", "client_update", "aggregate"})
+
+
+class _StrategyMeta(ABCMeta):
+    """Checks the protocol when a strategy class is made: ``phases`` is a method (the tuple of phase names of
+    older versions is refused in one sentence), and a class that overrides ``phases`` need not implement the
+    one-phase hooks, which only the default ``phases`` calls."""
+
+    def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kwargs: Any):
+        declared = namespace.get("phases")
+        if declared is not None and not callable(declared):
+            raise TypeError(
+                f"{name}.phases = {declared!r} is the old form; define `def phases(self) -> tuple[Phase, ...]` that "
+                "returns one Phase(name, configure, client_update, aggregate) per phase (fl_lightning.strategies.base)."
+            )
+        cls = super().__new__(mcls, name, bases, namespace, **kwargs)
+        if not getattr(getattr(cls, "phases", None), "one_phase_default", False):
+            cls.__abstractmethods__ = frozenset(cls.__abstractmethods__ - ONE_PHASE_HOOKS)
+        return cls
+
+
+class Strategy(metaclass=_StrategyMeta):
     """Base class of federated algorithms (one algorithm per file in ``fl_lightning/strategies``).
 
     What a strategy carries from round to round is one dataclass in ``self.state``, which ``setup``
@@ -270,7 +323,6 @@ class Strategy:
     """
 
     name: ClassVar[str]  # the method's name in messages: the class name unless a subclass spells it otherwise
-    phases: tuple[str, ...] = ("train",)
     # whether the method reads a model's features and head apart (prototypes, representations, a swapped head):
     # a LightningModule client model must then declare them (client/lightning.py); whole-model methods need not
     needs_split: bool = False
@@ -292,30 +344,36 @@ class Strategy:
         tiers' roles although no tier lists them. Their names are keys of the recipe's ``models``."""
         return ()
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        """The tasks of ``phase``: usually one per sampled client, but a strategy may address any client
-        of ``self.server.clients`` (paper 001's strong clients join every round)."""
-        raise NotImplementedError
+    def phases(self) -> tuple[Phase, ...]:
+        """The round's phases, in order; by default one, ``train``, made of the three one-phase hooks."""
+        return (Phase("train", self.configure_round, self.client_update, self.aggregate),)
 
+    phases.one_phase_default = True  # type: ignore[attr-defined]  # what _StrategyMeta looks for
+
+    @abstractmethod
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        """The round's tasks: usually one per sampled client, but a strategy may address any client of
+        ``self.server.clients`` (FedKD's cohorts)."""
+
+    @abstractmethod
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         """One client's work on ``task``, on the client side: trains through ``ctx``, returns the uplink."""
-        raise NotImplementedError
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    @abstractmethod
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         """Consumes the round's updates (each exactly once) and updates the server state.
 
         Returns server-side metrics to log (may be empty).
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
         """The metrics of the current models (accuracy keys contain ``acc``)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def monitor(self) -> str:
         """The metric that decides the best round (and an Optuna objective by default)."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """The server state's fields as tensors and plain containers only (checkpoints load with weights_only)."""
@@ -329,6 +387,26 @@ class Strategy:
             return
         for f in fields(self.state):
             setattr(self.state, f.name, _restore(getattr(self.state, f.name), saved[f.name]))
+
+
+def phase_table(strategy: Strategy) -> tuple[Phase, ...]:
+    """The strategy's phases, checked once after ``setup`` (the orchestrator's and asynchronous rounds' source):
+    at least one, each a :class:`Phase`, with distinct names, and no more than the seed streams provide for."""
+    phases = tuple(strategy.phases())
+    kinds = {type(p).__name__ for p in phases if not isinstance(p, Phase)}
+    if not phases or kinds:
+        raise TypeError(
+            f"{strategy.name}.phases() must return a non-empty tuple of Phase objects"
+            + (f", got {', '.join(sorted(kinds))}" if kinds else ", got none")
+            + "; e.g. (Phase('train', self.configure_round, self.client_update, self.aggregate),)."
+        )
+    names = [p.name for p in phases]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise TypeError(f"{strategy.name}.phases() names {repeated} more than once; give each phase its own name.")
+    if len(phases) > MAX_PHASES:
+        raise TypeError(f"{strategy.name}.phases() has {len(phases)} phases; a round has at most {MAX_PHASES}.")
+    return phases
 
 
 def global_metrics(evaluator: Evaluator, weights: Mapping[Role, StateDict]) -> dict[str, float]:
@@ -385,6 +463,19 @@ class PersonalModels:
     def personal_role(self, client: ClientSpec) -> Role:
         """The role of the client's own model."""
         return client.roles[0]
+
+    def load_own(self, task: ClientTask, ctx: ClientContext) -> tuple[Role, Any]:
+        """Loads the client's own model (its stored weights, or its own initialisation before its first round)
+        into its role's instance; returns the role and the module."""
+        role = self.personal_role(task.client)
+        return role, ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights"), role))
+
+    def keep_own(
+        self, task: ClientTask, ctx: ClientContext, uplink: dict[str, Any], metrics: dict[str, float]
+    ) -> ClientUpdate:
+        """Stores the client's trained own model in its state; the update that carries ``uplink`` and ``metrics``."""
+        ctx.state["weights"] = ctx.weights(self.personal_role(task.client))
+        return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
     def personal_weights(self, client: ClientSpec, state: dict) -> tuple[Role, StateDict]:
         """The role and weights of the client's own model, from its persistent ``state``."""

@@ -25,7 +25,7 @@ from ..knowledge.public_set import (
     subset_downlink,
     target_batches,
 )
-from .base import PersonalModels, ServerContext, Split, Strategy
+from .base import PersonalModels, Phase, ServerContext, Split, Strategy
 
 
 def entropy_reduction(mean_outputs: Tensor, temperature: float) -> Tensor:
@@ -66,8 +66,6 @@ class DSFL(PersonalModels, Strategy):
     """
 
     name = "DS-FL"
-    phases = ("train", "distill")
-
     # within a round only, never checkpointed: the clients that uploaded and the soft labels they get back
     uploaders: list[ClientSpec]
     global_probs: Tensor | None
@@ -110,54 +108,32 @@ class DSFL(PersonalModels, Strategy):
         self.num_public = num_public
         self.uploaders, self.global_probs = [], None  # within a round only: never checkpointed
 
-    # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        if phase == "train":
-            positions = round_subset(self.server.seed, rnd, self.num_public, self.open_size)
-            down = subset_downlink("open_positions", positions)
-            return [ClientTask(c, rnd, dict(down), phase) for c in clients]
-        if not self.uploaders or self.global_probs is None:  # set together, by aggregate
-            return []
-        soft_labels = TensorPayload("global_soft_labels", {"probs": self.global_probs})
-        return [ClientTask(c, rnd, {"global_soft_labels": soft_labels}, phase) for c in self.uploaders]
+    def phases(self) -> tuple[Phase, ...]:
+        return (
+            Phase("train", self.configure_train, self.train, self.aggregate_soft_labels),
+            Phase("distill", self.configure_distill, self.distill),
+        )
 
-    # ------------------------------------------------------------------ client
-    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
-        role = task.client.roles[0]
-        module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        if task.phase == "train":
-            loss = ctx.fit(role)["loss"]
-            positions = received_positions(task.downlink, "open_positions")
-            x_open = public_inputs(ctx.data_x, ctx.public_indices, positions)
-            outputs = eval_logits(module, x_open, ctx.eval_batch_size)
-            if self.upload == "probs":
-                outputs = F.softmax(outputs, dim=1)
-            if positions is not None:
-                ctx.state["open_positions"] = positions  # the client remembers its batch until the distill phase
-            uplink = {"open_outputs": TensorPayload("open_outputs", {"outputs": outputs})}
-            metrics = {f"{role}/loss": loss}
-        else:
-            x_open = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("open_positions", None))
-            targets = task.received("global_soft_labels", TensorPayload).tensors["probs"].to(x_open.device)
-            batch_size = self.distill_batch_size or ctx.batch_size
-            batches = target_batches(x_open, targets, batch_size, self.distill_steps, ctx.generator)
-            loss = ctx.fit(role, step_fn=self.distillation_step, batches=batches)["loss"]
-            uplink, metrics = {}, {f"{role}/distill_loss": loss}
-        ctx.state["weights"] = ctx.weights(role)
-        return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
+    # ------------------------------------------------------------------ train: outputs on the open batch up
+    def configure_train(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        positions = round_subset(self.server.seed, rnd, self.num_public, self.open_size)
+        down = subset_downlink("open_positions", positions)
+        return [ClientTask(c, rnd, dict(down)) for c in clients]
 
-    @staticmethod
-    @vmappable  # pure: its targets come in the batch (batched clients, CUDA graphs)
-    def distillation_step(module, batch, i):
-        x, targets = batch
-        return kl_to_targets(module(x), targets)
+    def train(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role, module = self.load_own(task, ctx)
+        loss = ctx.fit(role)["loss"]
+        positions = received_positions(task.downlink, "open_positions")
+        x_open = public_inputs(ctx.data_x, ctx.public_indices, positions)
+        outputs = eval_logits(module, x_open, ctx.eval_batch_size)
+        if self.upload == "probs":
+            outputs = F.softmax(outputs, dim=1)
+        if positions is not None:
+            ctx.state["open_positions"] = positions  # the client remembers its batch until the distill phase
+        uplink = {"open_outputs": TensorPayload("open_outputs", {"outputs": outputs})}
+        return self.keep_own(task, ctx, uplink, {f"{role}/loss": loss})
 
-    # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        if phase == "distill":
-            for _ in updates:  # the clients distilled locally; nothing comes back
-                pass
-            return {}
+    def aggregate_soft_labels(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         mean, self.uploaders = mean_upload(updates, "open_outputs", "outputs")
         if mean is None:
             self.global_probs = None
@@ -165,3 +141,26 @@ class DSFL(PersonalModels, Strategy):
         self.global_probs = entropy_reduction(mean, self.era_temperature) if self.aggregation == "era" else mean
         entropy = -(self.global_probs * self.global_probs.clamp_min(1e-12).log()).sum(1).mean()
         return {"server/soft_label_entropy": float(entropy)}
+
+    # ------------------------------------------------------------------ distill: the soft labels down
+    def configure_distill(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        if not self.uploaders or self.global_probs is None:  # set together, by aggregate_soft_labels
+            return []
+        soft_labels = TensorPayload("global_soft_labels", {"probs": self.global_probs})
+        return [ClientTask(c, rnd, {"global_soft_labels": soft_labels}) for c in self.uploaders]
+
+    def distill(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        """The client distils locally; nothing goes back."""
+        role = self.load_own(task, ctx)[0]
+        x_open = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("open_positions", None))
+        targets = task.received("global_soft_labels", TensorPayload).tensors["probs"].to(x_open.device)
+        batch_size = self.distill_batch_size or ctx.batch_size
+        batches = target_batches(x_open, targets, batch_size, self.distill_steps, ctx.generator)
+        loss = ctx.fit(role, step_fn=self.distillation_step, batches=batches)["loss"]
+        return self.keep_own(task, ctx, {}, {f"{role}/distill_loss": loss})
+
+    @staticmethod
+    @vmappable  # pure: its targets come in the batch (batched clients, CUDA graphs)
+    def distillation_step(module, batch, i):
+        x, targets = batch
+        return kl_to_targets(module(x), targets)

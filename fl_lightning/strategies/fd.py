@@ -105,7 +105,7 @@ class FD(PersonalModels, Strategy):
             present = present & torch.zeros_like(present).index_fill_(0, labels, True)
         return ClassStatistics.padded("teacher_logits", {"logits": mean * present[:, None]}, present).compact()
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         return [ClientTask(c, rnd, {"teacher_logits": self.teacher(c)}) for c in clients]
 
     # ------------------------------------------------------------------ client
@@ -152,7 +152,7 @@ class FD(PersonalModels, Strategy):
         return targets, available
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         state = self.state
         state.round_sums.zero_()
         state.round_counts.zero_()

@@ -90,7 +90,7 @@ class FedAdam(FedAvg):
         stepped = self.state.server_optimizers[role].step(weights[role], gradient, self.lr(role, rnd))
         weights[role] = {**weights[role], **{k: stepped.get(k, average[k]) for k in average}}
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         for role, average in self.client_averages(updates).items():
             self.apply(role, self.pseudo_gradient(role, average), average, rnd)
         return {}

@@ -76,7 +76,7 @@ class FedAvg(Strategy):
                     f"clients_per_round[{role!r}] = {k} is impossible: {holders} clients train that role."
                 )
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         assigned: dict[int, list[str]] = {}
         for index, role in enumerate(self.roles):
             for client in self.cohort(rnd, role, index, clients):
@@ -106,7 +106,7 @@ class FedAvg(Strategy):
             uplink[role] = self.outgoing(role, model.state_dict(), copy=True)
         return ClientUpdate(task.client, ctx.num_examples("train"), uplink, metrics)
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         weights = self.state.global_weights
         for role, average in self.client_averages(updates).items():
             weights[role] = {**weights[role], **average}  # a frozen part, never sent, stays

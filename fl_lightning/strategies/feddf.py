@@ -66,7 +66,7 @@ class FedDF(FedAvg):
         self.server_x = server.server_inputs()
         self.teacher: Tensor | None = None  # the last round's ensemble targets [N_server, C], for inspection
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         # drawn before the clients run, so the batches depend on the round's server seed only
         generator = self.server.round_generator()
         logit_sum: Tensor | None = None
@@ -85,7 +85,7 @@ class FedDF(FedAvg):
                     trained.add(role)
                 yield update
 
-        super().aggregate(rnd, predicting(updates), phase)
+        super().aggregate(rnd, predicting(updates))
         if logit_sum is None:  # no member: nothing to distill
             return {}
         self.teacher = F.softmax((logit_sum / members).float() / self.temperature, dim=1)

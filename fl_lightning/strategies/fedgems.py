@@ -28,7 +28,7 @@ from ..knowledge.public_set import (
     target_batches,
 )
 from ..knowledge.server_optim import ServerOptimizer, server_optimizer
-from .base import PersonalModels, ServerContext, Split, Strategy, global_metrics
+from .base import PersonalModels, Phase, ServerContext, Split, Strategy, global_metrics
 
 
 def selective_fusion(client_logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,7 +128,6 @@ class FedGEMS(PersonalModels, Strategy):
             divided by C).
     """
 
-    phases = ("train", "distill")
     state: FedGEMSState
 
     # within a round only: the clients that uploaded, the round's public subset and the server's logits on it
@@ -182,57 +181,30 @@ class FedGEMS(PersonalModels, Strategy):
         self.state = FedGEMSState(server.initial_weights(self.server_role), pool_logits, pool_known)
         self.uploaders, self.positions, self.server_logits = [], None, None  # within a round only
 
-    # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
-        if phase == "train":
-            self.positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-            down = subset_downlink("public_positions", self.positions)
-            return [ClientTask(c, rnd, dict(down), phase) for c in clients]
-        if not self.uploaders or self.server_logits is None:  # set together, by aggregate
-            return []
-        logits = TensorPayload("server_logits", {"logits": self.server_logits})
-        return [ClientTask(c, rnd, {"server_logits": logits}, phase) for c in self.uploaders]
+    def phases(self) -> tuple[Phase, ...]:
+        return (
+            Phase("train", self.configure_train, self.train, self.aggregate_logits),
+            Phase("distill", self.configure_distill, self.distill),
+        )
 
-    # ------------------------------------------------------------------ client
-    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
-        role = task.client.roles[0]
-        module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        uplink, metrics = {}, {}
-        if task.phase == "train":
-            positions = received_positions(task.downlink, "public_positions")
-            if positions is not None:
-                ctx.state["public_positions"] = positions  # remembered until the distillation
-            metrics[f"{role}/loss"] = ctx.fit(role)["loss"]
-            x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
-            logits = eval_logits(module, x_public, ctx.eval_batch_size)
-            uplink["public_logits"] = TensorPayload("public_logits", {"logits": logits})
-        else:
-            positions = ctx.state.pop("public_positions", None)
-            x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
-            chosen = ctx.public_indices if positions is None else ctx.public_indices[positions.long()]
-            # server knowledge and public labels at one address per name (CUDA graphs keep their key)
-            y_public = ctx.on_device("public_labels", ctx.data_y[chosen])
-            server_logits = task.received("server_logits", TensorPayload).tensors["logits"].to(x_public.device)
-            teacher = ctx.on_device("teacher", server_logits)
-            order = torch.arange(len(x_public), device=x_public.device)
-            batches = target_batches(x_public, order, self.batch_size, self.distill_steps, ctx.generator)
-            temperature, epsilon, form = self.temperature, self.epsilon, self.kl_form  # values, not the strategy
+    # ------------------------------------------------------------------ train: public logits up
+    def configure_train(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        self.positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
+        down = subset_downlink("public_positions", self.positions)
+        return [ClientTask(c, rnd, dict(down)) for c in clients]
 
-            @vmappable  # pure: batched clients, CUDA graphs
-            def distill(module, batch, i):
-                x, rows = batch
-                return client_distillation_loss(module(x), y_public[rows], teacher[rows], epsilon, temperature, form)
+    def train(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role, module = self.load_own(task, ctx)
+        positions = received_positions(task.downlink, "public_positions")
+        if positions is not None:
+            ctx.state["public_positions"] = positions  # remembered until the distillation
+        metrics = {f"{role}/loss": ctx.fit(role)["loss"]}
+        x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
+        logits = eval_logits(module, x_public, ctx.eval_batch_size)
+        return self.keep_own(task, ctx, {"public_logits": TensorPayload("public_logits", {"logits": logits})}, metrics)
 
-            metrics[f"{role}/distill_loss"] = ctx.fit(role, step_fn=distill, batches=batches)["loss"]
-        ctx.state["weights"] = ctx.weights(role)
-        return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
-
-    # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        if phase != "train":
-            for _ in updates:  # the distillation stays on the clients
-                pass
-            return {}
+    def aggregate_logits(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
+        """Selective fusion of the clients' logits, the server model's training on it, its logits for the reply."""
         received, self.uploaders = [], []
         for update in updates:
             received.append(update.sent("public_logits", TensorPayload).tensors["logits"].detach())
@@ -247,6 +219,35 @@ class FedGEMS(PersonalModels, Strategy):
         loss = self.train_server(x, y, rows, fused, any_correct)
         self.server_logits = self.server.predict(self.server_role, self.state.server_weights, x).float()
         return {"server/loss": loss, "server/clients_right": float(any_correct.float().mean())}
+
+    # ------------------------------------------------------------------ distill: the server's logits down
+    def configure_distill(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        if not self.uploaders or self.server_logits is None:  # set together, by aggregate_logits
+            return []
+        logits = TensorPayload("server_logits", {"logits": self.server_logits})
+        return [ClientTask(c, rnd, {"server_logits": logits}) for c in self.uploaders]
+
+    def distill(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        """The client distils from the server's logits on its public subset; nothing goes back."""
+        role = self.load_own(task, ctx)[0]
+        positions = ctx.state.pop("public_positions", None)
+        x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
+        chosen = ctx.public_indices if positions is None else ctx.public_indices[positions.long()]
+        # server knowledge and public labels at one address per name (CUDA graphs keep their key)
+        y_public = ctx.on_device("public_labels", ctx.data_y[chosen])
+        server_logits = task.received("server_logits", TensorPayload).tensors["logits"].to(x_public.device)
+        teacher = ctx.on_device("teacher", server_logits)
+        order = torch.arange(len(x_public), device=x_public.device)
+        batches = target_batches(x_public, order, self.batch_size, self.distill_steps, ctx.generator)
+        temperature, epsilon, form = self.temperature, self.epsilon, self.kl_form  # values, not the strategy
+
+        @vmappable  # pure: batched clients, CUDA graphs
+        def distill(module, batch, i):
+            x, rows = batch
+            return client_distillation_loss(module(x), y_public[rows], teacher[rows], epsilon, temperature, form)
+
+        metrics = {f"{role}/distill_loss": ctx.fit(role, step_fn=distill, batches=batches)["loss"]}
+        return self.keep_own(task, ctx, {}, metrics)
 
     def server_loss(self, s: Tensor, y: Tensor, rows: Tensor, fused: Tensor, any_correct: Tensor) -> Tensor:
         """The selective loss on a batch: server logits ``s``, labels, pool rows and the fused teachers.

@@ -165,7 +165,7 @@ class FedGen(PersonalModels, Strategy):
         return alpha, beta
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         state = self.state
         downlink: dict[str, Payload] = {"head": ModelWeights("head", state.head)}
         if state.trainings:  # a generator is sent once it has been trained
@@ -206,7 +206,7 @@ class FedGen(PersonalModels, Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         average, heads, counts, examples = WeightedAverage(), [], [], []
         for update in updates:
             head = update.sent("head", ModelWeights).state

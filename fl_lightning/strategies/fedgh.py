@@ -75,7 +75,7 @@ class FedGH(PersonalModels, Strategy):
         self.num_classes = server.data.num_classes
         self.feature_dim = shape[0]
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         header = ModelWeights("header", self.state.header)
         return [ClientTask(c, rnd, {"header": header}) for c in clients]
 
@@ -105,7 +105,7 @@ class FedGH(PersonalModels, Strategy):
             "lars",
         )
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         weight = self.state.header["weight"]  # [C, D]
         header = nn.Linear(weight.shape[1], weight.shape[0]).to(weight.device)
         header.load_state_dict(self.state.header)

@@ -131,7 +131,7 @@ class FedGKT(PersonalModels, Strategy):
                 ) from None
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         tasks = []
         for c in clients:
             logits = self.state.server_logits.get(c.id)
@@ -175,7 +175,7 @@ class FedGKT(PersonalModels, Strategy):
         return ClientUpdate(task.client, len(idx), {"features": upload}, {f"{role}/loss": loss})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         received: dict[int, dict[str, Tensor]] = {}
         for update in updates:
             received[update.client.id] = {

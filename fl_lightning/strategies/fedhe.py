@@ -79,7 +79,7 @@ class FedHe(PersonalModels, Strategy):
         self.num_classes = server.data.num_classes
         self.state = FedHeState(ClassBank(self.num_classes, self.num_classes))
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         # padded to C rows, so an upload is always C x (C + 1) numbers (paper Tables III-IV count the same)
         bank = self.state.bank
         payload = ClassStatistics.padded("class_logits", {"logits": bank.mean()}, bank.available)
@@ -114,7 +114,7 @@ class FedHe(PersonalModels, Strategy):
         upload = collector.result("class_logits", plus_one=self.plus_one)
         return ClientUpdate(task.client, ctx.num_examples(), {"class_logits": upload}, {f"{role}/loss": stats["loss"]})
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         state = self.state
         if self.reset_every:
             # the end of the last full period: collapse once for it, at the first aggregation after it

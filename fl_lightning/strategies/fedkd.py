@@ -146,7 +146,7 @@ class FedKD(PersonalModels, Strategy):
         return energy_threshold(rnd, self.server.rounds, self.energy_start, self.energy_end)
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         state = self.state
         full = {self.mentee_role: self.outgoing(self.mentee_role, state.mentee_weights)}
         if not state.last_update:
@@ -208,7 +208,7 @@ class FedKD(PersonalModels, Strategy):
         return ctx.helper("hidden_map", fresh, ctx.state.get("hidden_map"))
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         average, trained = WeightedAverage(), []
         for update in updates:
             delta = update.sent("mentee_update", LowRankUpdate).reconstruct()

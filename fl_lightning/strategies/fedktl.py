@@ -153,7 +153,7 @@ class FedKTL(PersonalModels, Strategy):
         return noise_dim, latents.shape[1]
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         state = self.state
         # both fixed; sent every round as the code reloads them (docs/algorithms.md, FedKTL: traffic)
         downlink = {
@@ -221,7 +221,7 @@ class FedKTL(PersonalModels, Strategy):
         return upload
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         rows, labels = [], []
         for update in updates:
             upload = update.sent("class_prototypes", ClassStatistics)

@@ -122,7 +122,7 @@ class FedL2G(PersonalModels, Strategy):
             )
         return next(iter(dims.values()))
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         vectors = TensorPayload("guiding_vectors", {"vectors": self.state.vectors})
         return [ClientTask(c, rnd, {"guiding_vectors": vectors}) for c in clients]
 
@@ -171,7 +171,7 @@ class FedL2G(PersonalModels, Strategy):
         return step
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         mean = ClassGradientMean(self.num_classes, self.dim)
         for update in updates:
             upload = update.sent("guide_gradients", ClassStatistics)

@@ -25,7 +25,7 @@ from ..knowledge.public_set import (
     subset_downlink,
     target_batches,
 )
-from .base import PersonalModels, ServerContext, Split, Strategy
+from .base import PersonalModels, Phase, ServerContext, Split, Strategy
 
 
 class FedMD(PersonalModels, Strategy):
@@ -58,8 +58,6 @@ class FedMD(PersonalModels, Strategy):
         revisit_steps: private steps per round (``None``: the recipe's local steps or epochs).
         split: where personal models are evaluated (``global`` test set or the local ``test`` split).
     """
-
-    phases = ("transfer", "communicate", "digest")
 
     # within a round only, never checkpointed: the clients that uploaded and the consensus they get back
     uploaders: list[ClientSpec]
@@ -102,55 +100,62 @@ class FedMD(PersonalModels, Strategy):
         self.num_public = num_public
         self.uploaders, self.consensus = [], None  # within a round only: never checkpointed
 
-    # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "communicate") -> list[ClientTask]:
-        if phase == "transfer":  # before the first collaboration round, every client
-            return [ClientTask(c, rnd, {}, phase) for c in self.server.clients] if rnd == 1 else []
-        if phase == "communicate":
-            positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-            down = subset_downlink("public_positions", positions)
-            return [ClientTask(c, rnd, dict(down), phase) for c in clients]
-        if not self.uploaders or self.consensus is None:  # set together, by aggregate
-            return []
-        consensus = TensorPayload("consensus", {"logits": self.consensus})
-        return [ClientTask(c, rnd, {"consensus": consensus}, phase) for c in self.uploaders]
+    def phases(self) -> tuple[Phase, ...]:
+        return (
+            Phase("transfer", self.configure_transfer, self.transfer),
+            Phase("communicate", self.configure_communicate, self.communicate, self.aggregate_consensus),
+            Phase("digest", self.configure_digest, self.digest),
+        )
 
-    # ------------------------------------------------------------------ client
-    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
-        role = task.client.roles[0]
-        module = ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        uplink, metrics = {}, {}
-        if task.phase == "transfer":
-            public_steps = self.public_epochs * ctx.epoch_steps(len(ctx.public_indices))
-            private_steps = self.private_epochs * ctx.epoch_steps(ctx.num_examples())
-            metrics[f"{role}/transfer_public_loss"] = ctx.fit(role, "public", steps=public_steps)["loss"]
-            metrics[f"{role}/transfer_private_loss"] = ctx.fit(role, steps=private_steps)["loss"]
-        elif task.phase == "communicate":
-            positions = received_positions(task.downlink, "public_positions")
-            x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
-            if positions is not None:
-                ctx.state["public_positions"] = positions  # the client remembers its subset until the digest
-            logits = eval_logits(module, x_public, ctx.eval_batch_size)
-            uplink["public_logits"] = TensorPayload("public_logits", {"logits": logits})
-        else:
-            x_public = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("public_positions", None))
-            targets = task.received("consensus", TensorPayload).tensors["logits"].to(x_public.device)
-            batch_size = self.digest_batch_size or ctx.batch_size
-            batches = target_batches(x_public, targets, batch_size, self.digest_steps, ctx.generator)
-            step = digest_step(self.digest_loss, self.temperature)
-            metrics[f"{role}/digest_loss"] = ctx.fit(role, step_fn=step, batches=batches)["loss"]
-            metrics[f"{role}/loss"] = ctx.fit(role, steps=self.revisit_steps)["loss"]  # revisit
-        ctx.state["weights"] = ctx.weights(role)
-        return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
+    # ------------------------------------------------------------------ transfer learning (round 1)
+    def configure_transfer(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        """Before the first collaboration round, every client; later rounds have no transfer tasks."""
+        return [ClientTask(c, rnd) for c in self.server.clients] if rnd == 1 else []
 
-    # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "communicate") -> dict[str, float]:
-        if phase != "communicate":
-            for _ in updates:  # transfer learning and digest / revisit stay on the clients
-                pass
-            return {}
+    def transfer(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = self.load_own(task, ctx)[0]
+        public_steps = self.public_epochs * ctx.epoch_steps(len(ctx.public_indices))
+        private_steps = self.private_epochs * ctx.epoch_steps(ctx.num_examples())
+        metrics = {f"{role}/transfer_public_loss": ctx.fit(role, "public", steps=public_steps)["loss"]}
+        metrics[f"{role}/transfer_private_loss"] = ctx.fit(role, steps=private_steps)["loss"]
+        return self.keep_own(task, ctx, {}, metrics)
+
+    # ------------------------------------------------------------------ communicate: logits up, consensus
+    def configure_communicate(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
+        down = subset_downlink("public_positions", positions)
+        return [ClientTask(c, rnd, dict(down)) for c in clients]
+
+    def communicate(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role, module = self.load_own(task, ctx)
+        positions = received_positions(task.downlink, "public_positions")
+        x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
+        if positions is not None:
+            ctx.state["public_positions"] = positions  # the client remembers its subset until the digest
+        logits = eval_logits(module, x_public, ctx.eval_batch_size)
+        return self.keep_own(task, ctx, {"public_logits": TensorPayload("public_logits", {"logits": logits})}, {})
+
+    def aggregate_consensus(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         self.consensus, self.uploaders = mean_upload(updates, "public_logits", "logits")
         return {}
+
+    # ------------------------------------------------------------------ digest and revisit, on the clients
+    def configure_digest(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        if not self.uploaders or self.consensus is None:  # set together, by aggregate_consensus
+            return []
+        consensus = TensorPayload("consensus", {"logits": self.consensus})
+        return [ClientTask(c, rnd, {"consensus": consensus}) for c in self.uploaders]
+
+    def digest(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        role = self.load_own(task, ctx)[0]
+        x_public = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("public_positions", None))
+        targets = task.received("consensus", TensorPayload).tensors["logits"].to(x_public.device)
+        batch_size = self.digest_batch_size or ctx.batch_size
+        batches = target_batches(x_public, targets, batch_size, self.digest_steps, ctx.generator)
+        step = digest_step(self.digest_loss, self.temperature)
+        metrics = {f"{role}/digest_loss": ctx.fit(role, step_fn=step, batches=batches)["loss"]}
+        metrics[f"{role}/loss"] = ctx.fit(role, steps=self.revisit_steps)["loss"]  # revisit
+        return self.keep_own(task, ctx, {}, metrics)
 
 
 def digest_step(loss: str, temperature: float):

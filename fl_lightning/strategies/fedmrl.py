@@ -107,7 +107,7 @@ class FedMRL(PersonalModels, Strategy):
                 torch.manual_seed(derive_seed(self.server.seed, PROJECTOR_INIT, client_id, Stream.CLIENT_INIT))
             return projector(self.global_dim, self.server.feature_dim(role))
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         small = self.outgoing(self.small_role, self.state.small_weights)
         return [ClientTask(c, rnd, {self.small_role: small}) for c in clients]
 
@@ -134,7 +134,7 @@ class FedMRL(PersonalModels, Strategy):
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), {small: self.outgoing(small, trained_small)}, metrics)
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
             weights = update.sent(self.small_role, ModelWeights).state

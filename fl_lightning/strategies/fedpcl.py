@@ -116,7 +116,7 @@ class FedPCL(PersonalModels, Strategy):
             )
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         state = self.state
         global_prototypes = ClassStatistics.padded(
             "global_prototypes", {"prototypes": state.global_prototypes}, state.global_has
@@ -193,7 +193,7 @@ class FedPCL(PersonalModels, Strategy):
         return collector.result("local_prototypes").compact()
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         state = self.state
         sums = torch.zeros(self.num_classes, self.feature_dim, dtype=torch.float64)
         counts = torch.zeros(self.num_classes, dtype=torch.long)

@@ -135,7 +135,7 @@ class FedProto(PersonalModels, Strategy):
         padded = ClassStatistics.padded("global_prototypes", {"prototypes": bank.mean()}, bank.available)
         return padded.compact()
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         prototypes = self.global_prototypes()
         return [ClientTask(c, rnd, {"global_prototypes": prototypes}) for c in clients]
 
@@ -170,7 +170,7 @@ class FedProto(PersonalModels, Strategy):
         )
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         bank = self.state.bank = ClassBank(self.num_classes, self.feature_dim)  # this round's uploads only
         for update in updates:
             upload = update.sent("local_prototypes", ClassStatistics)

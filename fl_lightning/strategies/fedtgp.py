@@ -108,7 +108,7 @@ class FedTGP(PersonalModels, Strategy):
         self.state = FedTGPState(network.to(server.data.x.device))
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         prototypes = self.state.prototypes
         if prototypes is None:
             return [ClientTask(c, rnd) for c in clients]
@@ -145,7 +145,7 @@ class FedTGP(PersonalModels, Strategy):
         )
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         device = self.state.network.embedding.weight.device
         bank, rows, labels = ClassBank(self.num_classes, self.feature_dim, device), [], []
         for update in updates:

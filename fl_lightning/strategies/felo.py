@@ -129,7 +129,7 @@ class Felo(PersonalModels, Strategy):
             "class_features": ClassStatistics.padded("class_features", {"features": features}, have_features),
         }
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         knowledge = self.knowledge_downlink()
         tasks = []
         for c in clients:
@@ -191,7 +191,7 @@ class Felo(PersonalModels, Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         state = self.state
         if self.forget:
             for bank in (state.logit_bank, state.feature_bank):

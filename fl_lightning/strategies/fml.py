@@ -82,7 +82,7 @@ class FML(PersonalModels, Strategy):
         """The client's private model: its role other than the meme."""
         return next(r for r in client.roles if r != self.meme_role)
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         meme = self.outgoing(self.meme_role, self.state.meme_weights)
         return [ClientTask(c, rnd, {self.meme_role: meme}) for c in clients]
 
@@ -111,7 +111,7 @@ class FML(PersonalModels, Strategy):
         metrics = {f"{role}/loss": loss for role, loss in losses.items()}
         return ClientUpdate(task.client, ctx.num_examples(), uplink, metrics)
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
             average.add(update.sent(self.meme_role, ModelWeights).state, update.num_samples if self.weighted else 1.0)

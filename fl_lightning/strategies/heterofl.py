@@ -161,7 +161,7 @@ class HeteroFL(Strategy):
         return [self.draw_roles[i] for i in picks]
 
     # ------------------------------------------------------------------ server -> client
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         roles = self.round_roles(rnd)
         tasks = []
         for client in clients:
@@ -199,7 +199,7 @@ class HeteroFL(Strategy):
         return ClientUpdate(task.client, ctx.num_examples(), uplink, {f"{role}/loss": stats["loss"]})
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         average = SliceAverage(self.state.global_weights, self.row_keys)
         for update in updates:
             classes = update.sent("label_split", TensorPayload).tensors["classes"] if self.label_split else None

@@ -100,7 +100,7 @@ class LGFedAvg(PersonalModels, Strategy):
         """``local`` with the global part put in its place (matched by position for other architectures)."""
         return {**local, **{own: global_weights[name] for name, own in zip(self.names, self.keys[role])}}
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         shared = ModelWeights("global_layers", self.state.global_weights)
         return [ClientTask(c, rnd, {"global_layers": shared}) for c in clients]
 
@@ -114,7 +114,7 @@ class LGFedAvg(PersonalModels, Strategy):
         uplink = ModelWeights("global_layers", {name: trained[own] for name, own in zip(self.names, self.keys[role])})
         return ClientUpdate(task.client, ctx.num_examples(), {"global_layers": uplink}, {f"{role}/loss": stats["loss"]})
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         average = WeightedAverage()
         for update in updates:
             average.add(update.sent("global_layers", ModelWeights).state, update.num_samples if self.weighted else 1.0)

@@ -45,7 +45,7 @@ class MergedCodist(FedAdam):
         self.distillation.check_roles(self.name, self.pools)
         self.server_x = server.server_inputs()
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         averages = self.client_averages(updates)
         generator = self.server.round_generator()
         students = self.distillation.run(

@@ -16,7 +16,7 @@ from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, Role, StateDict, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.distillation import kd_kl_loss, ramp_up
-from .base import SentWeights, ServerContext, Strategy, global_metrics
+from .base import Phase, SentWeights, ServerContext, Strategy, global_metrics
 
 
 @dataclass
@@ -50,7 +50,6 @@ class OnDeviceKD(Strategy):
         weighted: weight averages by labeled examples instead of uniformly (code).
     """
 
-    phases = ("auxiliary", "target")
     state: OnDeviceKDState
 
     def __init__(
@@ -112,24 +111,39 @@ class OnDeviceKD(Strategy):
         load_exchanged(module.model, task.received(role, ModelWeights).state)
         return module
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "auxiliary") -> list[ClientTask]:
+    def phases(self) -> tuple[Phase, ...]:
+        return (
+            Phase("auxiliary", self.configure_auxiliary, self.train_auxiliary, self.aggregate_auxiliary),
+            Phase("target", self.configure_target, self.distill_target, self.aggregate_target),
+        )
+
+    # ------------------------------------------------------------------ auxiliary: every client, averaged
+    def configure_auxiliary(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         aux = self.outgoing(self.aux_role, self.state.global_weights[self.aux_role])
-        if phase == "auxiliary":
-            return [ClientTask(c, rnd, {self.aux_role: aux}) for c in clients if self.aux_role in c.roles]
+        return [ClientTask(c, rnd, {self.aux_role: aux}) for c in clients if self.aux_role in c.roles]
+
+    def train_auxiliary(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
+        aux = self.receive(ctx, task, self.aux_role)
+        loss = ctx.fit(self.aux_role)["loss"]
+        return ClientUpdate(
+            task.client,
+            ctx.num_examples(),
+            {self.aux_role: self.outgoing(self.aux_role, aux.model.state_dict(), copy=True)},
+            {f"{self.aux_role}/loss": loss},
+        )
+
+    def aggregate_auxiliary(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
+        self.average_into(self.aux_role, updates)
+        return {}
+
+    # ------------------------------------------------------------------ target: strong clients distil
+    def configure_target(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
+        aux = self.outgoing(self.aux_role, self.state.global_weights[self.aux_role])
         strong = self.strong if self.all_strong_every_round else [c for c in clients if self.target_role in c.roles]
         target = self.outgoing(self.target_role, self.state.global_weights[self.target_role])
         return [ClientTask(c, rnd, {self.aux_role: aux, self.target_role: target}) for c in strong]
 
-    def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
-        if task.phase == "auxiliary":
-            aux = self.receive(ctx, task, self.aux_role)
-            loss = ctx.fit(self.aux_role)["loss"]
-            return ClientUpdate(
-                task.client,
-                ctx.num_examples(),
-                {self.aux_role: self.outgoing(self.aux_role, aux.model.state_dict(), copy=True)},
-                {f"{self.aux_role}/loss": loss},
-            )
+    def distill_target(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         teacher = self.receive(ctx, task, self.aux_role)
         teacher.train(self.teacher_mode == "train")
         target = self.receive(ctx, task, self.target_role)
@@ -168,15 +182,18 @@ class OnDeviceKD(Strategy):
             self._round_kd_weight = torch.zeros((), device=device)
         return self._round_kd_weight.fill_(value)
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "auxiliary") -> dict[str, float]:
-        role = self.aux_role if phase == "auxiliary" else self.target_role
+    def aggregate_target(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
+        self.average_into(self.target_role, updates)
+        return {"server/kd_weight": ramp_up(rnd - 1, self.kd_weight, self.ramp_rounds)}
+
+    def average_into(self, role: str, updates: Iterator[ClientUpdate]) -> None:
+        """The global ``role`` weights become the (weighted) average of the updates' (none: they stay)."""
         average = WeightedAverage()
         for update in updates:
             average.add(update.sent(role, ModelWeights).state, update.num_samples if self.weighted else 1.0)
         if average.count:
             weights = self.state.global_weights
             weights[role] = {**weights[role], **average.result()}
-        return {"server/kd_weight": ramp_up(rnd - 1, self.kd_weight, self.ramp_rounds)} if phase == "target" else {}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
         return global_metrics(evaluator, self.state.global_weights)

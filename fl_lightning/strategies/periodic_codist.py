@@ -48,8 +48,8 @@ class PeriodicCodist(FedAdam):
         self.distillation.check_roles(self.name, self.pools)
         self.server_x = server.server_inputs()
 
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        super().aggregate(rnd, updates, phase)
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
+        super().aggregate(rnd, updates)
         if rnd % self.period:
             return {}
         generator = self.server.round_generator()

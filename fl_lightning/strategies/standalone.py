@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from ..client.context import ClientContext
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
-from .base import PersonalModels, ServerContext, Split, Strategy
+from .base import PersonalModels, Phase, ServerContext, Split, Strategy
 
 
 class Standalone(PersonalModels, Strategy):
@@ -27,17 +25,12 @@ class Standalone(PersonalModels, Strategy):
         super().setup(server)
         server.require_one_role_per_client()
 
-    def configure_round(self, rnd: int, clients: list[ClientSpec], phase: str = "train") -> list[ClientTask]:
+    def phases(self) -> tuple[Phase, ...]:
+        return (Phase("train", self.configure_round, self.client_update),)  # no aggregate: nothing reaches the server
+
+    def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         return [ClientTask(c, rnd) for c in clients]
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
-        role = task.client.roles[0]
-        ctx.load(role, self.server.own_weights(task.client, ctx.state.get("weights")))
-        loss = ctx.fit(role)["loss"]
-        ctx.state["weights"] = ctx.weights(role)
-        return ClientUpdate(task.client, ctx.num_examples(), {}, {f"{role}/loss": loss})
-
-    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate], phase: str = "train") -> dict[str, float]:
-        for _ in updates:  # nothing reaches the server
-            pass
-        return {}
+        role = self.load_own(task, ctx)[0]
+        return self.keep_own(task, ctx, {}, {f"{role}/loss": ctx.fit(role)["loss"]})
