@@ -218,6 +218,24 @@ class ServerContext:
         return (trained, stats["loss"]) if return_loss else trained
 
     # ------------------------------------------------------------------ checks of the set-up, at setup
+    def shared_feature_dim(self, why: str, fix: str, roles: Iterable[str] | None = None) -> int:
+        """The one feature size D of ``roles`` (every role by default), for methods that compare or average
+        representations across architectures; refused, saying ``why`` and the ``fix``, when the sizes differ.
+
+        Example: ``server.shared_feature_dim("averages representations across models", "Give all builders the
+        same representation size (e.g. hidden: 64).")``.
+        """
+        dims = {r: self.feature_dim(r) for r in (self.roles if roles is None else roles)}
+        if len(set(dims.values())) != 1:
+            raise ConfigError(f"{self.method} {why}, so every role needs the same feature size; got {dims}. {fix}")
+        return next(iter(dims.values()))
+
+    def require_linear_heads(self, why: str, fix: str) -> None:
+        """Every role's head is one ``nn.Linear`` (nearest-prototype inference swaps it); refused saying ``why``."""
+        if any(not isinstance(self.model(r).head, torch.nn.Linear) for r in self.roles):
+            heads = {r: type(self.model(r).head).__name__ for r in self.roles}
+            raise ConfigError(f"{self.method} {why}, so every head must be one nn.Linear; got {heads}. {fix}")
+
     def require_server_only_role(self, role: str) -> None:
         """Refuses a server model role that a tier also gives to clients (FedGEMS, FedGKT)."""
         held = [c.id for c in self.clients if role in c.roles]

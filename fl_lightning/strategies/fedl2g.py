@@ -113,14 +113,10 @@ class FedL2G(PersonalModels, Strategy):
         """D: the class count (logits), or the representation size every role shares (features)."""
         if self.target == "logit":
             return server.data.num_classes
-        dims = {r: server.feature_dim(r) for r in server.roles}
-        if len(set(dims.values())) != 1:
-            raise ConfigError(
-                f"FedL2G's feature variant guides every model's features with one vector per class, so every role "
-                f"needs the same feature size; got {dims}. Give all builders the same representation size (e.g. "
-                f"hidden: 64), or use target: logit."
-            )
-        return next(iter(dims.values()))
+        return server.shared_feature_dim(
+            "(its feature variant) guides every model's features with one vector per class",
+            "Give all builders the same representation size (e.g. hidden: 64), or use target: logit.",
+        )
 
     def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         vectors = TensorPayload("guiding_vectors", {"vectors": self.state.vectors})

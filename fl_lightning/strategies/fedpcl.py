@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
@@ -77,25 +77,20 @@ class FedPCL(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client()
-        dims = {r: server.feature_dim(r) for r in server.roles}
-        if len(set(dims.values())) != 1:
-            raise ConfigError(
-                f"FedPCL compares every client's projections with every other's prototypes, so every role needs "
-                f"the same feature size; got {dims}. Give all roles the same projection_dim."
-            )
-        heads = {r: type(server.model(r).head).__name__ for r in server.roles}
-        if any(not isinstance(server.model(r).head, nn.Linear) for r in server.roles):
-            raise ConfigError(
-                f"FedPCL evaluates by the nearest prototype through a linear head, so every head must be one "
-                f"nn.Linear; got {heads}. Use the frozen_backbones builder."
-            )
+        feature_dim = server.shared_feature_dim(
+            "compares every client's projections with every other's prototypes",
+            "Give all roles the same projection_dim.",
+        )
+        server.require_linear_heads(
+            "evaluates by the nearest prototype through a linear head", "Use the frozen_backbones builder."
+        )
         for role in server.roles:
             self._check_unit_length(server, role)
             # no loss reads the head (evaluation replaces it by prototypes): frozen, it is a tensor no step leaves
             # without a gradient, which the batched executor needs, and the optimizer skips it as before
             server.model(role).head.requires_grad_(False)
         num_clients = max(c.id for c in server.clients) + 1
-        self.num_classes, self.feature_dim = server.data.num_classes, next(iter(dims.values()))
+        self.num_classes, self.feature_dim = server.data.num_classes, feature_dim
         c, d = self.num_classes, self.feature_dim
         self.state = FedPCLState(
             torch.zeros(num_clients, c, d),

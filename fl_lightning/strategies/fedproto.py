@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
@@ -112,20 +112,16 @@ class FedProto(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client()
-        dims = {r: server.feature_dim(r) for r in server.roles}
-        if len(set(dims.values())) != 1:
-            raise ConfigError(
-                f"FedProto averages representations across models, so every role needs the same feature size; "
-                f"got {dims}. Give all builders the same representation size (e.g. hidden: 64)."
-            )
+        feature_dim = server.shared_feature_dim(
+            "averages representations across models",
+            "Give all builders the same representation size (e.g. hidden: 64).",
+        )
         if self.inference == "prototypes":
-            heads = {r: type(server.model(r).head).__name__ for r in server.roles}
-            if any(not isinstance(server.model(r).head, nn.Linear) for r in server.roles):
-                raise ConfigError(
-                    f"FedProto's nearest-prototype inference replaces each model's head by a linear one, so every "
-                    f"head must be one nn.Linear; got {heads}. Use inference: local_head for other heads."
-                )
-        self.num_classes, self.feature_dim = server.data.num_classes, next(iter(dims.values()))
+            server.require_linear_heads(
+                "replaces each model's head by a linear one for nearest-prototype inference",
+                "Use inference: local_head for other heads.",
+            )
+        self.num_classes, self.feature_dim = server.data.num_classes, feature_dim
         self.state = FedProtoState(ClassBank(self.num_classes, self.feature_dim))
 
     # ------------------------------------------------------------------ server -> client

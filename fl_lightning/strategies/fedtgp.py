@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
@@ -89,19 +89,16 @@ class FedTGP(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client()
-        dims = {r: server.feature_dim(r) for r in server.roles}
-        if len(set(dims.values())) != 1:
-            raise ConfigError(
-                f"FedTGP trains one prototype per class for every model's representation, so every role needs the "
-                f"same feature size; got {dims}. Give all builders the same representation size (e.g. hidden: 64)."
+        feature_dim = server.shared_feature_dim(
+            "trains one prototype per class for every model's representation",
+            "Give all builders the same representation size (e.g. hidden: 64).",
+        )
+        if self.inference == "prototypes":
+            server.require_linear_heads(
+                "replaces each model's head by a linear one for nearest-prototype inference",
+                "Use inference: local_head for other heads.",
             )
-        if self.inference == "prototypes" and any(not isinstance(server.model(r).head, nn.Linear) for r in dims):
-            heads = {r: type(server.model(r).head).__name__ for r in dims}
-            raise ConfigError(
-                f"FedTGP's nearest-prototype inference replaces each model's head by a linear one, so every head "
-                f"must be one nn.Linear; got {heads}. Use inference: local_head for other heads."
-            )
-        self.num_classes, self.feature_dim = server.data.num_classes, next(iter(dims.values()))
+        self.num_classes, self.feature_dim = server.data.num_classes, feature_dim
         with torch.random.fork_rng(devices=[]):  # the server's own initialisation, from the run's seed alone
             torch.manual_seed(derive_seed(server.seed, 0, Owner.SERVER, Stream.CLIENT_INIT))
             network = TrainablePrototypes(self.num_classes, self.feature_dim, self.hidden_dim)

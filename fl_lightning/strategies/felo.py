@@ -94,13 +94,9 @@ class Felo(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client()
-        dims = {r: server.feature_dim(r) for r in server.roles}
-        if len(set(dims.values())) != 1:
-            raise ConfigError(
-                f"{self.name} compares features across architectures, so every role needs the "
-                f"same feature dimension; got {dims}. Set the builders' feature sizes equal."
-            )
-        self.feature_dim = next(iter(dims.values()))
+        self.feature_dim = server.shared_feature_dim(
+            "compares features across architectures", "Set the builders' feature sizes equal."
+        )
         self.num_classes = server.data.num_classes
         self.state = FeloState(
             {r: server.initial_weights(r) for r in server.roles} if self.average_weights else {},
