@@ -75,7 +75,7 @@ def test_bytes_each_way_open_positions_predictions_and_soft_labels():
     task = phase_tasks(strategy, 3, [client], "train")[0]
     positions = task.downlink["open_positions"].tensors["positions"]
     assert task.downlink["open_positions"].nbytes == 5 * 4  # n int32 positions
-    assert positions.tolist() == sorted(set(positions.tolist())) and int(positions.max()) < strategy.num_public
+    assert positions.tolist() == sorted(set(positions.tolist())) and int(positions.max()) < strategy.exchange.num_public
     assert torch.equal(
         positions, phase_tasks(strategy, 3, [client], "train")[0].downlink["open_positions"].tensors["positions"]
     )

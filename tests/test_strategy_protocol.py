@@ -8,6 +8,7 @@ import csv
 from collections.abc import Iterator
 
 import pytest
+import torch
 from conftest import ROOT, read_summary, run_cli, write_recipe
 
 from fl_lightning.federation.types import ClientSpec, ClientTask, ClientUpdate
@@ -169,3 +170,20 @@ def test_asynchronous_rounds_refuse_a_method_of_several_phases(tmp_path):
 
     with pytest.raises(ConfigError, match=r"several phases per round \(transfer, communicate, digest\)"):
         AsynchronousRounds(AsynchronousSchedule(), phase_table(FedMD()), [], None, 0, None)
+
+
+def test_the_public_exchange_refuses_a_size_beyond_its_set_and_replies_only_to_uploaders():
+    from fl_lightning.federation.errors import ConfigError
+    from fl_lightning.federation.types import ClientSpec
+    from fl_lightning.strategies.public_exchange import PublicExchange
+
+    with pytest.raises(ConfigError, match=r"^FedMD public_size 9 must be between 1 and the public set's 8 examples"):
+        PublicExchange("FedMD", 8, 9, "public_size", "public", seed=0)
+    exchange = PublicExchange("DS-FL", 8, 3, "open_size", "open", seed=0)
+    tasks = exchange.tasks(2, [ClientSpec(0, "all", ("m",)), ClientSpec(1, "all", ("m",))])
+    positions = [t.downlink["open_positions"].tensors["positions"].tolist() for t in tasks]
+    assert positions[0] == positions[1] == exchange.subset(2).tolist() and len(positions[0]) == 3
+    assert exchange.reply(2, [], "global_soft_labels", {"probs": torch.ones(3, 10)}) == []
+    assert exchange.reply(2, [tasks[1].client], "global_soft_labels", None) == []
+    (reply,) = exchange.reply(2, [tasks[1].client], "global_soft_labels", {"probs": torch.ones(3, 10)})
+    assert reply.client.id == 1 and reply.downlink["global_soft_labels"].nbytes == 3 * 10 * 4

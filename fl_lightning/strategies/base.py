@@ -48,6 +48,7 @@ from ..federation.types import (
     exchanged_keys,
 )
 from ..models import FeatureClassifier
+from .public_exchange import PublicExchange
 
 
 @dataclass
@@ -112,6 +113,13 @@ class ServerContext:
                 "server_dataset or sequence targets); use data.init_args.server_fraction on a classification set."
             )
         return x, y
+
+    def public_exchange(self, size: int | None, option: str, word: str, labeled: bool) -> PublicExchange:
+        """Round subsets of ``size`` examples of the server's public set (labeled: :meth:`server_labeled`, else
+        :meth:`server_inputs`), refused when ``size`` does not fit it; ``option`` and ``word`` name them in the
+        message (DS-FL's ``open_size`` of its ``open`` set)."""
+        num_public = len(self.server_labeled()[1]) if labeled else len(self.server_inputs())
+        return PublicExchange(self.method, num_public, size, option, word, self.seed)
 
     # ------------------------------------------------------------------ model facts
     def model(self, role: str) -> FeatureClassifier:

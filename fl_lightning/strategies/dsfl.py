@@ -19,10 +19,6 @@ from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import (
     eval_logits,
     mean_upload,
-    public_inputs,
-    received_positions,
-    round_subset,
-    subset_downlink,
     target_batches,
 )
 from .base import PersonalModels, Phase, ServerContext, Split, Strategy
@@ -99,13 +95,7 @@ class DSFL(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client()
-        num_public = len(server.server_inputs())
-        if self.open_size is not None and not 1 <= self.open_size <= num_public:
-            raise ConfigError(
-                f"DS-FL open_size {self.open_size} must be between 1 and the open set's {num_public} examples "
-                "(data.server_fraction); lower it, or set null for the whole set."
-            )
-        self.num_public = num_public
+        self.exchange = server.public_exchange(self.open_size, "open_size", "open", labeled=False)
         self.uploaders, self.global_probs = [], None  # within a round only: never checkpointed
 
     def phases(self) -> tuple[Phase, ...]:
@@ -116,20 +106,15 @@ class DSFL(PersonalModels, Strategy):
 
     # ------------------------------------------------------------------ train: outputs on the open batch up
     def configure_train(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
-        positions = round_subset(self.server.seed, rnd, self.num_public, self.open_size)
-        down = subset_downlink("open_positions", positions)
-        return [ClientTask(c, rnd, dict(down)) for c in clients]
+        return self.exchange.tasks(rnd, clients)
 
     def train(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role, module = self.load_own(task, ctx)
         loss = ctx.fit(role)["loss"]
-        positions = received_positions(task.downlink, "open_positions")
-        x_open = public_inputs(ctx.data_x, ctx.public_indices, positions)
+        x_open = self.exchange.received(task, ctx)[0]  # its positions remembered until the distill phase
         outputs = eval_logits(module, x_open, ctx.eval_batch_size)
         if self.upload == "probs":
             outputs = F.softmax(outputs, dim=1)
-        if positions is not None:
-            ctx.state["open_positions"] = positions  # the client remembers its batch until the distill phase
         uplink = {"open_outputs": TensorPayload("open_outputs", {"outputs": outputs})}
         return self.keep_own(task, ctx, uplink, {f"{role}/loss": loss})
 
@@ -144,15 +129,13 @@ class DSFL(PersonalModels, Strategy):
 
     # ------------------------------------------------------------------ distill: the soft labels down
     def configure_distill(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
-        if not self.uploaders or self.global_probs is None:  # set together, by aggregate_soft_labels
-            return []
-        soft_labels = TensorPayload("global_soft_labels", {"probs": self.global_probs})
-        return [ClientTask(c, rnd, {"global_soft_labels": soft_labels}) for c in self.uploaders]
+        probs = None if self.global_probs is None else {"probs": self.global_probs}
+        return self.exchange.reply(rnd, self.uploaders, "global_soft_labels", probs)
 
     def distill(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         """The client distils locally; nothing goes back."""
         role = self.load_own(task, ctx)[0]
-        x_open = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("open_positions", None))
+        x_open = self.exchange.recalled(ctx)[0]
         targets = task.received("global_soft_labels", TensorPayload).tensors["probs"].to(x_open.device)
         batch_size = self.distill_batch_size or ctx.batch_size
         batches = target_batches(x_open, targets, batch_size, self.distill_steps, ctx.generator)

@@ -21,10 +21,6 @@ from ..federation.padding import padded_loss, real_labels
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from ..knowledge.public_set import (
     eval_logits,
-    public_inputs,
-    received_positions,
-    round_subset,
-    subset_downlink,
     target_batches,
 )
 from ..knowledge.server_optim import ServerOptimizer, server_optimizer
@@ -169,13 +165,8 @@ class FedGEMS(PersonalModels, Strategy):
         server.require_one_role_per_client()
         server.require_server_only_role(self.server_role)
         self.public_x, self.public_y = server.server_labeled()
-        num_public = len(self.public_y)
-        if self.public_size is not None and not 1 <= self.public_size <= num_public:
-            raise ConfigError(
-                f"FedGEMS public_size {self.public_size} must be between 1 and the public set's {num_public} "
-                "examples (data.server_fraction); lower it, or set null for the whole set."
-            )
-        self.num_public = num_public
+        self.exchange = server.public_exchange(self.public_size, "public_size", "public", labeled=True)
+        num_public = self.exchange.num_public
         pool_logits = torch.zeros(num_public, server.data.num_classes)
         pool_known = torch.zeros(num_public, dtype=torch.bool)
         self.state = FedGEMSState(server.initial_weights(self.server_role), pool_logits, pool_known)
@@ -189,17 +180,13 @@ class FedGEMS(PersonalModels, Strategy):
 
     # ------------------------------------------------------------------ train: public logits up
     def configure_train(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
-        self.positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-        down = subset_downlink("public_positions", self.positions)
-        return [ClientTask(c, rnd, dict(down)) for c in clients]
+        self.positions = self.exchange.subset(rnd)
+        return self.exchange.tasks(rnd, clients)
 
     def train(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role, module = self.load_own(task, ctx)
-        positions = received_positions(task.downlink, "public_positions")
-        if positions is not None:
-            ctx.state["public_positions"] = positions  # remembered until the distillation
+        x_public = self.exchange.received(task, ctx)[0]  # its positions remembered until the distillation
         metrics = {f"{role}/loss": ctx.fit(role)["loss"]}
-        x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
         logits = eval_logits(module, x_public, ctx.eval_batch_size)
         return self.keep_own(task, ctx, {"public_logits": TensorPayload("public_logits", {"logits": logits})}, metrics)
 
@@ -211,7 +198,7 @@ class FedGEMS(PersonalModels, Strategy):
             self.uploaders.append(update.client)
         if not received:
             return {}
-        rows = torch.arange(self.num_public) if self.positions is None else self.positions.long()
+        rows = torch.arange(self.exchange.num_public) if self.positions is None else self.positions.long()
         device = self.public_x.device
         rows = rows.to(device)
         x, y = self.public_x[rows], self.public_y[rows]
@@ -222,16 +209,13 @@ class FedGEMS(PersonalModels, Strategy):
 
     # ------------------------------------------------------------------ distill: the server's logits down
     def configure_distill(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
-        if not self.uploaders or self.server_logits is None:  # set together, by aggregate_logits
-            return []
-        logits = TensorPayload("server_logits", {"logits": self.server_logits})
-        return [ClientTask(c, rnd, {"server_logits": logits}) for c in self.uploaders]
+        logits = None if self.server_logits is None else {"logits": self.server_logits}
+        return self.exchange.reply(rnd, self.uploaders, "server_logits", logits)
 
     def distill(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         """The client distils from the server's logits on its public subset; nothing goes back."""
         role = self.load_own(task, ctx)[0]
-        positions = ctx.state.pop("public_positions", None)
-        x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
+        x_public, positions = self.exchange.recalled(ctx)
         chosen = ctx.public_indices if positions is None else ctx.public_indices[positions.long()]
         # server knowledge and public labels at one address per name (CUDA graphs keep their key)
         y_public = ctx.on_device("public_labels", ctx.data_y[chosen])

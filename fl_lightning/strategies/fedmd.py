@@ -19,10 +19,6 @@ from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import (
     eval_logits,
     mean_upload,
-    public_inputs,
-    received_positions,
-    round_subset,
-    subset_downlink,
     target_batches,
 )
 from .base import PersonalModels, Phase, ServerContext, Split, Strategy
@@ -91,13 +87,7 @@ class FedMD(PersonalModels, Strategy):
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
         server.require_one_role_per_client()
-        num_public = len(server.server_labeled()[1])
-        if self.public_size is not None and not 1 <= self.public_size <= num_public:
-            raise ConfigError(
-                f"FedMD public_size {self.public_size} must be between 1 and the public set's {num_public} "
-                "examples (data.server_fraction); lower it, or set null for the whole set."
-            )
-        self.num_public = num_public
+        self.exchange = server.public_exchange(self.public_size, "public_size", "public", labeled=True)
         self.uploaders, self.consensus = [], None  # within a round only: never checkpointed
 
     def phases(self) -> tuple[Phase, ...]:
@@ -122,16 +112,11 @@ class FedMD(PersonalModels, Strategy):
 
     # ------------------------------------------------------------------ communicate: logits up, consensus
     def configure_communicate(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
-        positions = round_subset(self.server.seed, rnd, self.num_public, self.public_size)
-        down = subset_downlink("public_positions", positions)
-        return [ClientTask(c, rnd, dict(down)) for c in clients]
+        return self.exchange.tasks(rnd, clients)
 
     def communicate(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role, module = self.load_own(task, ctx)
-        positions = received_positions(task.downlink, "public_positions")
-        x_public = public_inputs(ctx.data_x, ctx.public_indices, positions)
-        if positions is not None:
-            ctx.state["public_positions"] = positions  # the client remembers its subset until the digest
+        x_public = self.exchange.received(task, ctx)[0]  # its positions remembered until the digest
         logits = eval_logits(module, x_public, ctx.eval_batch_size)
         return self.keep_own(task, ctx, {"public_logits": TensorPayload("public_logits", {"logits": logits})}, {})
 
@@ -141,14 +126,12 @@ class FedMD(PersonalModels, Strategy):
 
     # ------------------------------------------------------------------ digest and revisit, on the clients
     def configure_digest(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
-        if not self.uploaders or self.consensus is None:  # set together, by aggregate_consensus
-            return []
-        consensus = TensorPayload("consensus", {"logits": self.consensus})
-        return [ClientTask(c, rnd, {"consensus": consensus}) for c in self.uploaders]
+        consensus = None if self.consensus is None else {"logits": self.consensus}
+        return self.exchange.reply(rnd, self.uploaders, "consensus", consensus)
 
     def digest(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = self.load_own(task, ctx)[0]
-        x_public = public_inputs(ctx.data_x, ctx.public_indices, ctx.state.pop("public_positions", None))
+        x_public = self.exchange.recalled(ctx)[0]
         targets = task.received("consensus", TensorPayload).tensors["logits"].to(x_public.device)
         batch_size = self.digest_batch_size or ctx.batch_size
         batches = target_batches(x_public, targets, batch_size, self.digest_steps, ctx.generator)
