@@ -318,6 +318,8 @@ def _subclass_names(base: type) -> list[str]:
         stack.extend(cls.__subclasses__())
         if cls.__name__.startswith("_") or "LazyInstance" in cls.__name__:  # jsonargparse's lazy_instance wrappers
             continue
+        if inspect.isabstract(cls):  # a base for methods (CodistillationPools), not one a recipe can name
+            continue
         ours = cls.__module__.startswith(("fl_lightning", "torch.optim"))
         found[cls.__name__ if ours else f"{cls.__module__}.{cls.__qualname__}"] = None
     return sorted(found, key=str.lower)

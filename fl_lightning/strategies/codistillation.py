@@ -1,12 +1,14 @@
 """Server-side codistillation between two model pools (paper 002, Algorithms 1 and 2): the round shared by
 PeriodicCodist and MergedCodist, in which each pool's student learns from the other pool's frozen teacher on
-the server's unlabeled examples. Its targets and batches are :mod:`fl_lightning.knowledge.codistill`'s."""
+the server's unlabeled examples, and :class:`CodistillationPools`, the base both methods build on. Its
+targets and batches are :mod:`fl_lightning.knowledge.codistill`'s."""
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,9 +17,10 @@ from torch import Tensor
 from ..data.transforms import random_flips
 from ..federation.errors import ConfigError
 from ..federation.schedules import linear_decay
-from ..federation.types import StateDict
+from ..federation.types import ClientUpdate, Role, StateDict
 from ..knowledge.codistill import codistillation_targets, mixup, random_batches
 from ..knowledge.distillation import kl_to_targets
+from .fedadam import FedAdam
 
 if TYPE_CHECKING:
     from .base import ServerContext
@@ -166,3 +169,42 @@ class Codistillation:
             idx = torch.randint(len(x), (b,), generator=generator).to(x.device)
             batches.append(augment(x[idx], generator))
         return torch.cat(batches)
+
+
+class CodistillationPools(FedAdam):
+    """Two FedAdam pools, a small and a large model, that the server codistils on its unlabeled examples: what
+    PeriodicCodist (every ``period`` rounds) and MergedCodist (every round, merged into the update) share.
+
+    All clients train the small model; high-capacity clients (the tiers that also list the large role) train
+    the large one. A subclass decides in ``aggregate`` when and how the students of :meth:`students` enter.
+
+    Args:
+        small_role, large_role: the two pools' roles.
+        distillation: steps, batch size, learning rates, temperatures and student regularization.
+        (server_lr, server_lr_final, beta1, beta2, eps, weighted, clients_per_round: as FedAdam)
+    """
+
+    def __init__(
+        self, small_role: str = "small", large_role: str = "large", distillation: Codistillation | None = None, **kwargs
+    ):
+        super().__init__([small_role, large_role], **kwargs)  # FedAdam's server optimizer options
+        self.pools = (small_role, large_role)
+        self.distillation = distillation or Codistillation()
+
+    def setup(self, server: ServerContext) -> None:
+        super().setup(server)
+        self.distillation.check_roles(self.name, self.pools)
+        self.server_x = server.server_inputs()
+
+    def students(self, rnd: int) -> dict[Role, StateDict]:
+        """Each pool's student, distilled from the other pool's frozen current model (round ``rnd``'s schedule
+        and batch order)."""
+        generator = self.server.round_generator()
+        weights = self.state.global_weights
+        return self.distillation.run(
+            self.server, weights, self.pools, self.server_x, self.server.progress(rnd), generator
+        )
+
+    @abstractmethod
+    def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
+        """FedAdam's aggregation with the codistillation of the subclass."""

@@ -7,12 +7,10 @@ from collections.abc import Iterator
 from ..federation.errors import ConfigError
 from ..federation.types import ClientUpdate
 from ..knowledge.server_optim import global_norm, merge_gradients
-from .base import ServerContext
-from .codistillation import Codistillation
-from .fedadam import FedAdam
+from .codistillation import Codistillation, CodistillationPools
 
 
-class MergedCodist(FedAdam):
+class MergedCodist(CodistillationPools):
     """Two FedAdam pools whose server update merges the FedAvg and the distillation directions each round.
 
     Each round: average the clients into the pseudo-gradient ``g`` per pool; distill students from the
@@ -33,29 +31,14 @@ class MergedCodist(FedAdam):
         distillation: Codistillation | None = None,
         **kwargs,
     ):
-        super().__init__([small_role, large_role], **kwargs)  # FedAdam's server optimizer options
-        self.pools = (small_role, large_role)
+        super().__init__(small_role, large_role, distillation, **kwargs)
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"MergedCodist alpha must be in [0, 1], got {alpha}.")
         self.alpha = alpha
-        self.distillation = distillation or Codistillation()
-
-    def setup(self, server: ServerContext) -> None:
-        super().setup(server)
-        self.distillation.check_roles(self.name, self.pools)
-        self.server_x = server.server_inputs()
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         averages = self.client_averages(updates)
-        generator = self.server.round_generator()
-        students = self.distillation.run(
-            self.server,
-            self.state.global_weights,
-            self.pools,
-            self.server_x,
-            self.server.progress(rnd),
-            generator,
-        )
+        students = self.students(rnd)
         metrics = {}
         for role, average in averages.items():
             g = self.pseudo_gradient(role, average)

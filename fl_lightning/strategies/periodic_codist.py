@@ -6,12 +6,10 @@ from collections.abc import Iterator
 
 from ..federation.errors import ConfigError
 from ..federation.types import ClientUpdate
-from .base import ServerContext
-from .codistillation import Codistillation
-from .fedadam import FedAdam
+from .codistillation import Codistillation, CodistillationPools
 
 
-class PeriodicCodist(FedAdam):
+class PeriodicCodist(CodistillationPools):
     """Two FedAdam pools that exchange knowledge by server-side codistillation every ``period`` rounds.
 
     All clients train the small model; high-capacity clients (the tiers that also list the large role)
@@ -36,32 +34,16 @@ class PeriodicCodist(FedAdam):
         reset_server_optimizer: bool = True,
         **kwargs,
     ):
-        super().__init__([small_role, large_role], **kwargs)  # FedAdam's server optimizer options
-        self.pools = (small_role, large_role)
+        super().__init__(small_role, large_role, distillation, **kwargs)
         if period < 1:
             raise ConfigError(f"PeriodicCodist period must be at least 1, got {period}.")
         self.period, self.reset_server_optimizer = period, reset_server_optimizer
-        self.distillation = distillation or Codistillation()
-
-    def setup(self, server: ServerContext) -> None:
-        super().setup(server)
-        self.distillation.check_roles(self.name, self.pools)
-        self.server_x = server.server_inputs()
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
-        super().aggregate(rnd, updates)
+        super(CodistillationPools, self).aggregate(rnd, updates)  # FedAdam's
         if rnd % self.period:
             return {}
-        generator = self.server.round_generator()
-        students = self.distillation.run(
-            self.server,
-            self.state.global_weights,
-            self.pools,
-            self.server_x,
-            self.server.progress(rnd),
-            generator,
-        )
-        self.state.global_weights.update(students)
+        self.state.global_weights.update(self.students(rnd))
         if self.reset_server_optimizer:
             for optimizer in self.state.server_optimizers.values():
                 optimizer.reset()
