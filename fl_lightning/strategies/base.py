@@ -47,6 +47,7 @@ from ..federation.types import (
     clone_state,
     exchanged_keys,
 )
+from ..knowledge.public_set import target_batches
 from ..models import FeatureClassifier
 from .public_exchange import PublicExchange
 
@@ -224,6 +225,28 @@ class ServerContext:
         stats = self._loop.run_steps(module, optimizer(module.parameters()), batches, step_fn)
         trained = clone_state(module.model.state_dict())
         return (trained, stats["loss"]) if return_loss else trained
+
+    def train_on_rows(
+        self,
+        role: str,
+        weights: StateDict,
+        x: Tensor,
+        loss: Callable[[Tensor, Tensor], Tensor],
+        optimizer: Callable[[Iterable[Tensor]], torch.optim.Optimizer],
+        batch_size: int,
+        steps: int | None = None,
+    ) -> tuple[StateDict, float]:
+        """Trains the role's model on shuffled batches of the rows of ``x`` (``steps`` of them; None: one pass);
+        ``loss(outputs, rows)`` is the loss of the model's outputs on ``x[rows]``, its targets looked up by the
+        row indices (FedGEMS's fused teachers, FedGKT's client logits). Returns the weights and the mean loss."""
+        generator = self.round_generator()
+        batches = target_batches(x, torch.arange(len(x), device=x.device), batch_size, steps, generator)
+
+        def step(module, batch, i):
+            inputs, rows = batch
+            return loss(module(inputs), rows)
+
+        return self.train(role, weights, batches, step, optimizer, return_loss=True)
 
     # ------------------------------------------------------------------ checks of the set-up, at setup
     def shared_feature_dim(self, why: str, fix: str, roles: Iterable[str] | None = None) -> int:

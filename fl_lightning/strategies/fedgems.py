@@ -253,18 +253,15 @@ class FedGEMS(PersonalModels, Strategy):
         return loss
 
     def train_server(self, x: Tensor, y: Tensor, rows: Tensor, fused: Tensor, any_correct: Tensor) -> float:
-        generator = self.server.round_generator()
-        positions = torch.arange(len(x), device=x.device)
-        batches = target_batches(x, positions, self.batch_size, self.server_steps, generator)
-
-        def step(module, batch, i):
-            xb, at = batch
-            loss = self.server_loss(module(xb), y[at], rows[at], fused[at], any_correct[at])
-            return loss
-
         optimizer = server_optimizer(self.server_optimizer, self.server_lr)
-        self.state.server_weights, loss = self.server.train(
-            self.server_role, self.state.server_weights, batches, step, optimizer, return_loss=True
+        self.state.server_weights, loss = self.server.train_on_rows(
+            self.server_role,
+            self.state.server_weights,
+            x,
+            lambda s, at: self.server_loss(s, y[at], rows[at], fused[at], any_correct[at]),
+            optimizer,
+            self.batch_size,
+            self.server_steps,
         )
         return loss
 

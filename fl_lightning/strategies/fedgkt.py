@@ -195,18 +195,17 @@ class FedGKT(PersonalModels, Strategy):
         return {"server/loss": loss}
 
     def train_server(self, h: Tensor, z_client: Tensor, y: Tensor) -> float:
-        generator = self.server.round_generator()
         steps = self.server_epochs * -(-len(h) // self.batch_size)
-        batches = target_batches(h, torch.arange(len(h), device=h.device), self.batch_size, steps, generator)
-
-        def step(module, batch, i):
-            hb, at = batch
-            loss = bidirectional_losses(z_client[at], module(hb), y[at], self.alpha, self.temperature)[1]
-            return loss
-
+        alpha, temperature = self.alpha, self.temperature
         optimizer = server_optimizer(self.server_optimizer, self.server_lr)
-        self.state.server_weights, loss = self.server.train(
-            self.server_role, self.state.server_weights, batches, step, optimizer, return_loss=True
+        self.state.server_weights, loss = self.server.train_on_rows(
+            self.server_role,
+            self.state.server_weights,
+            h,
+            lambda s, at: bidirectional_losses(z_client[at], s, y[at], alpha, temperature)[1],
+            optimizer,
+            self.batch_size,
+            steps,
         )
         return loss
 
