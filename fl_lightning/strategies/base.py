@@ -29,6 +29,7 @@ from ..client.evaluation import Evaluator
 from ..client.loop import LocalLoop
 from ..client.steps import StepFn
 from ..data import FederatedData
+from ..federation.bounds import Bounded
 from ..federation.errors import ConfigError
 from ..federation.schedules import round_progress
 from ..federation.seeding import Stream, derive_seed
@@ -248,7 +249,7 @@ class ServerContext:
             )
 
 
-class Strategy:
+class Strategy(Bounded):
     """Base class of federated algorithms (one algorithm per file in ``fl_lightning/strategies``).
 
     What a strategy carries from round to round is one dataclass in ``self.state``, which ``setup``
