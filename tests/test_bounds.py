@@ -120,3 +120,14 @@ def test_flrun_fit_accepts_options_on_their_bounds_and_trains(tmp_path):
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["strategy"]["init_args"]["server_lr_final"] == 0.0 and config["strategy"]["init_args"]["beta1"] == 0.0
     assert config["sampler"]["init_args"]["fraction"] == 1.0
+
+
+def test_an_annotation_that_names_a_type_checkers_only_import_bounds_nothing_and_the_rest_still_hold():
+    class Partial(FedAvg):
+        def __init__(self, lam: "NonNegative" = 1.0, hook: "NotImportedHere | None" = None):  # noqa: F821
+            super().__init__()
+            self.lam, self.hook = lam, hook
+
+    assert Partial(hook=object()).lam == 1.0
+    with pytest.raises(ConfigError, match=r"^Partial lam must be >= 0, got -1.0.$"):
+        Partial(lam=-1.0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import types
 import typing
+import weakref
 from collections.abc import Mapping
 from typing import Annotated, Any, Union
 
@@ -81,7 +82,7 @@ def _describe(bound: Any) -> str:
     raise TypeError(f"unsupported bound {bound!r}")
 
 
-def _holds(bound: Any, value: float) -> bool:
+def _holds(bound: Any, value: Any) -> bool:
     """Whether ``value`` satisfies ``bound`` (NaN satisfies none)."""
     if isinstance(bound, at.Interval):
         return all(_holds(part, value) for part in bound)
@@ -151,7 +152,30 @@ def violation(hint: Any, value: Any) -> tuple[str, str, Any] | None:
     return None
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_HINTS: weakref.WeakKeyDictionary[type, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _init_hints(init: Any) -> dict[str, Any]:
+    """The evaluated annotations of ``init``; one that cannot be evaluated (a name imported for type checkers
+    only) bounds nothing and is left out."""
+    try:
+        return typing.get_type_hints(init, include_extras=True)
+    except Exception:
+        hints = {}
+        for name, annotation in getattr(init, "__annotations__", {}).items():
+            try:
+                alone = _Holder(name, annotation)
+                hints[name] = typing.get_type_hints(alone, init.__globals__, include_extras=True)[name]
+            except Exception:
+                continue
+        return hints
+
+
+class _Holder:
+    """One annotation on its own, for ``typing.get_type_hints``."""
+
+    def __init__(self, name: str, annotation: Any):
+        self.__annotations__ = {name: annotation}
 
 
 def option_hints(cls: type) -> dict[str, Any]:
@@ -162,7 +186,7 @@ def option_hints(cls: type) -> dict[str, Any]:
         for klass in reversed(cls.__mro__):
             init = klass.__dict__.get("__init__")
             if init is not None and klass is not object:
-                hints.update(typing.get_type_hints(init, include_extras=True))
+                hints.update(_init_hints(init))
         hints.pop("return", None)
         _HINTS[cls] = hints
     return _HINTS[cls]
@@ -173,7 +197,7 @@ def check_bounds(cls: type, args: tuple, kwargs: dict[str, Any]) -> None:
 
     The sentence names the method (``cls.name``, else the class name), the option, its bound and the value:
     ``FedMD temperature must be > 0, got 0.``"""
-    signature = inspect.signature(cls.__init__)
+    signature = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own, not an instance's
     try:
         arguments = signature.bind_partial(None, *args, **kwargs).arguments
     except TypeError:
