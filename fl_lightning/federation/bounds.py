@@ -11,9 +11,9 @@ an ``if ...: raise`` in ``__init__``::
 The bounds are `annotated-types <https://github.com/annotated-types/annotated-types>`_ constraints (``Gt``,
 ``Ge``, ``Lt``, ``Le``, ``Interval``). The classes below are those, defined in this module so that the
 command-line parser takes them as plain numbers and leaves the check to the class: a value is then refused
-in the same sentence from a recipe, the command line and Python. A ``None`` of an optional option, and the
-values of a ``dict[str, Positive]`` (a rate per role) or a ``list`` are checked as such. Checks that relate two
-options (``energy_start <= energy_end``) stay in ``__init__``.
+in the same sentence from a recipe, the command line and Python. An optional option (``PositiveInt | None``)
+accepts ``None``; each value of a ``dict[str, Positive]`` (a rate per role) and each item of a list is checked.
+Checks that relate two options (``energy_start <= energy_end``) stay in ``__init__``.
 """
 
 from __future__ import annotations
