@@ -182,7 +182,7 @@ def test_server_only_role_is_built_and_bad_settings_are_refused_in_one_sentence(
         _env(FedGEMS(), data=DigitsData())
     with pytest.raises(ConfigError, match="server_role 'server' is the server's own model, but tiers give it"):
         _env(FedGEMS(), tiers=[Tier("all", ["server"])])
-    with pytest.raises(ConfigError, match="0 <= epsilon <= 1"):
+    with pytest.raises(ConfigError, match=r"FedGEMS epsilon must be in \[0, 1\], got 1.5."):
         FedGEMS(epsilon=1.5)
     recipe = ["--config", str(ROOT / "recipes" / "digits_fedgems.yaml"), "--rounds", "1", "--runtime.progress", "false"]
     missing = ["--strategy.init_args.server_role", "huge", "--output_dir", str(tmp_path / "x")]

@@ -97,7 +97,7 @@ def test_bad_settings_are_refused_in_one_sentence():
         _env(FedGKT(), models=maps)
     with pytest.raises(ConfigError, match="server_role 'server' is the server's own model, but tiers give it"):
         _env(FedGKT(), tiers=[Tier("all", ["server"])])
-    with pytest.raises(ConfigError, match="FedGKT needs alpha >= 0, temperature > 0"):
+    with pytest.raises(ConfigError, match="FedGKT temperature must be > 0, got 0."):
         FedGKT(temperature=0)
 
 

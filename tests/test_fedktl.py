@@ -167,7 +167,7 @@ def test_client_models_need_one_feature_size_and_the_data_s_classes():
     models = {**MODELS, "n": ModelSpec("digits_mlp", {"hidden": D + 1})}
     with pytest.raises(ConfigError, match="same D"):
         method_env(FedKTL(), models, [Tier("a", ["m"], count=2), Tier("b", ["n"])])
-    with pytest.raises(ConfigError, match="server_batch_size >= 2"):
+    with pytest.raises(ConfigError, match="FedKTL server_batch_size must be >= 2, got 1."):
         FedKTL(server_batch_size=1)
 
 

@@ -193,9 +193,9 @@ def test_the_set_up_is_checked():
     method_env(FedL2G(target="logit"), mixed, two)  # logits are C wide whatever the model
     with pytest.raises(ConfigError, match="quiz_batches x batch_size = 4000 training examples"):
         method_env(FedL2G(quiz_batches=1000), MLP, ONE, training=LocalTraining(batch_size=4))
-    with pytest.raises(ConfigError, match="FedL2G needs guide_weight >= 0"):
+    with pytest.raises(ConfigError, match="FedL2G guide_weight must be >= 0, got -1.0."):
         FedL2G(guide_weight=-1.0)
-    with pytest.raises(ConfigError, match="study_batches >= 1"):
+    with pytest.raises(ConfigError, match="FedL2G study_batches must be >= 1, got 0."):
         FedL2G(study_batches=0)
 
 

@@ -194,7 +194,7 @@ def test_evaluation_is_by_the_nearest_own_or_global_prototype():
 def test_a_model_without_unit_length_features_or_a_bad_temperature_is_refused():
     with pytest.raises(ConfigError, match="unit-length projections"):
         method_env(FedPCL(), {"m": ModelSpec("digits_mlp", {"hidden": D})}, [Tier("all", ["m"])])
-    with pytest.raises(ConfigError, match="tau > 0"):
+    with pytest.raises(ConfigError, match="FedPCL tau must be > 0, got 0.0."):
         FedPCL(tau=0.0)
 
 

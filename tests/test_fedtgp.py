@@ -140,9 +140,9 @@ def test_needs_one_representation_size_and_valid_options():
     models = {"a": ModelSpec("digits_mlp", {"hidden": 4}), "b": ModelSpec("digits_mlp", {"hidden": 8})}
     with pytest.raises(ConfigError, match="same feature size"):
         method_env(FedTGP(), models, [Tier("a", ["a"], count=2), Tier("b", ["b"])])
-    with pytest.raises(ConfigError, match="server_lr > 0"):
+    with pytest.raises(ConfigError, match="FedTGP server_lr must be > 0, got 0.0."):
         FedTGP(server_lr=0.0)
-    with pytest.raises(ConfigError, match="hidden_dim"):
+    with pytest.raises(ConfigError, match=r"FedTGP hidden_dim must be >= 1 \(or null\), got 0."):
         FedTGP(hidden_dim=0)
 
 

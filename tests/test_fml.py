@@ -101,5 +101,5 @@ def test_every_client_needs_a_private_and_the_meme_role():
         method_env(FML(), MODELS, [Tier("all", ["p"])])
     with pytest.raises(ConfigError, match=r"clients \[0, 1\] do not"):
         method_env(FML(), MODELS, [Tier("alone", ["p"], count=2), Tier("pair", ["p", "meme"])])
-    with pytest.raises(ConfigError, match="alpha and beta"):
+    with pytest.raises(ConfigError, match=r"FML alpha must be in \[0, 1\], got 1.5."):
         FML(alpha=1.5)

@@ -47,7 +47,7 @@ def test_missing_projection_head_or_several_models_are_refused():
     two = {"a": SMALL["small"], "b": SMALL["small"]}
     with pytest.raises(ConfigError, match="MOON is homogeneous"):
         method_env(MOON(), two, [Tier("a", ["a"], count=2), Tier("b", ["b"])])
-    with pytest.raises(ConfigError, match="temperature > 0"):
+    with pytest.raises(ConfigError, match="MOON temperature must be > 0, got 0.0."):
         MOON(temperature=0.0)
 
 

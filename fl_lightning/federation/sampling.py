@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .bounds import Bounded, PositiveFraction, PositiveInt
 from .errors import ConfigError
 from .types import ClientSpec
 
@@ -15,7 +16,7 @@ class ClientSampler:
         raise NotImplementedError
 
 
-class UniformSampler(ClientSampler):
+class UniformSampler(Bounded, ClientSampler):
     """Draws clients uniformly without replacement.
 
     Args:
@@ -24,11 +25,11 @@ class UniformSampler(ClientSampler):
         tiers: only clients of these tiers are eligible (e.g. ``[strong]`` for the strong-only baseline).
     """
 
-    def __init__(self, fraction: float = 1.0, num_per_round: int | None = None, tiers: list[str] | None = None):
-        if num_per_round is None and not 0.0 < fraction <= 1.0:
-            raise ConfigError(f"sampler fraction must be in (0, 1], got {fraction}.")
-        if num_per_round is not None and num_per_round < 1:
-            raise ConfigError(f"sampler num_per_round must be at least 1, got {num_per_round}.")
+    name = "sampler"  # in messages: sampler fraction must be in (0, 1], got 2.0.
+
+    def __init__(
+        self, fraction: PositiveFraction = 1.0, num_per_round: PositiveInt | None = None, tiers: list[str] | None = None
+    ):
         self.fraction = fraction
         self.num_per_round = num_per_round
         self.tiers = tiers

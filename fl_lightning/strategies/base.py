@@ -34,6 +34,7 @@ from ..client.evaluation import Evaluator
 from ..client.loop import LocalLoop
 from ..client.steps import StepFn
 from ..data import FederatedData
+from ..federation.bounds import Bounded
 from ..federation.errors import ConfigError
 from ..federation.schedules import round_progress
 from ..federation.seeding import MAX_PHASES, Stream, derive_seed
@@ -350,7 +351,7 @@ class _StrategyMeta(ABCMeta):
         return cls
 
 
-class Strategy(metaclass=_StrategyMeta):
+class Strategy(Bounded, metaclass=_StrategyMeta):
     """Base class of federated algorithms (one algorithm per file in ``fl_lightning/strategies``).
 
     What a strategy carries from round to round is one dataclass in ``self.state``, which ``setup``

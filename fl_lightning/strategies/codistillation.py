@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..data.transforms import random_flips
+from ..federation.bounds import Bounded, Fraction01, NonNegative, NonNegativeInt, Positive, PositiveInt
 from ..federation.errors import ConfigError
 from ..federation.schedules import linear_decay
 from ..federation.types import ClientUpdate, Role, StateDict
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from .base import ServerContext
 
 
-class Codistillation:
+class Codistillation(Bounded):
     """Settings and run of one bidirectional codistillation round between two model pools.
 
     Teachers are frozen copies of the current models; each student starts from its own current model
@@ -49,30 +50,17 @@ class Codistillation:
 
     def __init__(
         self,
-        steps: int = 50,
-        batch_size: int = 64,
-        lr: float | dict[str, float] = 1e-3,
-        lr_final: float = 1.0,
-        temperature: float | dict[str, float] = 1.0,
-        student_reg: float = 0.0,
+        steps: NonNegativeInt = 50,
+        batch_size: PositiveInt = 64,
+        lr: Positive | dict[str, Positive] = 1e-3,
+        lr_final: NonNegative = 1.0,
+        temperature: Positive | dict[str, Positive] = 1.0,
+        student_reg: Fraction01 = 0.0,
         augment: bool | None = None,
-        mixup: float | None = 2.0,
+        mixup: NonNegative | None = 2.0,  # a Beta concentration
         flips: bool = True,
         data_augmentation: bool = True,
     ):
-        if mixup is not None and mixup < 0:
-            raise ConfigError(f"Codistillation mixup is a Beta concentration and must be positive, got {mixup}.")
-        rates = lr.values() if isinstance(lr, dict) else [lr]
-        temperatures = temperature.values() if isinstance(temperature, dict) else [temperature]
-        if not (steps >= 0 and batch_size >= 1 and lr_final >= 0 and 0 <= student_reg <= 1):
-            raise ConfigError(
-                f"Codistillation needs steps >= 0, batch_size >= 1, lr_final >= 0 and 0 <= student_reg <= 1; got "
-                f"steps={steps}, batch_size={batch_size}, lr_final={lr_final}, student_reg={student_reg}."
-            )
-        if not (all(rate > 0 for rate in rates) and all(t > 0 for t in temperatures)):
-            raise ConfigError(
-                f"Codistillation needs lr > 0 and temperature > 0; got lr={lr}, temperature={temperature}."
-            )
         self.steps, self.batch_size, self.lr, self.lr_final = steps, batch_size, lr, lr_final
         self.temperature, self.student_reg = temperature, student_reg
         self.augment, self.mixup, self.flips, self.data_augmentation = augment, mixup, flips, data_augmentation

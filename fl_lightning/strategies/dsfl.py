@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
+from ..federation.bounds import NonNegativeInt, Positive, PositiveInt
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.distillation import kl_to_targets
@@ -70,24 +71,14 @@ class DSFL(PersonalModels, Strategy):
         self,
         open_size: int | None = None,
         aggregation: Literal["era", "sa"] = "era",
-        era_temperature: float = 0.1,
-        distill_steps: int | None = None,
-        distill_batch_size: int | None = None,
+        era_temperature: Positive = 0.1,
+        distill_steps: NonNegativeInt | None = None,
+        distill_batch_size: PositiveInt | None = None,
         upload: Literal["probs", "logits"] = "probs",
         split: Split = "global",
     ):
         if aggregation == "sa" and upload == "logits":
             raise ConfigError("DS-FL aggregation: sa averages probabilities; with upload: logits use aggregation: era.")
-        if era_temperature <= 0 or (distill_steps is not None and distill_steps < 0):
-            raise ConfigError(
-                f"DS-FL needs era_temperature > 0 and distill_steps >= 0 (or null); got {era_temperature}, "
-                f"{distill_steps}."
-            )
-        if distill_batch_size is not None and not distill_batch_size >= 1:
-            raise ConfigError(
-                "DS-FL distill_batch_size must be at least 1 (or null: the training batch size), "
-                f"got {distill_batch_size}."
-            )
         self.open_size, self.aggregation, self.era_temperature = open_size, aggregation, era_temperature
         self.distill_steps, self.distill_batch_size, self.split = distill_steps, distill_batch_size, split
         self.upload = upload

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import NonNegative, Positive
 from ..federation.padding import class_index
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
@@ -74,9 +74,9 @@ class FD(PersonalModels, Strategy):
 
     state: FDState
 
-    def __init__(self, lam: float = 1.0, temperature: float = 1.0, exclude_own: bool = True, split: Split = "global"):
-        if not (lam >= 0 and temperature > 0):
-            raise ConfigError(f"FD needs lam >= 0 and temperature > 0; got lam={lam}, temperature={temperature}.")
+    def __init__(
+        self, lam: NonNegative = 1.0, temperature: Positive = 1.0, exclude_own: bool = True, split: Split = "global"
+    ):
         self.lam, self.temperature, self.exclude_own, self.split = lam, temperature, exclude_own, split
 
     def setup(self, server: ServerContext) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Annotated
 
+from ..federation.bounds import Interval, NonNegative, Positive
 from ..federation.errors import ConfigError
 from ..federation.schedules import linear_decay
 from ..federation.types import ClientUpdate, Role, StateDict
@@ -41,25 +43,14 @@ class FedAdam(FedAvg):
         self,
         roles: list[str] | None = None,
         weighted: bool = True,
-        server_lr: float | dict[str, float] = 0.01,
-        server_lr_final: float = 1.0,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-5,
+        server_lr: Positive | dict[str, Positive] = 0.01,
+        server_lr_final: NonNegative = 1.0,
+        beta1: Annotated[float, Interval(ge=0, lt=1)] = 0.9,
+        beta2: Annotated[float, Interval(ge=0, lt=1)] = 0.999,
+        eps: Positive = 1e-5,
         clients_per_round: dict[str, int] | None = None,
     ):
         super().__init__(roles, weighted, clients_per_round)
-        rates = server_lr.values() if isinstance(server_lr, dict) else [server_lr]
-        if not all(rate > 0 for rate in rates) or not server_lr_final >= 0:
-            raise ConfigError(
-                f"{self.name} needs server_lr > 0 and server_lr_final >= 0; got server_lr={server_lr}, "
-                f"server_lr_final={server_lr_final}."
-            )
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1 and eps > 0):
-            raise ConfigError(
-                f"{self.name} needs 0 <= beta1 < 1, 0 <= beta2 < 1 and eps > 0; "
-                f"got beta1={beta1}, beta2={beta2}, eps={eps}."
-            )
         self.server_lr, self.server_lr_final = server_lr, server_lr_final
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 

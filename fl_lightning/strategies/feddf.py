@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..federation.errors import ConfigError
+from ..federation.bounds import NonNegativeInt, Positive, PositiveInt
 from ..federation.types import ClientUpdate
 from ..knowledge.codistill import random_batches
 from ..knowledge.distillation import kl_to_targets
@@ -45,19 +45,14 @@ class FedDF(FedAvg):
 
     def __init__(
         self,
-        steps: int = 500,
-        lr: float = 1e-3,
-        batch_size: int = 64,
-        temperature: float = 1.0,
+        steps: NonNegativeInt = 500,
+        lr: Positive = 1e-3,
+        batch_size: PositiveInt = 64,
+        temperature: Positive = 1.0,
         roles: list[str] | None = None,
         weighted: bool = True,
     ):
         super().__init__(roles, weighted)
-        if steps < 0 or lr <= 0 or batch_size < 1 or temperature <= 0:
-            raise ConfigError(
-                f"FedDF needs steps >= 0, lr > 0, batch_size >= 1 and temperature > 0; got steps={steps}, "
-                f"lr={lr}, batch_size={batch_size}, temperature={temperature}."
-            )
         self.steps, self.lr, self.batch_size, self.temperature = steps, lr, batch_size, temperature
 
     def setup(self, server: ServerContext) -> None:

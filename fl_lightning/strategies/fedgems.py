@@ -16,7 +16,7 @@ from torch import Tensor
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import Fraction01, NonNegativeInt, Positive, PositiveInt
 from ..federation.padding import padded_loss, real_labels
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from ..knowledge.public_set import (
@@ -134,24 +134,17 @@ class FedGEMS(PersonalModels, Strategy):
     def __init__(
         self,
         server_role: str = "server",
-        epsilon: float = 0.75,
-        temperature: float = 1.0,
+        epsilon: Fraction01 = 0.75,
+        temperature: Positive = 1.0,
         public_size: int | None = None,
-        server_steps: int | None = None,
-        distill_steps: int | None = None,
-        server_lr: float = 0.003,
+        server_steps: NonNegativeInt | None = None,
+        distill_steps: NonNegativeInt | None = None,
+        server_lr: Positive = 0.003,
         server_optimizer: ServerOptimizer = "adam",
-        batch_size: int = 32,
+        batch_size: PositiveInt = 32,
         split: Split = "global",
         kl_form: KLForm = "paper",
     ):
-        if not 0.0 <= epsilon <= 1.0 or temperature <= 0 or server_lr <= 0:
-            raise ConfigError(
-                f"FedGEMS needs 0 <= epsilon <= 1, temperature > 0 and server_lr > 0; got epsilon={epsilon}, "
-                f"temperature={temperature}, server_lr={server_lr}."
-            )
-        if min(server_steps or 0, distill_steps or 0) < 0 or batch_size < 1:
-            raise ConfigError("FedGEMS server_steps and distill_steps must be >= 0 and batch_size >= 1.")
         self.server_role, self.epsilon, self.temperature = server_role, epsilon, temperature
         self.public_size, self.server_steps, self.distill_steps = public_size, server_steps, distill_steps
         self.server_lr, self.server_optimizer, self.batch_size = server_lr, server_optimizer, batch_size

@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
+from ..federation.bounds import Ge, NonNegative, NonNegativeInt, Positive, PositiveFraction, PositiveInt
 from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
 from ..federation.types import (
@@ -98,33 +99,21 @@ class FedGen(PersonalModels, Strategy):
 
     def __init__(
         self,
-        alpha: float = 10.0,
-        beta: float = 10.0,
-        decay: float = 0.98,
+        alpha: NonNegative = 10.0,
+        beta: NonNegative = 10.0,
+        decay: PositiveFraction = 0.98,
         teacher: Literal["label_weighted", "ensemble"] = "label_weighted",
         labels: LabelDraw = "uniform",
-        diversity: float = 1.0,
-        generator_steps: int = 50,
-        generator_batch_size: int = 32,
-        generator_lr: float = 3e-4,
-        generator_weight_decay: float = 1e-2,
-        noise_dim: int = 32,
-        hidden_dim: int = 256,
+        diversity: NonNegative = 1.0,
+        generator_steps: NonNegativeInt = 50,
+        generator_batch_size: Annotated[int, Ge(2)] = 32,  # its batch norm needs two rows
+        generator_lr: Positive = 3e-4,
+        generator_weight_decay: NonNegative = 1e-2,
+        noise_dim: PositiveInt = 32,
+        hidden_dim: PositiveInt = 256,
         evaluate_with: Literal["global", "local"] = "global",
         split: Split = "test",
     ):
-        weights = alpha >= 0 and beta >= 0 and diversity >= 0 and 0 < decay <= 1
-        training = (
-            generator_steps >= 0 and generator_batch_size >= 2 and generator_lr > 0 and generator_weight_decay >= 0
-        )
-        if not (weights and training and noise_dim >= 1 and hidden_dim >= 1):
-            raise ConfigError(
-                "FedGen needs alpha, beta, diversity >= 0, 0 < decay <= 1, generator_steps >= 0, generator_batch_size "
-                ">= 2 (its batch norm), generator_lr > 0, generator_weight_decay >= 0 and noise_dim, hidden_dim >= 1; "
-                f"got alpha={alpha}, beta={beta}, diversity={diversity}, decay={decay}, generator_steps="
-                f"{generator_steps}, generator_batch_size={generator_batch_size}, generator_lr={generator_lr}, "
-                f"generator_weight_decay={generator_weight_decay}, noise_dim={noise_dim}, hidden_dim={hidden_dim}."
-            )
         self.alpha, self.beta, self.decay, self.diversity = alpha, beta, decay, diversity
         self.teacher, self.labels = teacher, labels
         self.generator_steps, self.generator_batch_size = generator_steps, generator_batch_size

@@ -9,6 +9,7 @@ from typing import Literal
 from torch import nn
 
 from ..client.context import ClientContext
+from ..federation.bounds import NonNegative
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, clone_state
 from ..knowledge.class_stats import ClassStatistics, class_means
@@ -52,12 +53,10 @@ class FedGH(PersonalModels, Strategy):
 
     def __init__(
         self,
-        header_lr: float = 0.01,
+        header_lr: NonNegative = 0.01,  # 0: the global header stays as initialised (a test isolates the LARs so)
         header_update: Literal["per_lar", "per_client"] = "per_lar",
         evaluate_with: Literal["local", "global_header"] = "local",
     ):
-        if not header_lr >= 0:  # 0 is allowed: the global header stays as initialised (a test isolates the LARs so)
-            raise ConfigError(f"FedGH header_lr must be >= 0, got {header_lr}.")
         self.header_lr, self.header_update, self.evaluate_with = header_lr, header_update, evaluate_with
 
     def setup(self, server: ServerContext) -> None:

@@ -14,6 +14,7 @@ from torch import Tensor
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
+from ..federation.bounds import NonNegative, NonNegativeInt, Positive, PositiveInt
 from ..federation.errors import ConfigError
 from ..federation.padding import real_labels
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
@@ -88,20 +89,14 @@ class FedGKT(PersonalModels, Strategy):
     def __init__(
         self,
         server_role: str = "server",
-        alpha: float = 1.0,
-        temperature: float = 3.0,
-        server_epochs: int = 1,
-        server_lr: float = 0.003,
+        alpha: NonNegative = 1.0,
+        temperature: Positive = 3.0,
+        server_epochs: NonNegativeInt = 1,
+        server_lr: Positive = 0.003,
         server_optimizer: ServerOptimizer = "adam",
-        batch_size: int = 32,
+        batch_size: PositiveInt = 32,
         split: Split = "global",
     ):
-        if alpha < 0 or temperature <= 0 or server_epochs < 0 or server_lr <= 0 or batch_size < 1:
-            raise ConfigError(
-                f"FedGKT needs alpha >= 0, temperature > 0, server_epochs >= 0, server_lr > 0 and batch_size >= 1; "
-                f"got alpha={alpha}, temperature={temperature}, server_epochs={server_epochs}, "
-                f"server_lr={server_lr}, batch_size={batch_size}."
-            )
         self.server_role, self.alpha, self.temperature = server_role, alpha, temperature
         self.server_epochs, self.server_lr, self.server_optimizer = server_epochs, server_lr, server_optimizer
         self.batch_size, self.split = batch_size, split

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import NonNegative, NonNegativeInt, PositiveInt
 from ..federation.padding import class_index
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
 from ..knowledge.banks import ClassBank
@@ -57,19 +57,13 @@ class FedHe(PersonalModels, Strategy):
 
     def __init__(
         self,
-        alpha: float = 1.0,
+        alpha: NonNegative = 1.0,
         plus_one: bool = True,
         logit_loss: Literal["mse", "kl"] = "mse",
-        warmup_rounds: int = 0,
-        reset_every: int | None = None,
+        warmup_rounds: NonNegativeInt = 0,
+        reset_every: PositiveInt | None = None,  # null: never
         logit_average: Literal["batch", "available"] = "batch",
     ):
-        if not (alpha >= 0 and warmup_rounds >= 0):
-            raise ConfigError(
-                f"FedHe needs alpha >= 0 and warmup_rounds >= 0; got alpha={alpha}, warmup_rounds={warmup_rounds}."
-            )
-        if reset_every is not None and reset_every < 1:
-            raise ConfigError(f"FedHe reset_every must be at least 1 (or null: never), got {reset_every}.")
         self.alpha, self.plus_one, self.logit_loss = alpha, plus_one, logit_loss
         self.warmup_rounds, self.reset_every, self.logit_average = warmup_rounds, reset_every, logit_average
 

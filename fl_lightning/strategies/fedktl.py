@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 from ..client.context import ClientContext
 from ..client.joint import fit_jointly
 from ..client.steps import vmappable
+from ..federation.bounds import Ge, NonNegative, Positive, PositiveInt
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, TensorPayload, clone_state
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
@@ -72,25 +74,15 @@ class FedKTL(PersonalModels, Strategy):
     def __init__(
         self,
         generator_role: str = "generator",
-        mu: float = 50.0,
-        lam: float = 1.0,
-        margin: float = 0.5,
-        scale: float = 64.0,
-        server_lr: float = 0.01,
-        server_epochs: int = 100,
-        server_batch_size: int = 100,
+        mu: NonNegative = 50.0,
+        lam: NonNegative = 1.0,
+        margin: NonNegative = 0.5,
+        scale: Positive = 64.0,
+        server_lr: Positive = 0.01,
+        server_epochs: PositiveInt = 100,
+        server_batch_size: Annotated[int, Ge(2)] = 100,  # F's batch norm needs two rows
         split: Split = "test",
     ):
-        if not (mu >= 0 and lam >= 0 and margin >= 0 and scale > 0 and server_lr > 0):
-            raise ConfigError(
-                f"FedKTL needs mu >= 0, lam >= 0, margin >= 0, scale > 0 and server_lr > 0; got mu={mu}, "
-                f"lam={lam}, margin={margin}, scale={scale}, server_lr={server_lr}."
-            )
-        if server_epochs < 1 or server_batch_size < 2:
-            raise ConfigError(
-                f"FedKTL needs server_epochs >= 1 and server_batch_size >= 2 (F's batch norm needs two rows); got "
-                f"server_epochs={server_epochs}, server_batch_size={server_batch_size}."
-            )
         self.generator_role, self.mu, self.lam, self.margin, self.scale = generator_role, mu, lam, margin, scale
         self.server_lr, self.server_epochs, self.server_batch_size = server_lr, server_epochs, server_batch_size
         self.split: Split = split

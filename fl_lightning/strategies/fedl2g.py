@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
+from ..federation.bounds import NonNegative, NonNegativeInt, Positive, PositiveInt
 from ..federation.errors import ConfigError
 from ..federation.seeding import Owner, Stream, derive_seed
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
@@ -64,24 +65,14 @@ class FedL2G(PersonalModels, Strategy):
     def __init__(
         self,
         target: GuideTarget = "feature",
-        guide_weight: float = 1.0,
-        warm_up_rounds: int = 0,
-        server_lr: float | None = None,
-        server_clip: float = 100.0,
-        study_batches: int = 1,
-        quiz_batches: int = 1,
+        guide_weight: NonNegative = 1.0,
+        warm_up_rounds: NonNegativeInt = 0,
+        server_lr: NonNegative | None = None,
+        server_clip: Positive = 100.0,
+        study_batches: PositiveInt = 1,
+        quiz_batches: PositiveInt = 1,
         split: Split = "test",
     ):
-        if guide_weight < 0 or warm_up_rounds < 0 or not server_clip > 0 or (server_lr is not None and server_lr < 0):
-            raise ConfigError(
-                f"FedL2G needs guide_weight >= 0, warm_up_rounds >= 0, server_lr >= 0 and server_clip > 0; got "
-                f"guide_weight={guide_weight}, warm_up_rounds={warm_up_rounds}, server_lr={server_lr}, "
-                f"server_clip={server_clip}."
-            )
-        if study_batches < 1 or quiz_batches < 1:
-            raise ConfigError(
-                f"FedL2G needs study_batches >= 1 and quiz_batches >= 1, got {study_batches} and {quiz_batches}."
-            )
         self.target, self.guide_weight, self.warm_up_rounds = target, guide_weight, warm_up_rounds
         self.server_lr = SERVER_LR[target] if server_lr is None else server_lr
         self.server_clip, self.split = server_clip, split

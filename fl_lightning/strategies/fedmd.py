@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import NonNegativeInt, Positive, PositiveInt
 from ..federation.padding import padded_loss
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, TensorPayload
 from ..knowledge.distillation import kl_to_targets
@@ -62,24 +62,15 @@ class FedMD(PersonalModels, Strategy):
     def __init__(
         self,
         public_size: int | None = 5000,
-        public_epochs: int = 20,
-        private_epochs: int = 25,
+        public_epochs: NonNegativeInt = 20,
+        private_epochs: NonNegativeInt = 25,
         digest_loss: Literal["l1", "mse", "kl"] = "l1",
-        temperature: float = 1.0,
-        digest_steps: int | None = None,
-        digest_batch_size: int | None = None,
-        revisit_steps: int | None = None,
+        temperature: Positive = 1.0,
+        digest_steps: NonNegativeInt | None = None,
+        digest_batch_size: PositiveInt | None = None,
+        revisit_steps: NonNegativeInt | None = None,
         split: Split = "global",
     ):
-        counts = {"public_epochs": public_epochs, "private_epochs": private_epochs}
-        counts.update({"digest_steps": digest_steps or 0, "revisit_steps": revisit_steps or 0})
-        if min(counts.values()) < 0 or temperature <= 0:
-            raise ConfigError(f"FedMD needs non-negative epoch and step counts and temperature > 0; got {counts}.")
-        if digest_batch_size is not None and not digest_batch_size >= 1:
-            raise ConfigError(
-                "FedMD digest_batch_size must be at least 1 (or null: the training batch size), "
-                f"got {digest_batch_size}."
-            )
         self.public_size, self.public_epochs, self.private_epochs = public_size, public_epochs, private_epochs
         self.digest_loss, self.temperature, self.split = digest_loss, temperature, split
         self.digest_steps, self.digest_batch_size, self.revisit_steps = digest_steps, digest_batch_size, revisit_steps

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
+from ..federation.bounds import Positive
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict, TensorPayload
 from ..knowledge.class_stats import ClassStatistics, ClassStatsCollector
@@ -66,12 +67,10 @@ class FedPCL(PersonalModels, Strategy):
     def __init__(
         self,
         loss: Literal["supcon", "prototype_ce"] = "supcon",
-        tau: float = 0.07,
+        tau: Positive = 0.07,  # the temperature
         inference: Literal["own", "global"] = "own",
         split: Split = "test",
     ):
-        if not tau > 0:
-            raise ConfigError(f"FedPCL needs tau > 0 (the temperature); got tau={tau}, e.g. use tau: 0.07.")
         self.loss, self.tau, self.inference, self.split = loss, tau, inference, split
 
     def setup(self, server: ServerContext) -> None:

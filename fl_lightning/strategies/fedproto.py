@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import NonNegative
 from ..federation.padding import class_index, real_rows
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from ..knowledge.banks import ClassBank
@@ -100,13 +100,11 @@ class FedProto(PersonalModels, Strategy):
 
     def __init__(
         self,
-        lam: float = 1.0,
+        lam: NonNegative = 1.0,
         weighting: Literal["uniform", "samples"] = "uniform",
         inference: Literal["prototypes", "local_head"] = "prototypes",
         split: Split = "test",
     ):
-        if lam < 0:
-            raise ConfigError(f"FedProto lam must be non-negative, got {lam}.")
         self.lam, self.weighting, self.inference, self.split = lam, weighting, inference, split
 
     def setup(self, server: ServerContext) -> None:

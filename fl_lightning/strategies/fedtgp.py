@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import NonNegative, NonNegativeInt, Positive, PositiveInt
 from ..federation.seeding import Owner, Stream, derive_seed
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, StateDict
 from ..knowledge.banks import ClassBank
@@ -65,23 +65,15 @@ class FedTGP(PersonalModels, Strategy):
 
     def __init__(
         self,
-        lam: float = 1.0,
-        margin_threshold: float = 100.0,
-        server_epochs: int = 100,
-        server_lr: float = 0.01,
-        server_batch_size: int = 10,
-        hidden_dim: int | None = None,
+        lam: NonNegative = 1.0,
+        margin_threshold: NonNegative = 100.0,
+        server_epochs: NonNegativeInt = 100,
+        server_lr: Positive = 0.01,
+        server_batch_size: PositiveInt = 10,
+        hidden_dim: PositiveInt | None = None,  # null: the feature size
         inference: Literal["prototypes", "local_head"] = "prototypes",
         split: Split = "test",
     ):
-        if not (lam >= 0 and margin_threshold >= 0 and server_epochs >= 0 and server_lr > 0 and server_batch_size >= 1):
-            raise ConfigError(
-                f"FedTGP needs lam >= 0, margin_threshold >= 0, server_epochs >= 0, server_lr > 0 and "
-                f"server_batch_size >= 1; got lam={lam}, margin_threshold={margin_threshold}, "
-                f"server_epochs={server_epochs}, server_lr={server_lr}, server_batch_size={server_batch_size}."
-            )
-        if hidden_dim is not None and hidden_dim < 1:
-            raise ConfigError(f"FedTGP hidden_dim must be at least 1 (or null: the feature size), got {hidden_dim}.")
         self.lam, self.margin_threshold, self.server_epochs = lam, margin_threshold, server_epochs
         self.server_lr, self.server_batch_size, self.hidden_dim = server_lr, server_batch_size, hidden_dim
         self.inference, self.split = inference, split

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import Fraction01, NonNegative, NonNegativeInt
 from ..federation.padding import class_index
 from ..federation.types import (
     ClientSpec,
@@ -76,18 +76,13 @@ class Felo(PersonalModels, Strategy):
 
     def __init__(
         self,
-        alpha: float = 0.5,
+        alpha: NonNegative = 0.5,
         logit_loss: Literal["kl", "mse"] = "kl",
         average_weights: bool = True,
-        warmup_rounds: int = 0,
-        forget: float = 0.0,
+        warmup_rounds: NonNegativeInt = 0,
+        forget: Fraction01 = 0.0,
         loss_average: Literal["batch", "available"] = "batch",
     ):
-        if not (alpha >= 0 and warmup_rounds >= 0 and 0 <= forget <= 1):
-            raise ConfigError(
-                f"{self.name} needs alpha >= 0, warmup_rounds >= 0 and 0 <= forget <= 1; got alpha={alpha}, "
-                f"warmup_rounds={warmup_rounds}, forget={forget}."
-            )
         self.alpha, self.logit_loss, self.average_weights = alpha, logit_loss, average_weights
         self.warmup_rounds, self.forget, self.loss_average = warmup_rounds, forget, loss_average
 

@@ -11,7 +11,7 @@ from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.joint import fit_jointly
 from ..client.steps import vmappable
-from ..federation.errors import ConfigError
+from ..federation.bounds import Fraction01
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, StateDict, load_exchanged
 from ..knowledge import WeightedAverage
 from ..knowledge.mutual import KLReduction, mutual_kl
@@ -55,15 +55,13 @@ class FML(PersonalModels, Strategy):
     def __init__(
         self,
         meme_role: str = "meme",
-        alpha: float = 0.5,
-        beta: float = 0.5,
+        alpha: Fraction01 = 0.5,
+        beta: Fraction01 = 0.5,
         kl_reduction: KLReduction = "batchmean",
         detach_partner: bool = True,
         weighted: bool = True,
         split: Split = "test",
     ):
-        if not (0.0 <= alpha <= 1.0 and 0.0 <= beta <= 1.0):
-            raise ConfigError(f"FML alpha and beta must lie in [0, 1], got alpha={alpha}, beta={beta}.")
         self.meme_role, self.alpha, self.beta = meme_role, alpha, beta
         self.kl_reduction, self.detach_partner, self.weighted, self.split = (
             kl_reduction,

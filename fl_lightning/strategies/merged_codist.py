@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..federation.errors import ConfigError
+from ..federation.bounds import Fraction01
 from ..federation.types import ClientUpdate
 from ..knowledge.server_optim import global_norm, merge_gradients
 from .codistillation import Codistillation, CodistillationPools
@@ -27,13 +27,11 @@ class MergedCodist(CodistillationPools):
         self,
         small_role: str = "small",
         large_role: str = "large",
-        alpha: float = 0.5,
+        alpha: Fraction01 = 0.5,
         distillation: Codistillation | None = None,
         **kwargs,
     ):
         super().__init__(small_role, large_role, distillation, **kwargs)
-        if not 0.0 <= alpha <= 1.0:
-            raise ConfigError(f"MergedCodist alpha must be in [0, 1], got {alpha}.")
         self.alpha = alpha
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:

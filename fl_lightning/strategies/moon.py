@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.steps import vmappable
+from ..federation.bounds import NonNegative, Positive
 from ..federation.errors import ConfigError
 from ..federation.types import ClientTask, ClientUpdate, ModelWeights, load_exchanged
 from ..models.base import FeatureClassifier
@@ -65,11 +66,9 @@ class MOON(FedAvg):
     needs_split = True  # reads the models' features and head apart
 
     def __init__(
-        self, mu: float = 1.0, temperature: float = 0.5, roles: list[str] | None = None, weighted: bool = True
+        self, mu: NonNegative = 1.0, temperature: Positive = 0.5, roles: list[str] | None = None, weighted: bool = True
     ):
         super().__init__(roles, weighted)
-        if not mu >= 0 or not temperature > 0:
-            raise ConfigError(f"MOON needs mu >= 0 and temperature > 0; got mu={mu}, temperature={temperature}.")
         self.mu, self.temperature = mu, temperature
         self._references: dict[str, FeatureClassifier] = {}  # frozen copies refilled each fit (not state)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..client.steps import vmappable
+from ..federation.bounds import NonNegative, NonNegativeInt, Positive
 from ..federation.errors import ConfigError
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, Role, StateDict, load_exchanged
 from ..knowledge import WeightedAverage
@@ -56,20 +57,14 @@ class OnDeviceKD(Strategy):
         self,
         aux_role: str = "aux",
         target_role: str = "target",
-        temperature: float = 3.0,
-        kd_weight: float = 0.5,
-        ramp_rounds: int = 0,
+        temperature: Positive = 3.0,
+        kd_weight: NonNegative = 0.5,
+        ramp_rounds: NonNegativeInt = 0,
         kd_mode: Literal["sequential", "joint"] = "sequential",
         teacher_mode: Literal["train", "eval"] = "train",
         all_strong_every_round: bool = True,
         weighted: bool = False,
     ):
-        if not (temperature > 0 and kd_weight >= 0 and ramp_rounds >= 0):
-            raise ConfigError(
-                "OnDeviceKD needs temperature > 0, kd_weight >= 0 and ramp_rounds >= 0; "
-                f"got temperature={temperature}, "
-                f"kd_weight={kd_weight}, ramp_rounds={ramp_rounds}."
-            )
         self.aux_role, self.target_role = aux_role, target_role
         self.temperature, self.kd_weight, self.ramp_rounds = temperature, kd_weight, ramp_rounds
         self.kd_mode, self.teacher_mode = kd_mode, teacher_mode

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..federation.errors import ConfigError
+from ..federation.bounds import PositiveInt
 from ..federation.types import ClientUpdate
 from .codistillation import Codistillation, CodistillationPools
 
@@ -29,14 +29,12 @@ class PeriodicCodist(CodistillationPools):
         self,
         small_role: str = "small",
         large_role: str = "large",
-        period: int = 5,
+        period: PositiveInt = 5,
         distillation: Codistillation | None = None,
         reset_server_optimizer: bool = True,
         **kwargs,
     ):
         super().__init__(small_role, large_role, distillation, **kwargs)
-        if period < 1:
-            raise ConfigError(f"PeriodicCodist period must be at least 1, got {period}.")
         self.period, self.reset_server_optimizer = period, reset_server_optimizer
 
     def aggregate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:

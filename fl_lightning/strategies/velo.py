@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
-from ..federation.errors import ConfigError
+from ..federation.bounds import Ge, NonNegative, NonNegativeInt, Positive, PositiveInt
 from ..knowledge.cvae import FeatureCVAE, cvae_loss
 from .base import ServerContext
 from .felo import Felo, FeloState
@@ -47,32 +48,18 @@ class Velo(Felo):
 
     def __init__(
         self,
-        cvae_interval: int = 1,
-        cvae_epochs: int = 10,
-        cvae_batch_size: int = 50,
-        cvae_lr: float = 1e-3,
-        max_features: int = 5000,
-        kl_weight: float = 1.0,
-        cvae_hidden: int | None = None,
-        cvae_latent: int | None = None,
+        cvae_interval: PositiveInt = 1,
+        cvae_epochs: NonNegativeInt = 10,
+        cvae_batch_size: PositiveInt = 50,
+        cvae_lr: Positive = 1e-3,
+        # fewer stored features than two never trains the CVAE; 0 would keep them all
+        max_features: Annotated[int, Ge(2)] = 5000,
+        kl_weight: NonNegative = 1.0,
+        cvae_hidden: PositiveInt | None = None,
+        cvae_latent: PositiveInt | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)  # Felo's options
-        if cvae_interval < 1:
-            raise ConfigError(f"Velo cvae_interval must be at least 1, got {cvae_interval}.")
-        sizes = {"cvae_hidden": cvae_hidden, "cvae_latent": cvae_latent}
-        if not (cvae_epochs >= 0 and cvae_batch_size >= 1 and cvae_lr > 0 and kl_weight >= 0) or any(
-            size is not None and size < 1 for size in sizes.values()
-        ):
-            raise ConfigError(
-                f"Velo needs cvae_epochs >= 0, cvae_batch_size >= 1, cvae_lr > 0, kl_weight >= 0 and cvae_hidden, "
-                f"cvae_latent >= 1 (or null); got cvae_epochs={cvae_epochs}, cvae_batch_size={cvae_batch_size}, "
-                f"cvae_lr={cvae_lr}, kl_weight={kl_weight}, {sizes}."
-            )
-        if not max_features >= 2:  # fewer stored features than two never trains the CVAE; 0 would keep them all
-            raise ConfigError(
-                f"Velo max_features must be at least 2 (the CVAE trains on two or more), got {max_features}."
-            )
         self.cvae_interval, self.cvae_epochs, self.cvae_batch_size = cvae_interval, cvae_epochs, cvae_batch_size
         self.cvae_lr, self.max_features, self.kl_weight = cvae_lr, max_features, kl_weight
         self.cvae_hidden, self.cvae_latent = cvae_hidden, cvae_latent
