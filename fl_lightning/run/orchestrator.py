@@ -38,7 +38,7 @@ from ..tracking import RoundProgress
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
 from .client_store import CLIENTS_DIR
 from .options import ExecutionPlan, RoundPlan, RunOutput
-from .robustness import FIX, Diverged, Robustness, nonfinite_metrics, nonfinite_parts, poison
+from .robustness import FIX, LOWER_RATES, Diverged, Robustness, nonfinite_metrics, nonfinite_parts, poison
 from .sharding import ShardedPhases
 from .state import RunState
 from .tally import RoundTally, TrainedRound
@@ -199,7 +199,7 @@ class FederationOrchestrator:
         if bad:
             raise Diverged(
                 f"round {rnd} diverged: {', '.join(sorted(bad)[:4])} {'is' if len(bad) == 1 else 'are'} not finite "
-                f"(the server state or an evaluation); {FIX.split(', or set')[0]}.",
+                f"(the server state or an evaluation); {LOWER_RATES}.",
                 rnd,
             )
 
