@@ -63,13 +63,16 @@ class FederationOrchestrator:
 
     Example::
 
-        orchestrator = FederationOrchestrator(FedAvg(), clients, UniformSampler(), loop, data, 0,
-                                              RoundPlan(rounds=5), RunOutput(RunFiles("runs/try")))
+        orchestrator = FederationOrchestrator(
+            strategy=FedAvg(), clients=clients, sampler=UniformSampler(), loop=loop, data=data, seed=0,
+            plan=RoundPlan(rounds=5), output=RunOutput(RunFiles("runs/try")),
+        )
         summary = orchestrator.run_rounds()  # what summary.json holds
     """
 
     def __init__(
         self,
+        *,
         strategy: Strategy,
         clients: list[ClientSpec],
         sampler: ClientSampler,
