@@ -120,14 +120,14 @@ def run_framework(case: str, rounds: int, seed: int, threads: int) -> dict:
     recorder = LossRecorder()
     with tempfile.TemporaryDirectory() as tmp:
         orchestrator = FederationOrchestrator(
-            FedAvg(),
-            clients,
-            UniformSampler(num_per_round=per_round),
-            loop,
-            data,
-            seed,
-            RoundPlan(rounds, eval_every=rounds, checkpoint_every=rounds),
-            RunOutput(RunFiles(tmp), [recorder], progress=False),
+            strategy=FedAvg(),
+            clients=clients,
+            sampler=UniformSampler(num_per_round=per_round),
+            loop=loop,
+            data=data,
+            seed=seed,
+            plan=RoundPlan(rounds, eval_every=rounds, checkpoint_every=rounds),
+            output=RunOutput(RunFiles(tmp), [recorder], progress=False),
         )
         probe = Probe().start()
         summary = orchestrator.run_rounds()

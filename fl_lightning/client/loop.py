@@ -9,9 +9,11 @@ single-device run needs none of what it adds.
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
 import zlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -34,6 +36,19 @@ def role_seed(seed: int, role: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(role.encode())) % (2**31)
 
 
+def plain_single_device(fabric: L.Fabric | None) -> bool:
+    """Whether ``fabric`` trains on one device in 32-true: its autocast is then a no-op and its backward and
+    optimizer step are the plain ``loss.backward()`` and ``optimizer.step()``. The strategy and precision plugin
+    must be Fabric's own classes, not subclasses, which may add to a step."""
+    if fabric is None:  # a loop that never trains (the ranks' bookkeeping in tests)
+        return False
+    package = type(fabric).__module__.rpartition(".")[0]  # lightning_fabric or lightning.fabric (fabric_class)
+    strategies = importlib.import_module(f"{package}.strategies")
+    plugins = importlib.import_module(f"{package}.plugins")
+    strategy = fabric.strategy
+    return type(strategy) is strategies.SingleDeviceStrategy and type(strategy.precision) is plugins.Precision
+
+
 class LocalLoop:
     """Runs optimizer steps of a role's module over batches, with a step function of the strategy.
 
@@ -45,6 +60,7 @@ class LocalLoop:
 
     def __init__(self, fabric: L.Fabric, training: LocalTraining, rounds: int):
         self.fabric = fabric
+        self.plain_single_device = plain_single_device(fabric)  # how run_steps makes a step, decided once
         self.training = training
         self.rounds = rounds
         self.slots: dict[str, ModelSlot[ClientModule]] = {}
@@ -202,6 +218,22 @@ class LocalLoop:
             )
         return self.run_steps(slot.module, slot.optimizer, batches, step_fn, self.training.grad_clip_norm, on_record)
 
+    def _step_calls(
+        self, module: ClientModule, optimizer: torch.optim.Optimizer, step_fn: StepFn
+    ) -> tuple[Callable[[tuple, int], Any], Callable[[Tensor], None], Callable[[], Any]]:
+        """A fit's forward (``step_fn`` on a batch), backward and optimizer step: Fabric's, or, on one device in
+        32-true (:attr:`plain_single_device`), the plain calls Fabric's would make, 21 Python calls fewer per step
+        (benchmarks/results/log.md)."""
+        if self.plain_single_device:
+            return functools.partial(step_fn, module), Tensor.backward, optimizer.step
+        autocast = self.fabric.autocast
+
+        def forward(batch: tuple, i: int) -> Any:
+            with autocast():
+                return step_fn(module, batch, i)
+
+        return forward, self.fabric.backward, functools.partial(self.fabric.strategy.optimizer_step, optimizer)
+
     def run_steps(
         self,
         module: ClientModule,
@@ -219,35 +251,20 @@ class LocalLoop:
         a block spanning several optimizer steps would keep computing with the first step's weights
         (under bf16-mixed the head then grows unchecked and test losses reach 1e8; docs/algorithms.md).
         """
-        step_fn = step_fn or training_step
-        strategy = self.fabric.strategy
-        optimizer_step = strategy.optimizer_step
-        # 32-true on one device: Fabric's autocast is a no-op and its backward and optimizer step are the plain
-        # calls, so they are made directly (21 Python calls fewer per step, benchmarks/results/log.md)
-        plain = type(strategy).__name__ == "SingleDeviceStrategy" and type(strategy.precision).__name__ == "Precision"
+        forward, backward, optimizer_step = self._step_calls(module, optimizer, step_fn or training_step)
         module.train()
         total, steps = torch.zeros((), device=self.fabric.device), 0
         for i, batch in enumerate(batches):
             optimizer.zero_grad(set_to_none=True)
-            if plain:
-                loss = step_fn(module, batch, i)
-            else:
-                with self.fabric.autocast():
-                    loss = step_fn(module, batch, i)
+            loss = forward(batch, i)
             if isinstance(loss, tuple):  # (loss, record): what the step observed goes to on_record
                 loss, record = loss
                 if on_record is not None:
                     on_record(tuple(t.detach() for t in record))
-            if plain:
-                loss.backward()
-            else:
-                self.fabric.backward(loss)
+            backward(loss)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-            if plain:
-                optimizer.step()
-            else:
-                optimizer_step(optimizer)
+            optimizer_step()
             total += loss.detach().float()
             steps += 1
         return {"loss": (total / max(steps, 1)).item(), "steps": float(steps)}

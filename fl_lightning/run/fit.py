@@ -221,26 +221,25 @@ def _run(
     elif resume == "auto" and ranks.writes:
         print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
     output = dataclasses.replace(output, run_info=run_info)
-    e = experiment
     orchestrator = FederationOrchestrator(
-        e.strategy,
-        e.clients,
-        e.sampler,
-        loop,
-        e.data,
-        e.seed,
-        plan,
-        output,
-        execution,
-        robustness,
-        e.schedule,
-        e.evaluation,
+        strategy=experiment.strategy,
+        clients=experiment.clients,
+        sampler=experiment.sampler,
+        loop=loop,
+        data=experiment.data,
+        seed=experiment.seed,
+        plan=plan,
+        output=output,
+        execution=execution,
+        robustness=robustness,
+        schedule=experiment.schedule,
+        evaluation=experiment.evaluation,
     )
     # every check has passed: only now is the run directory written (a refused start changes nothing)
     if ranks.writes:  # rank 0 alone writes it
         config = output.config if rewrite_config else None
         _write_run_dir(files, lock, run_info["run_id"], checkpoint, orchestrator.state, partition, config)
-    _start_loggers(output, name, checkpoint, e.data)
+    _start_loggers(output, name, checkpoint, experiment.data)
     summary = orchestrator.run_rounds(checkpoint)
     leave_ranks()
     for run_logger in output.loggers:
@@ -271,18 +270,18 @@ def _setup_data(experiment: _Experiment, device: Any) -> dict[str, Any]:
 
 def _setup_loop(experiment: _Experiment, fabric: Any, rounds: int, cuda_graphs: bool) -> LocalLoop:
     """Builds one model per role and the loop that trains them, each checked against the strategy and the data."""
-    e = experiment
-    loop = LocalLoop(fabric, e.training, rounds)
+    data, strategy, roles = experiment.data, experiment.strategy, experiment.population.roles()
+    loop = LocalLoop(fabric, experiment.training, rounds)
     loop.build_slots(
-        e.models,
-        roles_to_build(e.population.roles(), e.strategy),
-        e.seed,
-        num_classes=e.data.num_classes,
-        in_channels=int(e.data.x.shape[1]) if e.data.x.dim() == 4 else 1,
+        experiment.models,
+        roles_to_build(roles, strategy),
+        experiment.seed,
+        num_classes=data.num_classes,
+        in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
         fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
     )
-    check_model_parts(loop.slots, type(e.strategy).__name__, e.strategy.needs_split)
-    check_models_fit_data(loop.slots, e.data.num_classes, e.data.x, input_roles=e.population.roles())
+    check_model_parts(loop.slots, type(strategy).__name__, strategy.needs_split)
+    check_models_fit_data(loop.slots, data.num_classes, data.x, input_roles=roles)
     if cuda_graphs:
         from ..client.graphs import StepGraphs, backend_for, prepare_optimizer
 

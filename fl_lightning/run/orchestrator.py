@@ -38,7 +38,7 @@ from ..tracking import RoundProgress
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
 from .client_store import CLIENTS_DIR
 from .options import ExecutionPlan, RoundPlan, RunOutput
-from .robustness import FIX, Diverged, Robustness, nonfinite_metrics, nonfinite_parts, poison
+from .robustness import FIX, LOWER_RATES, Diverged, Robustness, nonfinite_metrics, nonfinite_parts, poison
 from .sharding import ShardedPhases
 from .state import RunState
 from .tally import RoundTally, TrainedRound
@@ -63,13 +63,16 @@ class FederationOrchestrator:
 
     Example::
 
-        orchestrator = FederationOrchestrator(FedAvg(), clients, UniformSampler(), loop, data, 0,
-                                              RoundPlan(rounds=5), RunOutput(RunFiles("runs/try")))
+        orchestrator = FederationOrchestrator(
+            strategy=FedAvg(), clients=clients, sampler=UniformSampler(), loop=loop, data=data, seed=0,
+            plan=RoundPlan(rounds=5), output=RunOutput(RunFiles("runs/try")),
+        )
         summary = orchestrator.run_rounds()  # what summary.json holds
     """
 
     def __init__(
         self,
+        *,
         strategy: Strategy,
         clients: list[ClientSpec],
         sampler: ClientSampler,
@@ -199,7 +202,7 @@ class FederationOrchestrator:
         if bad:
             raise Diverged(
                 f"round {rnd} diverged: {', '.join(sorted(bad)[:4])} {'is' if len(bad) == 1 else 'are'} not finite "
-                f"(the server state or an evaluation); {FIX.split(', or set')[0]}.",
+                f"(the server state or an evaluation); {LOWER_RATES}.",
                 rnd,
             )
 

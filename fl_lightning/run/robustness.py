@@ -27,10 +27,12 @@ from ..federation.types import ClientUpdate
 FAULT_KINDS = ("crash", "nan", "straggle", "drop_upload")
 """Injected faults, in the order their rates are stacked on one uniform draw."""
 
-FIX = (
-    "lower the learning rate (training.optimizer.init_args.lr), the strategy's kd_weight or server_lr, "
-    "or set divergence: drop to skip such updates"
-)
+LOWER_RATES = "lower the learning rate (training.optimizer.init_args.lr), the strategy's kd_weight or server_lr"
+"""The fix for non-finite numbers of any kind: smaller steps."""
+SKIP_UPDATES = "set divergence: drop to skip such updates"
+"""The fix for non-finite client updates only: the server state and evaluations cannot be skipped."""
+FIX = f"{LOWER_RATES}, or {SKIP_UPDATES}"
+"""Both fixes, for a client's non-finite update."""
 
 
 class Diverged(ConfigError):
