@@ -5,6 +5,7 @@ the launcher itself is killed: each rank follows it, ``gpu_share.follow_parent``
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,8 @@ from typing import IO
 from .capacity import check_capacity
 from .gpu_share import as_child
 from .messages import MAILBOX_ENV, SCRATCH_ENV, make_mailbox_folder
+
+log = logging.getLogger(__name__)
 
 GRACE_S = 30.0  # after a rank fails, how long the others get to stop on their own (rank 0 writes its summary)
 LAUNCHED_ENV = "FLRUN_LAUNCHED"  # set for the ranks this launcher starts
@@ -92,11 +95,12 @@ def _show_log(rank: int, code: int, log: IO[bytes] | None) -> None:
         log.seek(0)
         tail = log.read().decode(errors="replace").splitlines()[-40:]
     if tail:
-        print(f"flrun fit: output of rank {rank}:", *tail, sep="\n", file=sys.stderr)
-    print(
-        f"flrun fit: rank {rank} ended ({how}) and the run stopped; the last checkpoint is intact: run the same "
-        "command with --resume auto to continue.",
-        file=sys.stderr,
+        log.error("%s", "\n".join([f"flrun fit: output of rank {rank}:", *tail]))
+    log.error(
+        "flrun fit: rank %d ended (%s) and the run stopped; the last checkpoint is intact: run the same command "
+        "with --resume auto to continue.",
+        rank,
+        how,
     )
 
 
