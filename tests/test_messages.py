@@ -77,3 +77,17 @@ def test_the_csv_logger_writes_every_evaluated_round_with_the_union_of_columns(t
     history = [{"round": 2, "acc": 0.5}, {"round": 4, "acc": 0.75, "comm/uplink_bytes": 12}]
     csv_logger.log_evaluation(history)
     assert (tmp_path / "metrics.csv").read_bytes() == b"round,acc,comm/uplink_bytes\r\n2,0.5,\r\n4,0.75,12\r\n"
+
+
+def test_a_rank_that_ended_is_reported_with_the_end_of_its_output(caplog):
+    import io
+
+    from fl_lightning.distributed.launch import _show_log
+
+    with caplog.at_level(logging.ERROR, logger="fl_lightning"):
+        _show_log(1, 3, io.BytesIO(b"step 1\nTraceback: boom\n"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "flrun fit: output of rank 1:\nstep 1\nTraceback: boom",
+        "flrun fit: rank 1 ended (exit status 3) and the run stopped; the last checkpoint is intact: run the same "
+        "command with --resume auto to continue.",
+    ]

@@ -87,13 +87,13 @@ def _first_not_lost(codes: list[int | None], fallback: int) -> int:
     return next((r for r, code in enumerate(codes) if code not in (0, None, LOST_STATUS)), fallback)
 
 
-def _show_log(rank: int, code: int, log: IO[bytes] | None) -> None:
+def _show_log(rank: int, code: int, output: IO[bytes] | None) -> None:
     """Which rank ended and how, after the end of its output (rank 0's went to the terminal already)."""
     how = f"exit status {code}" if code > 0 else f"killed by {_signal_name(-code)}"
     tail = []
-    if log is not None:
-        log.seek(0)
-        tail = log.read().decode(errors="replace").splitlines()[-40:]
+    if output is not None:
+        output.seek(0)
+        tail = output.read().decode(errors="replace").splitlines()[-40:]
     if tail:
         log.error("%s", "\n".join([f"flrun fit: output of rank {rank}:", *tail]))
     log.error(
