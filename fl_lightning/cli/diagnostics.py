@@ -23,7 +23,7 @@ class StderrHandler(logging.StreamHandler):
         self.setFormatter(logging.Formatter("%(message)s"))
         self.addFilter(lambda record: record.name == PACKAGE or record.name.startswith(PACKAGE + "."))
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return sys.stderr
 
