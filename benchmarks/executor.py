@@ -3,7 +3,7 @@
 Runs digits recipes a few rounds with ``runtime.executor`` sequential and batched, alternating the two
 (``--repeats`` times each) so that a noisy machine affects both alike, and prints the median seconds per
 steady round (round 1 excluded: it pays first-call costs) and the ratio sequential / batched (> 1: batched
-is faster). It is how ``runtime.executor: auto`` was chosen (docs/performance.md).
+is faster). It is how ``runtime.executor: auto`` was chosen (docs/reference/measurements.md).
 
     python benchmarks/executor.py --json
 """

@@ -167,7 +167,7 @@ def test_resume_accepts_safe_changes_records_them_and_adds_rounds_exactly(tmp_pa
 
 def test_run_files_and_checkpoints_are_fsynced_with_their_directory(tmp_path, monkeypatch):
     from fl_lightning.run.checkpoint import save_checkpoint
-    from fl_lightning.tracking import RunFiles
+    from fl_lightning.tracking import CsvLogger, RunFiles
 
     synced: list[tuple[int, bool]] = []
     real_fsync = os.fsync
@@ -179,9 +179,11 @@ def test_run_files_and_checkpoints_are_fsynced_with_their_directory(tmp_path, mo
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
     files = RunFiles(tmp_path / "run")
+    csv_logger = CsvLogger()
+    csv_logger.start(files.root, "run", {}, None)
     writes = [
         (files.summary, lambda: files.write_json(files.summary, {"a": 1})),
-        (files.metrics, lambda: files.write_metrics([{"round": 1, "acc": 0.5}])),
+        (files.metrics, lambda: csv_logger.log_evaluation([{"round": 1, "acc": 0.5}])),
         (files.config, lambda: files.write_text(files.config, "rounds: 1\n")),
         (files.last_checkpoint, lambda: save_checkpoint(files.last_checkpoint, {"w": torch.ones(2)})),
     ]

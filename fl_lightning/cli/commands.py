@@ -18,6 +18,7 @@ from ..federation.release import VERSION
 from ..run.arguments import FIT_SUMMARY, UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
 from ..run.arguments import USAGE as USAGE_FIT
 from .data import run_data
+from .diagnostics import show_messages
 from .errors import Terminated, error_status, stopped_by_sigterm
 from .models import run_models
 from .report import run_report
@@ -160,6 +161,7 @@ def _main(argv: list[str]) -> int:
         print(f"flrun: error: unknown command {command!r}; use one of {', '.join(COMMANDS)}.", file=sys.stderr)
         return 2
     os.environ.setdefault("WANDB_SILENT", "true")
+    show_messages()  # the package's notes and warnings (its modules log them) on stderr
     try:
         with stopped_by_sigterm(command == "fit"):
             return COMMANDS[command](rest)

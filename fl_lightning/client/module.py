@@ -2,7 +2,7 @@
 
 A plain ``torch.nn.Module``, not a ``LightningModule``: the Fabric loop uses nothing a LightningModule adds
 (no Trainer, ``self.log`` or hooks), and ``lightning.pytorch`` imports torchmetrics, which imports
-torchvision, transformers and ``scipy.signal``: seconds of every run's start-up (docs/performance.md).
+torchvision, transformers and ``scipy.signal``: seconds of every run's start-up (docs/reference/measurements.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """LocalTraining: how a client trains, as a recipe states it (part of ``flrun fit``'s schema).
 
 It lives apart from the loop so that the CLI builds its parser without importing Lightning (seconds of
-start-up, docs/performance.md): jsonargparse reads the annotations of this module, not the loop's.
+start-up, docs/reference/measurements.md): jsonargparse reads the annotations of this module, not the loop's.
 """
 
 from __future__ import annotations

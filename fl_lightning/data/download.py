@@ -12,8 +12,8 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
-import sys
 import tarfile
 import urllib.error
 import urllib.parse
@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 from ..federation.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 HUB = "https://huggingface.co"
@@ -159,7 +161,7 @@ def _download_into(out, url: str, path: Path) -> None:
         final = response.geturl() if hasattr(response, "geturl") else url
         if not str(final).startswith("https://"):
             raise ConfigError(f"refusing {url}: the server redirected to a non-https address ({final}).")
-        print(f"downloading {url} -> {path}", file=sys.stderr, flush=True)  # only once it is reachable
+        log.info("downloading %s -> %s", url, path)  # only once it is reachable
         while True:
             try:
                 chunk = response.read(CHUNK)

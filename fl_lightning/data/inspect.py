@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -114,19 +116,25 @@ def _reserve_free_name(path: Path) -> Path:
             k += 1
 
 
-def print_summary(data: FederatedData, rows: list[dict]) -> None:
+def print_summary(data: FederatedData, rows: list[dict], out: TextIO | None = None) -> None:
+    """Writes the partition's totals and one line per client to ``out`` (stdout when not given)."""
+    out = out or sys.stdout
+    out.write("\n".join(summary_lines(data, rows)) + "\n")
+
+
+def summary_lines(data: FederatedData, rows: list[dict]) -> list[str]:
+    """The partition's totals, then a table with one line per client."""
     sizes = np.array([r["train"] for r in rows])
-    print(
+    lines = [
         f"{len(rows)} clients, {data.num_classes} classes; pool {len(data.x)}, server {len(data.server_idx)}, "
-        f"global test {len(data.test_y)}"
-    )
-    print(
+        f"global test {len(data.test_y)}",
         f"labeled examples per client: min {sizes.min()}, median {int(np.median(sizes))}, max {sizes.max()}; "
-        f"classes per client: mean {np.mean([r['classes'] for r in rows]):.1f}"
-    )
-    print(f"{'client':>6} {'train':>7} {'unlab.':>7} {'val':>5} {'test':>5} {'classes':>7} {'top share':>9}")
+        f"classes per client: mean {np.mean([r['classes'] for r in rows]):.1f}",
+        f"{'client':>6} {'train':>7} {'unlab.':>7} {'val':>5} {'test':>5} {'classes':>7} {'top share':>9}",
+    ]
     for r in rows:
-        print(
+        lines.append(
             f"{r['client']:>6} {r['train']:>7} {r['unlabeled']:>7} {r['val']:>5} {r['test']:>5} {r['classes']:>7} "
             f"{r['top_class_share']:>9.2f}"
         )
+    return lines

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import logging
 import os
 import pickle
 import shutil
@@ -20,6 +21,8 @@ from ..federation.errors import ConfigError
 from ..federation.files import atomic_write
 from .catalog import HubFiles, Source, source
 from .download import NetworkError, download, hub_download, hub_files, hub_resolve, lock_file, safe_extract
+
+log = logging.getLogger(__name__)
 
 
 def present(src: Source, data_dir: Path) -> bool:
@@ -230,7 +233,7 @@ def _fetch_files(src: Source, data_dir: Path, revision: str | None) -> None:
         target = data_dir / remote.name
         download(remote.url, target, sha256=remote.sha256, md5=remote.md5, git_sha1=remote.git_sha1)
         if remote.extract_to is not None:
-            print(f"unpacking {target.name} into {data_dir / remote.extract_to}", file=sys.stderr, flush=True)
+            log.info("unpacking %s into %s", target.name, data_dir / remote.extract_to)
             safe_extract(target, data_dir / remote.extract_to)
             target.unlink()
     if src.hub is not None:
@@ -241,10 +244,12 @@ def _fetch_hub(hub: HubFiles, data_dir: Path, revision: str | None) -> None:
     revision = revision or hub.revision
     if revision is None:
         revision = hub_resolve(hub.repo_id, "main")
-        print(
-            f"{hub.repo_id} has no pinned commit here (none could be found in public code); fetching its current "
-            f"commit {revision}, recorded in {data_dir / hub.folder / 'REVISION'}.",
-            file=sys.stderr,
+        log.warning(
+            "%s has no pinned commit here (none could be found in public code); fetching its current commit %s, "
+            "recorded in %s.",
+            hub.repo_id,
+            revision,
+            data_dir / hub.folder / "REVISION",
         )
     folder = data_dir / hub.folder
     entries = [

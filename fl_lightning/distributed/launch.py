@@ -5,6 +5,7 @@ the launcher itself is killed: each rank follows it, ``gpu_share.follow_parent``
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,8 @@ from typing import IO
 from .capacity import check_capacity
 from .gpu_share import as_child
 from .messages import MAILBOX_ENV, SCRATCH_ENV, make_mailbox_folder
+
+log = logging.getLogger(__name__)
 
 GRACE_S = 30.0  # after a rank fails, how long the others get to stop on their own (rank 0 writes its summary)
 LAUNCHED_ENV = "FLRUN_LAUNCHED"  # set for the ranks this launcher starts
@@ -84,19 +87,20 @@ def _first_not_lost(codes: list[int | None], fallback: int) -> int:
     return next((r for r, code in enumerate(codes) if code not in (0, None, LOST_STATUS)), fallback)
 
 
-def _show_log(rank: int, code: int, log: IO[bytes] | None) -> None:
+def _show_log(rank: int, code: int, output: IO[bytes] | None) -> None:
     """Which rank ended and how, after the end of its output (rank 0's went to the terminal already)."""
     how = f"exit status {code}" if code > 0 else f"killed by {_signal_name(-code)}"
     tail = []
-    if log is not None:
-        log.seek(0)
-        tail = log.read().decode(errors="replace").splitlines()[-40:]
+    if output is not None:
+        output.seek(0)
+        tail = output.read().decode(errors="replace").splitlines()[-40:]
     if tail:
-        print(f"flrun fit: output of rank {rank}:", *tail, sep="\n", file=sys.stderr)
-    print(
-        f"flrun fit: rank {rank} ended ({how}) and the run stopped; the last checkpoint is intact: run the same "
-        "command with --resume auto to continue.",
-        file=sys.stderr,
+        log.error("%s", "\n".join([f"flrun fit: output of rank {rank}:", *tail]))
+    log.error(
+        "flrun fit: rank %d ended (%s) and the run stopped; the last checkpoint is intact: run the same command "
+        "with --resume auto to continue.",
+        rank,
+        how,
     )
 
 

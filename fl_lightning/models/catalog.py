@@ -46,16 +46,16 @@ def bundled() -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     if argv not in ([], ["--check"]):  # an unknown option would rewrite the catalog instead of checking it
-        print("usage: python -m fl_lightning.models.catalog [--check]", file=sys.stderr)
+        sys.stderr.write("usage: python -m fl_lightning.models.catalog [--check]\n")
         return 2
     fresh = json.dumps(bundled(), indent=1) + "\n"
     if "--check" in argv:
         if CATALOG.read_text() != fresh:
-            print(f"{CATALOG} is out of date: run `python -m fl_lightning.models.catalog`.", file=sys.stderr)
+            sys.stderr.write(f"{CATALOG} is out of date: run `python -m fl_lightning.models.catalog`.\n")
             return 1
         return 0
     atomic_write(CATALOG, fresh)
-    print(f"wrote {CATALOG}")
+    sys.stdout.write(f"wrote {CATALOG}\n")
     return 0
 
 

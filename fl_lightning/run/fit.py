@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import sys
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +45,8 @@ from .robustness import Faults, Robustness
 from .run_dir import check_output_dir, check_resume_target, check_still_ours, free_leftovers, run_id
 from .runtime import Runtime
 from .state import RunState, check_monitor, check_resume, planned_rounds
+
+log = logging.getLogger(__name__)
 
 _ONE_RUN = threading.Lock()
 
@@ -117,7 +119,7 @@ def fit(
         seed: the run seed; the same seed gives the same numbers on CPU.
         output_dir: run directory; ``runs/<name>/seed<seed>`` when not given.
         resume: ``auto`` resumes from ``<output_dir>/checkpoints/last.ckpt`` if it exists, or a checkpoint path.
-        logger: ``csv`` (always written), ``wandb``, ``tensorboard``, a RunLogger class_path, or a list.
+        logger: ``wandb``, ``tensorboard``, a RunLogger class_path, or a list; ``csv`` (metrics.csv) is always there.
         runtime: accelerator, precision, CPU threads, determinism, the progress bar and the ranks (devices).
         checkpoint_every: checkpoint every k rounds (and at the end).
         stop_after: end this invocation after that round, e.g. to fit a job's time limit; resume later.
@@ -217,9 +219,9 @@ def _run(
     if checkpoint is not None:
         run_info, rewrite_config = _resumed_identity(checkpoint, run_info, output, plan)
         if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
-            print(_resuming_line(checkpoint, plan, resume, files), file=sys.stderr, flush=True)
+            log.info("%s", _resuming_line(checkpoint, plan, resume, files))
     elif resume == "auto" and ranks.writes:
-        print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
+        log.info("--resume auto: no checkpoint in %s; starting a new run.", files.root)
     output = dataclasses.replace(output, run_info=run_info)
     orchestrator = FederationOrchestrator(
         strategy=experiment.strategy,

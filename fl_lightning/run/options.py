@@ -101,7 +101,7 @@ class RunOutput:
     files: RunFiles
     """The run directory: ``metrics.csv``, ``summary.json``, checkpoints."""
     loggers: list[RunLogger] = field(default_factory=list)
-    """W&B / TensorBoard loggers (the CSV file is written by ``files``)."""
+    """The started loggers: W&B, TensorBoard, the CSV logger (``resolve_loggers`` ends the list with it)."""
     progress: bool = True
     """Show the progress bar."""
     monitor: str | None = None

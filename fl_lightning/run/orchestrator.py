@@ -35,6 +35,7 @@ from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
 from ..strategies.base import ServerContext, Strategy, check_evaluation_split, phase_table
 from ..tracking import RoundProgress
+from ..tracking import metric_keys as keys
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
 from .client_store import CLIENTS_DIR
 from .options import ExecutionPlan, RoundPlan, RunOutput
@@ -160,15 +161,15 @@ class FederationOrchestrator:
         self._check_finite(rnd, {**row, **(metrics or {})})
         state.rounds_done = rnd
         state.elapsed = time.perf_counter() - started
-        row["time/elapsed_s"] = state.elapsed
+        row[keys.ELAPSED_S] = state.elapsed
         if metrics is not None:
             state.record_evaluation(rnd, metrics, self.monitor, self.evaluator.per_client)
             row.update(metrics)
             state.history.append(row)
-            if self.ranks.writes:
-                self.files.write_metrics(state.history)
-        for logger in self.loggers:
-            logger.log_metrics({k: v for k, v in row.items() if k != "round"}, step=rnd)
+            for logger in self.loggers:  # before any logger's row: a pruning logger may stop the run there
+                logger.log_evaluation(state.history)
+        for logger in self.loggers:  # rank 0's alone (the other ranks have none)
+            logger.log_metrics({k: v for k, v in row.items() if k != keys.ROUND}, step=rnd)
         self.progress.update(rnd, row)
         if plan.checkpoints(rnd) and self.ranks.writes:
             state.save(self.files.last_checkpoint, self.strategy, self.loop, self.loggers, self.schedule)
@@ -216,28 +217,28 @@ class FederationOrchestrator:
         ledger = self.state.ledger
         traffic = ledger.per_round.get(rnd, {"uplink": 0, "downlink": 0})
         client_metrics = tally.client_metrics
-        row: dict[str, Any] = {"round": rnd, "clients": trained.tasks}
-        row.update({f"train/{k}": float(np.mean(v)) for k, v in client_metrics.items()})
+        row: dict[str, Any] = {keys.ROUND: rnd, keys.CLIENTS: trained.tasks}
+        row.update({keys.train_key(k): float(np.mean(v)) for k, v in client_metrics.items()})
         if client_metrics:
-            row["train/loss"] = float(np.mean([np.mean(v) for k, v in client_metrics.items() if k.endswith("loss")]))
+            row[keys.TRAIN_LOSS] = float(np.mean([np.mean(v) for k, v in client_metrics.items() if k.endswith("loss")]))
         row.update(trained.server_metrics)
         if self.robustness.may_lose_updates:
-            row.update({f"faults/{k}": tally.events.get(k, 0) for k in self.robustness.event_keys})
+            row.update({keys.faults_key(k): tally.events.get(k, 0) for k in self.robustness.event_keys})
             for key, count in tally.events.items():
                 self.state.events[key] = self.state.events.get(key, 0) + count
         row.update(
             {
-                "comm/round_uplink_bytes": traffic["uplink"],
-                "comm/round_downlink_bytes": traffic["downlink"],
-                "comm/uplink_bytes": ledger.uplink_bytes,
-                "comm/downlink_bytes": ledger.downlink_bytes,
-                "comm/mib_per_client": (ledger.uplink_bytes + ledger.downlink_bytes) / len(self.clients) / 2**20,
+                keys.ROUND_UPLINK_BYTES: traffic["uplink"],
+                keys.ROUND_DOWNLINK_BYTES: traffic["downlink"],
+                keys.UPLINK_BYTES: ledger.uplink_bytes,
+                keys.DOWNLINK_BYTES: ledger.downlink_bytes,
+                keys.MIB_PER_CLIENT: (ledger.uplink_bytes + ledger.downlink_bytes) / len(self.clients) / 2**20,
             }
         )
         if self.state.train_flops is not None:  # None: a role's step could not be counted (summary.json says why)
             self.state.train_flops += sum(n * self.step_flops[role] for role, n in tally.steps.items())
-            row["compute/train_flops"] = self.state.train_flops
-            row["compute/gflops_per_client"] = self.state.train_flops / len(self.clients) / 1e9
+            row[keys.TRAIN_FLOPS] = self.state.train_flops
+            row[keys.GFLOPS_PER_CLIENT] = self.state.train_flops / len(self.clients) / 1e9
         return row
 
     def _synchronous(self, rnd: int, tally: RoundTally) -> TrainedRound:

@@ -287,22 +287,22 @@ def readme(current: str, folder: Path = RECIPES_DIR) -> str:
 def main(argv: list[str]) -> int:
     """``python -m fl_lightning.run.recipes readme [--check]``: rewrite (or check) recipes/README.md's tables."""
     if argv not in (["readme"], ["readme", "--check"]):  # an unknown option would rewrite instead of checking
-        print("usage: python -m fl_lightning.run.recipes readme [--check]", file=sys.stderr)
+        sys.stderr.write("usage: python -m fl_lightning.run.recipes readme [--check]\n")
         return 2
     target = RECIPES_DIR / "README.md"
     current = target.read_text()
     try:
         fresh = readme(current)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")
         return 2
     if "--check" in argv:
         if fresh != current:
-            print(f"{target} is out of date: run `python -m fl_lightning.run.recipes readme`.", file=sys.stderr)
+            sys.stderr.write(f"{target} is out of date: run `python -m fl_lightning.run.recipes readme`.\n")
             return 1
         return 0
     atomic_write(target, fresh)
-    print(f"wrote {target}")
+    sys.stdout.write(f"wrote {target}\n")
     return 0
 
 

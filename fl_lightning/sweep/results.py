@@ -101,11 +101,14 @@ class Progress:
         self.stopped: str | None = None  # why the sweep stops early: a run without the sweep's metric
 
     def print(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        """A line of the sweep's report: on ``out`` (stdout)."""
+        self.out.write(f"{text}\n")
+        self.out.flush()
 
     def note(self, text: str) -> None:
         """Something went wrong or needs the user's attention: on stderr."""
-        print(f"flrun sweep: {text}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"flrun sweep: {text}\n")
+        sys.stderr.flush()
 
     def header(self, n_jobs: int, gpus: Sequence[str] = ()) -> None:
         counts = tally(self.study.get_trials(deepcopy=False))

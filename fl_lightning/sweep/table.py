@@ -177,7 +177,9 @@ class _Runner:
         self.finished = 0
 
     def say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        """A line of the table command's report: on ``out`` (stdout)."""
+        self.out.write(f"{line}\n")
+        self.out.flush()
 
     def run(self) -> tuple[list[TableRun], list[tuple[TableRun, str]]]:
         try:

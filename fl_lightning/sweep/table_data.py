@@ -92,10 +92,9 @@ def check_data(
             f"{_data_sets(skipped, lacking, failures)}{rest}; --dry_run lists the runs."
         )
     if skipped:
-        print(
+        out.write(
             f"skipping {len(skipped)} of the {len(pending)} runs to do, whose data are missing: "
-            f"{_data_sets(skipped, lacking, failures)}.",
-            file=out,
+            f"{_data_sets(skipped, lacking, failures)}.\n"
         )
     return ready, skipped
 
@@ -110,7 +109,8 @@ def _download(lacking: dict[Path, list[Lacking]], out: TextIO) -> dict[tuple[str
     wanted = {(item.name, item.data_dir): item for items in lacking.values() for item in items if item.download}
     failures = {}
     for (name, data_dir), item in wanted.items():
-        print(f"{item.title}: not in {data_dir}; downloading it before the runs start", file=out, flush=True)
+        out.write(f"{item.title}: not in {data_dir}; downloading it before the runs start\n")
+        out.flush()
         try:
             sources.fetch(name, data_dir)
         except NetworkError as err:

@@ -15,29 +15,28 @@ from .table_data import lacking_by_recipe
 
 
 def preview(runs: list[TableRun], fit_args: list[str], n_jobs: int, out: TextIO) -> None:
-    """Prints one line per run, then the totals, the time estimate and the missing data sets."""
+    """Writes one line per run to ``out``, then the totals, the time estimate and the missing data sets."""
     states = {id(run): run.state(fit_args) for run in runs}
     lacking = lacking_by_recipe(runs, fit_args)
+    lines = []
     for run in runs:
         flag = "  (data missing)" if lacking[run.recipe] and states[id(run)] != "done" else ""
-        print(f"{states[id(run)]:>7}  {run.name}  {run.output_dir}{flag}", file=out)
+        lines.append(f"{states[id(run)]:>7}  {run.name}  {run.output_dir}{flag}")
     counts = Counter(states.values())
     pending = [run for run in runs if states[id(run)] != "done"]
     kinds = ", ".join(f"{counts[k]} {label}" for k, label in KINDS if counts[k])
-    print(
-        f"{len(runs)} runs: {counts['done']} done, {len(pending)} to run" + (f" ({kinds})" if kinds else ""), file=out
-    )
+    lines.append(f"{len(runs)} runs: {counts['done']} done, {len(pending)} to run" + (f" ({kinds})" if kinds else ""))
     if pending:
-        print(time_estimate(runs, pending, states, n_jobs), file=out)
+        lines.append(time_estimate(runs, pending, states, n_jobs))
     for (title, name, data_dir, download), recipes in _by_data_set(pending, lacking).items():
         count = sum(1 for run in pending if run.recipe in recipes)
         fetched = " (or let flrun table download it before the runs: their recipes set download: true)"
-        print(
+        lines.append(
             f"data missing for {count} of the runs to do ({', '.join(sorted(r.stem for r in recipes))}): {title}, "
             f"not found in {data_dir}; fetch it with {sources.fetch_command(name, data_dir)}"
-            f"{fetched if download else ''}.",
-            file=out,
+            f"{fetched if download else ''}."
         )
+    out.write("".join(f"{line}\n" for line in lines))
 
 
 KINDS = (("new", "new"), ("resume", "to resume"), ("changed", "changed since they finished"))

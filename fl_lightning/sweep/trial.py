@@ -84,15 +84,14 @@ def messages_named(number: int):
     """The warnings a trial's run gives (the package's log warnings, Python's warnings) go to stderr as
     ``flrun sweep: trial 3: warning: ...``: with several workers, lines of several trials interleave, and one
     without its trial cannot be told apart."""
-    prefix = f"flrun sweep: trial {number}: warning: "
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    handler.setFormatter(_TrialFormatter(f"flrun sweep: trial {number}: "))
     package = logging.getLogger("fl_lightning")
     propagate, package.propagate = package.propagate, False  # shown once, here, not again by a root handler
     package.addHandler(handler)
 
     def show(message, category, filename, lineno, file=None, line=None):
-        print(f"{prefix}{category.__name__}: {message}", file=sys.stderr, flush=True)
+        package.warning("%s: %s", category.__name__, message)
 
     try:
         with warnings.catch_warnings():
@@ -101,6 +100,18 @@ def messages_named(number: int):
     finally:
         package.removeHandler(handler)
         package.propagate = propagate
+
+
+class _TrialFormatter(logging.Formatter):
+    """``<prefix>warning: <message>`` for a warning, ``<prefix><message>`` for a note (a download, a resume)."""
+
+    def __init__(self, prefix: str):
+        super().__init__("%(message)s")
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        kind = "warning: " if record.levelno >= logging.WARNING else ""
+        return f"{self.prefix}{kind}{super().format(record)}"
 
 
 def run_trial(spec: SweepSpec, trial, notify) -> float:

@@ -1,17 +1,24 @@
-"""Experiment loggers beyond the always-written CSV: Weights & Biases and TensorBoard.
+"""Experiment loggers: the CSV file every run writes (``metrics.csv``), Weights & Biases and TensorBoard.
 
-``--logger wandb`` (or ``tensorboard``) picks a logger with default options; the class-path form sets
+``--logger wandb`` (or ``tensorboard``) adds a logger with default options; the class-path form sets
 them, e.g. ``{class_path: fl_lightning.tracking.WandbLogger, init_args: {project: fl, tags: [cifar]}}``.
+The CSV logger is always there, the last of the run's loggers; ``--logger csv`` (the default) names it alone.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import logging
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ..federation.errors import ConfigError
+from ..federation.files import atomic_write
+from . import metric_keys as keys
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # wandb is imported when the logger starts, not with the package
     from wandb.sdk.wandb_run import Run
@@ -27,6 +34,10 @@ class RunLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError
+
+    def log_evaluation(self, history: list[dict[str, Any]]) -> None:
+        """Optional: after each evaluation, before any logger's :meth:`log_metrics` of that round, the row of
+        every evaluated round so far (those before a resume included), each with its ``round``."""
 
     def log_files(self, paths: list[Path]) -> None:
         """Optional: store files (checkpoints) with the run."""
@@ -133,7 +144,7 @@ class WandbLogger(RunLogger):
         offline, folder = self.started.offline, self.started.settings.sync_dir
         self.started.finish()
         if offline:  # flrun silences wandb's own lines (WANDB_SILENT), its sync hint among them
-            print(f"W&B run saved offline; upload it with: wandb sync {shown_path(folder)}", file=sys.stderr)
+            log.info("W&B run saved offline; upload it with: wandb sync %s", shown_path(folder))
 
     def state_dict(self):
         return {"run_id": self.run.id} if self.run is not None else {}
@@ -168,20 +179,66 @@ class TensorBoardLogger(RunLogger):
         self.writer.close()
 
 
-_SHORTHANDS = {"wandb": WandbLogger, "tensorboard": TensorBoardLogger}
+class CsvLogger(RunLogger):
+    """``<output_dir>/metrics.csv``: one row per evaluated round, its columns the union of the rows' keys
+    (``round`` first, then in the order they first appear), blank where a round lacks one.
+
+    The file is rewritten whole from the run's history at each evaluation, never appended to, and replaced
+    atomically, so a run cut at any moment leaves the previous file or the new one, never half a row; a
+    resumed run's file holds the rounds before the resume as its checkpoint recorded them.
+    """
+
+    FILE = "metrics.csv"
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+
+    def start(self, output_dir, name, config, state):
+        self.path = Path(output_dir) / self.FILE
+
+    def log_metrics(self, metrics, step):
+        """Nothing: a round without evaluation has no row in the file, and an evaluated one comes whole to
+        :meth:`log_evaluation`."""
+
+    def log_evaluation(self, history):
+        if self.path is None:
+            raise RuntimeError("the csv logger is used before its start")
+        atomic_write(self.path, csv_text(history))
+
+
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    """The CSV text of ``rows``: a header of the union of their keys (``round`` first), then a line per row."""
+    columns: dict[str, None] = {keys.ROUND: None}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(columns))
+    writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
+
+
+_SHORTHANDS: dict[str, type[RunLogger]] = {"wandb": WandbLogger, "tensorboard": TensorBoardLogger}
 
 
 def resolve_loggers(spec: str | RunLogger | list | None) -> list[RunLogger]:
-    """Turns ``--logger`` (a name, a logger, or a list of either) into logger objects; ``csv`` adds none."""
+    """Turns ``--logger`` (a name, a logger, or a list of either) into logger objects, the CSV logger last.
+
+    The CSV logger is in every list once: ``csv`` (or ``none``, or nothing) names it alone, a CsvLogger given
+    as an object is the one used, and a list resolved again (with a logger added) keeps its CSV logger last.
+    """
     items = spec if isinstance(spec, list) else [spec]
     loggers: list[RunLogger] = []
+    csv_logger: RunLogger | None = None
     for item in items:
         if item is None or item in ("csv", "none"):
             continue
-        if isinstance(item, RunLogger):
+        if isinstance(item, CsvLogger):
+            csv_logger = csv_logger or item
+        elif isinstance(item, RunLogger):
             loggers.append(item)
         elif isinstance(item, str) and item in _SHORTHANDS:
             loggers.append(_SHORTHANDS[item]())
         else:
             raise ConfigError(f"unknown logger {item!r}; use csv, wandb, tensorboard or a class_path to a RunLogger.")
-    return loggers
+    return [*loggers, csv_logger or CsvLogger()]

@@ -9,6 +9,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from . import metric_keys as keys
+
 LONG_RUN_S = 2 * 3600  # estimated runs longer than this are announced with advice
 
 
@@ -108,8 +110,8 @@ class RoundProgress:
         # a round without evaluation shows the last value with its round: the same number alone looks stuck
         when = "" if self.last_evaluated == rnd else f" (round {self.last_evaluated})"
         parts = [] if self.last_value is None else [f"{self.monitor} {self.last_value:.4f}{when}"]
-        if "train/loss" in metrics:
-            parts.append(f"train/loss {metrics['train/loss']:.4f}")
+        if keys.TRAIN_LOSS in metrics:
+            parts.append(f"{keys.TRAIN_LOSS} {metrics[keys.TRAIN_LOSS]:.4f}")
         status = "  ".join(parts)
         if self.interactive:
             self.bar.update(self.task, completed=rnd, status=status, phase="")
@@ -117,9 +119,8 @@ class RoundProgress:
         elapsed = time.perf_counter() - self.started
         per_round = elapsed / max(rnd - self.done_at_start, 1)
         eta = duration(per_round * (self.total - rnd))
-        print(
-            f"round {rnd}/{self.total}  {status}  elapsed {duration(elapsed)}  eta {eta}", file=sys.stderr, flush=True
-        )
+        line = f"round {rnd}/{self.total}  {status}  elapsed {duration(elapsed)}  eta {eta}"
+        self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
     def _warn(self, seconds_per_round: float, estimated: bool) -> None:
         if self.warned:

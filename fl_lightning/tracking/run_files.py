@@ -7,23 +7,23 @@ Every file is replaced atomically (:mod:`fl_lightning.federation.files`: written
 renamed over the old one, and the directory fsynced): a run killed at any moment, or a machine that loses power,
 leaves the old file or the new one, never a part of one. A write that fails (a full disk) removes its ``.tmp``
 file and raises an OSError that names the file; SIGTERM or Ctrl-C during a write take effect once it is done.
-metrics.csv too is rewritten whole from the run's history at each evaluation, never appended to, so a cut
-write cannot leave half a row.
+metrics.csv, which the CSV logger writes (``loggers.CsvLogger``), too is rewritten whole from the run's
+history at each evaluation, never appended to, so a cut write cannot leave half a row.
 """
 
 from __future__ import annotations
 
-import csv
 import fcntl
-import io
 import json
+import logging
 import math
-import sys
 from pathlib import Path
 from typing import IO, Any
 
 from ..federation.errors import ConfigError
 from ..federation.files import atomic_write
+
+log = logging.getLogger(__name__)
 
 MARKER = "run.json"  # what makes a directory a run's
 MARKER_KIND = "flrun fit run directory"
@@ -55,17 +55,6 @@ class RunFiles:
         """Marks the directory as the run ``run_id``'s (its first write; a directory marked already keeps its id)."""
         if self.run_id() is None:
             self.write_json(self.marker, {"kind": MARKER_KIND, "run_id": run_id})
-
-    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
-        """Rewrites metrics.csv from the history (one row per evaluation round); columns are the union."""
-        columns: dict[str, None] = {"round": None}
-        for row in rows:
-            columns.update(dict.fromkeys(row))
-        text = io.StringIO(newline="")
-        writer = csv.DictWriter(text, fieldnames=list(columns))
-        writer.writeheader()
-        writer.writerows(rows)
-        self.write_text(self.metrics, text.getvalue())
 
     def write_json(self, path: Path, data: dict[str, Any]) -> None:
         self.write_text(path, json.dumps(_finite(data), indent=2, sort_keys=False) + "\n")
@@ -105,9 +94,10 @@ class RunLock:
                 "or choose another --output_dir."
             ) from None
         except OSError as err:  # a file system without flock (Lustre without flock, some NFS): run unguarded
-            print(
-                f"warning: {self.root} cannot be locked ({err.strerror}); make sure no other flrun process writes it.",
-                file=sys.stderr,
+            log.warning(
+                "warning: %s cannot be locked (%s); make sure no other flrun process writes it.",
+                self.root,
+                err.strerror,
             )
         self._file = lock
 
