@@ -69,6 +69,9 @@ class FederationOrchestrator:
             plan=RoundPlan(rounds=5), output=RunOutput(RunFiles("runs/try")),
         )
         summary = orchestrator.run_rounds()  # what summary.json holds
+
+    The loggers of ``output`` write the rows: without the CSV logger (``resolve_loggers`` adds it, ``flrun
+    fit`` starts it) the run writes no metrics.csv.
     """
 
     def __init__(
