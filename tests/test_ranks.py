@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, marked_beyond, run_cli, write_recipe
+from conftest import ROOT, marked_beyond, read_summary, run_cli, write_recipe
 
 from fl_lightning.distributed import launch, messages, ranks
 from fl_lightning.federation.errors import ConfigError
@@ -79,6 +79,30 @@ def test_two_cpu_ranks_give_fedavg_the_numbers_of_one_process_with_lost_updates(
     summary = _assert_identical_runs(tmp_path / "one", tmp_path / "two")
     faults = summary["faults"]  # the exchange carried events from both ranks (each kind happened)
     assert faults["crash"] > 0 and faults["dropped_nonfinite"] > 0 and faults["drop_upload"] > 0
+    # two ranks ran, and together trained what one process did, each a part of it (a crashed client trains not)
+    (alone,) = read_summary(tmp_path / "one")["ranks"]
+    assert alone["rank"] == 0 and alone["trained_tasks"] == 4 * 5 - faults["crash"]  # 4 rounds of 5 of 9 clients
+    assert [share["rank"] for share in summary["ranks"]] == [0, 1]
+    assert sum(share["trained_tasks"] for share in summary["ranks"]) == alone["trained_tasks"]
+    assert all(0 < share["trained_tasks"] < alone["trained_tasks"] for share in summary["ranks"])
+
+
+def test_each_of_two_ranks_trains_its_share_of_the_clients_and_no_other(tmp_path):
+    """Every client in every round, no faults: the clients alternate between the ranks in task order, so rank 0
+    trains clients 0, 2, 4 and rank 1 clients 1, 3, each in both rounds; summary.json's ranks block says so."""
+    recipe = write_recipe(
+        tmp_path / "all.yaml",
+        rounds=2,
+        eval_every=2,
+        population={"num_clients": 5, "tiers": [{"name": "all", "roles": ["global"]}]},
+        sampler={"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"fraction": 1.0}},
+    )
+    argv = ["fit", "--config", str(recipe), "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2"]
+    assert run_cli(*argv) == 0
+    assert read_summary(tmp_path / "two")["ranks"] == [
+        {"rank": 0, "trained_tasks": 6, "clients": [0, 2, 4]},
+        {"rank": 1, "trained_tasks": 4, "clients": [1, 3]},
+    ]
 
 
 @pytest.mark.slow
