@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, read_summary, run_cli, write_recipe
+from conftest import ROOT, assert_resumed_equals, read_summary, run_cli, write_recipe
 
 
 def _final_metrics(summary):
@@ -109,12 +109,8 @@ def test_resume_gives_exactly_the_uninterrupted_result(tmp_path, optimizer_state
     stopped = read_summary(tmp_path / "cut")
     assert stopped["rounds"] == 2 and not stopped["complete"]
     assert run_cli("fit", *common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto") == 0
-    full, resumed = read_summary(tmp_path / "full"), read_summary(tmp_path / "cut")
-    assert _final_metrics(resumed) == _final_metrics(full)
-    assert resumed["rounds"] == 6 and resumed["complete"]
-    assert (tmp_path / "full/metrics.csv").read_text().count("\n") == (tmp_path / "cut/metrics.csv").read_text().count(
-        "\n"
-    )
+    assert read_summary(tmp_path / "cut")["rounds"] == 6
+    assert_resumed_equals(tmp_path / "cut", tmp_path / "full")
 
 
 def test_resume_says_where_it_continues(tmp_path, capsys):

@@ -143,26 +143,6 @@ def _restore(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.devi
         torch.cuda.set_rng_state(cuda.cpu(), device)
 
 
-class RankShare:
-    """The tasks this rank trained in this launch (from the start, or from the resume) and their clients: the
-    ``ranks`` block of summary.json, one entry per rank (:meth:`summary`), which says which ranks ran and what
-    each trained. A client that crashed before training is no trained task."""
-
-    def __init__(self) -> None:
-        self.tasks = 0
-        self.clients: set[int] = set()
-
-    def trained(self, client_id: int) -> None:
-        """Counts a task that ran ``client_id``'s local training on this rank."""
-        self.tasks += 1
-        self.clients.add(client_id)
-
-    def summary(self, ranks: ranks_module.Ranks) -> list[dict[str, Any]]:
-        """Every rank's share, in rank order (an exchange: every rank must call it)."""
-        mine = {"rank": ranks.rank, "trained_tasks": self.tasks, "clients": sorted(self.clients)}
-        return ranks_module.exchange(mine) if ranks.world > 1 else [mine]
-
-
 class ShardedPhases:
     """Runs each phase's share of this rank and merges every rank's results (see the module docstring).
 
@@ -210,7 +190,10 @@ class ShardedPhases:
         share = RoundTally()  # this rank's lost updates and steps; its metrics are rebuilt in task order below
         record = self._run(rnd, tasks, mine, run_share, share)
         record["server"] = server
+        record["trained"] = self.state.shares.take()  # the clients this rank trained: summary.json's ranks block
         records = ranks_module.exchange(record)
+        for rank, other in enumerate(records):
+            self.state.shares.add(rank, other["trained"])
         self._raise_first_error(records)
         check_same_server(records, rnd)
         merged = self._merge(rnd, tasks, records)
