@@ -144,6 +144,69 @@ def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
 
 
+def metrics_rows(run: Path) -> list[dict[str, str]]:
+    """metrics.csv's rows without the wall-clock columns (``time/``: elapsed seconds differ between any two runs)."""
+    import csv
+
+    with open(run / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in csv.DictReader(f)]
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Nested states equal bit for bit: tensors of the same dtype, shape and values; dicts with the same keys."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+# what a stopped and resumed run's last checkpoint holds as the uninterrupted run's does (its elapsed time aside)
+RESUMED_STATE = (
+    "rounds_done",
+    "strategy",
+    "shared_optimizers",
+    "ledger",
+    "events",
+    "ranks",
+    "best",
+    "last_eval",
+    "rng",
+)
+
+
+def assert_resumed_equals(resumed: Path, whole: Path) -> None:
+    """A stopped and resumed run equals the uninterrupted one: every metrics.csv row, value for value (the
+    wall-clock columns aside); summary.json's final and best metrics, traffic, faults and local trainings; and the last
+    checkpoint's server state (the models the strategy holds), optimizers, client states, traffic ledger,
+    generators and history (without elapsed seconds)."""
+    from fl_lightning.run.checkpoint import load_checkpoint
+    from fl_lightning.run.client_store import load_client_states
+
+    rows = metrics_rows(whole)
+    assert rows and metrics_rows(resumed) == rows
+    first, second = read_summary(whole), read_summary(resumed)
+    for key in ("final", "best", "best_round", "comm", "faults", "ranks", "rounds", "complete", "per_client_acc"):
+        assert first.get(key) == second.get(key), key
+    a = load_checkpoint(whole / "checkpoints" / "last.ckpt")
+    b = load_checkpoint(resumed / "checkpoints" / "last.ckpt")
+    for key in (*RESUMED_STATE, "schedule", "train_flops"):
+        assert_same(a.get(key), b.get(key), key)
+
+    def history(state):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in state["history"]]
+
+    assert_same(history(a), history(b), "history")
+    assert_same(load_client_states(a), load_client_states(b), "client states")
+
+
 def constant_logits_model(num_classes: int = 10, in_channels: int = 1):
     """A model whose logits are its head bias for every input (zero weights), for hand-computed checks."""
     from torch import nn

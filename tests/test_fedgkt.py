@@ -102,10 +102,16 @@ def test_bad_settings_are_refused_in_one_sentence():
 
 
 def test_a_short_run_learns_and_counts_every_example(tmp_path):
+    """Learning measured against the same run untrained: client learning rate 0 and no server epochs."""
     recipe = ["--config", str(ROOT / "recipes" / "digits_fedgkt.yaml"), "--rounds", "2", "--eval_every", "2"]
-    assert run_cli("fit", *recipe, "--runtime.progress", "false", "--output_dir", str(tmp_path / "g")) == 0
+    recipe += ["--runtime.progress", "false"]
+    assert run_cli("fit", *recipe, "--output_dir", str(tmp_path / "g")) == 0
+    frozen = ["--training.optimizer.init_args.lr", "0", "--strategy.init_args.server_epochs", "0"]
+    assert run_cli("fit", *recipe, *frozen, "--output_dir", str(tmp_path / "untrained")) == 0
     summary = read_summary(tmp_path / "g")
-    assert summary["monitor"] == "server/test_acc" and summary["final"]["server/test_acc"] > 0.1
+    untrained = read_summary(tmp_path / "untrained")
+    accuracy, baseline = summary["final"]["server/test_acc"], untrained["final"]["server/test_acc"]
+    assert summary["monitor"] == "server/test_acc" and accuracy > baseline + 0.1, (accuracy, baseline)
     train = sum(c["train"] for c in json_partition(tmp_path / "g"))
     # all clients in both rounds: N (32 + 10 + 1) up each round, N x 10 down in round 2 only
     assert summary["comm"]["uplink_bytes"] == 2 * train * 43 * 4

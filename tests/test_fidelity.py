@@ -225,6 +225,24 @@ def test_fedhe_asynchronous_reset_collapses_once_per_period_and_resumes():
     assert torch.equal(synchronous.state.bank.sums, strategy.state.bank.sums)
 
 
+@pytest.mark.parametrize("plus_one", [True, False])
+def test_fedhe_uploads_class_logit_sums_over_counts_plus_one(plus_one):
+    """Eq. 8: a client uploads p_y / (V_y + 1), the sum of class y's logits over their count plus one (the
+    official code's V_y without ``plus_one``); the constant model's logits are 0..9 for every input."""
+    strategy = FedHe(plus_one=plus_one)
+    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=ONE_FROZEN_BATCH)
+    client = server.clients[0]
+    y = server.data.y[server.data.clients[client.id].train]
+    counts = torch.bincount(y, minlength=10).float()
+    update = client_update(strategy, server, strategy.configure_round(1, [client])[0])
+    upload = update.sent("class_logits", ClassStatistics)
+    present = counts > 0
+    assert int(present.sum()) >= 2 and int(counts.max()) >= 2  # several classes, and V_y + 1 differs from V_y
+    assert upload.labels[present].tolist() == torch.arange(10)[present].tolist()
+    expected = counts[present, None] * torch.arange(10.0) / (counts[present, None] + (1 if plus_one else 0))
+    assert torch.allclose(upload.vectors["logits"][present], expected)
+
+
 @pytest.mark.parametrize("average", ["batch", "available"])
 def test_fedhe_logit_loss_is_averaged_over_the_whole_batch(average):
     strategy = FedHe(alpha=1.0, logit_average=average)

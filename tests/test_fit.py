@@ -2,10 +2,12 @@
 
 import csv
 import json
+import struct
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, read_summary, run_cli, write_recipe
+from conftest import ROOT, assert_resumed_equals, read_summary, run_cli, write_recipe
 
 
 def _final_metrics(summary):
@@ -107,12 +109,8 @@ def test_resume_gives_exactly_the_uninterrupted_result(tmp_path, optimizer_state
     stopped = read_summary(tmp_path / "cut")
     assert stopped["rounds"] == 2 and not stopped["complete"]
     assert run_cli("fit", *common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto") == 0
-    full, resumed = read_summary(tmp_path / "full"), read_summary(tmp_path / "cut")
-    assert _final_metrics(resumed) == _final_metrics(full)
-    assert resumed["rounds"] == 6 and resumed["complete"]
-    assert (tmp_path / "full/metrics.csv").read_text().count("\n") == (tmp_path / "cut/metrics.csv").read_text().count(
-        "\n"
-    )
+    assert read_summary(tmp_path / "cut")["rounds"] == 6
+    assert_resumed_equals(tmp_path / "cut", tmp_path / "full")
 
 
 def test_resume_says_where_it_continues(tmp_path, capsys):
@@ -342,16 +340,56 @@ def test_resume_refuses_a_different_partition(tmp_path, capsys):
     )
 
 
-def test_wandb_offline_and_tensorboard_write_their_files(tmp_path, monkeypatch):
+def _wandb_history(path: Path) -> list[dict]:
+    """The history rows of a W&B offline ``.wandb`` file: a LevelDB-style log of 32 KiB blocks (after a 7-byte
+    header), each record a 7-byte header (CRC-32, length, type: full, first, middle, last) and a protobuf
+    ``Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, position, pending, rows = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
+    return rows
+
+
+def test_wandb_offline_and_tensorboard_log_the_values_of_metrics_csv(tmp_path, monkeypatch):
+    """Every metric of every round, read back from the W&B offline file and the TensorBoard events, is the
+    value metrics.csv has (TensorBoard stores 32-bit floats)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     recipe = write_recipe(tmp_path / "r.yaml", rounds=2, eval_every=1)
     out = tmp_path / "run"
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), "--logger", "[wandb, tensorboard]") == 0
-    offline = list((out / "wandb").glob("offline-run-*"))
-    assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    config = json.loads(json.dumps(read_summary(out)))
-    assert config["final"]
+    with open(out / "metrics.csv") as f:
+        rows = {int(row.pop("round")): {k: float(v) for k, v in row.items()} for row in csv.DictReader(f)}
+    assert sorted(rows) == [1, 2] and "global/test_acc" in rows[2]
+    (offline,) = (out / "wandb").glob("offline-run-*/*.wandb")
+    logged = {row["_step"]: row for row in _wandb_history(offline) if "_step" in row and row["_step"] in rows}
+    assert sorted(logged) == [1, 2]
+    for rnd, row in rows.items():
+        assert {k: logged[rnd][k] for k in row} == row, rnd
+    (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    board = EventAccumulator(str(events))
+    board.Reload()
+    assert set(rows[2]) <= set(board.Tags()["scalars"])
+    for key in rows[2]:
+        scalars = {event.step: event.value for event in board.Scalars(key)}
+        assert scalars == {rnd: pytest.approx(row[key], rel=1e-6) for rnd, row in rows.items()}, key
 
 
 def test_the_round_plan_says_which_rounds_run_evaluate_checkpoint_and_stop():

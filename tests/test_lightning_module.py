@@ -47,6 +47,13 @@ class Scheduled(Whole):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}
 
 
+class Frozen(Whole):
+    """Whole with learning rate 0: the untrained baseline of the same run."""
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.parameters(), lr=0.0)]
+
+
 class NoLoss(Whole):
     def training_step(self, batch, batch_idx):
         return None
@@ -153,7 +160,10 @@ def test_a_module_without_features_and_head_runs_whole_model_methods_and_is_refu
     whole = {"global": {"builder": "lightning_cases.Whole"}}
     recipe = write_recipe(tmp_path / "whole.yaml", models=whole, rounds=2)
     summary = fl_lightning.fit(config=str(recipe), output_dir=str(tmp_path / "fedavg"))
-    assert summary["complete"] and summary["final"]["global/test_acc"] > 0.1
+    frozen = {"global": {"builder": "lightning_cases.Frozen"}}
+    untrained = fl_lightning.fit(config=str(recipe), models=frozen, output_dir=str(tmp_path / "untrained"))
+    accuracy, baseline = summary["final"]["global/test_acc"], untrained["final"]["global/test_acc"]
+    assert summary["complete"] and accuracy > baseline + 0.1, (accuracy, baseline)  # it learned
     fedproto = {"class_path": "fl_lightning.strategies.FedProto"}
     with pytest.raises(ConfigError) as refused:
         fl_lightning.fit(config=str(recipe), strategy=fedproto, output_dir=str(tmp_path / "fedproto"))

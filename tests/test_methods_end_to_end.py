@@ -40,7 +40,8 @@ CASES = [
     ("digits_fedgkt", 15, "server/test_acc", 0.5),  # 0.60 measured
     # 0.976 measured, 0.962 before any training (the nearest own prototype of random frozen features tells a
     # client's 2 classes apart); that the projection learns is tested under Dirichlet skew in test_fedpcl.py
-    ("digits_fedpcl", 10, "personal/test_acc", 0.9),
+    # the threshold is above what no training gives
+    ("digits_fedpcl", 10, "personal/test_acc", 0.97),
     # 0.986 measured, 0.654 after round 1: the ETF classification learns with a random (noise) generator
     ("digits_fedktl", 10, "personal/test_acc", 0.9),
 ]

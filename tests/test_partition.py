@@ -7,10 +7,11 @@ from fl_lightning.federation.errors import ConfigError
 LABELS = np.repeat(np.arange(10), 100)  # 1,000 examples, 100 per class
 
 
-def _check_disjoint_cover(parts, n):
+def _covered(parts) -> set[int]:
+    """The examples the clients hold together; a failure when two clients hold the same one."""
     flat = np.concatenate(parts)
     assert len(flat) == len(np.unique(flat)), "partitions overlap"
-    return set(flat.tolist()) <= set(range(n))
+    return set(flat.tolist())
 
 
 def test_iid_sizes_are_near_equal_and_cover_everything():
@@ -26,7 +27,7 @@ def test_dirichlet_is_deterministic_by_seed_and_disjoint():
     c = part(LABELS, 10, np.random.default_rng(4))
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
-    _check_disjoint_cover(a, len(LABELS))
+    assert _covered(a) == set(range(len(LABELS)))  # disjoint, and every example is someone's
     assert sum(len(p) for p in a) == len(LABELS)  # no example is dropped
     assert min(len(p) for p in a) >= 10
 
@@ -59,7 +60,7 @@ def test_pathological_gives_exactly_k_classes_split_evenly():
         classes = sorted(set(LABELS[p].tolist()))
         assert classes == sorted({i % 10, (i + 1) % 10})  # deterministic assignment: i, i+1
         assert len(p) == 100  # each class is held by two clients: 50 + 50
-    _check_disjoint_cover(parts, len(LABELS))
+    assert _covered(parts) == set(range(len(LABELS)))
 
 
 def test_pathological_random_assignment_and_impossible_k():
@@ -109,7 +110,7 @@ def test_pathological_sequential_gives_blocks_of_clients_the_same_classes_as_pfl
     parts = PathologicalPartitioner(2, assignment="sequential")(LABELS, 20, np.random.default_rng(0))
     assert [sorted(set(LABELS[p].tolist())) for p in parts] == [[2 * (i // 4), 2 * (i // 4) + 1] for i in range(20)]
     assert [len(p) for p in parts] == [50] * 20  # each class's 100 examples, 25 to each of its 4 holders
-    _check_disjoint_cover(parts, len(LABELS))
+    assert _covered(parts) == set(range(len(LABELS)))
     # CIFAR-100's 10 of 100 classes over 20 clients: 2 holders a class, clients 2j and 2j+1 share classes 10j..10j+9
     many = np.repeat(np.arange(100), 6)
     parts = PathologicalPartitioner(10, assignment="sequential")(many, 20, np.random.default_rng(0))
@@ -126,7 +127,7 @@ def test_pathological_unbalanced_counts_follow_pflib_bounds():
         counts = [int((LABELS[parts[i]] == c).sum()) for i in range(4 * (c // 2), 4 * (c // 2) + 4)]
         assert all(2 <= n < 25 for n in counts[:3]) and sum(counts) == 100
     assert len({len(p) for p in parts}) > 1  # the clients differ in size
-    _check_disjoint_cover(parts, len(LABELS))
+    assert _covered(parts) == set(range(len(LABELS)))
 
 
 def test_self_balancing_dirichlet_stops_giving_to_clients_that_hold_their_share():

@@ -1,6 +1,5 @@
 """Several ranks share each phase's clients (``ranks.py``, ``sharding.py``) and give the numbers of one process."""
 
-import csv
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, marked_beyond, run_cli, write_recipe
+from conftest import ROOT, assert_same, marked_beyond, metrics_rows, read_summary, run_cli, write_recipe
 
 from fl_lightning.distributed import launch, messages, ranks
 from fl_lightning.federation.errors import ConfigError
@@ -23,34 +22,14 @@ from fl_lightning.run.tally import RoundTally
 
 
 # ---------------------------------------------------------------------- same numbers as one process
-def _metrics(run: Path) -> list[dict[str, str]]:
-    with open(run / "metrics.csv") as f:  # elapsed seconds differ between any two runs
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in csv.DictReader(f)]
-
-
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def _assert_identical_runs(one: Path, two: Path) -> dict:
     """metrics.csv, the checkpoint's server and client states, traffic, faults and generator: bit for bit."""
-    assert _metrics(one) == _metrics(two)
+    assert metrics_rows(one) == metrics_rows(two)
     first, second = load_checkpoint(one / "checkpoints/last.ckpt"), load_checkpoint(two / "checkpoints/last.ckpt")
     for key in ("rounds_done", "strategy", "shared_optimizers", "ledger", "events", "best", "last_eval"):
-        _assert_same(first[key], second[key], key)
-    _assert_same(first["rng"]["torch"], second["rng"]["torch"], "torch generator")
-    _assert_same(load_client_states(first), load_client_states(second), "client states")
+        assert_same(first[key], second[key], key)
+    assert_same(first["rng"]["torch"], second["rng"]["torch"], "torch generator")
+    assert_same(load_client_states(first), load_client_states(second), "client states")
     summary_one, summary_two = (json.loads((run / "summary.json").read_text()) for run in (one, two))
     for key in ("final", "best", "comm", "per_client_acc", "faults", "rounds", "diverged"):
         assert summary_one.get(key) == summary_two.get(key), key
@@ -79,6 +58,30 @@ def test_two_cpu_ranks_give_fedavg_the_numbers_of_one_process_with_lost_updates(
     summary = _assert_identical_runs(tmp_path / "one", tmp_path / "two")
     faults = summary["faults"]  # the exchange carried events from both ranks (each kind happened)
     assert faults["crash"] > 0 and faults["dropped_nonfinite"] > 0 and faults["drop_upload"] > 0
+    # two ranks ran, and together trained what one process did, each a part of it (a crashed client trains not)
+    (alone,) = read_summary(tmp_path / "one")["ranks"]
+    assert alone["rank"] == 0 and alone["trained_tasks"] == 4 * 5 - faults["crash"]  # 4 rounds of 5 of 9 clients
+    assert [share["rank"] for share in summary["ranks"]] == [0, 1]
+    assert sum(share["trained_tasks"] for share in summary["ranks"]) == alone["trained_tasks"]
+    assert all(0 < share["trained_tasks"] < alone["trained_tasks"] for share in summary["ranks"])
+
+
+def test_each_of_two_ranks_trains_its_share_of_the_clients_and_no_other(tmp_path):
+    """Every client in every round, no faults: the clients alternate between the ranks in task order, so rank 0
+    trains clients 0, 2, 4 and rank 1 clients 1, 3, each in both rounds; summary.json's ranks block says so."""
+    recipe = write_recipe(
+        tmp_path / "all.yaml",
+        rounds=2,
+        eval_every=2,
+        population={"num_clients": 5, "tiers": [{"name": "all", "roles": ["global"]}]},
+        sampler={"class_path": "fl_lightning.federation.sampling.UniformSampler", "init_args": {"fraction": 1.0}},
+    )
+    argv = ["fit", "--config", str(recipe), "--output_dir", str(tmp_path / "two"), "--runtime.devices", "2"]
+    assert run_cli(*argv) == 0
+    assert read_summary(tmp_path / "two")["ranks"] == [
+        {"rank": 0, "trained_tasks": 6, "clients": [0, 2, 4]},
+        {"rank": 1, "trained_tasks": 4, "clients": [1, 3]},
+    ]
 
 
 @pytest.mark.slow
@@ -265,7 +268,7 @@ def test_a_message_gives_back_every_tensor_and_value_as_sent():
     message = messages.pack(sent)
     assert message.dtype == torch.uint8 and message.dim() == 1
     received = messages.unpack(torch.cat([message, torch.zeros(37, dtype=torch.uint8)]), torch.device("cpu"))
-    _assert_same(sent, received)
+    assert_same(sent, received)
     assert type(received["parameter"]) is torch.nn.Parameter and received["parameter"].requires_grad
     assert not received["frozen"].requires_grad and not received["weights"]["w"].requires_grad
 
@@ -292,7 +295,7 @@ def test_a_tensor_sent_from_cpu_stays_on_cpu_and_others_go_to_this_ranks_device(
     }
     received = messages.unpack(messages.pack(sent), torch.device("meta"))
     assert {key: value.device.type for key, value in received.items()} == dict.fromkeys(sent, "cpu")
-    _assert_same(sent["step"], received["step"])
+    assert_same(sent["step"], received["step"])
     torch.Generator().set_state(received["generator"])  # a state on another device would raise TypeError
     torch.stack([torch.tensor(1.0), received["step"]])  # as the batched executor stacks the clients' counts
     # a tensor on the sending rank's GPU (is_cpu False; its bytes are read as usual) lands on this rank's device

@@ -98,7 +98,7 @@ class FederationOrchestrator:
         client_dir = self.files.checkpoints / CLIENTS_DIR if self.ranks.writes else self.ranks.scratch  # rank 0 alone
         assert client_dir is not None, "connect_ranks gives every rank but 0 a scratch folder"
         memory = execution.client_state_memory_mb
-        self.state = RunState(client_dir, output.run_info, output.config, memory, loop.fabric.device)
+        self.state = RunState(client_dir, output.run_info, output.config, memory, loop.fabric.device, self.ranks.rank)
         self.evaluator = Evaluator(loop, data, clients, self.state.client_states, evaluation, seed)
         self.schedule = schedule
         batched = execution.executor == "batched"
@@ -193,6 +193,7 @@ class FederationOrchestrator:
             summary["cuda_graphs"] = self.loop.graphs.summary()
         if self.robustness.may_lose_updates:
             summary["faults"] = {k: state.events.get(k, 0) for k in self.robustness.event_keys}
+        summary["ranks"] = state.shares.summary()
         summary["compute"] = {"train_flops": state.train_flops, "step_flops": dict(self.step_flops)}
         if self.uncounted:
             summary["compute"]["not_counted"] = dict(self.uncounted)
@@ -308,6 +309,7 @@ class FederationOrchestrator:
         ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
         update = self.client_work[task.phase](task, ctx)
         ctx.finish()
+        self.state.shares.trained(client.id)  # summary.json's ranks block
         tally.add_steps(ctx.trained_steps)  # trained, whether or not its update arrives
         client_states.close(client.id, ctx.state)  # kept, or written to its file beyond the memory budget
         self.progress.client_done()

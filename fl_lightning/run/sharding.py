@@ -190,7 +190,10 @@ class ShardedPhases:
         share = RoundTally()  # this rank's lost updates and steps; its metrics are rebuilt in task order below
         record = self._run(rnd, tasks, mine, run_share, share)
         record["server"] = server
+        record["trained"] = self.state.shares.take()  # the clients this rank trained: summary.json's ranks block
         records = ranks_module.exchange(record)
+        for rank, other in enumerate(records):
+            self.state.shares.add(rank, other["trained"])
         self._raise_first_error(records)
         check_same_server(records, rnd)
         merged = self._merge(rnd, tasks, records)

@@ -71,6 +71,51 @@ def check_monitor(monitor: str, metrics: dict[str, float], rnd: int | None = Non
         raise MissingMonitor(monitor, metrics, rnd)
 
 
+class RankShare:
+    """The local trainings each rank ran over the run (resumes included) and their clients: summary.json's
+    ``ranks`` block, which says which ranks ran and what each trained. A client that crashed before training
+    is no training. A rank counts its own (:meth:`trained`); with several ranks each phase's exchange carries
+    them (:meth:`take`, :meth:`add`), so every rank, rank 0 that writes the checkpoint among them, holds all.
+
+    Args:
+        rank: this process's rank (0 for one process).
+    """
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.pending: list[int] = []  # this rank's trainings not yet counted (not yet exchanged)
+        self.tasks: dict[int, int] = {}
+        self.clients: dict[int, set[int]] = {}
+
+    def trained(self, client_id: int) -> None:
+        """Counts a local training of ``client_id`` on this rank."""
+        self.pending.append(client_id)
+
+    def take(self) -> list[int]:
+        """This rank's trainings since the last call, for the phase's exchange."""
+        taken, self.pending = self.pending, []
+        return taken
+
+    def add(self, rank: int, client_ids: list[int]) -> None:
+        """Counts ``rank``'s trainings of ``client_ids``."""
+        self.tasks[rank] = self.tasks.get(rank, 0) + len(client_ids)
+        self.clients.setdefault(rank, set()).update(client_ids)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Every rank that trained, in rank order: ``rank``, ``trained_tasks``, ``clients`` (sorted ids)."""
+        self.add(self.rank, self.take())
+        return [
+            {"rank": rank, "trained_tasks": self.tasks[rank], "clients": sorted(self.clients[rank])}
+            for rank in sorted(self.tasks)
+        ]
+
+    def load(self, shares: list[dict[str, Any]]) -> None:
+        """Continues from a checkpoint's :meth:`summary`."""
+        for share in shares:
+            self.tasks[share["rank"]] = share["trained_tasks"]
+            self.clients[share["rank"]] = set(share["clients"])
+
+
 class RunState:
     """Rounds done, metric history, best and last evaluation, elapsed time, client states, traffic and the
     local training compute.
@@ -90,8 +135,10 @@ class RunState:
         config: str | None = None,
         client_state_memory_mb: float | None = None,
         device: Any = "cpu",
+        rank: int = 0,
     ):
         self.run_info = run_info or {}
+        self.shares = RankShare(rank)  # the local trainings of each rank
         self.config = config
         self.rounds_done = 0
         self.history: list[dict[str, Any]] = []
@@ -152,6 +199,7 @@ class RunState:
             "shared_optimizers": {r: s.optimizer.state_dict() for r, s in loop.slots.items()} if shared else {},
             "ledger": self.ledger.state_dict(),
             "events": dict(self.events),
+            "ranks": self.shares.summary(),
             "train_flops": self.train_flops,
             "history": self.history,
             "best": self.best,
@@ -187,6 +235,7 @@ class RunState:
             loop.slots[role].optimizer.load_state_dict(opt_state)
         self.ledger.load_state_dict(state["ledger"])
         self.events = dict(state.get("events", {}))  # checkpoints written before faults existed have none
+        self.shares.load(state.get("ranks", []))  # a checkpoint written before the ranks block: from here on
         if self.train_flops is not None:  # a checkpoint written before the compute estimate: unknown from here on
             self.train_flops = state.get("train_flops")
         self.history, self.best, self.elapsed = state["history"], state["best"], state["elapsed"]
