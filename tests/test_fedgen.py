@@ -198,9 +198,9 @@ def test_heads_must_match_and_options_must_be_in_range():
     models = {"a": ModelSpec("digits_mlp", {"hidden": 4}), "b": ModelSpec("digits_mlp", {"hidden": 8})}
     with pytest.raises(ConfigError, match="same parameters and shapes"):
         method_env(FedGen(), models, [Tier("a", ["a"], count=2), Tier("b", ["b"])])
-    with pytest.raises(ConfigError, match="generator_batch_size >= 2"):
+    with pytest.raises(ConfigError, match=r"^FedGen generator_batch_size must be >= 2, got 1\.$"):
         FedGen(generator_batch_size=1)
-    with pytest.raises(ConfigError, match="decay"):
+    with pytest.raises(ConfigError, match=r"^FedGen decay must be in \(0, 1\], got 0\.0\.$"):
         FedGen(decay=0.0)
 
 

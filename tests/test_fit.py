@@ -378,6 +378,9 @@ def test_wandb_offline_and_tensorboard_log_the_values_of_metrics_csv(tmp_path, m
     with open(out / "metrics.csv") as f:
         rows = {int(row.pop("round")): {k: float(v) for k, v in row.items()} for row in csv.DictReader(f)}
     assert sorted(rows) == [1, 2] and "global/test_acc" in rows[2]
+    import wandb
+
+    wandb.teardown()  # the W&B service of this process (shared with earlier tests' runs) writes out what it holds
     (offline,) = (out / "wandb").glob("offline-run-*/*.wandb")
     logged = {row["_step"]: row for row in _wandb_history(offline) if "_step" in row and row["_step"] in rows}
     assert sorted(logged) == [1, 2]

@@ -9,6 +9,7 @@ to the versions these rows pass on, and a new version is admitted only once they
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -203,6 +204,12 @@ def _jsonargparse_error(rewrite: Rewrite, tmp_path, monkeypatch) -> tuple[str, o
     return str(raised.value), parser
 
 
+def _bundled_choices_only(sentence: str) -> str:
+    """``sentence`` without the choices that test modules define (strategies made by other tests in this process
+    are the user's own classes to the listing, which names every subclass it can see)."""
+    return re.sub(r"(?:test_\w+|conftest)\.[\w.]+, ", "", sentence)
+
+
 @pytest.mark.parametrize("rewrite", REWRITES, ids=[r.kind for r in REWRITES])
 def test_jsonargparse_error_becomes_its_sentence(rewrite, tmp_path, monkeypatch):
     from fl_lightning.run.input_errors import readable
@@ -210,7 +217,7 @@ def test_jsonargparse_error_becomes_its_sentence(rewrite, tmp_path, monkeypatch)
     text, parser = _jsonargparse_error(rewrite, tmp_path, monkeypatch)
     flat = " ".join(line.strip() for line in text.splitlines() if line.strip())
     assert rewrite.raw in flat, f"jsonargparse words this error differently now:\n{flat}"
-    assert readable(text, parser) == rewrite.sentence, flat
+    assert _bundled_choices_only(readable(text, parser)) == rewrite.sentence, flat
 
 
 def test_an_unknown_wording_keeps_jsonargparse_words():

@@ -119,8 +119,10 @@ class RoundProgress:
         elapsed = time.perf_counter() - self.started
         per_round = elapsed / max(rnd - self.done_at_start, 1)
         eta = duration(per_round * (self.total - rnd))
-        line = f"round {rnd}/{self.total}  {status}  elapsed {duration(elapsed)}  eta {eta}"
-        self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        # plain text to the stream itself: in Jupyter rich's console would render to the notebook's display, and a
+        # log file wants one unstyled line per round
+        sys.stderr.write(f"round {rnd}/{self.total}  {status}  elapsed {duration(elapsed)}  eta {eta}\n")
+        sys.stderr.flush()
 
     def _warn(self, seconds_per_round: float, estimated: bool) -> None:
         if self.warned:
