@@ -273,3 +273,16 @@ def client_update(strategy, server, task, state=None):
 
     ctx = ClientContext(task.client, task.round, server._loop, server.data, state if state is not None else {}, 0)
     return _phase(strategy, task.phase).client_update(task, ctx)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A real one-node Slurm cluster on 127.0.0.1 (``local_slurm.py``), or the test skipped saying why it cannot
+    start here."""
+    from local_slurm import LocalSlurm, why_not
+
+    reason = why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    with LocalSlurm() as cluster:
+        yield cluster

@@ -84,14 +84,20 @@ def commands(code: str) -> list[list[str]]:
     return [w for w in words if w]
 
 
-def without_skipped(code: str, skipped: dict[str, str]) -> str:
-    """``code`` with each command named in ``skipped`` replaced by ``:`` and its reason."""
+def without_skipped(code: str, skipped: dict[str, str], stand_ins: dict[str, str] | None = None) -> str:
+    """``code`` with each command named in ``skipped`` replaced by ``:`` and its reason, and each named in
+    ``stand_ins`` by the command run in its place (the page's ``R`` as a digits recipe, 2 ranks for 4 GPUs)."""
     keys = {tuple(command_words(key)): reason for key, reason in skipped.items()}
+    replaced = {tuple(command_words(key)): command for key, command in (stand_ins or {}).items()}
     lines, out = code.split("\n"), []
     for a, b in logical_lines(code):
-        reason = keys.get(tuple(command_words("\n".join(lines[a : b + 1]))))
+        words = tuple(command_words("\n".join(lines[a : b + 1])))
+        reason, stand_in = keys.get(words), replaced.get(words)
         indent = lines[a][: len(lines[a]) - len(lines[a].lstrip())]
-        out += [f"{indent}:  # not run here: {reason}"] if reason else lines[a : b + 1]
+        if stand_in is not None:
+            out += [f"{indent}{stand_in}"]
+        else:
+            out += [f"{indent}:  # not run here: {reason}"] if reason else lines[a : b + 1]
     return "\n".join(out)
 
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 from conftest import ROOT
 from doc_blocks import Terminal, command_words, commands, page_blocks, without_skipped
+from local_slurm import why_not
 from test_docs_images import results_are_recorded
 
 NEEDS_ACCOUNT = "needs a W&B account online (the tests have none: WANDB_MODE=offline)"
@@ -41,6 +42,10 @@ class Page:
     skipped: dict[str, str] = field(default_factory=dict)
     check: Callable[[Path, str], None] | None = None
     slow: bool = True
+    # commands run in another form here (command as the page writes it -> what runs); those of ``slurm`` need
+    # the local Slurm cluster and are skipped, with its reason, where it cannot start
+    stand_ins: dict[str, str] = field(default_factory=dict)
+    slurm: dict[str, str] = field(default_factory=dict)
 
 
 def _summary(folder: Path, run: str) -> dict:
@@ -169,6 +174,15 @@ def check_lightning_module(folder: Path, log: str) -> None:
     assert ours["final"] == builtin["final"] and ours["best"] == builtin["best"]
 
 
+def check_gpus_and_slurm(folder: Path, log: str) -> None:
+    """Every way past one process the page shows ran the quickstart recipe to the README run's numbers."""
+    builtin = _summary(folder, "runs/quickstart/seed0")
+    runs = ["runs/torchrun", "runs/two_machines"]
+    runs += [run for run in ("runs/srun", "runs/chain") if (folder / run / "summary.json").exists()]
+    for run in runs:
+        assert _summary(folder, run)["final"] == builtin["final"], run
+
+
 def check_python_api(folder: Path, log: str) -> None:
     for run in ("runs/notebook/seed0", "runs/notebook/batch16", "runs/notebook/batch32"):
         assert _summary(folder, run)["rounds"] == 5
@@ -220,19 +234,32 @@ PAGES: dict[str, Page] = {
     "docs/howto/gpus_and_slurm.md": Page(
         skipped={
             "flrun fit --config recipes/ondevice_kd_cifar10.yaml --runtime.devices 4": f"4 ranks of {PAPER_SCALE}",
-            "torchrun --nproc_per_node 4 --local-ranks-filter 0 -m fl_lightning fit --config R": "R stands for "
-            "your recipe; 4 ranks on 4 GPUs",
-            "torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint HOST:29500 "
-            "--local-ranks-filter 0 -m fl_lightning fit --config R": "two machines with 4 GPUs each",
-            "srun flrun fit --config recipes/ondevice_kd_cifar10.yaml --output_dir runs/kd_c10/seed0 --resume auto": (
-                "a Slurm allocation"
-            ),
-            "sbatch --array 1-4%1 job.sh": "a Slurm cluster",
             "flrun table paper-001/table-5 --seeds 0 1 2 --n_jobs 8": "63 paper-scale runs on GPUs",
             "flrun sweep --config sweeps/ondevice_kd_cifar10.yaml --n_jobs 4": f"trials of {PAPER_SCALE}",
             "CUDA_VISIBLE_DEVICES=0,1 flrun sweep --config S --n_jobs 4": "S stands for your sweep file; two GPUs",
         },
-        slow=False,
+        # R is the quickstart recipe and each command's run its own folder; 2 CPU ranks stand for 4 GPUs, two
+        # agents on 127.0.0.1 (each in a folder of its own) for two machines
+        stand_ins={
+            "torchrun --nproc_per_node 4 --local-ranks-filter 0 -m fl_lightning fit --config R": "torchrun "
+            "--nproc_per_node 2 --local-ranks-filter 0 -m fl_lightning fit --config recipes/quickstart.yaml "
+            "--output_dir runs/torchrun",
+            "torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint HOST:29500 "
+            "--local-ranks-filter 0 -m fl_lightning fit --config R": "port=$((20000 + RANDOM % 20000)); agents=''; "
+            "for machine in 0 1; do mkdir -p machine$machine; (cd machine$machine && torchrun --nnodes 2 "
+            "--nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:$port --local-ranks-filter 0 -m "
+            "fl_lightning fit --config ../recipes/quickstart.yaml --output_dir $PWD/../runs/two_machines) & "
+            'agents="$agents $!"; done; for agent in $agents; do wait $agent; done',
+        },
+        slurm={
+            "srun flrun fit --config recipes/ondevice_kd_cifar10.yaml --output_dir runs/kd_c10/seed0 --resume auto": (
+                "srun -n 2 flrun fit --config recipes/quickstart.yaml --output_dir runs/srun --resume auto"
+            ),
+            "sbatch --array 1-4%1 job.sh": "printf '#!/bin/bash\\n#SBATCH --ntasks 2\\nsrun flrun fit --config "
+            "recipes/quickstart.yaml --output_dir runs/chain --resume auto --stop_after $((SLURM_ARRAY_TASK_ID * 20))"
+            "\\n' > job.sh && sbatch --wait --array 1-2%1 job.sh",
+        },
+        check=check_gpus_and_slurm,
     ),
     "docs/howto/lightning_module.md": Page(check=check_lightning_module),
     "docs/howto/new_method.md": Page(check=check_new_method),
@@ -276,7 +303,7 @@ def test_every_page_of_the_manual_is_listed_and_its_skip_list_names_its_commands
     for name, page in PAGES.items():
         blocks = page_blocks((ROOT / name).read_text())
         shown = [words for block in blocks if block.language == "bash" for words in commands(block.code)]
-        for command in page.skipped:
+        for command in [*page.skipped, *page.stand_ins, *page.slurm]:
             assert command_words(command) in shown, f"{name} shows no command {command!r} (its skip list is stale)"
 
 
@@ -327,12 +354,20 @@ def test_the_page_runs_as_written(name, tmp_path, request):
     if name != "README.md" and page.slow:  # the pages with nothing to run need no quickstart run
         shutil.copytree(request.getfixturevalue("after_readme"), folder / "runs/quickstart/seed0")
     terminal = Terminal.open(folder)
+    skipped, stand_ins = dict(page.skipped), dict(page.stand_ins)
+    if page.slurm:  # the Slurm commands run on the local cluster, or are skipped saying why it cannot start
+        reason = why_not()
+        if reason is None:
+            terminal.env["SLURM_CONF"] = request.getfixturevalue("slurm").env["SLURM_CONF"]
+            stand_ins.update(page.slurm)
+        else:
+            skipped.update(dict.fromkeys(page.slurm, reason))
     for i, block in enumerate(page_blocks((ROOT / name).read_text()), start=1):
         where = f"{name}, block {i} ({block.language})"
         if block.file_name:
             terminal.save(block.file_name, block.code)
         elif block.language == "bash":
-            terminal.bash(without_skipped(block.code, page.skipped), where)
+            terminal.bash(without_skipped(block.code, skipped, stand_ins), where)
         elif block.language == "python":
             terminal.python(block.code, where)
     if page.check:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, write_recipe
-from local_slurm import LocalSlurm, why_not
 
 from fl_lightning.distributed import launch
 
@@ -51,15 +50,6 @@ def one_process(recipe, tmp_path_factory) -> Path:
     done = subprocess.run([FLRUN, "fit", "--config", str(recipe), "--output_dir", str(run)], capture_output=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return run
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    reason = why_not()
-    if reason is not None:
-        pytest.skip(reason)
-    with LocalSlurm() as cluster:
-        yield cluster
 
 
 def test_srun_with_two_tasks_gives_the_numbers_of_one_process(slurm, recipe, one_process, tmp_path):
