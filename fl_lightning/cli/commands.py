@@ -89,8 +89,9 @@ def run_fit(argv: list[str]) -> int:
     runtime = init.runtime
     if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
         check_shardable(runtime.devices, init.schedule, init.training.optimizer_state)
-        root = Path(init.output_dir or Path("runs") / (init.name or "run") / f"seed{init.seed}")
-        from ..run.run_dir import check_output_dir
+        from ..run.run_dir import check_output_dir, run_root
+
+        root = run_root(init.output_dir, init.name, init.seed)
 
         check_output_dir(root)  # a folder that is not this run's is refused before run.lock is put in it
         if root.is_dir():  # a run another process writes: refused here, not by rank 0 while the others wait

@@ -25,7 +25,33 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from .errors import ConfigError
+
 TMP_SUFFIX = ".tmp"
+
+
+def check_folder_name(name: object, option: str, becomes: str, example: str) -> None:
+    """Refuses a name that becomes one folder (``--name`` in ``runs/<name>/seed0``, a sweep's ``--study_name`` in
+    ``runs/sweeps/<name>``) unless it is a single folder name: not empty, not ``.`` or ``..``, without ``/``,
+    ``\\`` or a NUL byte, so that the folder stays where it belongs.
+
+    Example: ``check_folder_name("../x", "--name", "runs/<name>/seed0", "--name my_run")`` raises ConfigError.
+    """
+    text = str(name)
+    if not text.strip():
+        why = "is empty"
+    elif text in (".", ".."):
+        why = "names the current or the parent folder"
+    elif "/" in text:
+        why = "holds a '/'"
+    elif "\\" in text or "\0" in text:
+        why = "holds a backslash or a NUL byte"
+    else:
+        return
+    raise ConfigError(
+        f"{option} {text[:80]!r} {why}, but it becomes the folder {becomes}, so it must be a single folder name "
+        f"(no '/', not '..' or empty); give e.g. {example}, or choose the folder itself with --output_dir."
+    )
 
 
 def temporary_path(path: Path) -> Path:

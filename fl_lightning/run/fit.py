@@ -37,12 +37,20 @@ from ..strategies import Strategy
 from ..strategies.base import roles_to_build
 from ..tracking import RunFiles, RunLock, RunLogger, resolve_loggers
 from .asynchrony import AsynchronousSchedule
-from .checkpoint import load_checkpoint
+from .checkpoint import check_shapes, load_checkpoint
 from .options import ExecutionPlan, RoundPlan, RunOutput
 from .orchestrator import FederationOrchestrator
 from .provenance import hardware, versions
 from .robustness import Faults, Robustness
-from .run_dir import check_output_dir, check_resume_target, check_still_ours, free_leftovers, run_id
+from .run_dir import (
+    check_no_results,
+    check_output_dir,
+    check_resume_target,
+    check_still_ours,
+    free_leftovers,
+    run_id,
+    run_root,
+)
 from .runtime import Runtime
 from .state import RunState, check_monitor, check_resume, planned_rounds
 
@@ -139,6 +147,7 @@ def fit(
             another thread): runs share the process's random state, torch threads and precision settings, so a
             second one is refused rather than changing the first one's numbers.
     """
+    root = run_root(output_dir, name, seed)  # first: a name that would leave runs/ is refused before anything
     name = name or "run"
     plan = RoundPlan(rounds, eval_every, checkpoint_every, stop_after)  # the counts, checked here once
     robustness = Robustness(faults, divergence)
@@ -146,7 +155,7 @@ def fit(
     experiment = _Experiment(data, models, strategy, population, sampler, schedule, training, evaluation, seed)
     robustness.check_clients(len(experiment.clients))  # fault ids against the population
     execution = ExecutionPlan.of(runtime, training, schedule)  # the executor against the schedule and optimizer state
-    files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
+    files = RunFiles(root)
     check_output_dir(files.root)
     ranks = join_ranks(runtime.devices, schedule, training.optimizer_state)  # several if launched as several
     loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
@@ -216,10 +225,6 @@ def _run(
     rewrite_config = True
     if checkpoint is not None:
         run_info, rewrite_config = _resumed_identity(checkpoint, run_info, output, plan)
-        if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
-            print(_resuming_line(checkpoint, plan, resume, files), file=sys.stderr, flush=True)
-    elif resume == "auto" and ranks.writes:
-        print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
     output = dataclasses.replace(output, run_info=run_info)
     e = experiment
     orchestrator = FederationOrchestrator(
@@ -236,6 +241,12 @@ def _run(
         e.schedule,
         e.evaluation,
     )
+    if checkpoint is not None:  # the server state set up for this recipe against the one saved
+        check_shapes(checkpoint, "strategy", e.strategy.state_dict())
+        if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
+            print(_resuming_line(checkpoint, plan, resume, files), file=sys.stderr, flush=True)
+    elif resume == "auto" and ranks.writes:
+        print(f"--resume auto: no checkpoint in {files.root}; starting a new run.", file=sys.stderr, flush=True)
     # every check has passed: only now is the run directory written (a refused start changes nothing)
     if ranks.writes:  # rank 0 alone writes it
         config = output.config if rewrite_config else None
@@ -371,6 +382,8 @@ def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | No
             f"{files.root} holds {files.previous_checkpoint.name} but no last.ckpt; continue from it with --resume "
             f"{files.previous_checkpoint}, or choose another --output_dir."
         )
+    if resume in (None, "auto") and not files.last_checkpoint.exists():
+        check_no_results(files, resume)
     if resume is None:
         return None
     if resume == "auto":

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import yaml
 
 from ..federation.errors import ConfigError
+from ..federation.files import check_folder_name
 from ..run.safe_yaml import read_file
 from .metric import check_metric, test_metric_warning, varies_between_evaluations
 from .space_checks import check_parameter
@@ -124,6 +125,8 @@ def read_sweep(path: str | Path, fit_args: list[str] | None = None, **cli: Any) 
     raw.update({k: v for k, v in cli.items() if v is not None})
     raw["base"] = _base_path(raw["base"], path)
     spec = SweepSpec(**raw, fit_args=list(fit_args or []))
+    if "study_name" in raw and not spec.output_dir:  # the sweep's folder is named after it
+        check_folder_name(raw["study_name"], "study_name", "runs/sweeps/<name>", "--study_name my_sweep")
     spec.study_name = spec.study_name or path.stem
     spec.output_dir = spec.output_dir or str(Path("runs") / "sweeps" / spec.study_name)
     _validate(spec)
