@@ -141,3 +141,41 @@ def test_a_study_name_must_be_one_folder_name(tmp_path, capsys, monkeypatch, nam
     message = _one_line(capsys)
     assert f"study_name {name!r}" in message and "runs/sweeps/<name>" in message, message
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------- sweeps
+def test_a_sweep_into_a_runs_folder_is_refused_and_the_run_still_resumes(tmp_path, capsys, two_runs):
+    run = _copy(two_runs["A"], tmp_path / "run")
+    before = _tree(run)
+    sweep = _sweep_file(tmp_path)
+    capsys.readouterr()
+    assert run_cli("sweep", "--config", str(sweep), "--output_dir", str(run)) == 2
+    message = capsys.readouterr().err.strip()
+    assert message.startswith("flrun sweep: error: --output_dir") and "holds a run of flrun fit" in message
+    assert _tree(run) == before
+
+
+def test_a_study_in_memory_is_refused_for_worker_processes(tmp_path, capsys, monkeypatch):
+    sweep = _sweep_file(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for storage in ("sqlite:///:memory:", "sqlite://"):
+        assert run_cli("sweep", "--config", str(sweep), "--storage", storage, "--n_jobs", "2") == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--storage {storage} keeps the study in this process's memory" in message, message
+        assert "the 2 worker processes" in message
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("fit_args", "expect"),
+    [(["--rounds", "0"], "rounds must be at least 1, got 0"), (["--eval_every", "0"], "eval_every must be at least 1")],
+)
+def test_fit_arguments_no_trial_can_run_are_refused_before_the_study_starts(
+    tmp_path, capsys, monkeypatch, fit_args, expect
+):
+    sweep = _sweep_file(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("sweep", "--config", str(sweep), "--", *fit_args) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the fit arguments after --" in message and expect in message, message
+    assert not (tmp_path / "runs").exists()  # no study, no trial

@@ -149,12 +149,10 @@ def fit(
     """
     root = run_root(output_dir, name, seed)  # first: a name that would leave runs/ is refused before anything
     name = name or "run"
-    plan = RoundPlan(rounds, eval_every, checkpoint_every, stop_after)  # the counts, checked here once
-    robustness = Robustness(faults, divergence)
-    sampler = sampler or UniformSampler()
-    experiment = _Experiment(data, models, strategy, population, sampler, schedule, training, evaluation, seed)
-    robustness.check_clients(len(experiment.clients))  # fault ids against the population
-    execution = ExecutionPlan.of(runtime, training, schedule)  # the executor against the schedule and optimizer state
+    plan, robustness, experiment, execution = _checked(
+        data, models, strategy, population, sampler, schedule, training, evaluation, seed, runtime,
+        (rounds, eval_every, checkpoint_every, stop_after), faults, divergence,
+    )  # fmt: skip
     files = RunFiles(root)
     check_output_dir(files.root)
     ranks = join_ranks(runtime.devices, schedule, training.optimizer_state)  # several if launched as several
@@ -162,6 +160,44 @@ def fit(
     output = RunOutput(files, loggers, runtime.progress and ranks.writes, monitor, config=resolved_config)
     with RunLock(files.root, enabled=ranks.writes) as lock:
         return _run(experiment, plan, execution, robustness, runtime, ranks, output, lock, resume, name, reference)
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """The checks :func:`fit` makes of its options (``fit``'s keyword arguments, as the parser instantiates them)
+    before it writes or loads anything: for a command that starts runs later, such as a sweep, whose trials all
+    share the arguments after its ``--``."""
+    _checked(
+        options["data"], options["models"], options["strategy"], options["population"], options["sampler"],
+        options["schedule"], options["training"], options["evaluation"], options["seed"], options["runtime"],
+        (options["rounds"], options["eval_every"], options["checkpoint_every"], options["stop_after"]),
+        options["faults"], options["divergence"],
+    )  # fmt: skip
+
+
+def _checked(
+    data: FederatedData,
+    models: dict[str, ModelSpec],
+    strategy: Strategy,
+    population: Population,
+    sampler: ClientSampler | None,
+    schedule: AsynchronousSchedule | None,
+    training: LocalTraining,
+    evaluation: PersonalEvaluation | None,
+    seed: int,
+    runtime: Runtime,
+    counts: tuple[int, int, int, int | None],
+    faults: Faults | None,
+    divergence: Literal["stop", "drop"],
+) -> tuple[RoundPlan, Robustness, _Experiment, ExecutionPlan]:
+    """The run's options, each checked as its part is made (nothing is written or loaded)."""
+    plan = RoundPlan(*counts)  # the counts, checked here once
+    robustness = Robustness(faults, divergence)
+    experiment = _Experiment(
+        data, models, strategy, population, sampler or UniformSampler(), schedule, training, evaluation, seed
+    )
+    robustness.check_clients(len(experiment.clients))  # fault ids against the population
+    execution = ExecutionPlan.of(runtime, training, schedule)  # the executor against the schedule and optimizer state
+    return plan, robustness, experiment, execution
 
 
 @dataclass

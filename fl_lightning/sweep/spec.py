@@ -200,10 +200,12 @@ def check_against_recipe(spec: SweepSpec) -> list[str]:
     """Every parameter path must be an option of the base recipe: parsed once with a sample value (imports
     torch, as ``flrun fit`` does). Returns warnings (an objective measured on the test set)."""
     from ..run.arguments import UserError, parse_fit
+    from ..run.fit import check_options
 
     fixed = ["--config", spec.base, *shared_args(spec)]
     try:
         _, init, resolved = parse_fit(fixed)
+        check_options(vars(init))  # what fit checks before a run starts: no trial could run (--rounds 0)
     except (UserError, ConfigError) as err:
         given = " and the fit arguments after --" if spec.fit_args else ""
         raise ConfigError(f"the sweep's base recipe {spec.base} with its overrides{given}: {err}") from None
@@ -211,6 +213,7 @@ def check_against_recipe(spec: SweepSpec) -> list[str]:
         sample = p["choices"][0] if p["type"] == "categorical" else p["low"]
         try:
             _, init, _ = parse_fit([*fixed, *as_args({name: sample})])
+            check_options(vars(init))
         except (UserError, ConfigError) as err:
             keys = flatten(yaml.safe_load(resolved) or {})
             if any(overlap(name, key) for key in keys):  # an option, with a value it refuses
