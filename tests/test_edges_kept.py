@@ -179,3 +179,33 @@ def test_fit_arguments_no_trial_can_run_are_refused_before_the_study_starts(
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the fit arguments after --" in message and expect in message, message
     assert not (tmp_path / "runs").exists()  # no study, no trial
+
+
+# ---------------------------------------------------------------------------------------------- hostile paths
+def test_a_sweeps_base_that_is_a_fifo_is_named_as_such(tmp_path, capsys):
+    import os
+
+    sweep = _sweep_file(tmp_path)
+    (tmp_path / "base.yaml").unlink()
+    os.mkfifo(tmp_path / "base.yaml")  # never opened: a reader would wait for a writer forever
+    assert run_cli("sweep", "--config", str(sweep)) == 2
+    message = _one_line(capsys)
+    assert "base.yaml (base: base.yaml in" in message and "is not a regular file (a named pipe, FIFO)" in message
+    assert "does not exist" not in message
+
+
+@pytest.mark.parametrize("command", ["fit", "sweep"])
+@pytest.mark.parametrize("kind", ["FIFO", "latin-1"])
+def test_a_recipe_or_sweep_file_that_is_a_fifo_or_not_utf8_is_named_as_such(tmp_path, capsys, command, kind):
+    import os
+
+    path = tmp_path / "given.yaml"
+    if kind == "FIFO":
+        os.mkfifo(path)
+        said = "given.yaml' is not a regular file (a named pipe, FIFO)" if command == "fit" else "FIFO"
+    else:
+        path.write_bytes("# caf\u00e9 recipe\nrounds: 3\n".encode("latin-1"))
+        said = "is not a text (YAML) file: byte 0xe9 at offset 5 is not UTF-8"
+    assert run_cli(command, "--config", str(path)) == 2
+    message = _one_line(capsys)
+    assert said in message and "given.yaml" in message, message

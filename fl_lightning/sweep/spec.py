@@ -29,7 +29,7 @@ from typing import Any, Literal
 import yaml
 
 from ..federation.errors import ConfigError
-from ..federation.files import check_folder_name
+from ..federation.files import check_folder_name, path_problem
 from ..run.safe_yaml import read_file
 from .metric import check_metric, test_metric_warning, varies_between_evaluations
 from .space_checks import check_parameter
@@ -154,9 +154,12 @@ def _base_path(base: Any, path: Path) -> str:
     if not isinstance(base, str) or not base:
         raise ConfigError(f"`base` in {path} must name the base recipe file, e.g. base: ../recipes/quickstart.yaml.")
     resolved = Path(os.path.normpath(path.parent / base))
-    if resolved.is_file():
+    problem = path_problem(resolved)
+    if problem is None:
         return str(resolved)
-    where = f"the sweep's base recipe {resolved} (base: {base} in {path}) does not exist"
+    where = f"the sweep's base recipe {resolved} (base: {base} in {path}) {problem}"
+    if problem != "does not exist":  # there, but not a file to read (a FIFO, a directory, a link loop)
+        raise ConfigError(f"{where}; give a recipe file, e.g. base: ../recipes/quickstart.yaml.")
     if Path(base).is_file():  # where sweep files used to point: the working directory
         relative = os.path.relpath(base, path.parent)
         shown = relative if relative.count("..") <= 2 else Path(base).resolve()
@@ -205,7 +208,7 @@ def check_against_recipe(spec: SweepSpec) -> list[str]:
     fixed = ["--config", spec.base, *shared_args(spec)]
     try:
         _, init, resolved = parse_fit(fixed)
-        check_options(vars(init))  # what fit checks before a run starts: no trial could run (--rounds 0)
+        check_options(vars(init))  # what fit checks before a run starts: with these no trial could run (--rounds 0)
     except (UserError, ConfigError) as err:
         given = " and the fit arguments after --" if spec.fit_args else ""
         raise ConfigError(f"the sweep's base recipe {spec.base} with its overrides{given}: {err}") from None
@@ -213,7 +216,6 @@ def check_against_recipe(spec: SweepSpec) -> list[str]:
         sample = p["choices"][0] if p["type"] == "categorical" else p["low"]
         try:
             _, init, _ = parse_fit([*fixed, *as_args({name: sample})])
-            check_options(vars(init))
         except (UserError, ConfigError) as err:
             keys = flatten(yaml.safe_load(resolved) or {})
             if any(overlap(name, key) for key in keys):  # an option, with a value it refuses
