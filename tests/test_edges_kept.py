@@ -209,3 +209,31 @@ def test_a_recipe_or_sweep_file_that_is_a_fifo_or_not_utf8_is_named_as_such(tmp_
     assert run_cli(command, "--config", str(path)) == 2
     message = _one_line(capsys)
     assert said in message and "given.yaml" in message, message
+
+
+# ---------------------------------------------------------------------------------------------- misspelled choices
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"direction": "maximise"}, "direction 'maximise' in the sweep file is not one of maximize, minimize "
+         "(did you mean 'maximize'?)."),
+        ({"use": "later"}, "use 'later' in the sweep file is not one of best, final."),
+        ({"sampler": {"name": "tpee"}}, "sampler.name 'tpee' in the sweep file is not one of tpe, random "
+         "(did you mean 'tpe'?)."),
+        ({"sampler": {"name": "cmaes2"}}, "sampler.name 'cmaes2' in the sweep file is not one of tpe, random."),
+        ({"pruner": {"name": "HyperBand"}}, "pruner.name 'HyperBand' in the sweep file is not one of median, "
+         "hyperband, none (did you mean 'hyperband'?)."),
+        ({"pruner": "median"}, "pruner must be a mapping, e.g. pruner: {name: median}, got 'median'."),
+    ],
+)  # fmt: skip
+def test_a_misspelled_choice_names_the_key_the_value_and_the_closest_choice(tmp_path, capsys, changes, said):
+    sweep = _sweep_file(tmp_path, **changes)
+    assert run_cli("sweep", "--config", str(sweep)) == 2
+    assert _one_line(capsys) == f"flrun sweep: error: {said}"
+
+
+def test_bad_choice_offers_only_a_close_choice():
+    from fl_lightning.federation.errors import bad_choice
+
+    assert str(bad_choice("k", "Tpe", ("tpe", "random"))) == "k 'Tpe' is not one of tpe, random (did you mean 'tpe'?)."
+    assert str(bad_choice("k", 3, ("tpe", "random"))) == "k '3' is not one of tpe, random."

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..federation.errors import ConfigError
+from ..federation.errors import ConfigError, bad_choice
 from ..federation.files import check_folder_name, path_problem
 from ..run.safe_yaml import read_file
 from .metric import check_metric, test_metric_warning, varies_between_evaluations
@@ -172,8 +172,15 @@ def _base_path(base: Any, path: Path) -> str:
 
 
 def _validate(spec: SweepSpec) -> None:
-    if spec.direction not in ("maximize", "minimize") or spec.use not in ("best", "final"):
-        raise ConfigError("direction must be maximize or minimize and use best or final.")
+    for key, choices in (("direction", ("maximize", "minimize")), ("use", ("best", "final"))):
+        if getattr(spec, key) not in choices:
+            raise bad_choice(key, getattr(spec, key), choices, " in the sweep file")
+    for key, choices, default in (("sampler", SAMPLERS, "tpe"), ("pruner", PRUNERS, "median")):
+        given = getattr(spec, key)
+        if not isinstance(given, dict):
+            raise ConfigError(f"{key} must be a mapping, e.g. {key}: {{name: {default}}}, got {given!r:.80}.")
+        if given.get("name", default) not in choices:
+            raise bad_choice(f"{key}.name", given.get("name"), choices, " in the sweep file")
     if not isinstance(spec.parameters, dict) or not spec.parameters:
         raise ConfigError("the sweep has no parameters to search; give `parameters: {dotted.key: {type: ...}}`.")
     if spec.storage is not None:
@@ -191,8 +198,6 @@ def _validate(spec: SweepSpec) -> None:
         raise ConfigError(f"max_retry must be a whole number >= 0, got {spec.max_retry!r}.")
     if spec.timeout is not None and not spec.timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {spec.timeout!r}.")
-    if spec.sampler.get("name", "tpe") not in SAMPLERS or spec.pruner.get("name", "median") not in PRUNERS:
-        raise ConfigError(f"sampler name must be one of {SAMPLERS} and pruner name one of {PRUNERS}.")
     for name, p in spec.parameters.items():
         check_parameter(name, p)  # every field, before the first trial
     _check_overrides(spec)
