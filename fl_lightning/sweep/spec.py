@@ -172,6 +172,7 @@ def _base_path(base: Any, path: Path) -> str:
 
 
 def _validate(spec: SweepSpec) -> None:
+    choices: tuple[str, ...]
     for key, choices in (("direction", ("maximize", "minimize")), ("use", ("best", "final"))):
         if getattr(spec, key) not in choices:
             raise bad_choice(key, getattr(spec, key), choices, " in the sweep file")
