@@ -237,3 +237,50 @@ def test_bad_choice_offers_only_a_close_choice():
 
     assert str(bad_choice("k", "Tpe", ("tpe", "random"))) == "k 'Tpe' is not one of tpe, random (did you mean 'tpe'?)."
     assert str(bad_choice("k", 3, ("tpe", "random"))) == "k '3' is not one of tpe, random."
+
+
+# ------------------------------------------------------------------------------------------ the command's own output
+def _flrun(args: list[str], cwd: Path, stdout, **env: str):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(
+        [sys.executable, "-m", "fl_lightning", *args], cwd=cwd, stdout=stdout, stderr=subprocess.PIPE, env=environment,
+        timeout=300, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [["models"], ["fit", "--json"]], ids=["models", "fit"])
+def test_an_output_that_cannot_be_written_is_one_sentence_without_resume_advice(tmp_path, command):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    args = [*command, "--config", str(write_recipe(tmp_path / "r.yaml", **FAST)), "--output_dir", str(tmp_path / "o")]
+    with open("/dev/full", "w") as full:
+        done = _flrun(args if command[0] == "fit" else command, tmp_path, full)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("flrun")]
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+    assert lines == [
+        f"flrun {command[0]}: error: its output could not be written to stdout (No space left on device); free space "
+        "on its disk, or send the output elsewhere."
+    ]
+    if command[0] == "fit":  # the run itself is complete
+        assert json.loads((tmp_path / "o/summary.json").read_text())["complete"] is True
+
+
+def test_characters_the_output_cannot_encode_are_escaped(tmp_path):
+    import subprocess
+
+    args = [
+        "fit",
+        "--config",
+        str(write_recipe(tmp_path / "r.yaml", **FAST)),
+        "--output_dir",
+        str(tmp_path / "run\u00e9"),
+    ]
+    done = _flrun(args, tmp_path, subprocess.PIPE, PYTHONIOENCODING="ascii")
+    assert done.returncode == 0, done.stderr
+    assert f"run folder: {tmp_path}/run\\xe9" in done.stdout

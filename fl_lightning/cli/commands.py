@@ -18,7 +18,7 @@ from ..federation.release import VERSION
 from ..run.arguments import FIT_SUMMARY, UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
 from ..run.arguments import USAGE as USAGE_FIT
 from .data import run_data
-from .errors import Terminated, error_status, stopped_by_sigterm
+from .errors import Terminated, error_status, guarded_output, stopped_by_sigterm
 from .models import run_models
 from .report import run_report
 from .studies import run_sweep_command, run_table
@@ -162,8 +162,10 @@ def _main(argv: list[str]) -> int:
         return 2
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
-        with stopped_by_sigterm(command == "fit"):
-            return COMMANDS[command](rest)
+        with guarded_output(), stopped_by_sigterm(command == "fit"):
+            status = COMMANDS[command](rest)
+            sys.stdout.flush()  # here, not at exit: an output that cannot be written is one line too
+            return status
     except KeyboardInterrupt:
         print(f"flrun {command}: interrupted{_AFTER_INTERRUPT.get(command, '.')}", file=sys.stderr)
         return 130
