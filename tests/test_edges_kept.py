@@ -202,7 +202,7 @@ def test_a_recipe_or_sweep_file_that_is_a_fifo_or_not_utf8_is_named_as_such(tmp_
     path = tmp_path / "given.yaml"
     if kind == "FIFO":
         os.mkfifo(path)
-        said = "given.yaml' is not a regular file (a named pipe, FIFO)" if command == "fit" else "FIFO"
+        said = "is not a regular file (a named pipe, FIFO)"
     else:
         path.write_bytes("# caf\u00e9 recipe\nrounds: 3\n".encode("latin-1"))
         said = "is not a text (YAML) file: byte 0xe9 at offset 5 is not UTF-8"
