@@ -19,7 +19,7 @@ from ..run.arguments import FIT_SUMMARY, UserError, fit_from_argv, fit_parser, p
 from ..run.arguments import USAGE as USAGE_FIT
 from .data import run_data
 from .diagnostics import show_messages
-from .errors import Terminated, error_status, stopped_by_sigterm
+from .errors import Terminated, error_status, guarded_output, stopped_by_sigterm
 from .models import run_models
 from .report import run_report
 from .studies import run_sweep_command, run_table
@@ -90,8 +90,9 @@ def run_fit(argv: list[str]) -> int:
     runtime = init.runtime
     if needs_launch(runtime.devices):  # --runtime.devices N: this process starts the N ranks and waits for them
         check_shardable(runtime.devices, init.schedule, init.training.optimizer_state)
-        root = Path(init.output_dir or Path("runs") / (init.name or "run") / f"seed{init.seed}")
-        from ..run.run_dir import check_output_dir
+        from ..run.run_dir import check_output_dir, run_root
+
+        root = run_root(init.output_dir, init.name, init.seed)
 
         check_output_dir(root)  # a folder that is not this run's is refused before run.lock is put in it
         if root.is_dir():  # a run another process writes: refused here, not by rank 0 while the others wait
@@ -163,8 +164,10 @@ def _main(argv: list[str]) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     show_messages()  # the package's notes and warnings (its modules log them) on stderr
     try:
-        with stopped_by_sigterm(command == "fit"):
-            return COMMANDS[command](rest)
+        with guarded_output(), stopped_by_sigterm(command == "fit"):
+            status = COMMANDS[command](rest)
+            sys.stdout.flush()  # here, not at exit: an output that cannot be written is one line too
+            return status
     except KeyboardInterrupt:
         print(f"flrun {command}: interrupted{_AFTER_INTERRUPT.get(command, '.')}", file=sys.stderr)
         return 130

@@ -37,10 +37,83 @@ def error_status(command: str, err: Exception) -> int:
         return 2
     if isinstance(err, BrokenPipeError):  # the reader of the output went away (`flrun models | head -1`)
         return _quietly_closed_pipe()
+    if isinstance(err, OutputFailed):  # `> /dev/full`: not the run's files, which stand as they were
+        return output_failed_status(command, err)
     sentence = file_system_cause(err)
     if sentence is None:
         raise err
     print(f"flrun {command}: error: {sentence}{AFTER_OS_ERROR.get(command, '')}", file=sys.stderr)
+    return 2
+
+
+class OutputFailed(OSError):
+    """A write to the command's own output (stdout or stderr) that the system refused (``> /dev/full``, a full disk
+    under a redirect): the command's work is done or stands as it was, so no advice to resume comes with it."""
+
+
+class _GuardedStream:
+    """The command's stdout or stderr: characters its encoding cannot show are written escaped (``\\xe9``) instead
+    of ending the command, and a refused write raises :class:`OutputFailed` naming the stream."""
+
+    def __init__(self, stream, name: str):
+        self._stream, self._name = stream, name
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except UnicodeEncodeError:  # a stream that cannot be reconfigured (a test's capture)
+            encoding = getattr(self._stream, "encoding", None) or "ascii"
+            return self._stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputFailed(err.errno, err.strerror, self._name) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputFailed(err.errno, err.strerror, self._name) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded_output():
+    """stdout and stderr guarded (:class:`_GuardedStream`) while a command runs; as they were afterwards."""
+    saved = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, _GuardedStream):
+        sys.stdout = _GuardedStream(sys.stdout, "stdout")
+    if not isinstance(sys.stderr, _GuardedStream):
+        sys.stderr = _GuardedStream(sys.stderr, "stderr")
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def output_failed_status(command: str, err: OutputFailed) -> int:
+    """One line for an output that could not be written (on stderr, or nowhere when stderr failed), and what the
+    output still buffered does at exit: nothing (it goes to /dev/null, as for a closed pipe)."""
+    fix = {errno.ENOSPC: "free space on its disk", errno.EDQUOT: "free space within your quota"}.get(
+        err.errno or 0, "write it elsewhere"
+    )
+    failed = 1 if err.filename == "stdout" else 2
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, failed)
+    if failed == 1:  # else there is nowhere to say it: the exit status does
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"flrun {command}: error: its output could not be written to stdout ({err.strerror}); {fix}, or "
+                "send the output elsewhere.",
+                file=sys.stderr,
+            )
     return 2
 
 

@@ -18,14 +18,88 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from .errors import ConfigError
+
 TMP_SUFFIX = ".tmp"
+
+
+def check_folder_name(name: object, option: str, becomes: str, example: str) -> None:
+    """Refuses a name that becomes one folder (``--name`` in ``runs/<name>/seed0``, a sweep's ``--study_name`` in
+    ``runs/sweeps/<name>``) unless it is a single folder name: not empty, not ``.`` or ``..``, without ``/``,
+    ``\\`` or a NUL byte, so that the folder stays where it belongs.
+
+    Example: ``check_folder_name("../x", "--name", "runs/<name>/seed0", "--name my_run")`` raises ConfigError.
+    """
+    text = str(name)
+    if not text.strip():
+        why = "is empty"
+    elif text in (".", ".."):
+        why = "names the current or the parent folder"
+    elif "/" in text:
+        why = "holds a '/'"
+    elif "\\" in text or "\0" in text:
+        why = "holds a backslash or a NUL byte"
+    else:
+        return
+    raise ConfigError(
+        f"{option} {text[:80]!r} {why}, but it becomes the folder {becomes}, so it must be a single folder name "
+        f"(no '/', not '..' or empty); give e.g. {example}, or choose the folder itself with --output_dir."
+    )
+
+
+def path_problem(path: str | os.PathLike) -> str | None:
+    """Why the file ``path`` cannot be read as a file, in words that follow its name (``does not exist``, ``is a
+    directory``, ``is not a regular file (a named pipe, FIFO)``, ``is a symbolic link that leads back to itself``,
+    ``is a symbolic link to nothing``, ``cannot be read (Permission denied)``); None for a readable regular file.
+    Nothing is opened: a FIFO would block the reader.
+
+    Example: ``f"{name} {path_problem(p)}; give a recipe"`` when ``path_problem(p)`` is not None.
+    """
+    try:
+        info = os.stat(path)  # follows links: a loop or a dangling link ends here
+    except ValueError:  # a NUL byte in the name
+        return "is not a valid file name"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symbolic link that leads back to itself"
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "is a symbolic link to nothing" if os.path.islink(path) else "does not exist"
+        return f"cannot be read ({err.strerror})"
+    if stat.S_ISDIR(info.st_mode):
+        return "is a directory"
+    if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+        kind = (
+            "a named pipe, FIFO"
+            if stat.S_ISFIFO(info.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(info.st_mode)
+            else "a device"
+        )
+        return f"is not a regular file ({kind})"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (Permission denied)"
+    return None
+
+
+def not_utf8(data: bytes) -> str | None:
+    """Why ``data`` is not text, in words that follow the file's name (``is not a text file: byte 0xff at offset 12
+    is not UTF-8``), or None for UTF-8 text (a byte-order mark allowed) without NUL bytes."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        return f"is not a text file: byte 0x{data[err.start]:02x} at offset {err.start} is not UTF-8"
+    if "\x00" in text:
+        return f"is not a text file: it holds a NUL byte (at offset {data.index(0)})"
+    return None
 
 
 def temporary_path(path: Path) -> Path:

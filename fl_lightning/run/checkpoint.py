@@ -52,6 +52,22 @@ def tensors_by_path(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return {}
 
 
+def check_shapes(checkpoint: dict[str, Any], key: str, current: Any) -> None:
+    """Refuses a checkpoint whose tensors under ``checkpoint[key]`` have another shape than the ones this run set up
+    (``current``, the same tree): a checkpoint of other models, or one edited and sealed again. A set-up tensor
+    that is empty is a placeholder that the checkpoint fills, whatever its shape."""
+    saved = tensors_by_path(checkpoint.get(key), f"/{key}")
+    for path, tensor in tensors_by_path(current, f"/{key}").items():
+        other = saved.get(path)
+        if other is None or tensor.numel() == 0 or other.shape == tensor.shape:
+            continue
+        raise ConfigError(
+            f"checkpoint {checkpoint.get('loaded_from', '')} holds {path.lstrip('/')} of shape {list(other.shape)}, "
+            f"but this run sets it up with shape {list(tensor.shape)}: it was written for other models or options; "
+            "resume with the recipe it was written with, or start a new --output_dir."
+        )
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Writes ``state`` (tensors and plain containers) with its checksum; keeps the old file as previous.ckpt."""
     content = {**state, "format": FORMAT}

@@ -37,12 +37,20 @@ from ..strategies import Strategy
 from ..strategies.base import roles_to_build
 from ..tracking import RunFiles, RunLock, RunLogger, resolve_loggers
 from .asynchrony import AsynchronousSchedule
-from .checkpoint import load_checkpoint
+from .checkpoint import check_shapes, load_checkpoint
 from .options import ExecutionPlan, RoundPlan, RunOutput
 from .orchestrator import FederationOrchestrator
 from .provenance import hardware, versions
 from .robustness import Faults, Robustness
-from .run_dir import check_output_dir, check_resume_target, check_still_ours, free_leftovers, run_id
+from .run_dir import (
+    check_no_results,
+    check_output_dir,
+    check_resume_target,
+    check_still_ours,
+    free_leftovers,
+    run_id,
+    run_root,
+)
 from .runtime import Runtime
 from .state import RunState, check_monitor, check_resume, planned_rounds
 
@@ -141,20 +149,57 @@ def fit(
             another thread): runs share the process's random state, torch threads and precision settings, so a
             second one is refused rather than changing the first one's numbers.
     """
+    root = run_root(output_dir, name, seed)  # first: a name that would leave runs/ is refused before anything
     name = name or "run"
-    plan = RoundPlan(rounds, eval_every, checkpoint_every, stop_after)  # the counts, checked here once
-    robustness = Robustness(faults, divergence)
-    sampler = sampler or UniformSampler()
-    experiment = _Experiment(data, models, strategy, population, sampler, schedule, training, evaluation, seed)
-    robustness.check_clients(len(experiment.clients))  # fault ids against the population
-    execution = ExecutionPlan.of(runtime, training, schedule)  # the executor against the schedule and optimizer state
-    files = RunFiles(output_dir or Path("runs") / name / f"seed{seed}")
+    plan, robustness, experiment, execution = _checked(
+        data, models, strategy, population, sampler, schedule, training, evaluation, seed, runtime,
+        (rounds, eval_every, checkpoint_every, stop_after), faults, divergence,
+    )  # fmt: skip
+    files = RunFiles(root)
     check_output_dir(files.root)
     ranks = join_ranks(runtime.devices, schedule, training.optimizer_state)  # several if launched as several
     loggers = resolve_loggers(logger) if ranks.writes else []  # rank 0 alone logs
     output = RunOutput(files, loggers, runtime.progress and ranks.writes, monitor, config=resolved_config)
     with RunLock(files.root, enabled=ranks.writes) as lock:
         return _run(experiment, plan, execution, robustness, runtime, ranks, output, lock, resume, name, reference)
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """The checks :func:`fit` makes of its options (``fit``'s keyword arguments, as the parser instantiates them)
+    before it writes or loads anything: for a command that starts runs later, such as a sweep, whose trials all
+    share the arguments after its ``--``."""
+    _checked(
+        options["data"], options["models"], options["strategy"], options["population"], options["sampler"],
+        options["schedule"], options["training"], options["evaluation"], options["seed"], options["runtime"],
+        (options["rounds"], options["eval_every"], options["checkpoint_every"], options["stop_after"]),
+        options["faults"], options["divergence"],
+    )  # fmt: skip
+
+
+def _checked(
+    data: FederatedData,
+    models: dict[str, ModelSpec],
+    strategy: Strategy,
+    population: Population,
+    sampler: ClientSampler | None,
+    schedule: AsynchronousSchedule | None,
+    training: LocalTraining,
+    evaluation: PersonalEvaluation | None,
+    seed: int,
+    runtime: Runtime,
+    counts: tuple[int, int, int, int | None],
+    faults: Faults | None,
+    divergence: Literal["stop", "drop"],
+) -> tuple[RoundPlan, Robustness, _Experiment, ExecutionPlan]:
+    """The run's options, each checked as its part is made (nothing is written or loaded)."""
+    plan = RoundPlan(*counts)  # the counts, checked here once
+    robustness = Robustness(faults, divergence)
+    experiment = _Experiment(
+        data, models, strategy, population, sampler or UniformSampler(), schedule, training, evaluation, seed
+    )
+    robustness.check_clients(len(experiment.clients))  # fault ids against the population
+    execution = ExecutionPlan.of(runtime, training, schedule)  # the executor against the schedule and optimizer state
+    return plan, robustness, experiment, execution
 
 
 @dataclass
@@ -218,10 +263,6 @@ def _run(
     rewrite_config = True
     if checkpoint is not None:
         run_info, rewrite_config = _resumed_identity(checkpoint, run_info, output, plan)
-        if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
-            log.info("%s", _resuming_line(checkpoint, plan, resume, files))
-    elif resume == "auto" and ranks.writes:
-        log.info("--resume auto: no checkpoint in %s; starting a new run.", files.root)
     output = dataclasses.replace(output, run_info=run_info)
     orchestrator = FederationOrchestrator(
         strategy=experiment.strategy,
@@ -237,6 +278,12 @@ def _run(
         schedule=experiment.schedule,
         evaluation=experiment.evaluation,
     )
+    if checkpoint is not None:  # the server state set up for this recipe against the one saved
+        check_shapes(checkpoint, "strategy", experiment.strategy.state_dict())
+        if ranks.writes:  # a user (and a table run's log) must see that this continues an earlier run
+            log.info("%s", _resuming_line(checkpoint, plan, resume, files))
+    elif resume == "auto" and ranks.writes:
+        log.info("--resume auto: no checkpoint in %s; starting a new run.", files.root)
     # every check has passed: only now is the run directory written (a refused start changes nothing)
     if ranks.writes:  # rank 0 alone writes it
         config = output.config if rewrite_config else None
@@ -372,6 +419,8 @@ def _find_checkpoint(resume: str | None, files: RunFiles) -> dict[str, Any] | No
             f"{files.root} holds {files.previous_checkpoint.name} but no last.ckpt; continue from it with --resume "
             f"{files.previous_checkpoint}, or choose another --output_dir."
         )
+    if resume in (None, "auto") and not files.last_checkpoint.exists():
+        check_no_results(files, resume)
     if resume is None:
         return None
     if resume == "auto":

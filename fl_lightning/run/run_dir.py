@@ -22,12 +22,23 @@ from pathlib import Path
 from typing import Any
 
 from ..federation.errors import ConfigError
+from ..federation.files import check_folder_name
 from ..tracking.run_files import LOCK, MARKER, RunFiles, marker_id
 from .checkpoint import load_checkpoint
 
 # the files a run writes (each must be a regular file where it exists) and its folders
 RUN_FILES = (MARKER, LOCK, "config.yaml", "metrics.csv", "summary.json", "partition.json", "partition.png")
 CHECKPOINT_FILES = ("last.ckpt", "previous.ckpt")
+
+
+def run_root(output_dir: str | Path | None, name: str | None, seed: int) -> Path:
+    """The run's folder: ``output_dir``, else ``runs/<name>/seed<seed>``, where the name must be one folder's (a
+    name such as ``../../x`` would put the run outside ``runs/``)."""
+    if output_dir:
+        return Path(output_dir)
+    if name is not None:
+        check_folder_name(name, "--name", f"runs/<name>/seed{seed}", "--name my_run")
+    return Path("runs") / (name or "run") / f"seed{seed}"
 
 
 def check_output_dir(root: Path) -> None:
@@ -115,11 +126,40 @@ def _written_in(checkpoint: dict[str, Any], files: RunFiles) -> bool:
     return Path(checkpoint["loaded_from"]).resolve().parent.parent == files.root.resolve()
 
 
-def check_resume_target(checkpoint: dict[str, Any], resume: str | None, files: RunFiles) -> None:
-    """Refuses ``--resume PATH`` into a directory that holds another run (its files would be replaced)."""
-    if resume in (None, "auto"):  # the directory's own last.ckpt
+RESULTS = ("metrics.csv", "summary.json")  # what a fresh start would replace
+
+
+def check_no_results(files: RunFiles, resume: str | None) -> None:
+    """Refuses a fresh start (``--resume auto`` without a checkpoint to continue included) into a run directory
+    that holds a run's results but no checkpoint (deleted to save space, or never written): the new run would
+    replace its metrics.csv and summary.json."""
+    found = [name for name in RESULTS if (files.root / name).is_file()]
+    if not found:
         return
+    started = "--resume auto finds no checkpoint there, so it would start a new run" if resume else "a new run"
+    raise ConfigError(
+        f"--output_dir {_short(files.root)} holds a run's results ({', '.join(found)}) but no checkpoints/last.ckpt "
+        f"to continue from; {started} that replaces them. Choose another --output_dir, resume it from a copy of "
+        "its checkpoint with --resume PATH, or move those files away to start over there."
+    )
+
+
+def check_resume_target(checkpoint: dict[str, Any], resume: str | None, files: RunFiles) -> None:
+    """Refuses a checkpoint of another run: ``--resume auto`` whose ``last.ckpt`` was replaced by another run's,
+    and ``--resume PATH`` into a directory that holds another run (its files would be replaced)."""
     own = files.run_id()
+    if resume is None:
+        return
+    if resume == "auto":  # the directory's own last.ckpt, unless another run's was copied over it
+        saved = checkpoint.get("run_info", {}).get("run_id")
+        if own is not None and saved is not None and saved != own:
+            raise ConfigError(
+                f"--resume auto: {_short(files.last_checkpoint)} is another run's checkpoint (run id {saved[:12]}), "
+                f"not that of the run in {_short(files.root)} (run id {own[:12]}, in {MARKER}); put this run's "
+                "own last.ckpt back, or resume the other run in a folder of its own with --resume PATH "
+                "--output_dir NEW."
+            )
+        return
     if own is None and not holds_unmarked_run(files.root):
         return  # a new or empty directory: a copy of the run continues there
     saved = checkpoint.get("run_info", {}).get("run_id")

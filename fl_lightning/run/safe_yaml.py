@@ -21,17 +21,16 @@ here as in ``flrun fit``. Nothing here imports torch: an error must come as fast
 from __future__ import annotations
 
 import copy
-import errno
 import functools
 import os
 import re
-import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from ..federation.errors import ConfigError
+from ..federation.files import not_utf8, path_problem
 
 MAX_BYTES = 4 * 2**20  # recipes and sweep files are a few KB; a resolved config.yaml tens of KB
 MAX_DEPTH = 100  # recipes nest 6 levels deep
@@ -222,35 +221,21 @@ def read_text(path: str | Path, what: str, give: str) -> str:
     text = str(path)
     if "://" in text:
         raise ConfigError(f"{what} is a URL, and files are not downloaded; save it and give its path, or give {give}.")
-    try:
-        info = os.stat(path)  # follows links: a loop or a dangling link ends here
-    except ValueError:  # a NUL byte in the name
+    problem = path_problem(path)
+    if problem is not None:
         shown = clip(what, 200).replace("\x00", "\\0")
-        raise ConfigError(f"{shown} is not a valid file name; give {give}.") from None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise ConfigError(f"{what} is a symbolic link that leads back to itself; give {give}.") from None
-        if err.errno in (errno.ENOENT, errno.ENOTDIR):
-            raise ConfigError(f"{what} does not exist; give {give}.") from None
-        raise ConfigError(f"{what} cannot be read ({err.strerror}); give {give}.") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"{what} is a directory; give {give}.")
-    if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
-        raise ConfigError(f"{what} is not a regular file (a FIFO, socket or device); give {give}.")
-    if info.st_size > MAX_BYTES:
-        raise ConfigError(
-            f"{what} is {info.st_size:,} bytes, more than a YAML file here may be ({MAX_BYTES:,}); give {give}."
-        )
+        raise ConfigError(f"{shown} {problem}; give {give}.")
+    size = os.stat(path).st_size
+    if size > MAX_BYTES:
+        raise ConfigError(f"{what} is {size:,} bytes, more than a YAML file here may be ({MAX_BYTES:,}); give {give}.")
     try:
         data = Path(path).read_bytes()[: MAX_BYTES + 1]
     except OSError as err:
         raise ConfigError(f"{what} cannot be read ({err.strerror}); check its permissions or give {give}.") from None
-    try:
-        decoded = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        decoded = "\x00"
-    if "\x00" in decoded:
-        raise ConfigError(f"{what} is not a text (YAML) file; give {give}.")
+    binary = not_utf8(data)
+    if binary is not None:
+        raise ConfigError(f"{what} {binary.replace('a text file', 'a text (YAML) file')}; give {give}.")
+    decoded = data.decode("utf-8-sig")
     return decoded
 
 

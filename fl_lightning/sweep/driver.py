@@ -9,13 +9,23 @@ from pathlib import Path
 
 from ..distributed.capacity import check_memory
 from ..federation.errors import ConfigError
+from ..run.run_dir import holds_unmarked_run
+from ..tracking.run_files import MARKER, marker_id
 from .spec import SweepSpec
 from .storage import _sampler, open_or_create_study, open_slots
+from .storage_check import in_memory
 
 
 def check_own_directory(root: Path, spec: SweepSpec) -> None:
-    """Refuses a sweep directory that holds another study's results: their trial directories and files
-    (trials.csv, sweep.json, best_recipe.yaml) would be mixed up."""
+    """Refuses a sweep directory that holds another study's results or a run (``flrun fit``'s folder): their trial
+    directories and files (trials.csv, sweep.json, best_recipe.yaml) would be mixed up, and the run would no longer
+    resume."""
+    if marker_id(root) is not None or holds_unmarked_run(root):
+        raise ConfigError(
+            f"--output_dir {root} holds a run of flrun fit ({MARKER} or checkpoints/last.ckpt); a sweep's trials, "
+            f"study and results written there would mix with it, so give study {spec.study_name!r} an output_dir of "
+            "its own (the default is runs/sweeps/<study_name>)."
+        )
     try:
         other = json.loads((root / "sweep.json").read_text()).get("study")
     except (OSError, ValueError, AttributeError):
@@ -48,6 +58,12 @@ def run_sweep(
         raise ConfigError(f"--n_jobs must be at least 1, got {n_jobs}.")
     if n_jobs > 1 and not sweep_file:
         raise ConfigError("worker processes load the sweep file: give sweep_file with n_jobs > 1.")
+    if n_jobs > 1 and in_memory(spec.storage):
+        raise ConfigError(
+            f"--storage {spec.storage} keeps the study in this process's memory, which the {n_jobs} worker processes "
+            "of --n_jobs cannot see; give a database file (e.g. --storage sqlite:///runs/sweeps/study.db) or "
+            "--n_jobs 1."
+        )
     root = Path(spec.output_dir)
     check_own_directory(root, spec)
     current = definition(spec)

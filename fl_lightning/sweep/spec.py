@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 import yaml
 
-from ..federation.errors import ConfigError
+from ..federation.errors import ConfigError, bad_choice
+from ..federation.files import check_folder_name, path_problem
 from ..run.safe_yaml import read_file
 from .metric import check_metric, test_metric_warning, varies_between_evaluations
 from .space_checks import check_parameter
@@ -124,6 +125,8 @@ def read_sweep(path: str | Path, fit_args: list[str] | None = None, **cli: Any) 
     raw.update({k: v for k, v in cli.items() if v is not None})
     raw["base"] = _base_path(raw["base"], path)
     spec = SweepSpec(**raw, fit_args=list(fit_args or []))
+    if "study_name" in raw and not spec.output_dir:  # the sweep's folder is named after it
+        check_folder_name(raw["study_name"], "study_name", "runs/sweeps/<name>", "--study_name my_sweep")
     spec.study_name = spec.study_name or path.stem
     spec.output_dir = spec.output_dir or str(Path("runs") / "sweeps" / spec.study_name)
     _validate(spec)
@@ -151,9 +154,12 @@ def _base_path(base: Any, path: Path) -> str:
     if not isinstance(base, str) or not base:
         raise ConfigError(f"`base` in {path} must name the base recipe file, e.g. base: ../recipes/quickstart.yaml.")
     resolved = Path(os.path.normpath(path.parent / base))
-    if resolved.is_file():
+    problem = path_problem(resolved)
+    if problem is None:
         return str(resolved)
-    where = f"the sweep's base recipe {resolved} (base: {base} in {path}) does not exist"
+    where = f"the sweep's base recipe {resolved} (base: {base} in {path}) {problem}"
+    if problem != "does not exist":  # there, but not a file to read (a FIFO, a directory, a link loop)
+        raise ConfigError(f"{where}; give a recipe file, e.g. base: ../recipes/quickstart.yaml.")
     if Path(base).is_file():  # where sweep files used to point: the working directory
         relative = os.path.relpath(base, path.parent)
         shown = relative if relative.count("..") <= 2 else Path(base).resolve()
@@ -166,8 +172,16 @@ def _base_path(base: Any, path: Path) -> str:
 
 
 def _validate(spec: SweepSpec) -> None:
-    if spec.direction not in ("maximize", "minimize") or spec.use not in ("best", "final"):
-        raise ConfigError("direction must be maximize or minimize and use best or final.")
+    choices: tuple[str, ...]
+    for key, choices in (("direction", ("maximize", "minimize")), ("use", ("best", "final"))):
+        if getattr(spec, key) not in choices:
+            raise bad_choice(key, getattr(spec, key), choices, " in the sweep file")
+    for key, choices, default in (("sampler", SAMPLERS, "tpe"), ("pruner", PRUNERS, "median")):
+        given = getattr(spec, key)
+        if not isinstance(given, dict):
+            raise ConfigError(f"{key} must be a mapping, e.g. {key}: {{name: {default}}}, got {given!r:.80}.")
+        if given.get("name", default) not in choices:
+            raise bad_choice(f"{key}.name", given.get("name"), choices, " in the sweep file")
     if not isinstance(spec.parameters, dict) or not spec.parameters:
         raise ConfigError("the sweep has no parameters to search; give `parameters: {dotted.key: {type: ...}}`.")
     if spec.storage is not None:
@@ -185,8 +199,6 @@ def _validate(spec: SweepSpec) -> None:
         raise ConfigError(f"max_retry must be a whole number >= 0, got {spec.max_retry!r}.")
     if spec.timeout is not None and not spec.timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {spec.timeout!r}.")
-    if spec.sampler.get("name", "tpe") not in SAMPLERS or spec.pruner.get("name", "median") not in PRUNERS:
-        raise ConfigError(f"sampler name must be one of {SAMPLERS} and pruner name one of {PRUNERS}.")
     for name, p in spec.parameters.items():
         check_parameter(name, p)  # every field, before the first trial
     _check_overrides(spec)
@@ -197,10 +209,12 @@ def check_against_recipe(spec: SweepSpec) -> list[str]:
     """Every parameter path must be an option of the base recipe: parsed once with a sample value (imports
     torch, as ``flrun fit`` does). Returns warnings (an objective measured on the test set)."""
     from ..run.arguments import UserError, parse_fit
+    from ..run.fit import check_options
 
     fixed = ["--config", spec.base, *shared_args(spec)]
     try:
         _, init, resolved = parse_fit(fixed)
+        check_options(vars(init))  # what fit checks before a run starts: with these no trial could run (--rounds 0)
     except (UserError, ConfigError) as err:
         given = " and the fit arguments after --" if spec.fit_args else ""
         raise ConfigError(f"the sweep's base recipe {spec.base} with its overrides{given}: {err}") from None

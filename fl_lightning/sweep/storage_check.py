@@ -105,3 +105,15 @@ def _tables(path: Path, shown: str) -> set[str]:
     except sqlite3.DatabaseError as err:
         raise ConfigError(f"--storage {shown}: {path} cannot be read as an SQLite database ({err}).") from None
     return {row[0] for row in rows if not row[0].startswith("sqlite_")}
+
+
+def in_memory(url: str | None) -> bool:
+    """Whether ``url`` is an SQLite database that lives in one process's memory (``sqlite://``,
+    ``sqlite:///:memory:``, ``mode=memory``): no other process sees it, and it is gone when the command ends."""
+    if not isinstance(url, str) or not url.startswith("sqlite"):
+        return False
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    database = parsed.database or ""
+    return database in ("", ":memory:") or "mode=memory" in url or database.startswith("file::memory:")
