@@ -12,9 +12,13 @@ from conftest import ROOT, run_cli, write_recipe
 
 USER_MODULE = """
 import lightning.pytorch as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fl_lightning.data import FederatedData
+from fl_lightning.strategies import FedAvg
 
 
 class Net(L.LightningModule):
@@ -62,6 +66,17 @@ class StepRaises(Net):
         return check_step(super().training_step(batch, batch_idx))
 
 
+class MyAvg(FedAvg):
+    def aggregate(self, rnd, updates, phase="train"):
+        metrics = super().aggregate(rnd, updates, phase)
+        return {"server/spread": metrics["server/missing"]}
+
+
+class Missing(FederatedData):
+    def load(self):
+        return np.load("no_such_file.npz")
+
+
 def build(num_classes: int = 10, width: int = 3):
     if width % 2:
         raise ValueError("width must be even")
@@ -85,9 +100,11 @@ def user_code(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
-def fit_with(tmp_path, capfd, builder: str, args: dict | None = None, run: str = "run") -> tuple[int, str]:
+def fit_with(
+    tmp_path, capfd, builder: str = "digits_mlp", args: dict | None = None, run: str = "run", **changes
+) -> tuple[int, str]:
     models = {"global": {"builder": builder, "args": args or {}}}
-    recipe = write_recipe(tmp_path / "recipe.yaml", rounds=1, eval_every=1, models=models)
+    recipe = write_recipe(tmp_path / "recipe.yaml", rounds=1, eval_every=1, models=models, **changes)
     capfd.readouterr()
     rc = run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / run))
     return rc, capfd.readouterr().err
@@ -180,6 +197,41 @@ def test_a_syntax_error_names_the_file_and_line(user_code, capfd):
         f"{user_code / 'broken_syntax.py'}:2: "
     )
     assert "fl_lightning" not in err
+
+
+def test_a_strategy_subclass_raising_in_aggregate_is_named_with_its_line(user_code, capfd):
+    rc, err = fit_with(user_code, capfd, strategy={"class_path": "mymod.MyAvg"})
+    assert rc == 3
+    assert err.splitlines()[0] == (
+        "flrun fit: error: your Strategy mymod.MyAvg.aggregate raised KeyError: 'server/missing'"
+    )
+    line = line_of(user_code, "mymod", 'metrics["server/missing"]')
+    assert re.findall(r'File "([^"]+)", line (\d+), in (\w+)', err) == [
+        (str(user_code / "mymod.py"), str(line), "aggregate")
+    ]
+
+
+def test_a_data_set_whose_load_raises_is_named_with_its_line(user_code, capfd):
+    rc, err = fit_with(user_code, capfd, data={"class_path": "mymod.Missing"})
+    assert rc == 3
+    assert err.splitlines()[0] == (
+        "flrun fit: error: your data set mymod.Missing.load raised FileNotFoundError: [Errno 2] No such file or "
+        "directory: 'no_such_file.npz'"
+    )
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', err)
+    assert frames == [(str(user_code / "mymod.py"), str(line_of(user_code, "mymod", "np.load(")), "load")]
+
+
+def test_a_class_paths_module_failing_at_import_is_named(user_code, capfd):
+    """jsonargparse imports a recipe's class_path: a NameError at the top of its module is named as such."""
+    rc, err = fit_with(user_code, capfd, strategy={"class_path": "broken_names.Strategy"})
+    assert rc == 3
+    path = user_code / "broken_names.py"
+    assert err.splitlines()[0] == (
+        "flrun fit: error: your module broken_names could not be imported: it raised NameError: name 'WIDHT' is not "
+        f"defined (at {path}:4)"
+    )
+    assert "jsonargparse" not in err and "fl_lightning" not in err
 
 
 def test_flrun_fit_exits_3_from_its_own_process(user_code, tmp_path):

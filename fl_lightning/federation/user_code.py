@@ -128,6 +128,15 @@ def calling(what: str) -> Iterator[None]:
         raise new from None
 
 
+def user_hook(obj: object, kind: str, hook: str) -> contextlib.AbstractContextManager[None]:
+    """The boundary around ``obj.hook(...)`` for an object of a user's class (``calling("Strategy mymod.MyAvg.
+    aggregate")``); nothing around the framework's own classes."""
+    cls = type(obj)
+    if cls.__module__ == "fl_lightning" or cls.__module__.startswith("fl_lightning."):
+        return contextlib.nullcontext()
+    return calling(f"{kind} {cls.__module__}.{cls.__qualname__}.{hook}")
+
+
 def import_failure(module: str, err: BaseException) -> UserCodeError:
     """The error for a trusted module whose import raised ``err`` (not the module being absent): names the
     module, the error and the user's line (for a SyntaxError, the file and line the parser stopped at)."""
@@ -136,6 +145,39 @@ def import_failure(module: str, err: BaseException) -> UserCodeError:
         return UserCodeError(f"your module {module} could not be imported: {_syntax(err)}", frames)
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return UserCodeError(f"your module {module} could not be imported: it raised {described(err)}{where}", frames)
+
+
+def failed_import(err: BaseException) -> UserCodeError | None:
+    """The error for a user's module whose import raised ``err`` (or an error ``err`` was raised from) while a
+    library imported it (jsonargparse, for a recipe's ``class_path``); None when no user's module failed so."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (UserCodeError, ConfigError)):
+            return None
+        module = _importing_module(seen)
+        if module is not None:
+            return import_failure(module, seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _importing_module(err: BaseException) -> str | None:
+    """The name of the user's module whose top level raised ``err``, or that a SyntaxError is in."""
+    if isinstance(err, SyntaxError) and err.filename and is_users(err.filename):
+        path = Path(err.filename).resolve().with_suffix("")
+        for entry in sys.path:
+            with contextlib.suppress(ValueError, OSError):
+                parts = path.relative_to(Path(entry or ".").resolve()).parts
+                if parts and all(part.isidentifier() for part in parts):
+                    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        return path.name
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "<module>" and is_users(code.co_filename):
+            return tb.tb_frame.f_globals.get("__name__")
+        tb = tb.tb_next
+    return None
 
 
 def missing_module(module: str, err: BaseException) -> bool:

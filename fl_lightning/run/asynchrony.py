@@ -23,6 +23,7 @@ from ..federation.errors import ConfigError
 from ..federation.ledger import CommunicationLedger
 from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Payload
+from ..federation.user_code import user_hook
 from .tally import RoundTally, TrainedRound
 
 if TYPE_CHECKING:
@@ -168,7 +169,8 @@ class AsynchronousRounds:
             if arrival.update is not None:  # a lost update: the server keeps its state and sends the client again
                 self.ledger.record(rnd, "uplink", arrival.update.uplink)
                 seed_torch(derive_seed(self.seed, schedule.seq, Owner.SERVER, server_phase(0)))
-                server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
+                with user_hook(self.strategy, "Strategy", "aggregate"):
+                    server_metrics.update(self.strategy.aggregate(rnd, iter([arrival.update])) or {})
                 schedule.version += 1
             self._dispatch(rnd, self.clients[arrival.client_id], tally)
         server_metrics.update(
@@ -193,7 +195,8 @@ class AsynchronousRounds:
 
     def _dispatch(self, rnd: int, client: ClientSpec, tally: RoundTally) -> None:
         """Sends a client the current server state and computes its update, delivered at its arrival."""
-        task = self.strategy.configure_round(rnd, [client])[0]
+        with user_hook(self.strategy, "Strategy", "configure_round"):
+            task = self.strategy.configure_round(rnd, [client])[0]
         stream = self.schedule.seq + 1  # tells this dispatch's random streams apart from the client's others
         update = self.run_client(rnd, task, tally, stream)
         rng = np.random.default_rng(derive_seed(self.seed, stream, client.id, Stream.ARRIVAL))

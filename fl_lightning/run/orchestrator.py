@@ -31,6 +31,7 @@ from ..distributed.ranks import current_ranks
 from ..federation.sampling import ClientSampler
 from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
+from ..federation.user_code import user_hook
 from ..strategies.base import ServerContext, Strategy, check_evaluation_split
 from ..tracking import RoundProgress
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
@@ -107,7 +108,8 @@ class FederationOrchestrator:
             else None
         )
         server = ServerContext(clients, list(loop.slots), data, plan.rounds, seed, loop)
-        strategy.setup(server)
+        with user_hook(strategy, "Strategy", "setup"):
+            strategy.setup(server)
         check_evaluation_split(strategy, server)
         self.monitor = output.monitor or strategy.monitor
         # after setup, which may freeze a backbone: a frozen parameter's gradient is not computed, nor counted;
@@ -149,7 +151,9 @@ class FederationOrchestrator:
         metrics = None
         if plan.evaluates(rnd):
             self.evaluator.begin(rnd, final=rnd == plan.rounds)
-            metrics = {**self.strategy.evaluate(self.evaluator), **self.evaluator.validation_metrics()}
+            with user_hook(self.strategy, "Strategy", "evaluate"):
+                evaluated = self.strategy.evaluate(self.evaluator)
+            metrics = {**evaluated, **self.evaluator.validation_metrics()}
         self._check_finite(rnd, {**row, **(metrics or {})})
         state.rounds_done = rnd
         state.elapsed = time.perf_counter() - started
@@ -239,7 +243,8 @@ class FederationOrchestrator:
         sampled = self.sampler.sample(rnd, self.clients, rng)
         num_tasks, server_metrics = 0, {}
         for number, phase in enumerate(self.strategy.phases):
-            tasks = self.strategy.configure_round(rnd, sampled, phase)
+            with user_hook(self.strategy, "Strategy", "configure_round"):
+                tasks = self.strategy.configure_round(rnd, sampled, phase)
             for task in tasks:
                 task.phase = phase
             num_tasks += len(tasks)
@@ -255,7 +260,8 @@ class FederationOrchestrator:
                     continue
                 updates = itertools.chain([first], updates)
             seed_torch(derive_seed(self.seed, rnd, Owner.SERVER, server_phase(number)))  # server-side randomness
-            server_metrics.update(self.strategy.aggregate(rnd, updates, phase) or {})
+            with user_hook(self.strategy, "Strategy", "aggregate"):
+                server_metrics.update(self.strategy.aggregate(rnd, updates, phase) or {})
             if next(updates, None) is not None:
                 raise RuntimeError(f"{type(self.strategy).__name__}.aggregate did not consume every client update")
         return TrainedRound(num_tasks, server_metrics)
@@ -289,7 +295,8 @@ class FederationOrchestrator:
         seed_torch(derive_seed(self.seed, rnd, client.id, Stream.DROPOUT, *((stream,) if stream else ())))
         client_states = self.state.client_states
         ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
-        update = self.strategy.client_update(task, ctx)
+        with user_hook(self.strategy, "Strategy", "client_update"):
+            update = self.strategy.client_update(task, ctx)
         ctx.finish()
         tally.add_steps(ctx.trained_steps)  # trained, whether or not its update arrives
         client_states.close(client.id, ctx.state)  # kept, or written to its file beyond the memory budget
