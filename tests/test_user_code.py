@@ -125,6 +125,8 @@ def test_a_builder_raising_is_named_with_its_line_and_exit_status_3(user_code, c
     assert f'File "{user_code / "mymod.py"}", line {raise_line}, in build' in err
     assert "fl_lightning" not in err and "site-packages" not in err
     assert not (user_code / "run" / "summary.json").exists()
+    page = (ROOT / "docs" / "reference" / "errors.md").read_text()  # the page shows this case's first lines
+    assert f"```text\n{first}\n{frames[0]}\n" in page and '    raise ValueError("width must be even")\n```' in page
 
 
 def test_the_builders_own_arguments_still_decide_and_a_missing_one_is_the_recipes(user_code, capfd):
