@@ -2,7 +2,9 @@
 
 The parser is generated from the typed signature of :func:`fl_lightning.run.fit.fit` (jsonargparse), so
 ``flrun fit --help`` documents every knob and recipes name components by ``class_path`` / ``init_args``.
-Every user error ends as one line on stderr and exit status 2, never a traceback.
+Every user error ends as one line on stderr and exit status 2, never a traceback; an error the user's own code
+raised (a builder, a LightningModule, a Strategy subclass, a data set, a trusted module) as one sentence naming
+it, then that code's own frames, and exit status 3 (:mod:`fl_lightning.federation.user_code`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..federation.release import VERSION
 from ..run.arguments import FIT_SUMMARY, UserError, fit_from_argv, fit_parser, parse_fit, recipe_name
 from ..run.arguments import USAGE as USAGE_FIT
 from .data import run_data
-from .errors import Terminated, error_status, stopped_by_sigterm
+from .errors import OutputFailed, Terminated, error_status, guarded_stdout, stopped_by_sigterm
 from .models import run_models
 from .report import run_report
 from .studies import run_sweep_command, run_table
@@ -106,12 +108,17 @@ def run_fit(argv: list[str]) -> int:
     summary = fit(**{k: v for k, v in vars(init).items() if k not in ("config", "__path__")}, resolved_config=resolved)
     if from_env().rank > 0:  # under torchrun or srun every rank ends here: rank 0 reports
         return 0
-    if as_json:  # summary.json as written (its NaNs as nulls)
-        print((Path(summary["output_dir"]) / "summary.json").read_text(), end="")
-    else:
-        from ..tracking.progress import run_summary
+    try:
+        if as_json:  # summary.json as written (its NaNs as nulls)
+            print((Path(summary["output_dir"]) / "summary.json").read_text(), end="")
+        else:
+            from ..tracking.progress import run_summary
 
-        print(run_summary(summary))
+            print(run_summary(summary))
+        sys.stdout.flush()
+    except OutputFailed as err:  # the run is complete: nothing to resume
+        where = Path(summary["output_dir"]) / "summary.json"
+        raise OutputFailed(err.error, f"; the run itself is complete and {where} holds its summary.") from err.error
     return 0
 
 
@@ -142,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     """The program (``flrun``, ``python -m fl_lightning``): reads ``sys.argv`` unless given ``argv``."""
     if argv is None and sys.argv[1:2] == ["fit"]:  # flrun fit's own process (a sweep's workers run trials)
         _pause_gc_for_start_up()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
+        with guarded_stdout():
+            return _main(argv)
+    except OutputFailed as err:  # --version, the usage, or a command's last flush
+        command = argv[0] if argv and argv[0] in COMMANDS else ""
+        return error_status(command, err)
     finally:
         _end_start_up(freeze=False)  # a fit that ended before its start-up did (--help, an error, ranks)
 

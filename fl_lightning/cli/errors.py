@@ -39,6 +39,13 @@ def error_status(command: str, err: Exception) -> int:
     if isinstance(err, (UserError, ConfigError)):
         print(f"flrun {command}: error: {clipped(str(err))}", file=sys.stderr)
         return 2
+    if isinstance(err, OutputFailed) and isinstance(err.__cause__, BrokenPipeError):
+        return _quietly_closed_pipe()
+    if isinstance(err, OutputFailed):
+        name = f"flrun {command}" if command else "flrun"
+        print(f"{name}: error: {err}{'' if err.after else AFTER_OUTPUT.get(command, _FREE)}", file=sys.stderr)
+        _quietly_closed_pipe()  # what stays buffered goes nowhere: the interpreter's exit says nothing more
+        return 2
     if isinstance(err, BrokenPipeError):  # the reader of the output went away (`flrun models | head -1`)
         return _quietly_closed_pipe()
     sentence = file_system_cause(err)
@@ -46,6 +53,65 @@ def error_status(command: str, err: Exception) -> int:
         raise err
     print(f"flrun {command}: error: {sentence}{AFTER_OS_ERROR.get(command, '')}", file=sys.stderr)
     return 2
+
+
+# what a command whose standard output failed leaves (fit says itself when its run is complete)
+_FREE = "; free space there, or send the output elsewhere."
+AFTER_OUTPUT = {
+    "fit": "; the run stopped: free space there or send the output elsewhere, then run the same command with "
+    "--resume auto.",
+    "sweep": "; free space there or send the output elsewhere, then run the same command again to finish the study.",
+    "table": "; free space there or send the output elsewhere, then run the same command again to resume the runs.",
+}
+
+
+class OutputFailed(Exception):
+    """Writing to the command's standard output failed (``flrun models > /dev/full``): named as such, since the
+    file system's error names no file. ``after``: what the command says of its work ("" for the default)."""
+
+    def __init__(self, err: OSError, after: str = ""):
+        fixes = {errno.ENOSPC: "the disk it goes to is full", errno.EDQUOT: "the quota of the disk it goes to is spent"}
+        cause = fixes.get(err.errno or 0, err.strerror or str(err))
+        super().__init__(f"could not write to the standard output ({cause}){after}")
+        self.error, self.after = err, after
+
+
+class GuardedOutput:
+    """``sys.stdout`` while a command runs: a failed write or flush raises :class:`OutputFailed`."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            raise OutputFailed(err) from err
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            raise OutputFailed(err) from err
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded_stdout():
+    """Runs the block with :class:`GuardedOutput` as ``sys.stdout`` and flushes it at the end (a write that
+    fails only then is still named); the stream it replaced comes back."""
+    stream = sys.stdout
+    if stream is None or isinstance(stream, GuardedOutput):
+        yield
+        return
+    sys.stdout = GuardedOutput(stream)  # a stream for print and tqdm
+    try:
+        yield
+        sys.stdout.flush()
+    finally:
+        sys.stdout = stream
 
 
 class Terminated(BaseException):
