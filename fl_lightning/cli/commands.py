@@ -2,7 +2,9 @@
 
 The parser is generated from the typed signature of :func:`fl_lightning.run.fit.fit` (jsonargparse), so
 ``flrun fit --help`` documents every knob and recipes name components by ``class_path`` / ``init_args``.
-Every user error ends as one line on stderr and exit status 2, never a traceback.
+Every user error ends as one line on stderr and exit status 2, never a traceback; an error the user's own code
+raised (a builder, a LightningModule, a Strategy subclass, a data set, a trusted module) as one sentence naming
+it, then that code's own frames, and exit status 3 (:mod:`fl_lightning.federation.user_code`).
 """
 
 from __future__ import annotations

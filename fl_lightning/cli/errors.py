@@ -23,8 +23,10 @@ AFTER_OS_ERROR = {
 
 def error_status(command: str, err: Exception) -> int:
     """Prints the one line of an error the user can fix (their input, the file system) and returns the exit
-    status; re-raises any other error (a bug shows its traceback)."""
+    status: 2, or 3 when the user's own code raised (the line, then that code's frames); re-raises any other
+    error (a bug shows its traceback)."""
     from ..federation.errors import ConfigError, RankLost
+    from ..federation.user_code import UserCodeError, print_user_code_error
     from ..run.arguments import UserError
 
     if isinstance(err, RankLost):
@@ -32,6 +34,8 @@ def error_status(command: str, err: Exception) -> int:
 
         if os.environ.get(LAUNCHED_ENV):
             return LOST_STATUS  # the launcher names the rank that ended, and how
+    if isinstance(err, UserCodeError):
+        return print_user_code_error(f"flrun {command}: error: ", err)
     if isinstance(err, (UserError, ConfigError)):
         print(f"flrun {command}: error: {clipped(str(err))}", file=sys.stderr)
         return 2

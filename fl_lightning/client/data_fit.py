@@ -3,8 +3,10 @@ classes (a target beyond its outputs would end round 1 in ``IndexError: Target 8
 layer takes the data's examples (``mat1 and mat2 shapes cannot be multiplied``, ``expected input to have 3
 channels``), and an embedding holds every token id the data uses (``index out of range``).
 
-Only what the modules declare is read (no forward pass runs, so nothing random is drawn): the first layer is
-checked where the model's ``features`` is a ``Sequential`` that applies it to the examples as they are."""
+For the built-in models only what the modules declare is read: the first layer is checked where the model's
+``features`` is a ``Sequential`` that applies it to the examples as they are. A user's LightningModule declares
+nothing, so its ``forward`` is tried on two examples, in eval mode, without gradients and with the random state
+put back: what a run computes is the same bits with or without the check."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
 from ..models import FeatureClassifier
+from .lightning import LightningClientModule
 
 
 def check_models_fit_data(slots: Mapping, num_classes: int, x: Tensor, input_roles: Collection[str] = ()) -> None:
@@ -31,6 +34,8 @@ def check_models_fit_data(slots: Mapping, num_classes: int, x: Tensor, input_rol
     """
     tokens = _token_range(x)
     for role, slot in slots.items():
+        if role in input_roles and isinstance(slot.module, LightningClientModule):
+            check_forward(slot.module, num_classes, x)
         model = slot.module.model
         outputs = class_outputs(model)
         if outputs is not None and outputs < num_classes:
@@ -55,6 +60,41 @@ def check_models_fit_data(slots: Mapping, num_classes: int, x: Tensor, input_rol
                 f"ids {tokens[0]}..{tokens[1]}; give the model the data's vocabulary size (vocab_size: "
                 f"{tokens[1] + 1} or more in models.{role}.args) or the data a smaller one."
             )
+
+
+def check_forward(module: LightningClientModule, num_classes: int, x: Tensor) -> None:
+    """Refuses a user's LightningModule whose ``forward`` on two of the data's examples returns anything but one
+    logits tensor of ``[N, num_classes]`` (``[N, T, num_classes]`` for a sequence) before its first step. The
+    module's mode, the random state (CPU and CUDA) and gradients are left as they were."""
+    name, role = type(module.model).__name__, module.role
+    parameter = next(module.model.parameters(), None)
+    sample = x[:2]
+    if parameter is not None:
+        sample = sample.to(parameter.device)
+        if sample.is_floating_point() and parameter.is_floating_point():
+            sample = sample.to(parameter.dtype)
+    training = module.model.training
+    devices = [parameter.device] if parameter is not None and parameter.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            module.model.eval()
+            out = module(sample)  # the user's forward, behind its boundary (an exception there is theirs)
+    finally:
+        module.model.train(training)
+    expected = f"[N, {num_classes}] logits (N examples, one score per class; [N, T, {num_classes}] for sequences)"
+    if not isinstance(out, Tensor):
+        returned = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ConfigError(
+            f"model role {role!r}: the LightningModule {name}.forward returned {returned}, not a tensor; the "
+            f"framework evaluates every model on forward's output, which must be one tensor of {expected}: return "
+            "the logits alone (compute other outputs in training_step, or in another method)."
+        )
+    if out.dim() not in (2, 3) or out.shape[0] != sample.shape[0] or out.shape[-1] < num_classes:
+        raise ConfigError(
+            f"model role {role!r}: the LightningModule {name}.forward returned a tensor of shape {list(out.shape)} "
+            f"for {sample.shape[0]} examples of a data set of {num_classes} classes; it must return {expected}: "
+            f"give its head {num_classes} outputs (pass num_classes on to it)."
+        )
 
 
 def class_outputs(model: nn.Module) -> int | None:

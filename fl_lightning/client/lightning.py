@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..federation.errors import ConfigError
+from ..federation.user_code import calling, converted
 from ..models import FeatureClassifier
 from .module import ClientModule
 
@@ -42,8 +43,28 @@ class LightningClientModule(ClientModule):
         # self.log outside a Trainer warns at every call site; the run's metrics come from the federation
         warnings.filterwarnings("ignore", message=r"You are trying to `self\.log\(\)` but the `self\.trainer`")
 
+    def hook(self, name: str) -> str:
+        """How a sentence names one of the user's hooks: ``LightningModule mymod.Net.training_step (role 'global')``."""
+        cls = type(self.model)
+        return f"LightningModule {cls.__module__}.{cls.__qualname__}.{name} (model role {self.role!r})"
+
+    def forward(self, x: Tensor) -> Tensor:
+        try:  # not a context manager: the steps' hot path
+            return self.model(x)
+        except Exception as err:  # noqa: BLE001 - the user's forward raises anything
+            new = converted(err, self.hook("forward"))
+            if new is err:
+                raise
+            raise new from None
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> Tensor:
-        out = self.model.training_step(batch, batch_idx)
+        try:
+            out = self.model.training_step(batch, batch_idx)
+        except Exception as err:  # noqa: BLE001 - the user's step raises anything
+            new = converted(err, self.hook("training_step"))
+            if new is err:
+                raise
+            raise new from None
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             raise ConfigError(
@@ -52,8 +73,26 @@ class LightningClientModule(ClientModule):
             )
         return loss
 
+    @torch.no_grad()
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        try:
+            return super().test_step(batch, batch_idx)
+        except Exception as err:  # noqa: BLE001 - the user's forward raises anything
+            new = converted(err, self.hook("forward"))
+            if new is err:
+                raise
+            raise new from None
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return one_optimizer(self.model.configure_optimizers(), f"{type(self.model).__name__} (role {self.role!r})")
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise ConfigError(
+                f"model role {self.role!r}: the LightningModule {type(self.model).__name__} has no trainable "
+                "parameters; the framework trains it with an optimizer of its parameters and exchanges them: give "
+                "it at least one parameter that requires a gradient (an nn.Linear head, for example)."
+            )
+        with calling(self.hook("configure_optimizers")):
+            returned = self.model.configure_optimizers()
+        return one_optimizer(returned, f"{type(self.model).__name__} (role {self.role!r})")
 
 
 def declared_split(model: nn.Module) -> bool:

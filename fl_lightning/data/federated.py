@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..federation.errors import ConfigError
+from ..federation.user_code import calling
 from .arrays import DataArrays, check_arrays, check_features
 from .partition import IidPartitioner, Partitioner
 from .transforms import CropFlip
@@ -122,7 +123,7 @@ class FederatedData:
     # ------------------------------------------------------------------ common splitting
     def setup(self, num_clients: int, seed: int) -> None:
         """Loads the arrays and builds every client's index sets, deterministically from the seed."""
-        arrays = self.load()
+        arrays = _loaded(self)
         self.num_classes = check_arrays(arrays, type(self).__name__)  # the door: one sentence, never a traceback
         if self.pool_test_set:
             arrays = self._with_test_pooled(arrays)
@@ -148,7 +149,7 @@ class FederatedData:
             self.server_idx = torch.from_numpy(np.sort(server))
             pool = np.setdiff1d(pool, server)
         if self.server_dataset is not None:
-            outside = self.server_dataset.load().x
+            outside = _loaded(self.server_dataset).x
             check_features(outside, f"server_dataset {type(self.server_dataset).__name__}'s examples")
             if outside.shape[1:] != self.x.shape[1:]:
                 raise ConfigError(
@@ -299,3 +300,11 @@ def _stratified_take(labels: np.ndarray, fraction: float, rng: np.random.Generat
         idx = np.flatnonzero(labels == c)
         taken.append(rng.choice(idx, int(round(len(idx) * fraction)), replace=False))
     return np.concatenate(taken)
+
+
+def _loaded(data: FederatedData) -> DataArrays:
+    """``data.load()``: what a user's data set raises there is named as theirs (``your data set mymod.Npz.load
+    raised FileNotFoundError: ...``) with their frames; the bundled sets' errors are ours."""
+    cls = type(data)
+    with calling(f"data set {cls.__module__}.{cls.__qualname__}.load"):
+        return data.load()

@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from ..federation.errors import ConfigError
+from ..federation.user_code import calling, import_failure, is_ours, missing_module
 from .base import FeatureClassifier, is_lightning_module
 
 Builder = Callable[..., FeatureClassifier]
@@ -118,8 +119,14 @@ def resolve_builder(name: str) -> Builder:
             f"by setting {TRUST_ENV}={module_name} in the environment."
         )
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - the user's module runs any code when imported
+        if missing_module(module_name, err):
+            raise ConfigError(f"model builder {name!r} cannot be imported ({err}); check the dotted path.") from None
+        raise import_failure(module_name, err) from None
+    try:
+        fn = getattr(module, attr)
+    except AttributeError as err:
         raise ConfigError(f"model builder {name!r} cannot be imported ({err}); check the dotted path.") from None
     if not callable(fn):
         raise ConfigError(f"model builder {name!r} is a {type(fn).__name__}, not a function returning a model.")
@@ -162,6 +169,17 @@ class ModelSpec:
             )
         kwargs = {k: v for k, v in context.items() if k in params}
         kwargs.update(self.args)
+        if not _ours(fn):  # the user's builder: what it raises is theirs
+            try:
+                inspect.signature(fn).bind(**kwargs)
+            except TypeError as err:  # a required argument the recipe does not give
+                raise ConfigError(
+                    f"model builder {self.builder!r} cannot be called with {sorted(kwargs)} ({err}); give its "
+                    f"arguments in models.<role>.args."
+                ) from None
+            with calling(f"model builder {self.builder}"):
+                built = fn(**kwargs)
+            return self._checked(built)
         try:
             model = fn(**kwargs)
         except ConfigError as err:  # the builder's own check of its arguments
@@ -171,6 +189,10 @@ class ModelSpec:
                 f"model builder {self.builder!r} could not be called with {self.args} ({err}); "
                 "fix the arguments' types in models.<role>.args."
             ) from None
+        return self._checked(model)
+
+    def _checked(self, model: Any) -> nn.Module:
+        """The built model, refused unless a FeatureClassifier or a LightningModule; with its projection head."""
         if not isinstance(model, FeatureClassifier) and not is_lightning_module(model):
             raise ConfigError(
                 f"model builder {self.builder!r} returned {type(model).__name__}, neither a FeatureClassifier "
@@ -188,3 +210,11 @@ class ModelSpec:
 
             model = with_projection_head(model, self.projection_dim)
         return model
+
+
+def _ours(fn: Callable) -> bool:
+    """Whether a builder is this package's own (its errors about arguments are the recipe's to fix)."""
+    try:
+        return is_ours(inspect.getsourcefile(fn) or "")
+    except TypeError:  # a builtin or a C extension's callable
+        return False

@@ -137,6 +137,7 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
     precheck(argv)  # the common mistakes, answered before the parser's imports (torch)
     from jsonargparse import ArgumentError
 
+    from ..federation.user_code import failed_import
     from .input_errors import root_cause
 
     parser = fit_parser(prog)
@@ -144,8 +145,13 @@ def parse_fit(argv: list[str], prog: str = "flrun fit"):
         argv = ["--training.optimizer", DEFAULT_OPTIMIZER, *argv]
     try:
         cfg = parser.parse_args(argv)
-    except ArgumentError as err:
-        raise UserError(root_cause(err, parser)) from None
+    except Exception as err:  # noqa: BLE001 - a class_path's module runs any code when jsonargparse imports it
+        failed = failed_import(err)
+        if failed is not None:
+            raise failed from None
+        if isinstance(err, ArgumentError):
+            raise UserError(root_cause(err, parser)) from None
+        raise
     refuse_non_finite(cfg.as_dict())
     if cfg.get("name") is None:
         cfg.name = recipe_name(argv)

@@ -23,6 +23,7 @@ from ..federation.errors import ConfigError
 from ..federation.ledger import CommunicationLedger
 from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate, Payload
+from ..federation.user_code import user_method
 from .tally import RoundTally, TrainedRound
 
 if TYPE_CHECKING:
@@ -173,7 +174,8 @@ class AsynchronousRounds:
                 self.ledger.record(rnd, "uplink", arrival.update.uplink)
                 seed_torch(derive_seed(self.seed, schedule.seq, Owner.SERVER, server_phase(0)))
                 if self.phase.aggregate is not None:  # none: the server uses nothing of the update
-                    server_metrics.update(self.phase.aggregate(rnd, iter([arrival.update])) or {})
+                    with user_method(self.phase.aggregate):
+                        server_metrics.update(self.phase.aggregate(rnd, iter([arrival.update])) or {})
                 schedule.version += 1
             self._dispatch(rnd, self.clients[arrival.client_id], tally)
         server_metrics.update(
@@ -198,7 +200,8 @@ class AsynchronousRounds:
 
     def _dispatch(self, rnd: int, client: ClientSpec, tally: RoundTally) -> None:
         """Sends a client the current server state and computes its update, delivered at its arrival."""
-        task = self.phase.configure(rnd, [client])[0]
+        with user_method(self.phase.configure):
+            task = self.phase.configure(rnd, [client])[0]
         task.phase = self.phase.name
         stream = self.schedule.seq + 1  # tells this dispatch's random streams apart from the client's others
         update = self.run_client(rnd, task, tally, stream)

@@ -33,6 +33,7 @@ from ..distributed.ranks import current_ranks
 from ..federation.sampling import ClientSampler
 from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
+from ..federation.user_code import user_hook, user_method
 from ..strategies.base import ServerContext, Strategy, check_evaluation_split, phase_table
 from ..tracking import RoundProgress
 from ..tracking import metric_keys as keys
@@ -109,7 +110,8 @@ class FederationOrchestrator:
             else None
         )
         server = ServerContext(clients, list(loop.slots), data, plan.rounds, seed, loop)
-        strategy.setup(server)
+        with user_hook(strategy, "Strategy", "setup"):
+            strategy.setup(server)
         check_evaluation_split(strategy, server)
         self.phases = phase_table(strategy)  # once: the round loop reads phases, never phase names
         self.client_work = {phase.name: phase.client_update for phase in self.phases}
@@ -160,7 +162,9 @@ class FederationOrchestrator:
         metrics = None
         if plan.evaluates(rnd):
             self.evaluator.begin(rnd, final=rnd == plan.rounds)
-            metrics = {**self.strategy.evaluate(self.evaluator), **self.evaluator.validation_metrics()}
+            with user_hook(self.strategy, "Strategy", "evaluate"):
+                evaluated = self.strategy.evaluate(self.evaluator)
+            metrics = {**evaluated, **self.evaluator.validation_metrics()}
         self._check_finite(rnd, {**row, **(metrics or {})})
         state.rounds_done = rnd
         state.elapsed = time.perf_counter() - started
@@ -251,7 +255,8 @@ class FederationOrchestrator:
         sampled = self.sampler.sample(rnd, self.clients, rng)
         num_tasks, server_metrics = 0, {}
         for number, phase in enumerate(self.phases):
-            tasks = phase.configure(rnd, sampled)
+            with user_method(phase.configure):
+                tasks = phase.configure(rnd, sampled)
             for task in tasks:
                 task.phase = phase.name
             num_tasks += len(tasks)
@@ -270,7 +275,8 @@ class FederationOrchestrator:
             if phase.aggregate is None:  # the server uses nothing of this phase: its clients run, their updates go
                 collections.deque(updates, maxlen=0)
                 continue
-            server_metrics.update(phase.aggregate(rnd, updates) or {})
+            with user_method(phase.aggregate):
+                server_metrics.update(phase.aggregate(rnd, updates) or {})
             if next(updates, None) is not None:
                 raise RuntimeError(
                     f"{type(self.strategy).__name__}'s aggregate of phase {phase.name!r} did not consume every "
@@ -307,7 +313,9 @@ class FederationOrchestrator:
         seed_torch(derive_seed(self.seed, rnd, client.id, Stream.DROPOUT, *((stream,) if stream else ())))
         client_states = self.state.client_states
         ctx = ClientContext(client, rnd, self.loop, self.data, client_states.open(client.id), self.seed, stream)
-        update = self.client_work[task.phase](task, ctx)
+        work = self.client_work[task.phase]
+        with user_method(work):
+            update = work(task, ctx)
         ctx.finish()
         self.state.shares.trained(client.id)  # summary.json's ranks block
         tally.add_steps(ctx.trained_steps)  # trained, whether or not its update arrives

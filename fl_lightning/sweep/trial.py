@@ -165,7 +165,10 @@ def run_trial(spec: SweepSpec, trial, notify) -> float:
 
         if isinstance(err, MissingMonitor) and err.monitor == spec.metric:  # the trial monitors the sweep's metric
             err = missing_metric(spec.metric, err.round, err.metrics)
-        message = str(err) if isinstance(err, (UserError, ConfigError)) else f"{type(err).__name__}: {err}"
+        from ..federation.user_code import UserCodeError
+
+        plain = (UserError, ConfigError, UserCodeError)  # a sentence already ("your model builder m.b raised ...")
+        message = str(err) if isinstance(err, plain) else f"{type(err).__name__}: {err}"
         trial.set_user_attr("error", (message.splitlines() or [""])[0][:300])
         if isinstance(err, MissingMetric):
             trial.set_user_attr("wrong_metric", True)
