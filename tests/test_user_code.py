@@ -67,8 +67,8 @@ class StepRaises(Net):
 
 
 class MyAvg(FedAvg):
-    def aggregate(self, rnd, updates, phase="train"):
-        metrics = super().aggregate(rnd, updates, phase)
+    def aggregate(self, rnd, updates):
+        metrics = super().aggregate(rnd, updates)
         return {"server/spread": metrics["server/missing"]}
 
 

@@ -26,7 +26,7 @@ def error_status(command: str, err: Exception) -> int:
     status: 2, or 3 when the user's own code raised (the line, then that code's frames); re-raises any other
     error (a bug shows its traceback)."""
     from ..federation.errors import ConfigError, RankLost
-    from ..federation.user_code import UserCodeError, print_user_code_error
+    from ..federation.user_code import USER_CODE_STATUS, UserCodeError, user_code_report
     from ..run.arguments import UserError
 
     if isinstance(err, RankLost):
@@ -35,7 +35,8 @@ def error_status(command: str, err: Exception) -> int:
         if os.environ.get(LAUNCHED_ENV):
             return LOST_STATUS  # the launcher names the rank that ended, and how
     if isinstance(err, UserCodeError):
-        return print_user_code_error(f"flrun {command}: error: ", err)
+        print(user_code_report(f"flrun {command}: error: ", err), end="", file=sys.stderr)
+        return USER_CODE_STATUS
     if isinstance(err, (UserError, ConfigError)):
         print(f"flrun {command}: error: {clipped(str(err))}", file=sys.stderr)
         return 2

@@ -205,10 +205,6 @@ def _syntax(err: SyntaxError) -> str:
     return f"{type(err).__name__}{where}: {err.msg}"
 
 
-def print_user_code_error(prefix: str, err: UserCodeError) -> int:
-    """Prints the sentence, then the user's own frames, on stderr; returns :data:`USER_CODE_STATUS`."""
-    print(f"{prefix}{err.sentence}", file=sys.stderr)
-    frames = err.formatted_frames()
-    if frames:
-        print(frames, end="", file=sys.stderr)
-    return USER_CODE_STATUS
+def user_code_report(prefix: str, err: UserCodeError) -> str:
+    """The sentence, then the user's own frames: what ``flrun`` shows on stderr (exit :data:`USER_CODE_STATUS`)."""
+    return f"{prefix}{err.sentence}\n{err.formatted_frames()}"
