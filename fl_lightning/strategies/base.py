@@ -262,6 +262,14 @@ class ServerContext:
             raise ConfigError(f"{self.method} {why}, so every role needs the same feature size; got {dims}. {fix}")
         return next(iter(dims.values()))
 
+    def require_prototype_inference(self) -> None:
+        """Nearest-prototype inference (FedProto's and FedTGP's ``inference: prototypes``) swaps every role's head
+        for a linear one: each must be one ``nn.Linear``."""
+        self.require_linear_heads(
+            "replaces each model's head by a linear one for nearest-prototype inference",
+            "Use inference: local_head for other heads.",
+        )
+
     def require_linear_heads(self, why: str, fix: str) -> None:
         """Every role's head is one ``nn.Linear`` (nearest-prototype inference swaps it); refused saying ``why``."""
         if any(not isinstance(self.model(r).head, torch.nn.Linear) for r in self.roles):

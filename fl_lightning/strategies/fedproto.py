@@ -115,10 +115,7 @@ class FedProto(PersonalModels, Strategy):
             "Give all builders the same representation size (e.g. hidden: 64).",
         )
         if self.inference == "prototypes":
-            server.require_linear_heads(
-                "replaces each model's head by a linear one for nearest-prototype inference",
-                "Use inference: local_head for other heads.",
-            )
+            server.require_prototype_inference()
         self.num_classes, self.feature_dim = server.data.num_classes, feature_dim
         self.state = FedProtoState(ClassBank(self.num_classes, self.feature_dim))
 

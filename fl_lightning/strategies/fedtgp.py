@@ -86,10 +86,7 @@ class FedTGP(PersonalModels, Strategy):
             "Give all builders the same representation size (e.g. hidden: 64).",
         )
         if self.inference == "prototypes":
-            server.require_linear_heads(
-                "replaces each model's head by a linear one for nearest-prototype inference",
-                "Use inference: local_head for other heads.",
-            )
+            server.require_prototype_inference()
         self.num_classes, self.feature_dim = server.data.num_classes, feature_dim
         with torch.random.fork_rng(devices=[]):  # the server's own initialisation, from the run's seed alone
             torch.manual_seed(derive_seed(server.seed, 0, Owner.SERVER, Stream.CLIENT_INIT))
