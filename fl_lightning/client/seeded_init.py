@@ -3,7 +3,7 @@
 Personalized methods give every client its own random initial model, drawn from a seed of its own
 (FedHe's and Felo's code). Building that model per client cost about 7 ms on the digits models under
 cProfile, most of it resolving the builder; at 10,000 clients, where nearly every sampled client is new,
-that was a third of a FedHe round (issue 14). A built model's default initialisation is its modules'
+that was a third of a FedHe round. A built model's default initialisation is its modules'
 ``reset_parameters`` called in construction order: calling them again in place on one cached instance
 per role, after the same seed, draws the same numbers from the same generator and gives the same
 weights bit for bit, and leaves the generator in the same state.

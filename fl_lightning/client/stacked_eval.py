@@ -3,7 +3,7 @@
 A personalized method evaluates every client's own model on the same global test set. One at a time,
 that is a weight load and a forward pass of a few examples' worth of Python per client and layer;
 stacked, ``torch.func.vmap`` over ``functional_call`` runs a chunk of clients' models as one batched
-forward per test batch (issue 14). The sums are those of :meth:`ClientModule.test_step`, client by
+forward per test batch. The sums are those of :meth:`ClientModule.test_step`, client by
 client, so the metrics equal the one-at-a-time loop's to float tolerance: bit for bit where the batched
 kernels compute the same sums (linear layers on the CPU), to a few units in the last place where they
 do not (a convolution over stacked weights runs as a grouped convolution).

@@ -35,7 +35,7 @@ class UniformSampler(Bounded, ClientSampler):
         self.tiers = tiers
 
     def sample(self, rnd, clients, rng):
-        # no copy of the population per round without a tier filter (10,000+ clients, issue 14)
+        # no copy of the population per round without a tier filter (10,000+ clients)
         eligible = clients if self.tiers is None else [c for c in clients if c.tier in self.tiers]
         if not eligible:
             raise ConfigError(f"no client belongs to the sampler's tiers {self.tiers}; check population.tiers names.")
