@@ -11,7 +11,7 @@ from conftest import ROOT, read_summary, run_cli
 
 import fl_lightning
 import fl_lightning.strategies as strategies
-from fl_lightning.federation.bounds import Ge, Interval, NonNegative, Positive, PositiveInt, violation
+from fl_lightning.federation.bounds import Ge, Interval, NonNegative, Positive, PositiveInt, bound_text, violation
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.federation.sampling import UniformSampler
 from fl_lightning.strategies import FD, FML, FedAdam, FedAvg, FedKD, FedMD, MergedCodist, PeriodicCodist, Velo
@@ -90,6 +90,26 @@ def test_violation_reads_annotated_unions_mappings_and_lists():
     assert violation(dict[str, Annotated[float, Interval(gt=0, lt=1)]], {"a": 1.0}) == ("['a']", "in (0, 1)", 1.0)
     assert violation(Positive, "fast") is None  # not a number: the parser's or the class's to refuse
     assert violation(Annotated[float, Interval(ge=0)], -1) == ("", ">= 0", -1)
+
+
+def test_bound_text_states_the_bound_a_help_line_shows():
+    assert bound_text(Positive) == "> 0"
+    assert bound_text(PositiveInt | None) == ">= 1"
+    assert bound_text(Annotated[float, Interval(gt=0, le=1)]) == "in (0, 1]"
+    assert bound_text(dict[str, Positive]) == "each value > 0"
+    assert bound_text(list[Annotated[int, Ge(2)]]) == "each >= 2"
+    assert bound_text(int) is None and bound_text(int | None) is None
+
+
+def test_a_strategys_help_names_the_command_and_states_each_bound_beside_its_type(capsys):
+    with pytest.raises(SystemExit) as ended:
+        run_cli("fit", "--config", QUICKSTART, "--strategy.help", "FedMD")
+    assert ended.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # the formatter wraps lines at the terminal's width
+    assert text.startswith("usage: flrun fit [--strategy.public_size PUBLIC_SIZE]")
+    assert "T of ``digest_loss: kl``. (type: float, > 0, default: 1.0)" in text
+    assert "(type: Optional[int], >= 1, default: null)" in text  # digest_batch_size
+    assert "(type: Literal['l1', 'mse', 'kl'], default: l1)" in text  # no bound: the type alone
 
 
 def test_flrun_fit_refuses_an_annotated_option_before_the_run(tmp_path, capsys):

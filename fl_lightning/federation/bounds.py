@@ -82,6 +82,25 @@ def _describe(bound: Any) -> str:
     raise TypeError(f"unsupported bound {bound!r}")
 
 
+def bound_text(hint: Any) -> str | None:
+    """The bound of an option's annotation as its help states it beside the type: ``> 0``, ``>= 1`` (of an
+    optional option too), ``each value > 0`` of a mapping, ``each > 0`` of a list; ``None`` when unbounded."""
+    origin = typing.get_origin(hint)
+    if origin is Annotated:
+        found = [_describe(meta) for meta in typing.get_args(hint)[1:] if _is_bound(meta)]
+        return " and ".join(found) if found else bound_text(typing.get_args(hint)[0])
+    if origin in (Union, types.UnionType):
+        arms = [arm for arm in typing.get_args(hint) if arm is not type(None)]
+        return next((text for text in map(bound_text, arms) if text), None)
+    if origin in (dict, Mapping) and typing.get_args(hint):
+        item = bound_text(typing.get_args(hint)[1])
+        return f"each value {item}" if item else None
+    if origin in (list, tuple) and typing.get_args(hint):
+        item = bound_text(typing.get_args(hint)[0])
+        return f"each {item}" if item else None
+    return None
+
+
 def _holds(bound: Any, value: Any) -> bool:
     """Whether ``value`` satisfies ``bound`` (NaN satisfies none)."""
     if isinstance(bound, at.Interval):

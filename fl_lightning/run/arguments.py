@@ -10,6 +10,7 @@ import functools
 import math
 from pathlib import Path
 
+from ..federation.bounds import bound_text, option_hints
 from ..federation.errors import ConfigError
 from .input_errors import config_paths, long_config
 
@@ -66,11 +67,29 @@ def _built_fit_parser(prog: str):
     from .fit import fit
     from .recipes import RecipeConfigFile
 
-    parser = ArgumentParser(
-        prog=prog,
+    class FitParser(ArgumentParser):
+        """jsonargparse makes the parser of ``--strategy.help NAME`` as ``type(parser)(description=...)``: this
+        class gives it the command's name for its usage line and the formatter that shows the bounds."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("prog", prog)
+            kwargs.setdefault("formatter_class", help_formatter())
+            super().__init__(*args, **kwargs)
+
+        def add_class_arguments(self, theclass, nested_key=None, *args, **kwargs):
+            """jsonargparse drops the bounds of ``Annotated`` options: each option's action keeps its text."""
+            added = super().add_class_arguments(theclass, nested_key, *args, **kwargs)
+            hints = option_hints(theclass) if isinstance(theclass, type) else {}
+            prefix = f"{nested_key}." if nested_key else ""
+            for action in self._actions:
+                name = action.dest.removeprefix(prefix)
+                if action.dest.startswith(prefix) and name in hints:
+                    action.bound = bound_text(hints[name])  # type: ignore[attr-defined]
+            return added
+
+    parser = FitParser(
         usage=USAGE,
         description=FIT_SUMMARY if prog == "flrun fit" else "Run a federated experiment from a recipe.",
-        formatter_class=help_formatter(),
         exit_on_error=False,
         env_prefix="FLRUN",
         default_env=False,
@@ -98,6 +117,12 @@ def help_formatter():
 
         def _get_help_string(self, action):
             return super()._get_help_string(action).replace("(required, ", "(set by the recipe or here, ", 1)
+
+        def _get_type_str(self, action):
+            """The type, then the bound a strategy declares (``int, >= 1``): the value the class would refuse."""
+            text = super()._get_type_str(action)
+            bound = getattr(action, "bound", None)
+            return f"{text}, {bound}" if text and bound else text
 
     return FitHelpFormatter
 
