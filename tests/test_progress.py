@@ -1,6 +1,9 @@
 """What a user sees while a run goes on: plain lines when output is not a terminal, a warning for long runs."""
 
+import io
+
 from conftest import run_cli, write_recipe
+from rich.console import Console
 
 from fl_lightning.tracking import progress
 from fl_lightning.tracking.progress import duration, long_run_warning
@@ -44,3 +47,36 @@ def test_long_run_warning_is_printed_once_during_the_first_round(tmp_path, capsy
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run")) == 0
     err = capsys.readouterr().err
     assert err.count("this run will take about") == 1 and "estimated from the first client" in err
+
+
+def test_a_narrow_terminal_keeps_the_round_counter_elapsed_time_and_eta_and_shortens_the_value(monkeypatch):
+    """rich squeezes every column of a line too long for the terminal; the status is what gives way instead."""
+    screen = io.StringIO()
+    terminal = Console(file=screen, width=80, force_terminal=True, color_system=None)
+    monkeypatch.setattr(progress, "Console", lambda file: terminal)
+    shown = progress.RoundProgress(enabled=True, total=100, done=0, monitor="global/test_acc")
+    shown.update(1, {"global/test_acc": 0.5, "train/loss": 1.0})
+    shown.update(2, {"train/loss": 0.9})  # not evaluated: the value names its round
+    shown.start_round(3)
+    shown.start_phase("train", 10)
+    shown.client_done()
+    shown.close()
+    line = rendered(shown, width=80)
+    assert line.count("\n") == 1 and "…" not in line, line
+    assert line.startswith("round   2/100") and "clients 1/10" in line and " eta " in line
+    assert "test_acc 0.5000 (r1)" in line and "train/loss" not in line
+    wide = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
+    monkeypatch.setattr(progress, "Console", lambda file: wide)
+    shown = progress.RoundProgress(enabled=True, total=100, done=0, monitor="global/test_acc")
+    shown.update(1, {"global/test_acc": 0.5, "train/loss": 1.0})
+    shown.update(2, {"train/loss": 0.9})
+    shown.close()
+    assert "global/test_acc 0.5000 (round 1)  train/loss 0.9000" in rendered(shown, width=200)
+
+
+def rendered(shown, width):
+    """The bar's line as a terminal of that width shows it, once its live display has stopped."""
+    screen = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+    with screen.capture() as captured:
+        screen.print(shown.bar.make_tasks_table(shown.bar.tasks))
+    return captured.get()

@@ -7,6 +7,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from . import metric_keys as keys
@@ -60,11 +61,13 @@ class RoundProgress:
         self.interactive = enabled and self.console.is_terminal
         self.round_started = self.client_started = time.perf_counter()
         self.started, self.done_at_start = self.round_started, done
+        self.statuses: list[str] = [""]  # the status at decreasing lengths; the longest that fits is shown
+        self.room: dict[int, int] = {}  # the status's room by the phase text's length (a table measured once each)
         if self.interactive:
             self.bar = Progress(
                 TextColumn("[bold]round"),
                 MofNCompleteColumn(),
-                BarColumn(),
+                BarColumn(bar_width=40 if self.console.width >= 140 else 10),
                 TextColumn("{task.fields[phase]}"),
                 TextColumn("{task.fields[status]}"),
                 TimeElapsedColumn(),
@@ -97,7 +100,19 @@ class RoundProgress:
         if self.interactive:
             label = f"{self.phase} " if self.phase and self.phase != "train" else ""
             of = f"/{self.phase_clients}" if self.phase_clients else ""  # asynchronous rounds: arrivals, no total
-            self.bar.update(self.task, phase=f"{label}clients {self.clients_done}{of}")
+            self._show(phase=f"{label}clients {self.clients_done}{of}")
+
+    def _show(self, phase: str, **fields) -> None:
+        """Updates the bar with the longest status that fits beside the other columns: rich would otherwise
+        squeeze the round counter, elapsed time and ETA of a narrow terminal to ellipses to make room for it."""
+        if len(phase) not in self.room:
+            self.bar.update(self.task, phase=phase, status="")
+            table = self.bar.make_tasks_table(self.bar.tasks)
+            self.room[len(phase)] = (
+                self.console.width - Measurement.get(self.console, self.console.options, table).maximum
+            )
+        status = next((text for text in self.statuses if len(text) <= self.room[len(phase)]), "")
+        self.bar.update(self.task, phase=phase, status=status, **fields)
 
     # ------------------------------------------------------------------ after a round
     def update(self, rnd: int, metrics: dict[str, float]) -> None:
@@ -109,12 +124,15 @@ class RoundProgress:
             return
         # a round without evaluation shows the last value with its round: the same number alone looks stuck
         when = "" if self.last_evaluated == rnd else f" (round {self.last_evaluated})"
-        parts = [] if self.last_value is None else [f"{self.monitor} {self.last_value:.4f}{when}"]
-        if keys.TRAIN_LOSS in metrics:
-            parts.append(f"{keys.TRAIN_LOSS} {metrics[keys.TRAIN_LOSS]:.4f}")
-        status = "  ".join(parts)
-        if self.interactive:
-            self.bar.update(self.task, completed=rnd, status=status, phase="")
+        value = "" if self.last_value is None else f"{self.monitor} {self.last_value:.4f}"
+        loss = f"{keys.TRAIN_LOSS} {metrics[keys.TRAIN_LOSS]:.4f}" if keys.TRAIN_LOSS in metrics else ""
+        status = "  ".join(part for part in (value and value + when, loss) if part)
+        if self.interactive:  # a narrow terminal drops the loss first, then shortens the value's words
+            tail, number = self.monitor.rsplit("/", 1)[-1], value.rsplit(" ", 1)[-1]
+            brief = f" (r{self.last_evaluated})" if when else ""
+            forms = [status, value + when, value + brief, f"{tail} {number}{brief}", f"{tail} {number}"]
+            self.statuses = list(dict.fromkeys(forms)) if value else [status]
+            self._show(phase="", completed=rnd)
             return
         elapsed = time.perf_counter() - self.started
         per_round = elapsed / max(rnd - self.done_at_start, 1)
