@@ -20,14 +20,19 @@ def readme_commands(section: str, blocks: int = 1) -> list[str]:
 
 def test_ci_runs_the_readme_commands_as_written_in_its_order():
     wanted = readme_commands("Install") + readme_commands("Quickstart")[:1] + readme_commands("Tests")
-    assert wanted[:2] == ['pip install -e ".[dev]"', "flrun fit --config recipes/quickstart.yaml"]
+    assert wanted[:4] == [
+        "python3 -m venv .venv",
+        ". .venv/bin/activate",
+        'pip install -e ".[dev]"',
+        "flrun fit --config recipes/quickstart.yaml",
+    ]
     assert "python -m pytest -q -n 2" in wanted
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     positions = [ci.index(command) if command in ci else None for command in wanted]
     assert None not in positions, [c for c, p in zip(wanted, positions) if p is None]
     assert positions == sorted(positions)
     # nothing else of the README's quickstart folder: it is the default one, which the tests must leave alone
-    assert not [line for line in ci if line.startswith("flrun fit") and line != wanted[1]]
+    assert not [line for line in ci if line.startswith("flrun fit") and line != wanted[3]]
 
 
 def test_ci_checks_lint_format_layers_and_types_before_the_suites():

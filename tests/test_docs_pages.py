@@ -209,10 +209,16 @@ def check_wandb(folder: Path, log: str) -> None:
     assert f"upload it with: wandb sync {report_run.relative_to(folder)}\n" in log
 
 
+INSTALL = {
+    "python3 -m venv .venv": "makes the environment the tests run in",
+    ". .venv/bin/activate": "enters the environment the tests run in",
+    'pip install -e ".[dev]"': "installs the package: the tests run in the environment it made",
+}
+
 PAGES: dict[str, Page] = {
     "README.md": Page(
         skipped={
-            'pip install -e ".[dev]"': "installs the package: the tests run in the environment it made",
+            **INSTALL,
             "optuna-dashboard sqlite:///runs/sweeps/digits_quickstart/study.db": "a web server that runs until "
             "stopped, from a package that is not a dependency",
             "flrun table paper-001/table-5 --n_jobs 8": "63 paper-scale runs: CIFAR-10, FEMNIST, Speech Commands "
@@ -228,7 +234,7 @@ PAGES: dict[str, Page] = {
         check=check_readme,
     ),
     "docs/tutorial.md": Page(
-        skipped={'pip install -e ".[dev]"': "installs the package: the tests run in the environment it made"},
+        skipped=INSTALL,
         check=check_tutorial,
     ),
     "docs/howto/gpus_and_slurm.md": Page(
