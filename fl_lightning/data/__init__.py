@@ -1,9 +1,11 @@
-"""Federated data: tensors in memory, partitioners and client index sets, and the papers' benchmarks."""
+"""Federated data: tensors in memory, partitioners and client index sets, the papers' benchmarks, and data sets
+read from a user's own files (an .npz)."""
 
 from .digits import DigitsData
 from .federated import ClientData, DataArrays, FederatedData
 from .femnist import FemnistData
 from .imdb import ImdbData
+from .npz import NpzData
 from .partition import (
     DirichletPartitioner,
     IidPartitioner,
@@ -31,6 +33,7 @@ __all__ = [
     "ImdbData",
     "MnistData",
     "NaturalIdPartitioner",
+    "NpzData",
     "Partitioner",
     "PathologicalPartitioner",
     "SampledPartitioner",
