@@ -5,6 +5,7 @@ at the door, and run through ``flrun fit`` and ``flrun data inspect`` from a rec
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 import yaml
 from conftest import TINY, run_cli
 
-from fl_lightning.data import DirichletPartitioner, IidPartitioner, NpzData
+from fl_lightning.data import DirichletPartitioner, IidPartitioner, NpzData, TableData
 from fl_lightning.federation.errors import ConfigError
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -166,3 +167,93 @@ def test_npz_takes_the_partition_and_local_splits_of_the_bundled_sets(tmp_path):
     data.setup(num_clients=5, seed=3)
     assert sum(len(c.train) + len(c.val) for c in data.clients) == 200
     assert all(len(c.val) > 0 for c in data.clients)
+
+
+# -------------------------------------------------------------------------------------------------------- tables
+def write_csv(path, x: np.ndarray, y, header=None) -> str:
+    names = header or [f"f{i}" for i in range(x.shape[1])]
+    lines = [",".join([*names, "species"])]
+    lines += [",".join([*(f"{v:.6f}" for v in row), str(label)]) for row, label in zip(x, y)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def write_parquet(path, x: np.ndarray, y) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {f"f{i}": x[:, i] for i in range(x.shape[1])} | {"species": np.asarray(y)}
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+NAMES = np.array(["setosa", "versicolor", "virginica"])
+
+
+def test_a_csv_with_text_labels_holds_out_a_stratified_test_share_with_its_seed(tmp_path):
+    x, y = blobs(60, 4, 3, seed=0)
+    path = write_csv(tmp_path / "iris.csv", x, NAMES[y])
+    data = TableData(path=path, label="species", features=["f2", "f0"], test_fraction=0.25, normalize="none")
+    data.setup(num_clients=2, seed=5)
+    assert data.classes == ["setosa", "versicolor", "virginica"] and data.num_classes == 3
+    assert len(data.test_y) == 15 and data.test_y.bincount().tolist() == [5, 5, 5]  # 25 % of each class
+    rows = {tuple(np.round(r, 4)) for r in x[:, [2, 0]]}
+    assert {tuple(np.round(r, 4)) for r in data.test_x.numpy()} <= rows
+    again = TableData(path=path, label="species", features=["f2", "f0"], test_fraction=0.25, normalize="none")
+    again.setup(num_clients=2, seed=6)  # another run seed: the same test rows
+    assert torch.equal(again.test_x, data.test_x)
+    assert data.input_sizes()["in_features"] == 2
+
+
+def test_a_parquet_table_with_a_test_file_keeps_the_training_file_s_class_names(tmp_path):
+    x, y = blobs(30, 3, 3, seed=0)
+    path = write_parquet(tmp_path / "train.parquet", x, NAMES[y])
+    test = write_parquet(tmp_path / "test.parquet", x[:4], NAMES[[2, 2, 1, 2]])  # no setosa in the test file
+    data = TableData(path=path, label="species", test_path=test, normalize="none")
+    data.setup(num_clients=1, seed=0)
+    assert data.test_y.tolist() == [2, 2, 1, 2] and data.x.shape == (30, 3)
+    assert torch.allclose(data.x, torch.from_numpy(x))
+    missing = write_parquet(tmp_path / "odd.parquet", x[:2], ["unknown", "setosa"])
+    with pytest.raises(ConfigError, match="holds the label 'unknown', a class the training split does not have"):
+        TableData(path=path, label="species", test_path=missing).setup(num_clients=1, seed=0)
+
+
+@pytest.mark.parametrize(
+    "text, options, says",
+    [
+        ("a,b\n1,0\n", {}, r"t.csv has no label column 'species' \(its columns: a, b\); name it with label"),
+        ("a,species\n1,0\n,1\n", {}, "t.csv's feature column 'a' holds no value in row 2; every feature must be a "),
+        ("a,species\n1,0\nx,1\n", {}, "feature column 'a' holds 'x' in row 2"),
+        ("a,species\n1,0\n2,1.5\n", {}, r"t.csv's column 'species' holds the label 1.5 at index 1, not a whole"),
+        ("a,species\n1,0\n2\n", {}, r"t.csv is not a CSV file \(row 2 has 1 cells but the header 2\)"),
+        ("a,species\n1,0\n", {"features": ["b"]}, r"t.csv has no feature column 'b'"),
+        ("a,a,species\n1,2,0\n", {}, "t.csv has two columns named 'a'"),
+    ],
+)
+def test_tables_that_break_the_format_are_one_sentence(tmp_path, text, options, says):
+    (tmp_path / "t.csv").write_text(text)
+    with pytest.raises(ConfigError, match=says):
+        TableData(path=str(tmp_path / "t.csv"), label="species", test_fraction=0.5, **options).setup(1, 0)
+
+
+def test_a_missing_table_or_pyarrow_is_one_sentence_naming_the_fix(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="nowhere.csv does not exist; put your table there"):
+        TableData(path=str(tmp_path / "nowhere.csv")).setup(1, 0)
+    x, y = blobs(10, 2, 2, seed=0)
+    path = write_parquet(tmp_path / "t.parquet", x, y)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    with pytest.raises(ConfigError, match=r"needs pyarrow, which is not installed; .*fl-lightning\[parquet\]"):
+        TableData(path=path, label="species").setup(1, 0)
+
+
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_a_table_runs_through_fit_and_inspect_with_the_mlp_builder(tmp_path, capsys, suffix):
+    x, y = blobs(600, 12, 3, seed=0)
+    write = write_csv if suffix == "csv" else write_parquet
+    path = write(tmp_path / f"t.{suffix}", x, NAMES[y])
+    data = {"class_path": "fl_lightning.data.TableData", "init_args": {"path": path, "label": "species"}}
+    config = recipe(tmp_path, data)
+    assert "8 clients, 3 classes" in inspect_writes_a_chart(tmp_path, config, capsys)
+    summary = fit(tmp_path, config, "--rounds", "6", "--eval_every", "6")
+    assert summary["final"]["global/test_acc"] > 0.8  # three separated blobs (chance 1/3)
+    assert json.loads((tmp_path / "run/partition.json").read_text())["test_size"] == 120  # 20 % of each class held out

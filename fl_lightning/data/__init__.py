@@ -1,5 +1,5 @@
 """Federated data: tensors in memory, partitioners and client index sets, the papers' benchmarks, and data sets
-read from a user's own files (an .npz)."""
+read from a user's own files (an .npz, a CSV or Parquet table)."""
 
 from .digits import DigitsData
 from .federated import ClientData, DataArrays, FederatedData
@@ -15,6 +15,7 @@ from .partition import (
     SampledPartitioner,
 )
 from .speech import SpeechCommandsData
+from .table import TableData
 from .tff import FedCifar100Data, StackOverflowData
 from .vision import Cifar10Data, Cifar100Data, Cinic10Data, MnistData
 
@@ -39,4 +40,5 @@ __all__ = [
     "SampledPartitioner",
     "SpeechCommandsData",
     "StackOverflowData",
+    "TableData",
 ]
