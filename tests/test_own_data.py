@@ -13,7 +13,7 @@ import torch
 import yaml
 from conftest import TINY, run_cli
 
-from fl_lightning.data import DirichletPartitioner, IidPartitioner, NpzData, TableData
+from fl_lightning.data import DirichletPartitioner, IidPartitioner, ImageFolderData, NpzData, TableData
 from fl_lightning.federation.errors import ConfigError
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -257,3 +257,91 @@ def test_a_table_runs_through_fit_and_inspect_with_the_mlp_builder(tmp_path, cap
     summary = fit(tmp_path, config, "--rounds", "6", "--eval_every", "6")
     assert summary["final"]["global/test_acc"] > 0.8  # three separated blobs (chance 1/3)
     assert json.loads((tmp_path / "run/partition.json").read_text())["test_size"] == 120  # 20 % of each class held out
+
+
+# -------------------------------------------------------------------------------------------------- image folders
+def write_digit_folders(root, classes=(0, 1, 2), test_share=0.25) -> str:
+    """scikit-learn's digits of ``classes`` as 8-bit greyscale PNGs in ``root/{train,test}/<name>/``."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for c in classes:
+        images = digits.images[digits.target == c]
+        cut = int(len(images) * (1 - test_share))
+        for split, part in (("train", images[:cut]), ("test", images[cut:])):
+            folder = root / split / f"digit_{c}"
+            folder.mkdir(parents=True)
+            for i, image in enumerate(part):
+                Image.fromarray((image * 255 / 16).astype(np.uint8), mode="L").save(folder / f"{i:03d}.png")
+    return str(root)
+
+
+def test_an_image_folder_numbers_classes_in_sorted_order_and_reads_pixels(tmp_path):
+    from PIL import Image
+
+    root = write_digit_folders(tmp_path / "imgs", classes=(2, 0))
+    data = ImageFolderData(path=root, normalize="none")
+    data.setup(num_clients=2, seed=0)
+    assert data.classes == ["digit_0", "digit_2"] and data.num_classes == 2
+    assert data.x.shape[1:] == (1, 8, 8) and data.input_sizes() == {"in_channels": 1, "in_features": 64,
+                                                                     "image_size": 8}  # fmt: skip
+    first = np.asarray(Image.open(tmp_path / "imgs/train/digit_0/000.png"), dtype=np.float32) / 255
+    assert torch.allclose(data.x[0, 0], torch.from_numpy(first)) and data.y[0] == 0
+    assert len(data.test_y) == sum(1 for _ in (tmp_path / "imgs/test").rglob("*.png"))
+
+
+def test_colour_images_of_two_sizes_resized_and_held_out_without_a_test_folder(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        for i in range(10):
+            size = (12, 10) if i % 2 else (6, 6)
+            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            Image.fromarray(pixels, mode="RGB").save(tmp_path / "train" / name / f"{i}.jpg")
+    (tmp_path / "train" / "notes.txt").write_text("not a class")
+    with pytest.raises(ConfigError, match=r"1.jpg is 12x10 pixels but .*0.jpg is 6x6; give image_size to resize"):
+        ImageFolderData(path=str(tmp_path)).setup(1, 0)
+    data = ImageFolderData(path=str(tmp_path), image_size=8, test_fraction=0.2)
+    data.setup(num_clients=1, seed=0)
+    assert data.x.shape == (16, 3, 8, 8) and data.test_y.tolist() == [0, 0, 1, 1]  # 20 % of each class
+
+
+@pytest.mark.parametrize(
+    "layout, says",
+    [
+        ([], r"train is not a folder; put one folder of images per class there"),
+        (["train/a/x.txt"], r"train/a holds no images"),
+        (["train/a/0.png", "test/b/0.png"], r"test has a class folder 'b' that .*train has not"),
+        (["train/a/0.png", "train/b/0.png", "train/b/1.png"], r"test_fraction 0.2 leaves .* no test examples"),
+    ],
+)
+def test_image_folders_that_break_the_layout_are_one_sentence(tmp_path, layout, says):
+    from PIL import Image
+
+    for name in layout:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".png"):
+            Image.fromarray(np.zeros((4, 4), dtype=np.uint8)).save(tmp_path / name)
+        else:
+            (tmp_path / name).write_text("")
+    with pytest.raises(ConfigError, match=says):
+        ImageFolderData(path=str(tmp_path)).setup(1, 0)
+
+
+def test_a_broken_image_is_named(tmp_path):
+    root = write_digit_folders(tmp_path / "imgs", classes=(0, 1))
+    (tmp_path / "imgs/train/digit_1/000.png").write_bytes(b"not a png")
+    with pytest.raises(ConfigError, match=r"digit_1/000.png is not an image \("):
+        ImageFolderData(path=root).setup(1, 0)
+
+
+def test_an_image_folder_runs_through_fit_and_inspect_with_the_cnn_builder(tmp_path, capsys):
+    root = write_digit_folders(tmp_path / "imgs")
+    data = {"class_path": "fl_lightning.data.ImageFolderData", "init_args": {"path": root}}
+    config = recipe(tmp_path, data, models={"global": {"builder": "digits_cnn"}})
+    assert "8 clients, 3 classes" in inspect_writes_a_chart(tmp_path, config, capsys)
+    summary = fit(tmp_path, config, "--rounds", "6", "--eval_every", "6")
+    assert summary["final"]["global/test_acc"] > 0.8  # real digits 0, 1 and 2 (chance 1/3)

@@ -1,9 +1,11 @@
 """Federated data: tensors in memory, partitioners and client index sets, the papers' benchmarks, and data sets
-read from a user's own files (an .npz, a CSV or Parquet table)."""
+read from a user's own files (an .npz, a CSV or Parquet
+table, a folder of images per class)."""
 
 from .digits import DigitsData
 from .federated import ClientData, DataArrays, FederatedData
 from .femnist import FemnistData
+from .image_folder import ImageFolderData
 from .imdb import ImdbData
 from .npz import NpzData
 from .partition import (
@@ -31,6 +33,7 @@ __all__ = [
     "FederatedData",
     "FemnistData",
     "IidPartitioner",
+    "ImageFolderData",
     "ImdbData",
     "MnistData",
     "NaturalIdPartitioner",
