@@ -5,6 +5,7 @@ at the door, and run through ``flrun fit`` and ``flrun data inspect`` from a rec
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -13,8 +14,10 @@ import torch
 import yaml
 from conftest import TINY, run_cli
 
-from fl_lightning.data import DirichletPartitioner, IidPartitioner, ImageFolderData, NpzData, TableData
+from fl_lightning.data import DirichletPartitioner, HubData, IidPartitioner, ImageFolderData, NpzData, TableData
+from fl_lightning.data.own import held_out
 from fl_lightning.federation.errors import ConfigError
+from fl_lightning.run.checkpoint import load_checkpoint, tensors_by_path
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -345,3 +348,148 @@ def test_an_image_folder_runs_through_fit_and_inspect_with_the_cnn_builder(tmp_p
     assert "8 clients, 3 classes" in inspect_writes_a_chart(tmp_path, config, capsys)
     summary = fit(tmp_path, config, "--rounds", "6", "--eval_every", "6")
     assert summary["final"]["global/test_acc"] > 0.8  # real digits 0, 1 and 2 (chance 1/3)
+
+
+# -------------------------------------------------------------------------------------------- Hugging Face datasets
+def save_digit_images(folder, classes=(0, 1, 2)) -> str:
+    """scikit-learn's digits of ``classes`` as a ``datasets`` DatasetDict (train / test, PIL images, ClassLabel),
+    saved with save_to_disk: what a user copies from a machine with internet."""
+    import datasets
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    keep = np.isin(digits.target, classes)
+    images = [Image.fromarray((im * 255 / 16).astype(np.uint8), mode="L") for im in digits.images[keep]]
+    labels = [classes.index(t) for t in digits.target[keep]]
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=[f"digit {c}" for c in classes])}
+    )
+    cut = int(len(images) * 0.75)
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"img": images[:cut], "label": labels[:cut]}, features=features),
+            "test": datasets.Dataset.from_dict({"img": images[cut:], "label": labels[cut:]}, features=features),
+        }
+    )
+    splits.save_to_disk(str(folder))
+    return str(folder)
+
+
+def review_texts(n: int, seed: int) -> tuple[list[str], list[str]]:
+    """Short reviews whose words say the label ('pos' / 'neg'), with shared filler words."""
+    rng = np.random.default_rng(seed)
+    good, bad, filler = ["great", "fine", "loved", "superb"], ["awful", "boring", "hated", "poor"], ["the", "film", "a"]
+    labels = ["pos" if i % 2 else "neg" for i in range(n)]
+    words = [list(rng.choice((good if label == "pos" else bad) + filler, 6)) for label in labels]
+    return [" ".join(w) for w in words], labels
+
+
+def test_a_saved_image_dataset_reads_its_splits_and_class_names(tmp_path):
+    path = save_digit_images(tmp_path / "saved")
+    data = HubData(path=path, normalize="none")
+    data.setup(num_clients=2, seed=0)
+    assert data.kind == "image" and data.classes == ["digit 0", "digit 1", "digit 2"] and data.num_classes == 3
+    assert data.x.shape[1:] == (1, 8, 8) and data.input_sizes() == {"in_channels": 1, "in_features": 64,
+                                                                     "image_size": 8}  # fmt: skip
+    import datasets
+
+    saved = datasets.load_from_disk(path)
+    first = np.asarray(saved["train"][0]["img"], dtype=np.float32) / 255
+    assert torch.allclose(data.x[0, 0], torch.from_numpy(first)) and len(data.test_y) == len(saved["test"])
+
+
+def test_a_saved_text_dataset_without_a_test_split_is_tokenised_and_held_out(tmp_path):
+    import datasets
+
+    texts, labels = review_texts(40, seed=0)
+    datasets.Dataset.from_dict({"review": texts, "label": labels, "stars": [1.0] * 40}).save_to_disk(tmp_path / "t")
+    data = HubData(path=str(tmp_path / "t"), vocab_size=12, max_length=4, test_fraction=0.25)
+    data.setup(num_clients=2, seed=0)
+    assert data.kind == "text" and data.classes == ["neg", "pos"] and data.x.dtype == torch.int64
+    assert data.x.shape[1] == 4 and int(data.x.max()) < 12 and len(data.test_y) == 10  # 25 % of each class
+    assert data.input_sizes()["vocab_size"] == 12  # the embedding builders get the vocabulary
+    _, test = held_out(np.array([label == "pos" for label in labels], dtype=np.int64), 0.25, 0, "reviews")
+    first = [data.vocab.get(word, 1) for word in texts[test[0]].split()[:4]]
+    assert data.test_x[0].tolist() == first  # the first held-out review, its words' ids (1: a word out of vocabulary)
+
+
+def test_a_saved_feature_dataset_of_numeric_columns_and_named_features(tmp_path):
+    import datasets
+
+    x, y = blobs(30, 3, 3, seed=0)
+    columns = {"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "label": y}
+    datasets.Dataset.from_dict(columns).save_to_disk(tmp_path / "f")
+    data = HubData(path=str(tmp_path / "f"), features=["c", "a"], normalize="none", test_split=None)
+    data.setup(num_clients=1, seed=0)
+    assert data.kind == "features" and data.x.shape[1] == 2
+    everything = HubData(path=str(tmp_path / "f"), normalize="none")
+    everything.setup(num_clients=1, seed=0)
+    assert everything.x.shape[1] == 3 and torch.allclose(everything.x[:, [2, 0]], data.x)
+
+
+def test_a_local_folder_of_parquet_files_loads_through_datasets(tmp_path):
+    x, y = blobs(40, 3, 2, seed=0)
+    (tmp_path / "files").mkdir()
+    write_parquet(tmp_path / "files/train.parquet", x[:30], NAMES[y[:30]])
+    write_parquet(tmp_path / "files/test.parquet", x[30:], NAMES[y[30:]])
+    data = HubData(path=str(tmp_path / "files"), label="species", cache_dir=str(tmp_path / "cache"))
+    data.setup(num_clients=1, seed=0)
+    assert data.classes == ["setosa", "versicolor"] and len(data.y) == 30 and len(data.test_y) == 10
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"name": "someone/set"}, "revision must be the commit (40 hex digits) of someone/set"),
+        ({"name": "someone/set", "revision": "main"}, "got 'main'; the data set's page lists its commits"),
+        ({}, "needs either name (a Hub data set, with its revision) or path (a local copy), not neither"),
+        ({"path": "x", "image": "a", "text": "b"}, "give one input of HubData: image, text or features"),
+        ({"path": "nowhere"}, "nowhere does not exist; save the data set there with save_to_disk"),
+    ],
+)
+def test_hub_data_options_that_cannot_work_are_one_sentence(tmp_path, options, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        HubData(**{k: str(tmp_path / v) if k == "path" else v for k, v in options.items()}).setup(1, 0)
+
+
+def test_a_saved_dataset_without_the_named_split_or_column_is_one_sentence(tmp_path):
+    path = save_digit_images(tmp_path / "saved", classes=(0, 1))
+    with pytest.raises(ConfigError, match=r"has no split 'validation' \(its splits: train, test\); name it"):
+        HubData(path=path, test_split="validation").setup(1, 0)
+    with pytest.raises(ConfigError, match=r"has no label column 'digit' \(its columns: img, label\)"):
+        HubData(path=path, label="digit").setup(1, 0)
+
+
+def test_a_hub_name_not_in_the_cache_offline_is_one_sentence(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    with pytest.raises(ConfigError, match=r"the Hub data set nobody/nothing at 0{40} could not be loaded \(.*offline"):
+        HubData(name="nobody/nothing", revision="0" * 40, cache_dir=str(tmp_path)).setup(1, 0)
+
+
+def test_saved_datasets_run_through_fit_and_inspect(tmp_path, capsys):
+    path = save_digit_images(tmp_path / "images")
+    config = recipe(tmp_path, {"class_path": "fl_lightning.data.HubData", "init_args": {"path": path, "image": "img"}},
+                    models={"global": {"builder": "digits_cnn"}})  # fmt: skip
+    assert "8 clients, 3 classes" in inspect_writes_a_chart(tmp_path, config, capsys)
+    summary = fit(tmp_path, config, "--rounds", "6", "--eval_every", "6")
+    assert summary["final"]["global/test_acc"] > 0.8  # real digits 0, 1 and 2 (chance 1/3)
+
+
+def test_a_saved_text_dataset_fits_an_embedding_model_sized_by_its_vocabulary(tmp_path):
+    import datasets
+
+    texts, labels = review_texts(400, seed=0)
+    datasets.Dataset.from_dict({"review": texts, "label": labels}).save_to_disk(tmp_path / "t")
+    data = {"class_path": "fl_lightning.data.HubData",
+            "init_args": {"path": str(tmp_path / "t"), "vocab_size": 16, "max_length": 6}}  # fmt: skip
+    model = {"builder": "imdb_bilstm", "args": {"embedding": 8, "hidden": 8}}  # no vocab_size: the data's
+    config = recipe(tmp_path, data, models={"global": model})
+    summary = fit(tmp_path, config, "--rounds", "6", "--eval_every", "6")
+    assert summary["final"]["global/test_acc"] > 0.8  # the words give the label away (chance 1/2)
+    weights = tensors_by_path(load_checkpoint(tmp_path / "run/checkpoints/last.ckpt"))
+    (embedding,) = [w for path, w in weights.items() if path.endswith("embedding.weight")]
+    assert embedding.shape == (16, 8)  # the data's vocabulary (the builder's default is 20,000)

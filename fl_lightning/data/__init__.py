@@ -1,10 +1,11 @@
 """Federated data: tensors in memory, partitioners and client index sets, the papers' benchmarks, and data sets
 read from a user's own files (an .npz, a CSV or Parquet
-table, a folder of images per class)."""
+table, a folder of images per class, a Hugging Face data set)."""
 
 from .digits import DigitsData
 from .federated import ClientData, DataArrays, FederatedData
 from .femnist import FemnistData
+from .hub import HubData
 from .image_folder import ImageFolderData
 from .imdb import ImdbData
 from .npz import NpzData
@@ -32,6 +33,7 @@ __all__ = [
     "FedCifar100Data",
     "FederatedData",
     "FemnistData",
+    "HubData",
     "IidPartitioner",
     "ImageFolderData",
     "ImdbData",

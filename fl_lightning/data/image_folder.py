@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -126,9 +126,16 @@ class ImageFolderData(OwnData):
         arrays = []
         for path in paths:
             with sources.reading(path, "an image", None, self.path), Image.open(path) as image:
-                picture = image.convert("L" if grey else "RGB")
-                if size is not None and picture.size != size:
-                    picture = picture.resize(size, Image.Resampling.BILINEAR)
-                pixels = np.asarray(picture, dtype=np.uint8)
-            arrays.append(pixels[:, :, None] if grey else pixels)
+                arrays.append(image_pixels(image, grey, size))
         return np.stack(arrays)
+
+
+def image_pixels(image: Any, grey: bool, size: tuple[int, int] | None) -> np.ndarray:
+    """A PIL image as uint8 ``[H, W, C]``: greyscale (C = 1) or RGB, resized (bilinear) to ``size`` when given."""
+    from PIL import Image
+
+    picture = image.convert("L" if grey else "RGB")
+    if size is not None and picture.size != size:
+        picture = picture.resize(size, Image.Resampling.BILINEAR)
+    pixels = np.asarray(picture, dtype=np.uint8)
+    return pixels[:, :, None] if grey else pixels
