@@ -159,6 +159,9 @@ def test_npz_tabular_features_with_the_mlp_builder_and_no_in_features_fit_and_in
     summary = fit(tmp_path, config, "--rounds", "6", "--eval_every", "6")
     assert summary["final"]["global/test_acc"] > 0.8  # three separated blobs: learnt (chance 1/3)
     assert "in_features" not in (tmp_path / "run/config.yaml").read_text()  # inferred, not written by the user
+    assert run_cli("report", str(tmp_path / "run"), "--output", str(tmp_path / "report.html")) == 0
+    measured = f'<td class="num">{summary["final"]["global/test_acc"]:.4f}</td>'
+    assert measured in (tmp_path / "report.html").read_text()  # the run's final accuracy, in the report's table
 
 
 def test_npz_takes_the_partition_and_local_splits_of_the_bundled_sets(tmp_path):
