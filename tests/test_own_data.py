@@ -17,6 +17,7 @@ from conftest import TINY, run_cli
 from fl_lightning.data import DirichletPartitioner, HubData, IidPartitioner, ImageFolderData, NpzData, TableData
 from fl_lightning.data.own import held_out
 from fl_lightning.federation.errors import ConfigError
+from fl_lightning.models.registry import ModelSpec
 from fl_lightning.run.checkpoint import load_checkpoint, tensors_by_path
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -67,6 +68,8 @@ def test_npz_channels_last_uint8_images_load_as_nchw_floats_in_0_1(tmp_path):
     assert data.x.shape == (40, 3, 6, 6) and data.test_x.shape == (12, 3, 6, 6) and data.num_classes == 4
     assert torch.equal(data.x[5, 2], torch.tensor(x[5, :, :, 2] / 255.0, dtype=torch.float32))  # blue plane
     assert data.input_sizes() == {"in_channels": 3, "in_features": 108, "image_size": 6}
+    generator = ModelSpec("random_image_generator").build(num_classes=4, **data.input_sizes())  # defaults: 1, 8x8
+    assert generator.head(torch.zeros(2, 32)).shape == (2, 3, 6, 6)  # images of the data's shape
 
 
 def test_npz_features_are_standardised_with_the_clients_statistics_only(tmp_path):
