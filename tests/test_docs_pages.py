@@ -159,8 +159,12 @@ def check_own_data(folder: Path, log: str) -> None:
     assert (folder / "runs/inspect/my_data_seed0.png").is_file()
     final = _summary(folder, "runs/my_data/seed0")["final"]
     assert final["global/test_acc"] > 0.8 and "global/val_acc" in final  # real digits; the val split is there
-    assert "my_data.NpzData" in (folder / "runs/my_data/seed0/config.yaml").read_text()
+    assert "fl_lightning.data.NpzData" in (folder / "runs/my_data/seed0/config.yaml").read_text()
     assert _summary(folder, "runs/my_data/short")["rounds"] == 10
+    # the table (breast cancer: its larger class is 63 %), the digits as images and as a datasets copy, the wine
+    for run, least in (("my_table", 0.85), ("my_images", 0.8), ("my_hub", 0.8), ("my_wine", 0.8)):
+        assert _summary(folder, f"runs/{run}")["final"]["global/test_acc"] > least, run
+    assert "my_wine.WineData" in (folder / "runs/my_wine/config.yaml").read_text()
 
 
 def check_own_model(folder: Path, log: str) -> None:

@@ -22,7 +22,7 @@ def user_folder(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     yield tmp_path
-    for name in ("my_models", "my_data"):
+    for name in ("my_models", "my_data", "my_wine"):
         sys.modules.pop(name, None)
 
 
@@ -47,34 +47,61 @@ def test_the_own_model_page_refuses_the_builder_without_trust(user_folder, monke
     assert code == 2 and "FLRUN_TRUSTED_MODULES" in capsys.readouterr().err
 
 
-def test_the_own_data_page_class_and_recipe_block_run_on_a_real_npz(user_folder, monkeypatch):
-    my_data, make_file = _blocks("own_data.md", "python")[:2]
-    (user_folder / "my_data.py").write_text(my_data)
-    exec(make_file, {"__name__": "__main__"})  # the page's block that writes data/my_data.npz from digits
-    with np.load(user_folder / "data/my_data.npz") as f:
-        assert f["x_train"].shape == (1400, 1, 8, 8) and f["x_test"].shape == (397, 1, 8, 8)
-    recipe = yaml.safe_load(_blocks("own_data.md", "yaml")[0])
-    assert recipe["data"]["class_path"] == "my_data.NpzData"
-    (user_folder / "my_data.yaml").write_text(yaml.safe_dump(recipe))
-    monkeypatch.setenv("FLRUN_TRUSTED_MODULES", "my_data")
+def _own_data_files(name: str) -> tuple[str, str]:
+    """The own-data page's recipe block saved as ``name`` and the Python block before it (the one writing its file)."""
+    writer, blocks = None, page_blocks((HOWTO / "own_data.md").read_text())
+    for block in blocks:
+        if block.language == "python" and block.file_name is None:
+            writer = block.code
+        if block.file_name == name:
+            assert writer is not None, f"no block writes the file of {name}"
+            return writer, block.code
+    raise AssertionError(f"own_data.md has no block saved as {name}")
+
+
+@pytest.mark.parametrize(
+    "name, least",
+    [("my_data.yaml", 0.8), ("my_table.yaml", 0.85), ("my_images.yaml", 0.8), ("my_hub.yaml", 0.8)],
+)  # digits (chance 0.1) three ways; breast cancer's larger class is 63 %
+def test_the_own_data_page_built_in_classes_fit_on_the_files_its_blocks_write(user_folder, name, least):
+    writer, recipe = _own_data_files(name)
+    exec(writer, {"__name__": "__main__"})  # the page's block writing the file, in the user's folder
+    (user_folder / name).write_text(recipe)
     out = user_folder / "run"
     code = run_cli(
-        "fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--config", "my_data.yaml",
+        "fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--config", name,
         "--rounds", "20", "--eval_every", "20", "--output_dir", str(out), "--runtime.progress", "false",
     )  # fmt: skip
     assert code == 0
     final = json.loads((out / "summary.json").read_text())["final"]
-    assert final["global/test_acc"] > 0.8  # real digits: 20 rounds of FedAvg learn them (chance: 0.1)
-    assert "global/val_acc" in final  # the block's local_split holds a val share
-    partition = json.loads((out / "partition.json").read_text())
-    assert partition  # 20 clients partitioned from the user's file
+    assert final["global/test_acc"] > least
+    assert yaml.safe_load(recipe)["data"]["class_path"] in (out / "config.yaml").read_text()
 
 
-def test_the_own_data_page_class_names_a_missing_file_in_one_sentence(user_folder, monkeypatch, capsys):
-    (user_folder / "my_data.py").write_text(_blocks("own_data.md", "python")[0])
-    (user_folder / "my_data.yaml").write_text(_blocks("own_data.md", "yaml")[0])
-    monkeypatch.setenv("FLRUN_TRUSTED_MODULES", "my_data")
+def test_the_own_data_page_npz_splits_and_names_a_missing_file_in_one_sentence(user_folder, capsys):
+    writer, recipe = _own_data_files("my_data.yaml")
+    exec(writer, {"__name__": "__main__"})
+    with np.load(user_folder / "data/my_data.npz") as f:
+        assert f["x_train"].shape == (1400, 1, 8, 8) and f["x_test"].shape == (397, 1, 8, 8)
+    (user_folder / "data/my_data.npz").unlink()
+    (user_folder / "my_data.yaml").write_text(recipe)
     code = run_cli("fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--config", "my_data.yaml",
                    "--output_dir", str(user_folder / "run"), "--runtime.progress", "false")  # fmt: skip
     err = capsys.readouterr().err
-    assert code == 2 and "data/my_data.npz does not exist" in err and "Traceback" not in err
+    assert code == 2 and "data/my_data.npz does not exist; save your data there" in err and "Traceback" not in err
+
+
+def test_the_own_data_page_class_of_your_own_trains_in_its_recipe(user_folder, monkeypatch):
+    blocks = page_blocks((HOWTO / "own_data.md").read_text())
+    files = {b.file_name: b.code for b in blocks if b.file_name in ("my_wine.py", "my_wine.yaml")}
+    for name, code in files.items():
+        (user_folder / name).write_text(code)
+    monkeypatch.setenv("FLRUN_TRUSTED_MODULES", "my_wine")
+    out = user_folder / "run"
+    code = run_cli(
+        "fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--config", "my_wine.yaml",
+        "--rounds", "10", "--eval_every", "10", "--output_dir", str(out), "--runtime.progress", "false",
+    )  # fmt: skip
+    assert code == 0
+    assert json.loads((out / "summary.json").read_text())["final"]["global/test_acc"] > 0.8  # wine: chance 0.4
+    assert json.loads((out / "partition.json").read_text())["num_clients"] == 5

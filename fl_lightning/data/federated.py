@@ -246,6 +246,16 @@ class FederatedData:
 
         return ClientData(as_tensor(train), as_tensor(unlabeled), as_tensor(val), as_tensor(test))
 
+    def input_sizes(self) -> dict[str, int]:
+        """The model input sizes the examples fix, passed to every builder that takes them and whose recipe does not
+        set them: ``in_channels`` (an image's channels, 1 for other examples), ``in_features`` (the values of one
+        example, flattened: an MLP's input) and, for square images, ``image_size``."""
+        x = self.x
+        sizes = {"in_channels": int(x.shape[1]) if x.dim() == 4 else 1, "in_features": int(x[0].numel())}
+        if x.dim() == 4 and x.shape[2] == x.shape[3]:
+            sizes["image_size"] = int(x.shape[2])
+        return sizes
+
     def to(self, device: torch.device | str) -> None:
         """Moves every tensor (pool, test set, client indices) to ``device`` once, before training."""
         self.x, self.y = self.x.to(device), self.y.to(device)

@@ -326,7 +326,7 @@ def _setup_loop(experiment: _Experiment, fabric: Any, rounds: int, cuda_graphs: 
         roles_to_build(roles, strategy),
         experiment.seed,
         num_classes=data.num_classes,
-        in_channels=int(data.x.shape[1]) if data.x.dim() == 4 else 1,
+        **data.input_sizes(),
         fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
     )
     check_model_parts(loop.slots, type(strategy).__name__, strategy.needs_split)
