@@ -12,6 +12,9 @@ from .types import ClientSpec
 class ClientSampler:
     """Chooses the round's clients. ``rng`` is derived from (seed, round), so sampling is resumable."""
 
+    may_be_empty = False
+    """Whether a round may sample no client at all (the orchestrator then skips its aggregation)."""
+
     def sample(self, rnd: int, clients: list[ClientSpec], rng: np.random.Generator) -> list[ClientSpec]:
         raise NotImplementedError
 
@@ -47,6 +50,34 @@ class UniformSampler(Bounded, ClientSampler):
             )
         chosen = np.sort(rng.choice(len(eligible), k, replace=False))
         return [eligible[i] for i in chosen]
+
+
+class PoissonSampler(ClientSampler):
+    """Takes each eligible client independently with probability ``rate`` (Poisson sampling).
+
+    The number of clients varies from round to round and may be zero (the server then keeps its state). This is
+    the sampler under which differential privacy's accountant counts amplification by subsampling: one client's
+    presence in a round is a coin flip the server cannot steer.
+
+    Args:
+        rate: probability that a client takes part in a round, in (0, 1].
+        tiers: only clients of these tiers are eligible.
+    """
+
+    may_be_empty = True
+
+    def __init__(self, rate: float = 0.5, tiers: list[str] | None = None):
+        if not 0.0 < rate <= 1.0:
+            raise ConfigError(f"sampler rate must be in (0, 1], got {rate}; e.g. rate: 0.5.")
+        self.rate = rate
+        self.tiers = tiers
+
+    def sample(self, rnd, clients, rng):
+        eligible = clients if self.tiers is None else [c for c in clients if c.tier in self.tiers]
+        if not eligible:
+            raise ConfigError(f"no client belongs to the sampler's tiers {self.tiers}; check population.tiers names.")
+        taken = rng.uniform(size=len(eligible)) < self.rate
+        return [client for client, take in zip(eligible, taken, strict=True) if take]
 
 
 def round_half(value: float) -> int:

@@ -72,6 +72,14 @@ class ServerContext:
     seed: int
     _loop: LocalLoop
     method: str = "the strategy"
+    central_noise: Callable[[Mapping[str, Tensor], int | None], dict[str, Tensor]] | None = None
+    """Central differential privacy's noise on an aggregate (set by the run when ``privacy.where`` is ``server``)."""
+
+    def privatized(self, tensors: Mapping[str, Tensor], count: int | None = None) -> dict[str, Tensor]:
+        """``tensors``, an aggregate of the round's uploads, with central differential privacy's noise when the run
+        has it (unchanged otherwise): ``count`` None for a sum of the uploads, the number of uploads for their
+        uniform mean. A strategy whose aggregate is such a sum or mean calls it and sets ``central_privacy``."""
+        return dict(tensors) if self.central_noise is None else self.central_noise(tensors, count)
 
     # ------------------------------------------------------------------ the run
     def progress(self, rnd: int) -> float:
@@ -384,6 +392,7 @@ class Strategy(Bounded, metaclass=_StrategyMeta):
     # whether the method reads a model's features and head apart (prototypes, representations, a swapped head):
     # a LightningModule client model must then declare them (client/lightning.py); whole-model methods need not
     needs_split: bool = False
+    central_privacy: ClassVar[bool] = False  # its aggregate is a sum or mean of uploads, noised by server.privatized
     state: Any = None  # the server state, a dataclass that setup builds (see above)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -52,6 +52,7 @@ class FedAvg(Strategy):
     """
 
     state: FedAvgState
+    central_privacy = True
 
     def __init__(
         self, roles: list[str] | None = None, weighted: bool = True, clients_per_round: dict[str, int] | None = None
@@ -119,7 +120,11 @@ class FedAvg(Strategy):
         for update in updates:
             for role in update.uplink:
                 averages[role].add(update.sent(role, ModelWeights).state, update.num_samples if self.weighted else 1.0)
-        return {role: average.result() for role, average in averages.items() if average.count}
+        return {
+            role: self.server.privatized(average.result(), average.count)
+            for role, average in averages.items()
+            if average.count
+        }
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
         return global_metrics(evaluator, self.state.global_weights)

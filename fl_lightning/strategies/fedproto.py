@@ -97,6 +97,7 @@ class FedProto(PersonalModels, Strategy):
     needs_split = True  # reads the models' features and head apart
 
     state: FedProtoState
+    central_privacy = True
 
     def __init__(
         self,
@@ -175,6 +176,7 @@ class FedProto(PersonalModels, Strategy):
                 weights = torch.zeros(self.num_classes, dtype=torch.float64)
                 weights[labels] = upload.vectors["counts"][:, 0].detach().cpu().double()
             bank.add(vectors, present, weights)
+        bank.sums = self.server.privatized({"sums": bank.sums})["sums"]  # central privacy's noise on the sums
         return {"server/classes_with_prototype": float(bank.available.sum())}
 
     # ------------------------------------------------------------------ evaluation
