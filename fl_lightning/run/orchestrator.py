@@ -197,6 +197,8 @@ class FederationOrchestrator:
                 evaluated = self.strategy.evaluate(self.evaluator)
             metrics = {**evaluated, **self.evaluator.validation_metrics()}
         self._check_finite(rnd, {**row, **(metrics or {})})
+        if self.privacy is not None:  # spent after this round's uploads (infinite without noise)
+            row["privacy/epsilon"] = self.privacy.epsilon(rnd)
         state.rounds_done = rnd
         state.elapsed = time.perf_counter() - started
         row[keys.ELAPSED_S] = state.elapsed
@@ -276,8 +278,6 @@ class FederationOrchestrator:
                 keys.MIB_PER_CLIENT: (ledger.uplink_bytes + ledger.downlink_bytes) / len(self.clients) / 2**20,
             }
         )
-        if self.privacy is not None:  # spent after this round's uploads
-            row["privacy/epsilon"] = self.privacy.epsilon(rnd)
         if self.state.train_flops is not None:  # None: a role's step could not be counted (summary.json says why)
             self.state.train_flops += sum(n * self.step_flops[role] for role, n in tally.steps.items())
             row[keys.TRAIN_FLOPS] = self.state.train_flops

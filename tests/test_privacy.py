@@ -1,0 +1,265 @@
+"""Client-level differential privacy of the uploads: the mechanism, its accounting, the recipe section."""
+
+import csv
+import math
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, read_summary, run_cli, write_recipe
+
+from fl_lightning.federation.errors import ConfigError
+from fl_lightning.federation.ledger import CommunicationLedger
+from fl_lightning.federation.sampling import PoissonSampler, UniformSampler
+from fl_lightning.federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, TensorPayload
+from fl_lightning.knowledge.class_stats import ClassStatistics
+from fl_lightning.run.privacy import Privacy, PrivacyMechanism, dp_accounting_module, epsilon_spent
+
+dp_accounting = pytest.importorskip("dp_accounting")  # the `privacy` extra, part of `dev`
+
+CLIENT = ClientSpec(3, "all", ("global",))
+
+
+def _mechanism(z=1.0, clip=1.0, where="client", sampler=None, clients=10, rounds=4, classes=10):
+    privacy = Privacy(where=where, clip=clip, noise_multiplier=z, delta=1e-3)
+    return PrivacyMechanism(privacy, sampler or UniformSampler(), clients, rounds, 1, classes, seed=0)
+
+
+def _update(uplink, downlink=None):
+    task = ClientTask(CLIENT, 1, downlink or {})
+    return task, ClientUpdate(CLIENT, 57, uplink)
+
+
+def _norm(tensors):
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+
+def _rows(out):
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------ accounting
+
+
+@pytest.mark.parametrize("z, rate, steps, delta", [(1.0, 1.0, 3, 1e-5), (0.8, 0.3, 10, 1e-4), (2.0, 0.05, 50, 1e-6)])
+def test_epsilon_is_dp_accountings_own(z, rate, steps, delta):
+    accountant = dp_accounting.rdp.RdpAccountant()
+    event = dp_accounting.GaussianDpEvent(z)
+    if rate < 1:
+        event = dp_accounting.PoissonSampledDpEvent(rate, event)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+    assert epsilon_spent(z, rate, steps, delta) == accountant.get_epsilon(delta)
+
+
+def test_the_worked_value_of_the_literature():
+    # Poisson rate 0.5, noise multiplier 1, 40 steps, delta 1e-5: RDP's epsilon is about 24.4
+    assert epsilon_spent(1.0, 0.5, 40, 1e-5) == pytest.approx(24.42, abs=0.01)
+    assert epsilon_spent(1.0, 0.5, 0, 1e-5) == 0.0
+    assert epsilon_spent(0.0, 1.0, 1, 1e-5) == math.inf
+
+
+def test_poisson_sampling_amplifies_under_central_noise_only():
+    assert _mechanism(where="server", sampler=PoissonSampler(0.25)).rate == 0.25
+    assert _mechanism(where="client", sampler=PoissonSampler(0.25)).rate == 1.0  # the server knows who was sampled
+    assert _mechanism(where="server", sampler=UniformSampler(0.25)).rate == 1.0  # a fixed-size draw: no amplification
+
+
+def test_calibration_meets_the_target_and_a_plan_beyond_it_is_refused():
+    privacy = Privacy(clip=1.0, target_epsilon=2.0, delta=1e-3)
+    mechanism = PrivacyMechanism(privacy, UniformSampler(), 10, 5, 2, 10, 0)
+    assert mechanism.planned_steps == 10
+    assert 1.99 <= mechanism.epsilon(5) <= 2.0
+    assert epsilon_spent(mechanism.noise_multiplier * 0.99, 1.0, 10, 1e-3) > 2.0  # the smallest that meets it
+    with pytest.raises(ConfigError, match=r"the plan spends epsilon .* more than privacy.target_epsilon 2"):
+        PrivacyMechanism(
+            Privacy(noise_multiplier=1.0, target_epsilon=2.0, delta=1e-3), UniformSampler(), 10, 5, 2, 10, 0
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"target_epsilon": 0.0}, "privacy.target_epsilon must be positive, got 0.0"),
+        ({"target_epsilon": -1.0}, "privacy.target_epsilon must be positive"),
+        ({"noise_multiplier": 1.0, "delta": 0.0}, "privacy.delta must be between 0 and 1"),
+        ({"noise_multiplier": 1.0, "delta": 1.0}, "privacy.delta must be between 0 and 1"),
+        ({"noise_multiplier": -0.5}, "privacy.noise_multiplier must be 0 or more, got -0.5"),
+        ({"noise_multiplier": 1.0, "clip": 0.0}, "privacy.clip must be a positive L2 bound, got 0.0"),
+        ({}, "privacy needs a noise_multiplier or a target_epsilon"),
+    ],
+)
+def test_wrong_settings_are_refused_in_one_sentence(kwargs, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        Privacy(**kwargs)
+    assert str(err.value).replace("e.g. ", "").count(". ") == 0 and str(err.value).endswith(".")  # one sentence
+
+
+def test_a_delta_above_one_over_the_clients_warns():
+    with pytest.warns(UserWarning, match=r"privacy.delta 0.2 is above 1 / 10 clients"):
+        PrivacyMechanism(Privacy(noise_multiplier=1.0, delta=0.2), UniformSampler(), 10, 4, 1, 10, 0)
+
+
+def test_without_the_package_privacy_is_refused_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"install the extra with pip install 'fl-lightning\[privacy\]'"):
+        dp_accounting_module()
+
+
+# ------------------------------------------------------------------ the mechanism
+
+
+def test_the_noise_has_the_standard_deviation_noise_multiplier_times_the_bound():
+    mechanism = _mechanism(z=0.7, clip=2.0)
+    task, update = _update({"logits": TensorPayload("logits", {"z": torch.zeros(400_000)})})
+    noise = mechanism.privatize("FD", task, update, 0).uplink["logits"].tensors["z"]
+    assert float(noise.std()) == pytest.approx(1.4, rel=0.01)
+    assert abs(float(noise.mean())) < 0.01
+    assert update.num_samples == 1  # the example count is not sent
+
+
+def test_a_huge_payload_is_clipped_to_the_bound_as_a_whole():
+    mechanism = _mechanism(z=0.0, clip=3.0)
+    uplink = {
+        "a": TensorPayload("a", {"x": torch.full((100,), 1e6)}),
+        "b": TensorPayload("b", {"y": torch.full((10, 10), -1e6)}),
+    }
+    task, update = _update(uplink)
+    sent = mechanism.privatize("FD", task, update, 0).uplink
+    assert _norm([sent["a"].tensors["x"], sent["b"].tensors["y"]]) == pytest.approx(3.0, rel=1e-6)
+    small = {"a": TensorPayload("a", {"x": torch.tensor([0.6, 0.8])})}  # norm 1, below the bound: unchanged
+    assert torch.equal(mechanism.privatize("FD", *_update(small), 0).uplink["a"].tensors["x"], torch.tensor([0.6, 0.8]))
+
+
+def test_weights_are_bounded_as_their_change_and_counters_go_back_as_received():
+    mechanism = _mechanism(z=0.0, clip=1.0)
+    received = {"w": torch.full((4,), 5.0), "steps": torch.tensor(7)}
+    trained = {"w": torch.tensor([15.0, 5.0, 5.0, 5.0]), "steps": torch.tensor(12)}
+    task, update = _update({"global": ModelWeights("global", trained)}, {"global": ModelWeights("global", received)})
+    sent = mechanism.privatize("FedAvg", task, update, 0).uplink["global"].state
+    assert torch.allclose(sent["w"], torch.tensor([6.0, 5.0, 5.0, 5.0]))  # a change of 10 clipped to 1
+    assert int(sent["steps"]) == 7
+
+
+def test_class_tables_go_whole_so_the_held_classes_are_not_sent():
+    mechanism = _mechanism(z=0.0, clip=100.0, classes=4)
+    table = ClassStatistics("lars", {"representations": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, torch.tensor([1, 3]))
+    sent = mechanism.privatize("FedGH", *_update({"lars": table}), 0).uplink["lars"]
+    assert sent.labels.tolist() == [0, 1, 2, 3]
+    assert sent.vectors["representations"].tolist() == [[0, 0], [1, 2], [0, 0], [3, 4]]
+
+
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        (TensorPayload("features", {"labels": torch.tensor([1, 2])}), "its torch.int64 tensor 'labels'"),
+        (
+            ClassStatistics("p", {"prototypes": torch.ones(1, 2), "counts": torch.ones(1, 1)}, torch.tensor([0])),
+            "it carries per-class counts",
+        ),
+    ],
+)
+def test_a_payload_the_bound_cannot_cover_is_refused_naming_method_and_payload(payload, words):
+    with pytest.raises(ConfigError, match=rf"privacy cannot bound FedX's upload 'up': {words}") as err:
+        _mechanism().privatize("FedX", *_update({"up": payload}), 0)
+    assert str(err.value).endswith("run FedX without privacy.")
+
+
+# ------------------------------------------------------------------ runs
+
+
+def _privacy_run(tmp_path, name, *extra, rounds=4, **changes):
+    out = tmp_path / name
+    privacy = {"where": "client", "clip": 1.0, "noise_multiplier": 1.2, "delta": 1e-3}
+    privacy.update(changes.pop("privacy", {}))
+    recipe = write_recipe(tmp_path / f"{name}.yaml", rounds=rounds, eval_every=1, privacy=privacy, **changes)
+    return run_cli("fit", "--config", str(recipe), "--output_dir", str(out), *extra), out
+
+
+def test_each_round_reports_the_epsilon_spent_and_the_summary_its_block(tmp_path):
+    code, out = _privacy_run(tmp_path, "run")
+    assert code == 0
+    expected = [epsilon_spent(1.2, 1.0, r, 1e-3) for r in range(1, 5)]
+    assert [float(row["privacy/epsilon"]) for row in _rows(out)] == expected
+    block = read_summary(out)["privacy"]
+    assert block == {
+        "epsilon": expected[-1],
+        "delta": 1e-3,
+        "noise_multiplier": 1.2,
+        "clip": 1.0,
+        "sampling_rate": 1.0,
+        "steps": 4,
+        "accountant": "rdp",
+        "where": "client",
+    }
+
+
+def test_resume_continues_the_accountant_and_the_noise_exactly(tmp_path):
+    assert _privacy_run(tmp_path, "whole")[0] == 0
+    code, cut = _privacy_run(tmp_path, "cut", "--stop_after", "2")
+    assert code == 0 and read_summary(cut)["privacy"]["steps"] == 2
+    assert _privacy_run(tmp_path, "cut", "--resume", "auto")[0] == 0
+    whole, resumed = _rows(tmp_path / "whole"), _rows(cut)
+    for key in ("privacy/epsilon", "global/test_acc", "global/test_loss"):
+        assert [row[key] for row in resumed] == [row[key] for row in whole]
+    assert read_summary(cut)["privacy"] == read_summary(tmp_path / "whole")["privacy"]
+
+
+def test_a_plan_beyond_the_target_is_refused_before_round_one(tmp_path, capsys):
+    code, out = _privacy_run(tmp_path, "over", privacy={"target_epsilon": 1.0})
+    assert code == 2
+    assert "the plan spends epsilon" in capsys.readouterr().err
+    assert not (out / "metrics.csv").exists()
+
+
+def test_central_noise_is_refused_for_a_server_that_uses_each_upload(tmp_path, capsys):
+    recipe = ROOT / "recipes" / "digits_fedgh.yaml"
+    out = tmp_path / "gh"
+    flags = ["--privacy.where", "server", "--privacy.noise_multiplier", "1", "--privacy.delta", "1e-3"]
+    assert run_cli("fit", "--config", str(recipe), "--rounds", "1", "--output_dir", str(out), *flags) == 2
+    assert "FedGH's server uses each upload on its own; use where: client." in capsys.readouterr().err
+
+
+def _uplinks(monkeypatch):
+    """Every payload the ledger counts, in order: (direction, payloads)."""
+    seen = []
+    record = CommunicationLedger.record
+
+    def spy(self, rnd, direction, payloads):
+        seen.append((direction, dict(payloads)))
+        return record(self, rnd, direction, payloads)
+
+    monkeypatch.setattr(CommunicationLedger, "record", spy)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedproto", "fd", "fedgh"])
+def test_every_upload_passes_the_mechanism(method, tmp_path, monkeypatch):
+    """Without noise, every upload the ledger counts is within the bound: clipped, so it went through the mechanism
+    (unclipped, each is hundreds of times larger); class tables arrive whole."""
+    seen = _uplinks(monkeypatch)
+    bound = 1e-3
+    flags = ["--privacy.clip", str(bound), "--privacy.noise_multiplier", "0", "--privacy.delta", "1e-3"]
+    if method == "fedavg":
+        recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+        argv = ["--config", str(recipe)]
+    else:
+        argv = ["--config", str(ROOT / "recipes" / f"digits_{method}.yaml"), "--training.local_epochs", "1"]
+    assert run_cli("fit", *argv, "--rounds", "1", "--output_dir", str(tmp_path / "run"), *flags) == 0
+    uploads = 0
+    for i, (direction, payloads) in enumerate(seen):
+        if direction != "uplink":
+            continue
+        uploads += 1
+        parts = []
+        for name, payload in payloads.items():
+            if isinstance(payload, ModelWeights):  # its change from what the client received just before
+                received = seen[i - 1][1][name].state
+                parts += [v - received[k] for k, v in payload.state.items() if v.dtype.is_floating_point]
+            elif isinstance(payload, ClassStatistics):
+                assert payload.labels.tolist() == list(range(10))
+                parts += list(payload.vectors.values())
+            else:
+                parts += list(payload.tensors.values())
+        assert 0 < _norm(parts) <= bound * (1 + 1e-4)
+    assert uploads >= 4
