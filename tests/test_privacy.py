@@ -205,6 +205,18 @@ def test_resume_continues_the_accountant_and_the_noise_exactly(tmp_path):
     assert read_summary(cut)["privacy"] == read_summary(tmp_path / "whole")["privacy"]
 
 
+def test_a_longer_resume_keeps_the_calibrated_noise_and_its_budget(tmp_path, capsys):
+    budget = {"noise_multiplier": None, "target_epsilon": 4.0}
+    code, out = _privacy_run(tmp_path, "run", rounds=2, privacy=budget)
+    assert code == 0
+    z = read_summary(out)["privacy"]["noise_multiplier"]
+    assert epsilon_spent(z, 1.0, 2, 1e-3) == pytest.approx(4.0, abs=0.01)
+    # three rounds would calibrate a larger multiplier; the two rounds done used this one, and a third exceeds 4
+    code, _ = _privacy_run(tmp_path, "run", "--resume", "auto", rounds=3, privacy=budget)
+    assert code == 2
+    assert "the plan spends epsilon" in capsys.readouterr().err
+
+
 def test_a_plan_beyond_the_target_is_refused_before_round_one(tmp_path, capsys):
     code, out = _privacy_run(tmp_path, "over", privacy={"target_epsilon": 1.0})
     assert code == 2

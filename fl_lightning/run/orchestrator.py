@@ -168,9 +168,13 @@ class FederationOrchestrator:
         state = self.state
         if checkpoint is not None:
             state.restore(checkpoint, self.strategy, self.loop, self.schedule)
+            if self.privacy is not None and state.privacy is not None:  # the noise multiplier of the rounds done
+                self.privacy.load_state_dict(state.privacy)
             state.use_monitor(self.monitor)
         else:
             state.client_states.start()  # client files a killed start left behind go
+        if self.privacy is not None:
+            state.privacy = self.privacy.state_dict()
         device = self.loop.fabric.device.type
         self.progress = RoundProgress(self.output.progress, self.plan.rounds, state.rounds_done, self.monitor, device)
         started = time.perf_counter() - state.elapsed

@@ -175,17 +175,35 @@ class PrivacyMechanism:
             self.noise_multiplier = calibrate(privacy.target_epsilon, self.delta, self.rate, self.planned_steps)
         else:
             self.noise_multiplier = float(privacy.noise_multiplier)
-        planned = self.epsilon(rounds)
-        if privacy.target_epsilon is not None and planned > privacy.target_epsilon * (1 + 1e-6):
-            raise ConfigError(
-                f"the plan spends epsilon {planned:.4g} over {rounds} rounds (noise_multiplier "
-                f"{self.noise_multiplier:g}, sampling rate {self.rate:g}, delta {self.delta:g}), more than "
-                f"privacy.target_epsilon {privacy.target_epsilon:g}; raise the noise_multiplier, or drop it to "
-                "calibrate one, or plan fewer rounds."
-            )
-        self.std = self.noise_multiplier * self.clip
+        self.rounds = rounds
+        self._check_plan()
         self._server_draws = 0
         self._round = 0
+
+    @property
+    def std(self) -> float:
+        """The noise's standard deviation per coordinate of a client's upload (of the sum, on the server)."""
+        return self.noise_multiplier * self.clip
+
+    def _check_plan(self) -> None:
+        planned, target = self.epsilon(self.rounds), self.privacy.target_epsilon
+        if target is not None and planned > target * (1 + 1e-6):
+            raise ConfigError(
+                f"the plan spends epsilon {planned:.4g} over {self.rounds} rounds (noise_multiplier "
+                f"{self.noise_multiplier:g}, sampling rate {self.rate:g}, delta {self.delta:g}), more than "
+                f"privacy.target_epsilon {target:g}; raise the noise_multiplier, or drop it to calibrate one, or "
+                "plan fewer rounds."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the noise multiplier the rounds so far were noised with."""
+        return {"noise_multiplier": self.noise_multiplier}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume goes on with the noise multiplier of the rounds before (a calibration over more rounds would
+        change it, and the epsilon of the rounds done with it), its plan checked again."""
+        self.noise_multiplier = float(state["noise_multiplier"])
+        self._check_plan()
 
     # ------------------------------------------------------------------ accounting
     def steps(self, rounds_done: int) -> int:
