@@ -165,6 +165,32 @@ def test_a_payload_the_bound_cannot_cover_is_refused_naming_method_and_payload(p
     assert str(err.value).endswith("run FedX without privacy.")
 
 
+def test_central_noise_is_on_the_sum_or_the_mean_of_the_uploads_and_only_there():
+    central = _mechanism(z=1.0, clip=2.0, where="server")
+    central.begin_round(1)
+    zeros = {"w": torch.zeros(200_000), "n": torch.zeros(3, dtype=torch.long)}
+    on_mean = central.central_noise(zeros, 4)
+    assert float(on_mean["w"].std()) == pytest.approx(0.5, rel=0.01)  # z S / 4 on a mean of 4 uploads
+    assert float(central.central_noise(zeros, None)["w"].std()) == pytest.approx(2.0, rel=0.01)  # z S on a sum
+    assert torch.equal(on_mean["n"], zeros["n"])  # integers stay
+    assert not torch.equal(central.central_noise(zeros, 4)["w"], on_mean["w"])  # each aggregate its own draw
+    local = _mechanism(z=1.0, clip=2.0, where="client")
+    assert local.central_noise(zeros, 4)["w"] is zeros["w"]  # local noise: none on the server
+
+
+def test_the_poisson_sampler_takes_each_client_with_its_rate():
+    import numpy as np
+
+    clients = [ClientSpec(i, "all", ("global",)) for i in range(200)]
+    sampler = PoissonSampler(0.3)
+    sizes = [len(sampler.sample(r, clients, np.random.default_rng(r))) for r in range(50)]
+    assert sum(sizes) / (50 * 200) == pytest.approx(0.3, abs=0.02)
+    assert len(set(sizes)) > 5  # the number varies from round to round
+    assert PoissonSampler(0.01).sample(1, clients[:3], np.random.default_rng(0)) == []  # a round may be empty
+    with pytest.raises(ConfigError, match="sampler rate must be in"):
+        PoissonSampler(0.0)
+
+
 # ------------------------------------------------------------------ runs
 
 
@@ -192,6 +218,17 @@ def test_each_round_reports_the_epsilon_spent_and_the_summary_its_block(tmp_path
         "accountant": "rdp",
         "where": "client",
     }
+
+
+def test_central_noise_with_poisson_sampling_is_amplified_and_survives_empty_rounds(tmp_path):
+    poisson = {"class_path": "fl_lightning.federation.sampling.PoissonSampler", "init_args": {"rate": 0.1}}
+    code, out = _privacy_run(tmp_path, "poisson", sampler=poisson, privacy={"where": "server"})
+    assert code == 0
+    rows = _rows(out)
+    assert "0" in [row["clients"] for row in rows]  # 8 clients at rate 0.1: a round without any
+    block = read_summary(out)["privacy"]
+    assert (block["sampling_rate"], block["steps"], block["where"]) == (0.1, 4, "server")
+    assert block["epsilon"] == epsilon_spent(1.2, 0.1, 4, 1e-3) < epsilon_spent(1.2, 1.0, 4, 1e-3)
 
 
 def test_resume_continues_the_accountant_and_the_noise_exactly(tmp_path):
