@@ -158,6 +158,7 @@ class FederationOrchestrator:
             self.data.num_classes,
             self.seed,
         )
+        server.whole_class_tables = True
         if privacy.where == "server":
             server.central_noise = mechanism.central_noise
         return mechanism

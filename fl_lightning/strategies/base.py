@@ -74,6 +74,8 @@ class ServerContext:
     method: str = "the strategy"
     central_noise: Callable[[Mapping[str, Tensor], int | None], dict[str, Tensor]] | None = None
     """Central differential privacy's noise on an aggregate (set by the run when ``privacy.where`` is ``server``)."""
+    whole_class_tables: bool = False
+    """Uploads pass differential privacy's mechanism, which sends per-class tables with a row for every class."""
 
     def privatized(self, tensors: Mapping[str, Tensor], count: int | None = None) -> dict[str, Tensor]:
         """``tensors``, an aggregate of the round's uploads, with central differential privacy's noise when the run

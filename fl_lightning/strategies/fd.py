@@ -141,7 +141,7 @@ class FD(PersonalModels, Strategy):
         else:  # rows in the order of the labels this client uploaded last
             sent = ctx.state.get("sent_labels")
             rows = task.received("teacher_logits", TensorPayload).tensors["logits"].cpu()
-            if len(rows) == c and (sent is None or len(sent) != c):  # every class's row (privacy sends whole tables)
+            if self.server.whole_class_tables:  # privacy sent a row of every class, so every class's row comes back
                 sent = torch.arange(c)
             if sent is None or len(sent) != len(rows):
                 raise RuntimeError(
