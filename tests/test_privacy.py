@@ -18,6 +18,7 @@ from fl_lightning.run.privacy import Privacy, PrivacyMechanism, dp_accounting_mo
 dp_accounting = pytest.importorskip("dp_accounting")  # the `privacy` extra, part of `dev`
 
 CLIENT = ClientSpec(3, "all", ("global",))
+POPULATION = [ClientSpec(i, "weak" if i % 2 else "strong", ("global",)) for i in range(8)]
 
 
 def _mechanism(z=1.0, clip=1.0, where="client", sampler=None, clients=10, rounds=4, classes=10):
@@ -165,17 +166,119 @@ def test_a_payload_the_bound_cannot_cover_is_refused_naming_method_and_payload(p
     assert str(err.value).endswith("run FedX without privacy.")
 
 
-def test_central_noise_is_on_the_sum_or_the_mean_of_the_uploads_and_only_there():
-    central = _mechanism(z=1.0, clip=2.0, where="server")
-    central.begin_round(1)
+def _central(z=1.0, clip=2.0, sampler=None, population=POPULATION):
+    privacy = Privacy(where="server", clip=clip, noise_multiplier=z, delta=1e-3)
+    sampler = sampler or PoissonSampler(0.25)
+    mechanism = PrivacyMechanism(privacy, sampler, len(population), 4, 1, 10, seed=0, population=population)
+    mechanism.begin_round(1)
+    return mechanism
+
+
+def test_central_noise_is_on_the_sum_and_only_on_the_server():
+    central = _central(z=1.0, clip=2.0)
     zeros = {"w": torch.zeros(200_000), "n": torch.zeros(3, dtype=torch.long)}
-    on_mean = central.central_noise(zeros, 4)
-    assert float(on_mean["w"].std()) == pytest.approx(0.5, rel=0.01)  # z S / 4 on a mean of 4 uploads
-    assert float(central.central_noise(zeros, None)["w"].std()) == pytest.approx(2.0, rel=0.01)  # z S on a sum
-    assert torch.equal(on_mean["n"], zeros["n"])  # integers stay
-    assert not torch.equal(central.central_noise(zeros, 4)["w"], on_mean["w"])  # each aggregate its own draw
-    local = _mechanism(z=1.0, clip=2.0, where="client")
-    assert local.central_noise(zeros, 4)["w"] is zeros["w"]  # local noise: none on the server
+    noised, _ = central.central_noise(zeros, POPULATION)
+    assert float(noised["w"].std()) == pytest.approx(2.0, rel=0.01)  # z S on the sum: one client moves it by S
+    assert torch.equal(noised["n"], zeros["n"])  # integers stay
+    assert not torch.equal(central.central_noise(zeros, POPULATION)[0]["w"], noised["w"])  # each aggregate its own
+    with pytest.raises(RuntimeError, match="never adds"):
+        _mechanism(where="client").central_noise(zeros, POPULATION)
+
+
+@pytest.mark.parametrize(
+    "sampler, senders, expected",
+    [
+        (PoissonSampler(0.25), POPULATION, 2.0),  # 8 clients at rate 1/4
+        (PoissonSampler(0.25), POPULATION[:3], 0.75),  # the 3 that may send to this aggregate
+        (PoissonSampler(0.5, tiers=["weak"]), POPULATION, 2.0),  # 4 weak clients at 1/2, the strong never
+        (UniformSampler(num_per_round=3), POPULATION, 3.0),
+        (UniformSampler(fraction=0.5, tiers=["strong"]), POPULATION, 2.0),  # 2 of the 4 strong
+    ],
+)
+def test_the_central_denominator_is_the_expected_number_of_uploads(sampler, senders, expected):
+    assert _central(sampler=sampler).expected_count(senders) == expected
+    assert _central(sampler=sampler).central_noise({"w": torch.zeros(2)}, senders)[1] == expected
+
+
+def test_a_sampler_without_sampling_probabilities_is_refused_for_central_noise():
+    class Firsts(UniformSampler):
+        def inclusion(self, clients):
+            raise NotImplementedError
+
+    with pytest.raises(ConfigError, match=r"which Firsts does not give .*; use UniformSampler or PoissonSampler"):
+        _central(sampler=Firsts())
+
+
+def _fedavg_with_central_noise(sampler):
+    from conftest import method_env
+
+    from fl_lightning.federation.population import Tier
+    from fl_lightning.models import ModelSpec
+    from fl_lightning.strategies import FedAvg
+
+    strategy = FedAvg(weighted=False)
+    server = method_env(strategy, {"global": ModelSpec("digits_mlp", {"hidden": 4})}, [Tier("all", ["global"])])
+    mechanism = PrivacyMechanism(
+        Privacy(where="server", clip=100.0, noise_multiplier=0.0, delta=1e-3), sampler, 4, 1, 1, 10, 0, server.clients
+    )
+    mechanism.begin_round(1)
+    server.central_noise = mechanism.central_noise
+    return strategy, server
+
+
+def test_central_fedavg_divides_the_sum_of_the_changes_by_the_expected_count():
+    """Three uploads whose changes are 1, 2 and 3 everywhere, 4 clients Poisson-sampled at 1/2: the new weights are
+    the sent ones plus (1 + 2 + 3) / 2 = 3, not plus their mean 2 over the 3 that came."""
+    strategy, server = _fedavg_with_central_noise(PoissonSampler(0.5))
+    sent = {k: v.clone() for k, v in strategy.state.global_weights["global"].items()}
+    updates = [
+        ClientUpdate(
+            server.clients[i], 1, {"global": ModelWeights("global", {k: v + (i + 1) for k, v in sent.items()})}
+        )
+        for i in range(3)
+    ]
+    new = strategy.client_averages(iter(updates))["global"]
+    for key, value in sent.items():
+        assert torch.allclose(new[key], value + 3.0, atol=1e-5), key
+    # a uniform draw of 3 of the 4: the same changes over 3
+    strategy, server = _fedavg_with_central_noise(UniformSampler(num_per_round=3))
+    new = strategy.client_averages(iter(updates))["global"]
+    assert all(torch.allclose(new[k], v + 2.0, atol=1e-5) for k, v in sent.items())
+
+
+def test_central_fd_and_fedproto_divide_the_noised_sums_by_the_expected_count():
+    """Per-class tables of 1, 2 and 3 everywhere from 3 of 8 clients at rate 1/4: the server's class means are
+    6 / 2 = 3, and FD's teacher of a client that sent the 1s leaves it out: (6 - 1) / (2 - 1) = 5."""
+    from conftest import method_env
+
+    from fl_lightning.federation.population import Tier
+    from fl_lightning.models import ModelSpec
+    from fl_lightning.strategies import FD, FedProto
+
+    models = {"m": ModelSpec("digits_mlp", {"hidden": 4})}
+    for strategy, name, key in ((FD(), "class_logits", "logits"), (FedProto(), "local_prototypes", "prototypes")):
+        server = method_env(strategy, models, [Tier("all", ["m"])], num_clients=8)
+        mechanism = PrivacyMechanism(
+            Privacy(where="server", clip=1e3, noise_multiplier=0.0, delta=1e-3), PoissonSampler(0.25), 8, 1, 1, 10, 0,
+            server.clients,
+        )  # fmt: skip
+        mechanism.begin_round(1)
+        server.central_noise, server.whole_class_tables = mechanism.central_noise, True
+        dim = 10 if name == "class_logits" else 4  # FD: a logit per class; FedProto: the 4 features
+        updates = [
+            ClientUpdate(server.clients[i], 1, {name: ClassStatistics(name, {key: table}, torch.arange(10))})
+            for i, table in enumerate(torch.full((3, 10, dim), 1.0).cumsum(0))
+        ]
+        strategy.aggregate(1, iter(updates))
+        if isinstance(strategy, FD):
+            state = strategy.state
+            assert torch.allclose(
+                state.round_sums / state.round_counts[:, None], torch.tensor(3.0, dtype=torch.float64)
+            )
+            teacher = strategy.teacher(server.clients[0])
+            assert torch.allclose(teacher.tensors["logits"], torch.tensor(5.0))
+        else:
+            assert torch.allclose(strategy.state.bank.mean(), torch.tensor(3.0))
 
 
 def test_the_poisson_sampler_takes_each_client_with_its_rate():

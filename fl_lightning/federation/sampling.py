@@ -18,6 +18,13 @@ class ClientSampler:
     def sample(self, rnd: int, clients: list[ClientSpec], rng: np.random.Generator) -> list[ClientSpec]:
         raise NotImplementedError
 
+    def inclusion(self, clients: list[ClientSpec]) -> dict[int, float]:
+        """Each client's probability of being sampled in a round, by client id. Central differential privacy
+        divides the noised sum of a round's uploads by the expected number of them (the sum of these), a number
+        fixed before the round, where the number received would tell who took part. A sampler that cannot say
+        raises ``NotImplementedError`` (central privacy is then refused)."""
+        raise NotImplementedError
+
 
 class UniformSampler(Bounded, ClientSampler):
     """Draws clients uniformly without replacement.
@@ -51,8 +58,14 @@ class UniformSampler(Bounded, ClientSampler):
         chosen = np.sort(rng.choice(len(eligible), k, replace=False))
         return [eligible[i] for i in chosen]
 
+    def inclusion(self, clients):
+        eligible = {c.id for c in clients if self.tiers is None or c.tier in self.tiers}
+        k = self.num_per_round if self.num_per_round is not None else max(1, round_half(self.fraction * len(eligible)))
+        share = min(k, len(eligible)) / len(eligible) if eligible else 0.0  # k of the eligible, each alike
+        return {c.id: share if c.id in eligible else 0.0 for c in clients}
 
-class PoissonSampler(ClientSampler):
+
+class PoissonSampler(Bounded, ClientSampler):
     """Takes each eligible client independently with probability ``rate`` (Poisson sampling).
 
     The number of clients varies from round to round and may be zero (the server then keeps its state). This is
@@ -64,11 +77,10 @@ class PoissonSampler(ClientSampler):
         tiers: only clients of these tiers are eligible.
     """
 
+    name = "sampler"  # in messages: sampler rate must be in (0, 1], got 2.0.
     may_be_empty = True
 
-    def __init__(self, rate: float = 0.5, tiers: list[str] | None = None):
-        if not 0.0 < rate <= 1.0:
-            raise ConfigError(f"sampler rate must be in (0, 1], got {rate}; e.g. rate: 0.5.")
+    def __init__(self, rate: PositiveFraction = 0.5, tiers: list[str] | None = None):
         self.rate = rate
         self.tiers = tiers
 
@@ -78,6 +90,9 @@ class PoissonSampler(ClientSampler):
             raise ConfigError(f"no client belongs to the sampler's tiers {self.tiers}; check population.tiers names.")
         taken = rng.uniform(size=len(eligible)) < self.rate
         return [client for client, take in zip(eligible, taken, strict=True) if take]
+
+    def inclusion(self, clients):
+        return {c.id: float(self.rate) if self.tiers is None or c.tier in self.tiers else 0.0 for c in clients}
 
 
 def round_half(value: float) -> int:

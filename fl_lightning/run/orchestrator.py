@@ -149,6 +149,11 @@ class FederationOrchestrator:
                 f"privacy where: server needs an aggregate that is a sum or mean of the uploads, and {method}'s "
                 "server uses each upload on its own; use where: client."
             )
+        if privacy.where == "server" and getattr(self.strategy, "clients_per_round", None):
+            raise ConfigError(
+                f"privacy where: server counts the clients the sampler draws, and {method}'s clients_per_round draws "
+                "its own; remove clients_per_round or use where: client."
+            )
         mechanism = PrivacyMechanism(
             privacy,
             self.sampler,
@@ -157,6 +162,7 @@ class FederationOrchestrator:
             len(self.phases),
             self.data.num_classes,
             self.seed,
+            population=self.clients if privacy.where == "server" else None,
         )
         server.whole_class_tables = True
         if privacy.where == "server":

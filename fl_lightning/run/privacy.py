@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,7 +37,7 @@ import torch
 from ..federation.errors import ConfigError
 from ..federation.sampling import ClientSampler, PoissonSampler
 from ..federation.seeding import Owner, Stream, derive_seed
-from ..federation.types import ClientTask, ClientUpdate, ModelWeights, Payload, TensorPayload
+from ..federation.types import ClientSpec, ClientTask, ClientUpdate, ModelWeights, Payload, TensorPayload
 from ..knowledge.class_stats import ClassStatistics
 
 ACCOUNTANT = "rdp"
@@ -148,6 +148,8 @@ class PrivacyMechanism:
         phases: the strategy's phases per round (each phase's uploads are one mechanism).
         num_classes: the classes of per-class tables (sent whole).
         seed: the run seed (the noise's streams).
+        population: the clients, whose sampling probabilities give central noise its denominator (needed with
+            ``where: server``).
     """
 
     def __init__(
@@ -159,6 +161,7 @@ class PrivacyMechanism:
         phases: int,
         num_classes: int,
         seed: int,
+        population: Sequence[ClientSpec] | None = None,
     ):
         self.privacy, self.num_classes, self.seed, self.phases = privacy, num_classes, seed, phases
         self.where, self.clip, self.delta = privacy.where, privacy.clip, privacy.delta
@@ -177,6 +180,7 @@ class PrivacyMechanism:
             self.noise_multiplier = float(privacy.noise_multiplier)
         self.rounds = rounds
         self._check_plan()
+        self._inclusion = None if population is None else _inclusion(sampler, list(population))
         self._server_draws = 0
         self._round = 0
 
@@ -261,23 +265,47 @@ class PrivacyMechanism:
         """The server's noise of round ``rnd`` starts its own stream."""
         self._round, self._server_draws = rnd, 0
 
-    def central_noise(self, tensors: Mapping[str, torch.Tensor], count: int | None) -> dict[str, torch.Tensor]:
-        """``tensors`` (an aggregate of the round's clipped uploads) with the central noise: standard deviation
-        ``noise_multiplier * clip`` on a sum (``count`` None), divided by ``count`` on a mean of ``count`` uploads.
+    def central_noise(
+        self, total: Mapping[str, torch.Tensor], senders: Sequence[ClientSpec]
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """DP-FedAvg's server side: ``total``, the sum of the round's clipped contributions to one aggregate, with
+        Gaussian noise of standard deviation ``noise_multiplier * clip`` (one client changes the sum by at most
+        ``clip``), and the number to divide it by for a mean: the expected number of contributions from
+        ``senders`` (the clients that may send to this aggregate) under the sampler. That number is fixed before
+        the round; the number received would tell who took part, so a mean over it is not what is accounted.
         Integer tensors stay as they are."""
         if self.where != "server":
-            return dict(tensors)
+            raise RuntimeError("central_noise is the server's noise, which a run with where: client never adds")
+        if self._inclusion is None:
+            raise RuntimeError(
+                "central noise needs the population's sampling probabilities (PrivacyMechanism's population)"
+            )
         self._server_draws += 1
         seed = derive_seed(self.seed, self._round, Owner.SERVER, Stream.PRIVACY, self._server_draws)
         generator = torch.Generator().manual_seed(seed)
-        std = self.std / (count or 1)
         out = {}
-        for key, value in tensors.items():
-            if value.dtype.is_floating_point and std > 0:
-                noise = torch.randn(value.shape, generator=generator, dtype=torch.float64) * std
+        for key, value in total.items():
+            if value.dtype.is_floating_point and self.std > 0:
+                noise = torch.randn(value.shape, generator=generator, dtype=torch.float64) * self.std
                 value = (value.double() + noise.to(value.device)).to(value.dtype)
             out[key] = value
-        return out
+        return out, self.expected_count(senders)
+
+    def expected_count(self, senders: Sequence[ClientSpec]) -> float:
+        """The expected number of ``senders`` a round samples (the sum of their sampling probabilities)."""
+        assert self._inclusion is not None
+        return float(sum(self._inclusion.get(client.id, 0.0) for client in senders))
+
+
+def _inclusion(sampler: ClientSampler, population: list[ClientSpec]) -> dict[int, float]:
+    try:
+        return sampler.inclusion(population)
+    except NotImplementedError:
+        raise ConfigError(
+            f"privacy where: server divides by the expected number of clients a round samples, which "
+            f"{type(sampler).__name__} does not give (ClientSampler.inclusion); use UniformSampler or PoissonSampler, "
+            "or where: client."
+        ) from None
 
 
 @dataclass

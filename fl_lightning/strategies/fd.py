@@ -167,5 +167,7 @@ class FD(PersonalModels, Strategy):
             state.round_sums.index_add_(0, labels, logits.double())
             state.round_counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
             state.last_uploads[update.client.id] = {"labels": labels.to(torch.int32), "logits": logits}
-        state.round_sums = self.server.privatized({"sums": state.round_sums})["sums"]  # central privacy's noise
+        if self.server.central_noise is not None:  # central privacy: the noised sums over the expected uploads
+            noised, expected = self.server.private_sum({"sums": state.round_sums}, self.server.clients)
+            state.round_sums, state.round_counts = noised["sums"], torch.full_like(state.round_counts, expected)
         return {"server/labels_with_logits": float((state.round_counts > 0).sum())}
