@@ -53,6 +53,20 @@ def test_epsilon_is_dp_accountings_own(z, rate, steps, delta):
     assert epsilon_spent(z, rate, steps, delta) == accountant.get_epsilon(delta)
 
 
+def test_the_phases_of_a_round_share_one_draw_of_the_clients():
+    """Three phases of a round on the same Poisson-sampled clients are one mechanism of the three uploads side by
+    side (sensitivity sqrt(3) times the bound), subsampled once a round; without sampling that is 3 steps a round."""
+    accountant = dp_accounting.rdp.RdpAccountant()
+    round_event = dp_accounting.PoissonSampledDpEvent(0.3, dp_accounting.GaussianDpEvent(1.5 / math.sqrt(3)))
+    accountant.compose(dp_accounting.SelfComposedDpEvent(round_event, 4))
+    assert epsilon_spent(1.5, 0.3, 12, 1e-5, per_round=3) == accountant.get_epsilon(1e-5)
+    assert epsilon_spent(1.5, 1.0, 12, 1e-5, per_round=3) == pytest.approx(epsilon_spent(1.5, 1.0, 12, 1e-5))
+    mechanism = PrivacyMechanism(
+        Privacy(where="server", noise_multiplier=1.5, delta=1e-5), PoissonSampler(0.3), 8, 4, 3, 10, 0, POPULATION
+    )
+    assert (mechanism.steps(4), mechanism.epsilon(4)) == (12, accountant.get_epsilon(1e-5))
+
+
 def test_the_worked_value_of_the_literature():
     # Poisson rate 0.5, noise multiplier 1, 40 steps, delta 1e-5: RDP's epsilon is about 24.4
     assert epsilon_spent(1.0, 0.5, 40, 1e-5) == pytest.approx(24.42, abs=0.01)

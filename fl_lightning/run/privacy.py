@@ -101,33 +101,37 @@ def sampling_rate(sampler: ClientSampler, where: str) -> float:
     return 1.0
 
 
-def epsilon_spent(noise_multiplier: float, rate: float, steps: int, delta: float) -> float:
+def epsilon_spent(noise_multiplier: float, rate: float, steps: int, delta: float, per_round: int = 1) -> float:
     """Epsilon at ``delta`` after ``steps`` Gaussian mechanisms of ``noise_multiplier`` (Poisson-subsampled at
-    ``rate`` when below 1), from dp-accounting's RDP accountant; 0 before any step, infinite without noise."""
+    ``rate`` when below 1, ``per_round`` of them under one draw of the clients), from dp-accounting's RDP
+    accountant; 0 before any step, infinite without noise."""
     if steps == 0:
         return 0.0
     if noise_multiplier == 0:
         return math.inf
     dp = dp_accounting_module()
     accountant = dp.rdp.RdpAccountant()
-    accountant.compose(_event(dp, noise_multiplier, rate, steps))
+    accountant.compose(_event(dp, noise_multiplier, rate, steps, per_round))
     return float(accountant.get_epsilon(delta))
 
 
-def _event(dp: Any, noise_multiplier: float, rate: float, steps: int) -> Any:
-    event = dp.GaussianDpEvent(noise_multiplier)
+def _event(dp: Any, noise_multiplier: float, rate: float, steps: int, per_round: int = 1) -> Any:
+    """``steps`` Gaussian mechanisms, ``per_round`` of them (a round's phases) on the same sampled clients: those
+    are one Gaussian mechanism of the phases' uploads side by side, whose L2 sensitivity is sqrt(per_round) times
+    the bound, so of noise multiplier z / sqrt(per_round), subsampled once."""
+    event = dp.GaussianDpEvent(noise_multiplier / math.sqrt(per_round))
     if rate < 1.0:
         event = dp.PoissonSampledDpEvent(rate, event)
-    return dp.SelfComposedDpEvent(event, steps)
+    return dp.SelfComposedDpEvent(event, steps // per_round)
 
 
-def calibrate(target_epsilon: float, delta: float, rate: float, steps: int) -> float:
+def calibrate(target_epsilon: float, delta: float, rate: float, steps: int, per_round: int = 1) -> float:
     """The smallest noise multiplier whose ``steps`` mechanisms spend at most ``target_epsilon`` at ``delta``."""
     dp = dp_accounting_module()
     return float(
         dp.calibrate_dp_mechanism(
             dp.rdp.RdpAccountant,
-            lambda z: _event(dp, z, rate, steps),
+            lambda z: _event(dp, z, rate, steps, per_round),
             target_epsilon,
             delta,
             dp.LowerEndpointAndGuess(1e-3, 1.0),
@@ -175,7 +179,9 @@ class PrivacyMechanism:
         self.planned_steps = rounds * phases
         if privacy.noise_multiplier is None:
             assert privacy.target_epsilon is not None  # Privacy refuses neither
-            self.noise_multiplier = calibrate(privacy.target_epsilon, self.delta, self.rate, self.planned_steps)
+            self.noise_multiplier = calibrate(
+                privacy.target_epsilon, self.delta, self.rate, self.planned_steps, self.phases
+            )
         else:
             self.noise_multiplier = float(privacy.noise_multiplier)
         self.rounds = rounds
@@ -216,7 +222,7 @@ class PrivacyMechanism:
 
     def epsilon(self, rounds_done: int) -> float:
         """Epsilon spent after ``rounds_done`` rounds (recomputed from them: a resume continues exactly)."""
-        return epsilon_spent(self.noise_multiplier, self.rate, self.steps(rounds_done), self.delta)
+        return epsilon_spent(self.noise_multiplier, self.rate, self.steps(rounds_done), self.delta, self.phases)
 
     def summary(self, rounds_done: int) -> dict[str, Any]:
         """The ``privacy`` block of ``summary.json``."""
