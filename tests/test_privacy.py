@@ -429,3 +429,71 @@ def test_every_upload_passes_the_mechanism(method, tmp_path, monkeypatch):
                 parts += list(payload.tensors.values())
         assert 0 < _norm(parts) <= bound * (1 + 1e-4)
     assert uploads >= 4
+
+
+# ------------------------------------------------------------------ votes on a public set: PATE's GNMax
+
+
+def test_votes_with_central_noise_are_pates_gnmax_in_its_accounting():
+    """GNMax answers each of n public examples with the noisy argmax of the vote counts, noise sigma on every
+    count; one client changes one count of each example by 1 (add or remove), so its data-independent RDP is n
+    Gaussian mechanisms of sigma. The same noise here is the noise multiplier sigma / sqrt(n) on the vote table,
+    clipped at sqrt(n) (a client's n one-hot rows): the same epsilon."""
+    n, sigma = 50, 40.0
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), n))
+    assert epsilon_spent(sigma / math.sqrt(n), 1.0, 1, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_ds_fl_releases_the_plurality_of_the_votes_over_the_expected_count():
+    """Votes of 3 of 8 clients (rate 1/2: 4 expected) on 2 open examples, without noise: the classes 1 (two votes
+    to one) and 3 go back one-hot; the soft labels of sa are the counts over 4, not over the 3 that came."""
+    from conftest import method_env
+
+    from fl_lightning.data import DigitsData
+    from fl_lightning.federation.population import Tier
+    from fl_lightning.models import ModelSpec
+    from fl_lightning.strategies import DSFL
+
+    votes = [[1, 2], [1, 3], [0, 3]]
+    for aggregation in ("plurality", "sa"):
+        strategy = DSFL(upload="votes", aggregation=aggregation)
+        models = {"m": ModelSpec("digits_mlp", {"hidden": 4})}
+        server = method_env(strategy, models, [Tier("all", ["m"])], num_clients=8, data=DigitsData(server_fraction=0.2))
+        privacy = Privacy(where="server", clip=10.0, noise_multiplier=0.0, delta=1e-3)
+        mechanism = PrivacyMechanism(privacy, PoissonSampler(0.5), 8, 1, 1, 10, 0, server.clients)
+        mechanism.begin_round(1)
+        server.central_noise = mechanism.central_noise
+        updates = [
+            ClientUpdate(server.clients[i], 1, {"open_outputs": TensorPayload("open_outputs", {"outputs": one_hot(v)})})
+            for i, v in enumerate(votes)
+        ]
+        strategy.aggregate_soft_labels(1, iter(updates))
+        if aggregation == "plurality":
+            assert torch.equal(strategy.global_probs, one_hot([1, 3]))
+        else:
+            assert torch.allclose(strategy.global_probs[0, [0, 1]], torch.tensor([0.25, 0.5]))
+            assert torch.allclose(strategy.global_probs[1, 3], torch.tensor(0.5))
+
+
+def one_hot(classes):
+    return torch.nn.functional.one_hot(torch.tensor(classes), 10).float()
+
+
+def test_ds_fl_votes_go_up_as_one_hot_rows_and_the_distill_phase_is_no_step(tmp_path, monkeypatch):
+    seen = _uplinks(monkeypatch)
+    flags = ["--strategy.upload", "votes", "--strategy.aggregation", "plurality", "--strategy.open_size", "40"]
+    flags += ["--privacy.where", "server", "--privacy.clip", "100", "--privacy.noise_multiplier", "0"]
+    flags += ["--privacy.delta", "1e-3", "--training.local_steps", "2", "--strategy.distill_steps", "2"]
+    out = tmp_path / "run"
+    recipe = str(ROOT / "recipes" / "digits_dsfl.yaml")
+    assert run_cli("fit", "--config", recipe, "--rounds", "1", "--output_dir", str(out), *flags) == 0
+    votes = [p["open_outputs"].tensors["outputs"] for d, p in seen if d == "uplink" and "open_outputs" in p]
+    assert len(votes) == 10
+    for table in votes:
+        assert (
+            table.shape == (40, 10)
+            and torch.equal(table.sum(1), torch.ones(40))
+            and set(table.unique().tolist()) == {0, 1}
+        )
+    assert read_summary(out)["privacy"]["steps"] == 1  # the distill phase sends nothing the server uses

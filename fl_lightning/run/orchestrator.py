@@ -154,12 +154,14 @@ class FederationOrchestrator:
                 f"privacy where: server counts the clients the sampler draws, and {method}'s clients_per_round draws "
                 "its own; remove clients_per_round or use where: client."
             )
+        # the phases whose uploads the server uses: one without an aggregate drops its uploads, releasing nothing
+        released = max(1, sum(phase.aggregate is not None for phase in self.phases))
         mechanism = PrivacyMechanism(
             privacy,
             self.sampler,
             len(self.clients),
             self.plan.rounds,
-            len(self.phases),
+            released,
             self.data.num_classes,
             self.seed,
             population=self.clients if privacy.where == "server" else None,

@@ -149,7 +149,7 @@ class PrivacyMechanism:
         sampler: the run's client sampler (Poisson sampling gives amplification).
         num_clients: the population's size (a delta above its inverse warns).
         rounds: the run's planned rounds.
-        phases: the strategy's phases per round (each phase's uploads are one mechanism).
+        phases: the strategy's phases per round whose uploads the server uses (each one step of the accountant).
         num_classes: the classes of per-class tables (sent whole).
         seed: the run seed (the noise's streams).
         population: the clients, whose sampling probabilities give central noise its denominator (needed with
