@@ -783,6 +783,12 @@ CASES = [
         no_recipe=True,
     ),
     Case(
+        "privacy on the server with clients_per_round",
+        ["--strategy.clients_per_round", "{global: 3}", "--privacy.where", "server"]
+        + ["--privacy.noise_multiplier", "1", "--privacy.delta", "1e-3"],
+        ["where: server", "clients_per_round", "where: client"],
+    ),
+    Case(
         "privacy in asynchronous mode",
         ["--config", str(ROOT / "recipes/digits_fedhe_async.yaml"), "--privacy.noise_multiplier", "1"]
         + ["--privacy.delta", "1e-3"],
