@@ -497,3 +497,20 @@ def test_ds_fl_votes_go_up_as_one_hot_rows_and_the_distill_phase_is_no_step(tmp_
             and set(table.unique().tolist()) == {0, 1}
         )
     assert read_summary(out)["privacy"]["steps"] == 1  # the distill phase sends nothing the server uses
+
+
+def test_the_how_to_names_every_method_with_central_noise():
+    import inspect
+
+    import fl_lightning.strategies as strategies
+    from fl_lightning.strategies.base import Strategy
+
+    text = " ".join((ROOT / "docs" / "howto" / "privacy.md").read_text().split())
+    sentence = text[text.index("Only methods whose server sums or averages") :].split(";")[0]
+    central = {
+        cls.name
+        for cls in vars(strategies).values()
+        if inspect.isclass(cls) and issubclass(cls, Strategy) and cls.central_privacy
+    }
+    assert central >= {"FedAvg", "FedProto", "FD", "DS-FL"}
+    assert [name for name in sorted(central) if name not in sentence] == []
