@@ -2,8 +2,11 @@
 
 The unit of privacy is a client's whole upload of one round's phase: every tensor it sends is clipped, as one
 vector, to the L2 bound ``clip``, and Gaussian noise of standard deviation ``noise_multiplier * clip`` is added,
-either on the client before the upload leaves it (``where: client``, local DP) or once on the server to the sum or
-mean of the round's clipped uploads (``where: server``, central DP, for the methods whose aggregation is one).
+either on the client before the upload leaves it (``where: client``, local DP) or once on the server to the sum of
+the round's clipped uploads (``where: server``, central DP, for the methods whose aggregation is a sum or mean),
+which a mean divides by the expected number of uploads under the sampler, a number fixed before the round (as
+DP-FedAvg does): the number received changes when a client is added or removed, and would be released with it.
+The neighbouring relation is client-level: one client's whole contribution added or removed.
 What the bound applies to, per payload kind:
 
 - model weights (a role's weights, a header, a projector, a generator): the change from the weights the client
@@ -17,11 +20,12 @@ What the bound applies to, per payload kind:
 
 The example counts clients report (FedAvg's weights) are not sent: with privacy on every client counts as one.
 
-The accountant is Google's ``dp-accounting`` (RDP): each phase of each round is one Gaussian mechanism of the
-noise multiplier; with the :class:`~fl_lightning.federation.sampling.PoissonSampler` and central noise it is
-Poisson-subsampled at the sampler's rate (amplification); any other sampler, and local noise (the server knows
-who was sampled), count every step at rate 1. ``dp-accounting`` is the optional extra ``privacy`` and is imported
-only by a run with a ``privacy`` section.
+The accountant is Google's ``dp-accounting`` (RDP): each phase of each round whose uploads the server uses is one
+Gaussian mechanism of the noise multiplier (the phases of a round, on the same sampled clients, are accounted as
+one mechanism of their uploads side by side); with the :class:`~fl_lightning.federation.sampling.PoissonSampler`
+and central noise a round is Poisson-subsampled at the sampler's rate (amplification); any other sampler, and
+local noise (the server knows who was sampled), count every step at rate 1. ``dp-accounting`` is the optional
+extra ``privacy`` and is imported only by a run with a ``privacy`` section.
 """
 
 from __future__ import annotations
