@@ -337,6 +337,15 @@ def test_each_round_reports_the_epsilon_spent_and_the_summary_its_block(tmp_path
     }
 
 
+def test_the_progress_line_shows_the_epsilon_spent(tmp_path, capsys):
+    code, _ = _privacy_run(tmp_path, "run", "--runtime.progress", "true", rounds=2)
+    assert code == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("round ")]
+    for rnd, line in enumerate(lines, 1):
+        assert f"  epsilon {epsilon_spent(1.2, 1.0, rnd, 1e-3):.3g}  " in line
+    assert len(lines) == 2
+
+
 def test_central_noise_with_poisson_sampling_is_amplified_and_survives_empty_rounds(tmp_path):
     poisson = {"class_path": "fl_lightning.federation.sampling.PoissonSampler", "init_args": {"rate": 0.1}}
     code, out = _privacy_run(tmp_path, "poisson", sampler=poisson, privacy={"where": "server"})

@@ -211,7 +211,7 @@ class FederationOrchestrator:
             metrics = {**evaluated, **self.evaluator.validation_metrics()}
         self._check_finite(rnd, {**row, **(metrics or {})})
         if self.privacy is not None:  # spent after this round's uploads (infinite without noise)
-            row["privacy/epsilon"] = self.privacy.epsilon(rnd)
+            row[keys.PRIVACY_EPSILON] = self.privacy.epsilon(rnd)
         state.rounds_done = rnd
         state.elapsed = time.perf_counter() - started
         row[keys.ELAPSED_S] = state.elapsed

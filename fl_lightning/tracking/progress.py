@@ -112,6 +112,8 @@ class RoundProgress:
         parts = [] if self.last_value is None else [f"{self.monitor} {self.last_value:.4f}{when}"]
         if keys.TRAIN_LOSS in metrics:
             parts.append(f"{keys.TRAIN_LOSS} {metrics[keys.TRAIN_LOSS]:.4f}")
+        if keys.PRIVACY_EPSILON in metrics:  # the budget spent so far, with a privacy section
+            parts.append(f"epsilon {metrics[keys.PRIVACY_EPSILON]:.3g}")
         status = "  ".join(parts)
         if self.interactive:
             self.bar.update(self.task, completed=rnd, status=status, phase="")
