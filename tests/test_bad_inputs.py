@@ -764,6 +764,37 @@ CASES = [
     ),
     Case("unknown option of table", ["paper-001/table-5", "--seed", "1"], ["unknown option --seed"], command="table"),
     Case("unknown option of data fetch", ["fetch", "mnist", "--dir", "d"], ["unknown option --dir"], command="data"),
+    # ---------------------------------------------------------------- privacy
+    Case("privacy clip zero", ["--privacy.clip", "0", "--privacy.noise_multiplier", "1"], ["privacy.clip", "0.0"]),
+    Case("privacy delta one", ["--privacy.delta", "1", "--privacy.noise_multiplier", "1"], ["privacy.delta", "1.0"]),
+    Case("privacy epsilon zero", ["--privacy.target_epsilon", "0"], ["privacy.target_epsilon", "positive"]),
+    Case("privacy noise negative", ["--privacy.noise_multiplier", "-1"], ["privacy.noise_multiplier", "-1.0"]),
+    Case("privacy without noise or budget", ["--privacy.clip", "1"], ["noise_multiplier or a target_epsilon"]),
+    Case(
+        "privacy plan beyond the budget",
+        ["--privacy.noise_multiplier", "0.5", "--privacy.target_epsilon", "1", "--privacy.delta", "1e-3"],
+        ["the plan spends epsilon", "privacy.target_epsilon 1"],
+    ),
+    Case(
+        "privacy on the server of FedGH",
+        ["--config", str(ROOT / "recipes/digits_fedgh.yaml"), "--privacy.where", "server"]
+        + ["--privacy.noise_multiplier", "1", "--privacy.delta", "1e-3"],
+        ["where: server", "FedGH", "where: client"],
+        no_recipe=True,
+    ),
+    Case(
+        "privacy on the server with clients_per_round",
+        ["--strategy.clients_per_round", "{global: 3}", "--privacy.where", "server"]
+        + ["--privacy.noise_multiplier", "1", "--privacy.delta", "1e-3"],
+        ["where: server", "clients_per_round", "where: client"],
+    ),
+    Case(
+        "privacy in asynchronous mode",
+        ["--config", str(ROOT / "recipes/digits_fedhe_async.yaml"), "--privacy.noise_multiplier", "1"]
+        + ["--privacy.delta", "1e-3"],
+        ["privacy", "schedule"],
+        no_recipe=True,
+    ),
 ]
 
 

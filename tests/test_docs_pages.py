@@ -205,6 +205,28 @@ def check_sweep_on_validation(folder: Path, log: str) -> None:
     assert (folder / "report.html").is_file()
 
 
+def check_privacy(folder: Path, log: str) -> None:
+    """The accuracies, noise multipliers and epsilons the page quotes are its runs' own."""
+    page = "docs/howto/privacy.md"
+    text = " ".join((ROOT / page).read_text().split())
+
+    def final(run: str, metric: str) -> str:
+        return f"{_summary(folder, run)['final'][metric]:.3f}"
+
+    central = _summary(folder, "runs/dp/eps8")["privacy"]
+    local = _summary(folder, "runs/dp/fd_local")["privacy"]
+    assert _summary(folder, "runs/dp/clip")["privacy"]["epsilon"] is None  # no noise: no guarantee
+    said = re.search(r"noise multiplier of (\d\.\d{3}), spends epsilon (\d\.\d{3})", text).groups()
+    assert said == (f"{central['noise_multiplier']:.3f}", f"{central['epsilon']:.3f}")
+    assert (central["sampling_rate"], central["steps"], central["where"]) == (0.5, 20, "server")
+    assert re.search(r"\(noise multiplier (\d\.\d{3}),", text)[1] == f"{local['noise_multiplier']:.3f}"
+    assert local["epsilon"] <= 8.0 and local["where"] == "client"
+    quoted = _quoted(page, r"final test accuracy of #3, the clipped one #3;.*? and reaches #3\.")
+    assert quoted == [final(run, "global/test_acc") for run in ("runs/dp/none", "runs/dp/clip", "runs/dp/eps8")]
+    quoted = _quoted(page, r"reach a test accuracy of #3 without privacy and #3 with it")
+    assert quoted == [final(run, "personal/test_acc") for run in ("runs/dp/fd", "runs/dp/fd_local")]
+
+
 def check_wandb(folder: Path, log: str) -> None:
     for run in ("wandb_online/seed0", "wandb_offline/seed0", *(f"wandb_report/seed{s}" for s in (0, 1, 2))):
         (offline,) = (folder / "runs" / run / "wandb").glob("offline-run-*")
@@ -287,6 +309,10 @@ PAGES: dict[str, Page] = {
             "flrun table paper-001/table-5 -- --rounds 20": "63 runs on CIFAR-10, FEMNIST and Speech Commands",
         },
         check=check_paper_tables,
+    ),
+    "docs/howto/privacy.md": Page(
+        skipped={'pip install -e ".[privacy]"': "installs the package: the tests run in the environment it made"},
+        check=check_privacy,
     ),
     "docs/howto/python_api.md": Page(check=check_python_api),
     "docs/howto/sweep_on_validation.md": Page(

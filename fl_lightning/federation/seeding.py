@@ -46,6 +46,9 @@ class Stream(IntEnum):
     """torch's global generator while the strategy aggregates phase k of a round: ``SERVER_PHASE + k``."""
     FAULTS = SERVER_PHASE + 10  # MAX_PHASES: the server phases take 10..19
     """The fault injected into a client's task in a round (``robustness.Faults``)."""
+    PRIVACY = FAULTS + 1
+    """Differential privacy's Gaussian noise: a client's upload of a round's phase (the fifth number is the phase),
+    or the server's noise on an aggregate (``run/privacy.py``)."""
 
 
 MAX_PHASES = 10

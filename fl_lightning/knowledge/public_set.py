@@ -42,13 +42,20 @@ def received_positions(downlink: Mapping[str, Payload], name: str) -> Tensor | N
 def mean_upload(updates: Iterable[ClientUpdate], name: str, key: str) -> tuple[Tensor | None, list[ClientSpec]]:
     """The clients' ``name`` payloads' ``key`` tensors averaged in float64 (returned as float32), and the clients
     that sent them in arrival order; ``None`` when nobody did (DS-FL's soft labels, FedMD's consensus)."""
+    total, senders = sum_upload(updates, name, key)
+    return (None if total is None else (total / len(senders)).float()), senders
+
+
+def sum_upload(updates: Iterable[ClientUpdate], name: str, key: str) -> tuple[Tensor | None, list[ClientSpec]]:
+    """The clients' ``name`` payloads' ``key`` tensors summed in float64, and the clients that sent them in arrival
+    order; ``None`` when nobody did."""
     total: Tensor | None = None
     senders: list[ClientSpec] = []
     for update in updates:
         values = update.sent(name, TensorPayload).tensors[key].double()
         total = values if total is None else total + values
         senders.append(update.client)
-    return (None if total is None else (total / len(senders)).float()), senders
+    return total, senders
 
 
 def public_inputs(data_x: Tensor, public_indices: Tensor, positions: Tensor | None) -> Tensor:

@@ -40,6 +40,7 @@ from .asynchrony import AsynchronousSchedule
 from .checkpoint import check_shapes, load_checkpoint
 from .options import ExecutionPlan, RoundPlan, RunOutput
 from .orchestrator import FederationOrchestrator
+from .privacy import Privacy, dp_accounting_module
 from .provenance import hardware, versions
 from .robustness import Faults, Robustness
 from .run_dir import (
@@ -104,6 +105,7 @@ def fit(
     monitor: str | None = None,
     divergence: Literal["stop", "drop"] = "stop",
     faults: Faults | None = None,
+    privacy: Privacy | None = None,
     name: str | None = None,
     reference: dict[str, Any] | None = None,
     resolved_config: str | None = None,
@@ -137,6 +139,10 @@ def fit(
             ``faults/dropped_nonfinite``). Non-finite server or evaluation metrics always stop it.
         faults: faults injected into the clients (crash, nan, straggle, drop_upload rates; seeded per round
             and client); none when not given.
+        privacy: client-level differential privacy of every upload: each client's upload of a round clipped to
+            ``clip`` and Gaussian noise added on the client (``where: client``) or once to the aggregate on the
+            server (``where: server``); ``noise_multiplier`` given or calibrated from ``target_epsilon`` and
+            ``delta``; the epsilon spent is in ``metrics.csv`` and ``summary.json`` (needs the ``privacy`` extra).
         name: run name, used for the default output_dir and W&B; the recipe's file name by default.
         reference: the paper's reported numbers for this recipe (kept in summary.json for reports).
         resolved_config: the resolved YAML (written by the CLI; not a recipe option).
@@ -153,7 +159,7 @@ def fit(
     name = name or "run"
     plan, robustness, experiment, execution = _checked(
         data, models, strategy, population, sampler, schedule, training, evaluation, seed, runtime,
-        (rounds, eval_every, checkpoint_every, stop_after), faults, divergence,
+        (rounds, eval_every, checkpoint_every, stop_after), faults, divergence, privacy,
     )  # fmt: skip
     files = RunFiles(root)
     check_output_dir(files.root)
@@ -172,7 +178,7 @@ def check_options(options: dict[str, Any]) -> None:
         options["data"], options["models"], options["strategy"], options["population"], options["sampler"],
         options["schedule"], options["training"], options["evaluation"], options["seed"], options["runtime"],
         (options["rounds"], options["eval_every"], options["checkpoint_every"], options["stop_after"]),
-        options["faults"], options["divergence"],
+        options["faults"], options["divergence"], options.get("privacy"),
     )  # fmt: skip
 
 
@@ -190,12 +196,15 @@ def _checked(
     counts: tuple[int, int, int, int | None],
     faults: Faults | None,
     divergence: Literal["stop", "drop"],
+    privacy: Privacy | None = None,
 ) -> tuple[RoundPlan, Robustness, _Experiment, ExecutionPlan]:
     """The run's options, each checked as its part is made (nothing is written or loaded)."""
     plan = RoundPlan(*counts)  # the counts, checked here once
     robustness = Robustness(faults, divergence)
+    if privacy is not None:
+        dp_accounting_module()  # the extra is installed, or one sentence before anything is loaded
     experiment = _Experiment(
-        data, models, strategy, population, sampler or UniformSampler(), schedule, training, evaluation, seed
+        data, models, strategy, population, sampler or UniformSampler(), schedule, training, evaluation, seed, privacy
     )
     robustness.check_clients(len(experiment.clients))  # fault ids against the population
     execution = ExecutionPlan.of(runtime, training, schedule)  # the executor against the schedule and optimizer state
@@ -216,6 +225,7 @@ class _Experiment:
     training: LocalTraining
     evaluation: PersonalEvaluation | None
     seed: int
+    privacy: Privacy | None = None
     clients: list[ClientSpec] = field(init=False)
 
     def __post_init__(self):
@@ -277,6 +287,7 @@ def _run(
         robustness=robustness,
         schedule=experiment.schedule,
         evaluation=experiment.evaluation,
+        privacy=experiment.privacy,
     )
     if checkpoint is not None:  # the server state set up for this recipe against the one saved
         check_shapes(checkpoint, "strategy", experiment.strategy.state_dict())

@@ -30,6 +30,7 @@ from ..client.flops import role_step_flops
 from ..client.loop import LocalLoop
 from ..data import FederatedData
 from ..distributed.ranks import current_ranks
+from ..federation.errors import ConfigError
 from ..federation.sampling import ClientSampler
 from ..federation.seeding import Owner, Stream, derive_seed, seed_torch, server_phase
 from ..federation.types import ClientSpec, ClientTask, ClientUpdate
@@ -40,6 +41,7 @@ from ..tracking import metric_keys as keys
 from .asynchrony import AsynchronousRounds, AsynchronousSchedule
 from .client_store import CLIENTS_DIR
 from .options import ExecutionPlan, RoundPlan, RunOutput
+from .privacy import Privacy, PrivacyMechanism
 from .robustness import FIX, LOWER_RATES, Diverged, Robustness, nonfinite_metrics, nonfinite_parts, poison
 from .sharding import ShardedPhases
 from .state import RunState
@@ -62,6 +64,7 @@ class FederationOrchestrator:
         robustness: the faults injected into the clients and the divergence policy.
         schedule: asynchronous mode (simulated clock and client speeds); synchronous rounds when None.
         evaluation: which clients a personalized evaluation covers (all of them at every evaluation by default).
+        privacy: differential privacy of every client upload (``privacy.py``); none when None.
 
     Example::
 
@@ -90,6 +93,7 @@ class FederationOrchestrator:
         robustness: Robustness = Robustness(),  # noqa: B008 (frozen)
         schedule: AsynchronousSchedule | None = None,
         evaluation: PersonalEvaluation | None = None,
+        privacy: Privacy | None = None,
     ):
         self.strategy, self.clients, self.sampler = strategy, clients, sampler
         self.loop, self.data, self.seed = loop, data, seed
@@ -115,6 +119,8 @@ class FederationOrchestrator:
         check_evaluation_split(strategy, server)
         self.phases = phase_table(strategy)  # once: the round loop reads phases, never phase names
         self.client_work = {phase.name: phase.client_update for phase in self.phases}
+        self.phase_numbers = {phase.name: number for number, phase in enumerate(self.phases)}
+        self.privacy = None if privacy is None else self._privacy(privacy, server)
         self.asynchronous = (
             AsynchronousRounds(
                 schedule, self.phases, clients, self.state.ledger, seed, self._run_client, robustness.faults
@@ -131,15 +137,53 @@ class FederationOrchestrator:
         if self.uncounted:
             self.state.train_flops = None  # a role's steps without their cost: no total rather than a low one
 
+    def _privacy(self, privacy: Privacy, server: ServerContext) -> PrivacyMechanism:
+        """The run's privacy mechanism, once its plan is checked (refused before round 1 in one sentence)."""
+        method = type(self.strategy).__name__
+        if self.schedule is not None:
+            raise ConfigError(
+                "privacy accounts synchronous rounds only; remove schedule (asynchronous mode) or privacy."
+            )
+        if privacy.where == "server" and not self.strategy.central_privacy:
+            raise ConfigError(
+                f"privacy where: server needs an aggregate that is a sum or mean of the uploads, and {method}'s "
+                "server uses each upload on its own; use where: client."
+            )
+        if privacy.where == "server" and getattr(self.strategy, "clients_per_round", None):
+            raise ConfigError(
+                f"privacy where: server counts the clients the sampler draws, and {method}'s clients_per_round draws "
+                "its own; remove clients_per_round or use where: client."
+            )
+        # the phases whose uploads the server uses: one without an aggregate drops its uploads, releasing nothing
+        released = max(1, sum(phase.aggregate is not None for phase in self.phases))
+        mechanism = PrivacyMechanism(
+            privacy,
+            self.sampler,
+            len(self.clients),
+            self.plan.rounds,
+            released,
+            self.data.num_classes,
+            self.seed,
+            population=self.clients if privacy.where == "server" else None,
+        )
+        server.whole_class_tables = True
+        if privacy.where == "server":
+            server.central_noise = mechanism.central_noise
+        return mechanism
+
     # ------------------------------------------------------------------ the round loop
     def run_rounds(self, checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
         """Runs the remaining rounds (all of them, or those after ``checkpoint``); returns the summary."""
         state = self.state
         if checkpoint is not None:
             state.restore(checkpoint, self.strategy, self.loop, self.schedule)
+            if self.privacy is not None and state.privacy is not None:  # the noise multiplier of the rounds done
+                self.privacy.load_state_dict(state.privacy)
             state.use_monitor(self.monitor)
         else:
             state.client_states.start()  # client files a killed start left behind go
+        if self.privacy is not None:
+            state.privacy = self.privacy.state_dict()
         device = self.loop.fabric.device.type
         self.progress = RoundProgress(self.output.progress, self.plan.rounds, state.rounds_done, self.monitor, device)
         started = time.perf_counter() - state.elapsed
@@ -166,6 +210,8 @@ class FederationOrchestrator:
                 evaluated = self.strategy.evaluate(self.evaluator)
             metrics = {**evaluated, **self.evaluator.validation_metrics()}
         self._check_finite(rnd, {**row, **(metrics or {})})
+        if self.privacy is not None:  # spent after this round's uploads (infinite without noise)
+            row[keys.PRIVACY_EPSILON] = self.privacy.epsilon(rnd)
         state.rounds_done = rnd
         state.elapsed = time.perf_counter() - started
         row[keys.ELAPSED_S] = state.elapsed
@@ -201,6 +247,8 @@ class FederationOrchestrator:
         summary["compute"] = {"train_flops": state.train_flops, "step_flops": dict(self.step_flops)}
         if self.uncounted:
             summary["compute"]["not_counted"] = dict(self.uncounted)
+        if self.privacy is not None:
+            summary["privacy"] = self.privacy.summary(state.rounds_done)
         if self.ranks.writes:
             self.files.write_json(self.files.summary, summary)
         return summary
@@ -253,6 +301,8 @@ class FederationOrchestrator:
         """One synchronous round: every phase's tasks, their updates streamed into ``aggregate``."""
         rng = np.random.default_rng(derive_seed(self.seed, rnd, Owner.SERVER, Stream.SAMPLER))
         sampled = self.sampler.sample(rnd, self.clients, rng)
+        if self.privacy is not None:
+            self.privacy.begin_round(rnd)
         num_tasks, server_metrics = 0, {}
         for number, phase in enumerate(self.phases):
             with user_method(phase.configure):
@@ -265,7 +315,7 @@ class FederationOrchestrator:
                 updates = self._client_updates(rnd, tasks, tally)
             else:  # this rank trains its share; every rank gets every update, in task order (sharding.py)
                 updates = self.sharded.updates(rnd, tasks, self._client_updates, tally, self.progress)
-            if self.robustness.may_lose_updates:  # is any update left?
+            if self.robustness.may_lose_updates or self.sampler.may_be_empty:  # is any update left?
                 first = next(updates, None)
                 if first is None:  # the server keeps its state; aggregate never sees an empty phase
                     tally.count("phases_without_updates")
@@ -316,6 +366,8 @@ class FederationOrchestrator:
         work = self.client_work[task.phase]
         with user_method(work):
             update = work(task, ctx)
+        if self.privacy is not None:  # clipped (and noised) before it leaves the client
+            update = self.privacy.privatize(type(self.strategy).__name__, task, update, self.phase_numbers[task.phase])
         ctx.finish()
         self.state.shares.trained(client.id)  # summary.json's ranks block
         tally.add_steps(ctx.trained_steps)  # trained, whether or not its update arrives

@@ -148,6 +148,7 @@ class RunState:
         # handed to clients as ctx.state and to the evaluator; checkpoints name its files (client_store.py)
         self.client_states = ClientStateStore(client_dir, client_state_memory_mb, device)
         self.ledger = CommunicationLedger()
+        self.privacy: dict[str, Any] | None = None  # the privacy mechanism's state (its noise multiplier), if any
         self.events: dict[str, int] = {}  # lost updates over the run, by cause (robustness.py)
         self.train_flops: int | None = 0  # the clients' local training FLOPs so far (client/flops.py); None: unknown
 
@@ -210,6 +211,7 @@ class RunState:
             "run_info": self.run_info,
             "config": self.config,
             "schedule": schedule.state_dict() if schedule is not None else None,
+            **({"privacy": self.privacy} if self.privacy is not None else {}),
         }
 
     def save(
@@ -241,6 +243,7 @@ class RunState:
         self.history, self.best, self.elapsed = state["history"], state["best"], state["elapsed"]
         self.last_eval = state["last_eval"]
         set_rng_state(state["rng"])
+        self.privacy = state.get("privacy")
         if schedule is not None:
             schedule.load_state_dict(state["schedule"])
 

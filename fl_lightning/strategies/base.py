@@ -72,6 +72,21 @@ class ServerContext:
     seed: int
     _loop: LocalLoop
     method: str = "the strategy"
+    central_noise: Callable[[Mapping[str, Tensor], list[ClientSpec]], tuple[dict[str, Tensor], float]] | None = None
+    """Central differential privacy's noise (set by the run when ``privacy.where`` is ``server``; see
+    :meth:`private_sum`)."""
+    whole_class_tables: bool = False
+    """Uploads pass differential privacy's mechanism, which sends per-class tables with a row for every class."""
+
+    def private_sum(self, total: Mapping[str, Tensor], senders: list[ClientSpec]) -> tuple[dict[str, Tensor], float]:
+        """Central differential privacy of an aggregate: ``total``, the sum of the round's uploads to it (each
+        clipped by the run), with Gaussian noise, and the expected number of uploads from ``senders`` (the clients
+        that may send to it) to divide it by for their mean. A mean over the uploads that came would release how
+        many did, and so whether a client took part; DP-FedAvg divides by this fixed number. A strategy whose
+        aggregate is such a mean or sum calls it when ``central_noise`` is set and sets ``central_privacy``."""
+        if self.central_noise is None:
+            raise RuntimeError(f"{self.method} asked for central privacy's noise in a run without where: server")
+        return self.central_noise(total, senders)
 
     # ------------------------------------------------------------------ the run
     def progress(self, rnd: int) -> float:
@@ -384,6 +399,7 @@ class Strategy(Bounded, metaclass=_StrategyMeta):
     # whether the method reads a model's features and head apart (prototypes, representations, a swapped head):
     # a LightningModule client model must then declare them (client/lightning.py); whole-model methods need not
     needs_split: bool = False
+    central_privacy: ClassVar[bool] = False  # its aggregate is a sum or mean of uploads, noised by server.private_sum
     state: Any = None  # the server state, a dataclass that setup builds (see above)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -20,6 +20,7 @@ from ..knowledge.distillation import kl_to_targets
 from ..knowledge.public_set import (
     eval_logits,
     mean_upload,
+    sum_upload,
     target_batches,
 )
 from .base import PersonalModels, Phase, ServerContext, Split, Strategy
@@ -47,6 +48,12 @@ class DSFL(PersonalModels, Strategy):
     * ``distill``: the same clients train on the open batch against these soft labels,
       ``-sum_c p_c log softmax(z)_c`` (computed as the KL, same gradient), for ``distill_steps`` steps.
 
+    ``upload: votes`` sends each open example's predicted class as a one-hot row instead (PATE's teachers'
+    votes), and ``aggregation: plurality`` sends back each example's most voted class, one-hot. With a
+    ``privacy`` section and ``where: server`` the server adds the Gaussian noise to the sum of the uploads (the
+    vote counts) and divides by the expected number of uploads: votes, plurality and central noise together are
+    PATE's GNMax (Papernot et al., ICLR 2018), each open example one noisy-argmax query.
+
     The open set is the server's public set (``data.server_fraction``), held by every client, its labels
     never read. ``open_size: n`` draws n of its examples per round and sends their positions (``n`` int32
     down). No server model is trained. How the temperature and upload options map to AIJack's versions and
@@ -54,15 +61,18 @@ class DSFL(PersonalModels, Strategy):
 
     Args:
         open_size: open-set examples per round (``None``: all of them).
-        aggregation: ``era`` (entropy reduction) or ``sa`` (simple average of the probabilities).
+        aggregation: ``era`` (entropy reduction), ``sa`` (simple average of the probabilities) or ``plurality``
+            (each example's class of the largest average, one-hot).
         era_temperature: T of ERA.
         distill_steps: distillation steps per round (``None``: one pass over the open batch).
         distill_batch_size: examples per distillation step (``None``: the training batch size).
-        upload: what clients send, ``probs`` (softmax outputs, the paper) or ``logits`` (early AIJack).
+        upload: what clients send, ``probs`` (softmax outputs, the paper), ``logits`` (early AIJack) or ``votes``
+            (the predicted class, one-hot).
         split: where personal models are evaluated (``global`` test set or the local ``test`` split).
     """
 
     name = "DS-FL"
+    central_privacy = True  # the soft labels are a function of the uploads' sum alone
     # within a round only, never checkpointed: the clients that uploaded and the soft labels they get back
     uploaders: list[ClientSpec]
     global_probs: Tensor | None
@@ -70,11 +80,11 @@ class DSFL(PersonalModels, Strategy):
     def __init__(
         self,
         open_size: int | None = None,
-        aggregation: Literal["era", "sa"] = "era",
+        aggregation: Literal["era", "sa", "plurality"] = "era",
         era_temperature: Positive = 0.1,
         distill_steps: NonNegativeInt | None = None,
         distill_batch_size: PositiveInt | None = None,
-        upload: Literal["probs", "logits"] = "probs",
+        upload: Literal["probs", "logits", "votes"] = "probs",
         split: Split = "global",
     ):
         if aggregation == "sa" and upload == "logits":
@@ -106,15 +116,32 @@ class DSFL(PersonalModels, Strategy):
         outputs = eval_logits(module, x_open, ctx.eval_batch_size)
         if self.upload == "probs":
             outputs = F.softmax(outputs, dim=1)
+        elif self.upload == "votes":  # one vote per example, a row of norm 1
+            outputs = F.one_hot(outputs.argmax(1), outputs.shape[1]).float()
         uplink = {"open_outputs": TensorPayload("open_outputs", {"outputs": outputs})}
         return self.keep_own(task, ctx, uplink, {f"{role}/loss": loss})
 
     def aggregate_soft_labels(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
-        mean, self.uploaders = mean_upload(updates, "open_outputs", "outputs")
+        if self.server.central_noise is None:
+            mean, self.uploaders = mean_upload(updates, "open_outputs", "outputs")
+        else:  # central privacy: the noised sum over the expected number of uploads
+            total, self.uploaders = sum_upload(updates, "open_outputs", "outputs")
+            if total is not None:
+                noised, expected = self.server.private_sum({"outputs": total}, self.server.clients)
+                total = (noised["outputs"] / expected).float()
+            mean = total
         if mean is None:
             self.global_probs = None
             return {}
-        self.global_probs = entropy_reduction(mean, self.era_temperature) if self.aggregation == "era" else mean
+        if self.aggregation == "era":
+            self.global_probs = entropy_reduction(mean, self.era_temperature)
+        elif self.aggregation == "plurality":
+            self.global_probs = F.one_hot(mean.argmax(1), mean.shape[1]).float()
+        elif bool((mean < 0).any()):  # noised (privacy) probabilities: back onto the simplex, post-processing
+            clamped = mean.clamp_min(0)
+            self.global_probs = clamped / clamped.sum(1, keepdim=True).clamp_min(1e-12)
+        else:
+            self.global_probs = mean
         entropy = -(self.global_probs * self.global_probs.clamp_min(1e-12).log()).sum(1).mean()
         return {"server/soft_label_entropy": float(entropy)}
 

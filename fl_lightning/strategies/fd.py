@@ -73,6 +73,7 @@ class FD(PersonalModels, Strategy):
     """
 
     state: FDState
+    central_privacy = True
 
     def __init__(
         self, lam: NonNegative = 1.0, temperature: Positive = 1.0, exclude_own: bool = True, split: Split = "global"
@@ -140,6 +141,8 @@ class FD(PersonalModels, Strategy):
         else:  # rows in the order of the labels this client uploaded last
             sent = ctx.state.get("sent_labels")
             rows = task.received("teacher_logits", TensorPayload).tensors["logits"].cpu()
+            if self.server.whole_class_tables:  # privacy sent a row of every class, so every class's row comes back
+                sent = torch.arange(c)
             if sent is None or len(sent) != len(rows):
                 raise RuntimeError(
                     f"FD client {task.client.id} received {len(rows)} teacher rows for the labels of its last "
@@ -164,4 +167,7 @@ class FD(PersonalModels, Strategy):
             state.round_sums.index_add_(0, labels, logits.double())
             state.round_counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
             state.last_uploads[update.client.id] = {"labels": labels.to(torch.int32), "logits": logits}
+        if self.server.central_noise is not None:  # central privacy: the noised sums over the expected uploads
+            noised, expected = self.server.private_sum({"sums": state.round_sums}, self.server.clients)
+            state.round_sums, state.round_counts = noised["sums"], torch.full_like(state.round_counts, expected)
         return {"server/labels_with_logits": float((state.round_counts > 0).sum())}

@@ -52,6 +52,7 @@ class FedAvg(Strategy):
     """
 
     state: FedAvgState
+    central_privacy = True
 
     def __init__(
         self, roles: list[str] | None = None, weighted: bool = True, clients_per_round: dict[str, int] | None = None
@@ -119,7 +120,21 @@ class FedAvg(Strategy):
         for update in updates:
             for role in update.uplink:
                 averages[role].add(update.sent(role, ModelWeights).state, update.num_samples if self.weighted else 1.0)
-        return {role: average.result() for role, average in averages.items() if average.count}
+        results = {role: average.result() for role, average in averages.items() if average.count}
+        if self.server.central_noise is not None:  # central differential privacy (run/privacy.py)
+            return {role: self.private_average(role, mean, averages[role].count) for role, mean in results.items()}
+        return results
+
+    def private_average(self, role: Role, mean: StateDict, count: int) -> StateDict:
+        """Central privacy's FedAvg (DP-FedAvg): each upload was the weights this round sent plus a clipped change,
+        so ``count * (mean - sent)`` is the sum of the changes; the new weights are the weights sent plus that sum,
+        noised, over the expected number of uploads of ``role`` (not ``count``, which would tell who took part).
+        Integer buffers, sent back as received, stay."""
+        sent = self.outgoing(role, self.state.global_weights[role]).state
+        changes = {k: (v.double() - sent[k].double()) * count for k, v in mean.items() if v.dtype.is_floating_point}
+        holders = [c for c in self.server.clients if role in c.roles]
+        noised, expected = self.server.private_sum(changes, holders)
+        return {k: (sent[k].double() + noised[k] / expected).to(v.dtype) if k in noised else v for k, v in mean.items()}
 
     def evaluate(self, evaluator: Evaluator) -> dict[str, float]:
         return global_metrics(evaluator, self.state.global_weights)

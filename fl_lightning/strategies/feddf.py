@@ -43,6 +43,8 @@ class FedDF(FedAvg):
         (roles, weighted: as FedAvg; ``weighted: true`` is Algorithm 1's n_k / n)
     """
 
+    central_privacy = False  # the ensemble predicts with every received model, not with their mean
+
     def __init__(
         self,
         steps: NonNegativeInt = 500,

@@ -97,6 +97,7 @@ class FedProto(PersonalModels, Strategy):
     needs_split = True  # reads the models' features and head apart
 
     state: FedProtoState
+    central_privacy = True
 
     def __init__(
         self,
@@ -175,6 +176,9 @@ class FedProto(PersonalModels, Strategy):
                 weights = torch.zeros(self.num_classes, dtype=torch.float64)
                 weights[labels] = upload.vectors["counts"][:, 0].detach().cpu().double()
             bank.add(vectors, present, weights)
+        if self.server.central_noise is not None:  # central privacy: the noised sums over the expected uploads
+            noised, expected = self.server.private_sum({"sums": bank.sums}, self.server.clients)
+            bank.sums, bank.counts = noised["sums"], torch.full_like(bank.counts, expected)
         return {"server/classes_with_prototype": float(bank.available.sum())}
 
     # ------------------------------------------------------------------ evaluation

@@ -10,6 +10,7 @@ A round's row holds, besides the strategy's own server and evaluation metrics:
 - ``faults/<event>``: injected faults and their effects, when the run injects any;
 - ``comm/...``: bytes sent that round and in total, and MiB per client so far;
 - ``compute/...``: training FLOPs so far, in total and in GFLOPs per client (when every role's step is counted);
+- ``privacy/epsilon``: the differential privacy budget spent so far, with a ``privacy`` section;
 - ``time/elapsed_s``: seconds since the run started (a resumed run's earlier time included).
 """
 
@@ -29,6 +30,7 @@ DOWNLINK_BYTES = "comm/downlink_bytes"
 MIB_PER_CLIENT = "comm/mib_per_client"
 
 TRAIN_FLOPS = "compute/train_flops"
+PRIVACY_EPSILON = "privacy/epsilon"
 GFLOPS_PER_CLIENT = "compute/gflops_per_client"
 
 ELAPSED_S = "time/elapsed_s"

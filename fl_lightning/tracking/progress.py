@@ -126,11 +126,14 @@ class RoundProgress:
         when = "" if self.last_evaluated == rnd else f" (round {self.last_evaluated})"
         value = "" if self.last_value is None else f"{self.monitor} {self.last_value:.4f}"
         loss = f"{keys.TRAIN_LOSS} {metrics[keys.TRAIN_LOSS]:.4f}" if keys.TRAIN_LOSS in metrics else ""
-        status = "  ".join(part for part in (value and value + when, loss) if part)
-        if self.interactive:  # a narrow terminal drops the loss first, then shortens the value's words
+        # the budget spent so far, with a privacy section
+        spent = f"epsilon {metrics[keys.PRIVACY_EPSILON]:.3g}" if keys.PRIVACY_EPSILON in metrics else ""
+        status = "  ".join(part for part in (value and value + when, loss, spent) if part)
+        if self.interactive:  # a narrow terminal drops the loss first, then the budget, then shortens the value
             tail, number = self.monitor.rsplit("/", 1)[-1], value.rsplit(" ", 1)[-1]
             brief = f" (r{self.last_evaluated})" if when else ""
-            forms = [status, value + when, value + brief, f"{tail} {number}{brief}", f"{tail} {number}"]
+            with_budget = "  ".join(part for part in (value + when, spent) if part)
+            forms = [status, with_budget, value + when, value + brief, f"{tail} {number}{brief}", f"{tail} {number}"]
             self.statuses = list(dict.fromkeys(forms)) if value else [status]
             self._show(phase="", completed=rnd)
             return
