@@ -333,6 +333,7 @@ FEDPCL_MLPS = (
             ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
             # every client's prototypes as anchors; frozen backbones under the projection
             ("digits_fedpcl.yaml", FEDPCL_MLPS),
+            ("digits_fedntd.yaml", ()),  # one frozen global model that every client of the round distils from
         ],
         pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),
@@ -383,6 +384,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
             ("digits_lg_fedavg.yaml", ()),
             ("digits_weak_only.yaml", ()),
             ("digits_strong_only.yaml", ()),
+            ("digits_fedntd.yaml", ()),  # the not-true classes gathered per row; PAD rows left out of the KL
         ],
         pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),

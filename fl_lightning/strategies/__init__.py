@@ -17,6 +17,7 @@ from .fedktl import FedKTL
 from .fedl2g import FedL2G
 from .fedmd import FedMD
 from .fedmrl import FedMRL
+from .fedntd import FedNTD
 from .fedpcl import FedPCL
 from .fedproto import FedProto
 from .fedtgp import FedTGP
@@ -50,6 +51,7 @@ __all__ = [
     "FedL2G",
     "FedMD",
     "FedMRL",
+    "FedNTD",
     "FedPCL",
     "FedProto",
     "FedTGP",
