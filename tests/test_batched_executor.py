@@ -334,6 +334,7 @@ FEDPCL_MLPS = (
             # every client's prototypes as anchors; frozen backbones under the projection
             ("digits_fedpcl.yaml", FEDPCL_MLPS),
             ("digits_fedntd.yaml", ()),  # one frozen global model that every client of the round distils from
+            ("digits_ccvr.yaml", ()),  # FedAvg's steps, then every client's class moments and the calibration
         ],
         pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),

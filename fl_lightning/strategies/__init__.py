@@ -1,6 +1,7 @@
 """Federated strategies, one algorithm per file."""
 
 from .base import ServerContext, Strategy
+from .ccvr import CCVR
 from .codistillation import Codistillation
 from .dsfl import DSFL
 from .fd import FD
@@ -33,6 +34,7 @@ from .standalone import Standalone
 from .velo import Velo
 
 __all__ = [
+    "CCVR",
     "DSFL",
     "FD",
     "FML",
