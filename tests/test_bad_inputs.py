@@ -558,6 +558,12 @@ CASES = [
         no_recipe=True,
     ),
     Case(
+        "FedETF temperature zero",
+        ["--config", "recipes/digits_fedetf.yaml", "--strategy.init_args.scale_init", "0"],
+        ["FedETF scale_init must be > 0, got 0.0."],
+        no_recipe=True,
+    ),
+    Case(
         "CCVR no virtual features",
         ["--config", "recipes/digits_ccvr.yaml", "--strategy.init_args.virtual_per_class", "0"],
         ["CCVR virtual_per_class must be >= 1, got 0."],

@@ -449,6 +449,21 @@ def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_s
     assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
 
 
+def test_fedetf_trains_beta_beside_the_model_one_client_at_a_time_and_personalises_the_same(tmp_path):
+    """FedETF's beta trains with the model (fit_jointly) and its last round fine-tunes every client's ETF and
+    projection: the batched executor runs all of it as the sequential loop does, bit for bit, and says why."""
+    extra = ("--strategy.init_args.finetune_cycles", "1")
+    sequential, weights = _run(tmp_path, "digits_fedetf.yaml", "sequential", *extra)
+    batched, batched_weights = _run(tmp_path, "digits_fedetf.yaml", "batched", *extra)
+    fits = 2 * 10 + 20  # 2 rounds x 10 sampled clients, then every client's personalisation
+    assert batched["executor"]["sequential_reasons"] == {
+        "models trained together (fit_jointly) train one client at a time": fits
+    }
+    assert batched["final"] == sequential["final"] and "personal/test_acc" in batched["final"]
+    assert weights.keys() == batched_weights.keys() and weights
+    assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
 def test_fedktl_batches_its_first_rounds_fits_and_trains_model_and_projection_together_after(tmp_path):
     """FedKTL's round 1 is the ArcFace step alone, pure, so batched; from round 2 each client trains its model and
     the projection to the generator's latents together (fit_jointly), one client at a time, and the summary

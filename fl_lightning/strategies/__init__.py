@@ -8,6 +8,7 @@ from .fd import FD
 from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .feddf import FedDF
+from .fedetf import FedETF
 from .fedgems import FedGEMS
 from .fedgen import FedGen
 from .fedgh import FedGH
@@ -43,6 +44,7 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedDF",
+    "FedETF",
     "FedGEMS",
     "FedGen",
     "FedGH",
