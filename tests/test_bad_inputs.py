@@ -564,6 +564,12 @@ CASES = [
         no_recipe=True,
     ),
     Case(
+        "FedNH smoothing above one",
+        ["--config", "recipes/digits_fednh.yaml", "--strategy.init_args.smoothing", "1.5"],
+        ["FedNH smoothing must be"],
+        no_recipe=True,
+    ),
+    Case(
         "CCVR no virtual features",
         ["--config", "recipes/digits_ccvr.yaml", "--strategy.init_args.virtual_per_class", "0"],
         ["CCVR virtual_per_class must be >= 1, got 0."],

@@ -464,6 +464,19 @@ def test_fedetf_trains_beta_beside_the_model_one_client_at_a_time_and_personalis
     assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
 
 
+def test_fednh_trains_its_scale_beside_the_extractor_one_client_at_a_time(tmp_path):
+    """FedNH's scale trains with the extractor (fit_jointly): the batched executor runs it as the sequential loop
+    does, bit for bit, and says why."""
+    sequential, weights = _run(tmp_path, "digits_fednh.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_fednh.yaml", "batched")
+    assert batched["executor"]["sequential_reasons"] == {
+        "models trained together (fit_jointly) train one client at a time": 2 * 10
+    }
+    assert batched["final"] == sequential["final"]
+    assert weights.keys() == batched_weights.keys() and weights
+    assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
 def test_fedktl_batches_its_first_rounds_fits_and_trains_model_and_projection_together_after(tmp_path):
     """FedKTL's round 1 is the ArcFace step alone, pure, so batched; from round 2 each client trains its model and
     the projection to the generator's latents together (fit_jointly), one client at a time, and the summary

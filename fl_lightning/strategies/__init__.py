@@ -19,6 +19,7 @@ from .fedktl import FedKTL
 from .fedl2g import FedL2G
 from .fedmd import FedMD
 from .fedmrl import FedMRL
+from .fednh import FedNH
 from .fedntd import FedNTD
 from .fedpcl import FedPCL
 from .fedproto import FedProto
@@ -55,6 +56,7 @@ __all__ = [
     "FedL2G",
     "FedMD",
     "FedMRL",
+    "FedNH",
     "FedNTD",
     "FedPCL",
     "FedProto",
