@@ -10,18 +10,19 @@ from fl_lightning.data import DigitsData
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights, TensorPayload
+from fl_lightning.knowledge.cosine_classifier import cosine_logits
 from fl_lightning.models import ModelSpec
 from fl_lightning.strategies import FedETF
-from fl_lightning.strategies.fedetf import balanced_softmax_loss, etf_logits
+from fl_lightning.strategies.fedetf import balanced_softmax_loss
 
 SMALL = {"small": ModelSpec("digits_cnn", {"width": 0.25})}  # 16 features, a Linear(16, 10) projection
 LOCAL = dict(data=DigitsData(local_split=(0.8, 0.1, 0.1)))
 
 
-def test_etf_logits_scale_the_cosines_to_the_class_vectors():
+def test_cosine_logits_scale_the_cosines_to_the_class_vectors():
     projected = torch.tensor([[3.0, 4.0], [0.0, -2.0]])  # unit: (0.6, 0.8) and (0, -1)
     etf = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]])
-    logits = etf_logits(projected, etf, torch.tensor(2.0))
+    logits = cosine_logits(projected, etf, torch.tensor(2.0))
     assert torch.allclose(logits, torch.tensor([[1.2, -1.2, 1.6], [0.0, 0.0, -2.0]]))
 
 
@@ -75,7 +76,7 @@ def test_the_folded_model_predicts_the_nearest_class_vector():
     model = server.model("small").eval()
     x = server.data.x[:64]
     with torch.no_grad():
-        fedetf = etf_logits(model.head(model.features(x)), strategy.state.etf, strategy.state.scale)
+        fedetf = cosine_logits(model.head(model.features(x)), strategy.state.etf, strategy.state.scale)
         model.load_state_dict(strategy.folded(strategy.state.global_weights["small"]))
         folded = model(x)
     assert torch.equal(folded.argmax(1), fedetf.argmax(1))

@@ -10,9 +10,9 @@ from conftest import ROOT, client_update, method_env, read_summary, run_cli
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights, TensorPayload
+from fl_lightning.knowledge.cosine_classifier import cosine_logits
 from fl_lightning.models import ModelSpec
 from fl_lightning.strategies import FedNH
-from fl_lightning.strategies.fedetf import etf_logits
 from fl_lightning.strategies.fednh import prototype_update
 
 SMALL = {"small": ModelSpec("digits_cnn", {"width": 0.25})}  # 16 features, 10 classes
@@ -106,7 +106,7 @@ def test_the_folded_model_predicts_the_nearest_prototype():
     model = server.model("small").eval()
     x = server.data.x[:64]
     with torch.no_grad():
-        fednh = etf_logits(model.features(x), strategy.state.prototypes, strategy.state.scale)
+        fednh = cosine_logits(model.features(x), strategy.state.prototypes, strategy.state.scale)
         model.load_state_dict(strategy.folded(strategy.state.global_weights["small"]))
         folded = model(x)
     assert torch.equal(folded.argmax(1), fednh.argmax(1))

@@ -9,7 +9,7 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
@@ -29,6 +29,7 @@ from ..federation.types import (
     load_exchanged,
 )
 from ..knowledge import WeightedAverage
+from ..knowledge.cosine_classifier import Scale, cosine_logits
 from ..knowledge.latent_alignment import simplex_etf
 from ..models.base import FeatureClassifier
 from .base import Phase, ServerContext, Split, global_metrics
@@ -42,19 +43,6 @@ class FedETFState(FedAvgState):
     etf: Tensor  # [C, C] the fixed class vectors (rows, unit length)
     scale: Tensor  # [] beta, the learnable temperature, averaged like the weights
     personalized: bool
-
-
-class Scale(nn.Module):
-    """FedETF's learnable temperature beta, one scalar trained with the model (a helper of the fit)."""
-
-    def __init__(self, value: float = 1.0):
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(float(value)))
-
-
-def etf_logits(projected: Tensor, etf: Tensor, scale: Tensor) -> Tensor:
-    """``beta * normalize(p) @ etf^T``: the unit-length projection against the fixed class vectors, scaled."""
-    return scale * F.normalize(projected, dim=1) @ etf.T
 
 
 def balanced_softmax_loss(logits: Tensor, labels: Tensor, log_prior: Tensor) -> Tensor:
@@ -158,7 +146,7 @@ class FedETF(FedAvg):
         def step(modules, batch, i):
             x, y = batch
             model = modules[role].model
-            logits = etf_logits(model.head(model.features(x)), etf, scale.scale)
+            logits = cosine_logits(model.head(model.features(x)), etf, scale.scale)
             return {role: balanced_softmax_loss(logits, y, log_prior)}
 
         losses = fit_jointly(ctx, (role,), step, helpers=[scale])
@@ -219,9 +207,9 @@ class FedETF(FedAvg):
             if train_etf:
                 with torch.no_grad():
                     projected = model.head(h)
-                logits = etf_logits(projected, etf, beta)
+                logits = cosine_logits(projected, etf, beta)
             else:
-                logits = etf_logits(model.head(h), etf.detach(), beta)
+                logits = cosine_logits(model.head(h), etf.detach(), beta)
             F.cross_entropy(logits, y).backward()
             optimizer.step()
 

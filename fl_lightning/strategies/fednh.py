@@ -28,9 +28,9 @@ from ..federation.types import (
     load_exchanged,
 )
 from ..knowledge import WeightedAverage
+from ..knowledge.cosine_classifier import Scale, cosine_logits
 from .base import ServerContext, global_metrics
 from .fedavg import FedAvg, FedAvgState
-from .fedetf import Scale, etf_logits
 
 
 @dataclass
@@ -127,7 +127,7 @@ class FedNH(FedAvg):
         @vmappable  # pure (CUDA graphs replay it); s trains beside the model, so clients train one at a time
         def step(modules, batch, i):
             x, y = batch
-            logits = etf_logits(modules[role].model.features(x), prototypes, scale.scale)
+            logits = cosine_logits(modules[role].model.features(x), prototypes, scale.scale)
             return {role: F.cross_entropy(logits, real_labels(y))}
 
         loss = fit_jointly(ctx, (role,), step, helpers=[scale])[role]
