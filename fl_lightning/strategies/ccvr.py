@@ -88,6 +88,7 @@ class CCVR(FedAvg):
                 f"train {self.roles}; list one role in every tier."
             )
         self.state = CCVRState(self.state.global_weights, {})
+        self.num_classes = server.data.num_classes
 
     def phases(self) -> tuple[Phase, ...]:
         return (
@@ -123,8 +124,7 @@ class CCVR(FedAvg):
                     for start in range(0, len(idx), ctx.eval_batch_size)
                 ]
             )
-        num_classes = module.model.num_classes
-        counts, means, covs = class_moments(features, ctx.data_y[idx], num_classes)
+        counts, means, covs = class_moments(features, ctx.data_y[idx], self.num_classes)
         held = counts > 0  # the classes it holds travel (compact), with their labels
         tensors = {
             "labels": torch.nonzero(held).flatten(),
@@ -136,8 +136,8 @@ class CCVR(FedAvg):
 
     def calibrate(self, rnd: int, updates: Iterator[ClientUpdate]) -> dict[str, float]:
         role = self.roles[0]
-        model = self.server.model(role)
-        num_classes, dim, device = model.num_classes, model.feature_dim, next(model.parameters()).device
+        num_classes, dim = self.num_classes, self.server.feature_dim(role)
+        device = next(self.server.model(role).parameters()).device
         rows = []
         for update in updates:
             sent = update.sent("class_moments", TensorPayload).tensors

@@ -105,9 +105,9 @@ class FedETF(FedAvg):
                 f"FedETF is defined for one architecture: every client must train the same model, but the tiers "
                 f"train {self.roles}; list one role in every tier."
             )
-        model = server.model(self.roles[0])
+        self.num_classes = server.data.num_classes
         generator = torch.Generator().manual_seed(server.seed)
-        etf = simplex_etf(model.num_classes, generator)
+        etf = simplex_etf(self.num_classes, generator)
         self.state = FedETFState(self.state.global_weights, etf, torch.tensor(float(self.scale_init)), False)
 
     def phases(self) -> tuple[Phase, ...]:
@@ -140,7 +140,7 @@ class FedETF(FedAvg):
         received = task.received("etf", TensorPayload).tensors
         etf = ctx.on_device("etf", received["etf"])
         scale = cast(Scale, ctx.helper("etf_scale", Scale(), {"scale": received["scale"]}))
-        log_prior = self._log_prior(ctx, module.model.num_classes)
+        log_prior = self._log_prior(ctx, self.num_classes)
 
         @vmappable  # pure (CUDA graphs replay it); beta trains beside the model, so clients train one at a time
         def step(modules, batch, i):

@@ -96,9 +96,9 @@ class FedNH(FedAvg):
                 f"FedNH is defined for one architecture: every client must train the same model, but the tiers "
                 f"train {self.roles}; list one role in every tier."
             )
-        model = server.model(self.roles[0])
+        self.num_classes = server.data.num_classes
         generator = torch.Generator().manual_seed(server.seed)
-        prototypes = torch.empty(model.num_classes, model.feature_dim)
+        prototypes = torch.empty(self.num_classes, server.feature_dim(self.roles[0]))
         torch.nn.init.orthogonal_(prototypes, generator=generator)  # unit rows, orthogonal when C <= D
         self.state = FedNHState(
             self.state.global_weights, F.normalize(prototypes, dim=1), torch.tensor(self.scale_init)
@@ -134,7 +134,7 @@ class FedNH(FedAvg):
         model = module.model
         model.eval()
         idx = ctx.indices.train
-        num_classes = model.num_classes
+        num_classes = self.num_classes
         with torch.no_grad():
             embedded = torch.cat(
                 [
