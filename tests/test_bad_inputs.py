@@ -58,6 +58,9 @@ def _tiers(*tiers) -> dict:
 
 
 SGD = "torch.optim.SGD"
+# two architectures in two tiers, for the methods defined for one (FedNTD, CCVR)
+TWO_CNNS = "{small: {builder: digits_cnn, args: {width: 0.25}}, big: {builder: digits_cnn}}"
+TWO_TIERS = "[{name: a, count: 10, roles: [small]}, {name: b, roles: [big]}]"
 # the three roles of the heterogeneous digits recipes, one with a 32-dimensional representation
 HEADS_32_64 = (
     "{cnn_small: {builder: digits_mlp, args: {hidden: 32}}, cnn_large: {builder: digits_mlp, args: {hidden: 64}}, "
@@ -540,6 +543,36 @@ CASES = [
         "FedKTL server batch of one",
         ["--config", "recipes/digits_fedktl.yaml", "--strategy.init_args.server_batch_size", "1"],
         ["FedKTL server_batch_size must be >= 2, got 1."],
+        no_recipe=True,
+    ),
+    Case(
+        "FedNTD temperature zero",
+        ["--config", "recipes/digits_fedntd.yaml", "--strategy.init_args.tau", "0"],
+        ["FedNTD tau must be > 0, got 0.0."],
+        no_recipe=True,
+    ),
+    Case(
+        "FedNTD on two architectures",
+        ["--config", "recipes/digits_fedntd.yaml", "--models", TWO_CNNS, "--population.tiers", TWO_TIERS],
+        ["FedNTD is defined for one architecture", "list one role in every tier"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedETF temperature zero",
+        ["--config", "recipes/digits_fedetf.yaml", "--strategy.init_args.scale_init", "0"],
+        ["FedETF scale_init must be > 0, got 0.0."],
+        no_recipe=True,
+    ),
+    Case(
+        "FedNH smoothing above one",
+        ["--config", "recipes/digits_fednh.yaml", "--strategy.init_args.smoothing", "1.5"],
+        ["FedNH smoothing must be"],
+        no_recipe=True,
+    ),
+    Case(
+        "CCVR no virtual features",
+        ["--config", "recipes/digits_ccvr.yaml", "--strategy.init_args.virtual_per_class", "0"],
+        ["CCVR virtual_per_class must be >= 1, got 0."],
         no_recipe=True,
     ),
     Case("test share leaves no example", ["--data.init_args.test_fraction", "0.001"], ["test_fraction 0.001", "raise"]),

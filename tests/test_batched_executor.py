@@ -333,6 +333,8 @@ FEDPCL_MLPS = (
             ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
             # every client's prototypes as anchors; frozen backbones under the projection
             ("digits_fedpcl.yaml", FEDPCL_MLPS),
+            ("digits_fedntd.yaml", ()),  # one frozen global model that every client of the round distils from
+            ("digits_ccvr.yaml", ()),  # FedAvg's steps, then every client's class moments and the calibration
         ],
         pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),
@@ -383,6 +385,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
             ("digits_lg_fedavg.yaml", ()),
             ("digits_weak_only.yaml", ()),
             ("digits_strong_only.yaml", ()),
+            ("digits_fedntd.yaml", ()),  # the not-true classes gathered per row; PAD rows left out of the KL
         ],
         pytest.mark.full,  # the rest of the methods: the release check (README, Tests)
     ),
@@ -440,6 +443,34 @@ def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_s
         "batched_fits": 0,
         "sequential_fits": fits,
         "sequential_reasons": {"models trained together (fit_jointly) train one client at a time": fits},
+    }
+    assert batched["final"] == sequential["final"]
+    assert weights.keys() == batched_weights.keys() and weights
+    assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
+def test_fedetf_trains_beta_beside_the_model_one_client_at_a_time_and_personalises_the_same(tmp_path):
+    """FedETF's beta trains with the model (fit_jointly) and its last round fine-tunes every client's ETF and
+    projection: the batched executor runs all of it as the sequential loop does, bit for bit, and says why."""
+    extra = ("--strategy.init_args.finetune_cycles", "1")
+    sequential, weights = _run(tmp_path, "digits_fedetf.yaml", "sequential", *extra)
+    batched, batched_weights = _run(tmp_path, "digits_fedetf.yaml", "batched", *extra)
+    fits = 2 * 10 + 20  # 2 rounds x 10 sampled clients, then every client's personalisation
+    assert batched["executor"]["sequential_reasons"] == {
+        "models trained together (fit_jointly) train one client at a time": fits
+    }
+    assert batched["final"] == sequential["final"] and "personal/test_acc" in batched["final"]
+    assert weights.keys() == batched_weights.keys() and weights
+    assert all(torch.equal(batched_weights[name], value) for name, value in weights.items())
+
+
+def test_fednh_trains_its_scale_beside_the_extractor_one_client_at_a_time(tmp_path):
+    """FedNH's scale trains with the extractor (fit_jointly): the batched executor runs it as the sequential loop
+    does, bit for bit, and says why."""
+    sequential, weights = _run(tmp_path, "digits_fednh.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_fednh.yaml", "batched")
+    assert batched["executor"]["sequential_reasons"] == {
+        "models trained together (fit_jointly) train one client at a time": 2 * 10
     }
     assert batched["final"] == sequential["final"]
     assert weights.keys() == batched_weights.keys() and weights

@@ -29,6 +29,10 @@ CASES = [
     ("digits_feddf", 20, "small/test_acc", 0.7),  # 0.81 measured
     ("digits_moon", 40, "small/test_acc", 0.7),  # 0.928 measured (lr 0.02)
     ("digits_heterofl", 20, "a/test_acc", 0.8),  # 0.96 measured
+    ("digits_fedntd", 20, "small/test_acc", 0.8),  # 0.94 measured after the recipe's 40 rounds; chance 0.1
+    ("digits_ccvr", 20, "small/test_acc", 0.8),  # 0.964 measured after the recipe's 40 rounds (0.942 uncalibrated)
+    ("digits_fedetf", 20, "small/test_acc", 0.8),  # 0.958 measured after the recipe's 40 rounds; personal 0.986
+    ("digits_fednh", 20, "small/test_acc", 0.8),  # 0.961 measured after the recipe's 40 rounds
     (
         "digits_dsfl",
         60,

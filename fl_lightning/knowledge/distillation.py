@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..federation.padding import padded_loss, real_rows
+from ..federation.padding import class_index, padded_loss, real_rows
 
 
 def kd_kl_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -30,6 +30,27 @@ def kl_to_targets(student_logits: Tensor, target_probs: Tensor, temperature: flo
     autocast would otherwise run the log-softmax in bfloat16)."""
     log_student = F.log_softmax(student_logits.float() / temperature, dim=1)
     return padded_loss(F.kl_div, log_student, target_probs, reduction="batchmean") * temperature**2
+
+
+def not_true_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Each row's logits without its label's column, the other ``C - 1`` in class order ``[B, C - 1]``.
+
+    Column ``j`` of a row with label ``y`` is class ``j`` below ``y`` and ``j + 1`` from it on: a gather with
+    fixed shapes (no boolean indexing), so a step using it can run batched; a padded row (label PAD) drops
+    class 0 and is left out of the means by its caller.
+    """
+    others = torch.arange(logits.shape[1] - 1, device=logits.device)
+    index = others + (others.unsqueeze(0) >= class_index(labels).unsqueeze(1)).long()
+    return logits.gather(1, index)
+
+
+def not_true_distillation_loss(
+    student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """FedNTD's not-true distillation ``T^2 * KL(softmax(t~/T) || softmax(s~/T))``, ``~`` the logits of the
+    classes other than each row's label (:func:`not_true_logits`): the softmax is renormalised over the
+    not-true classes, the KL summed over them and averaged over the batch, as the authors' code computes it."""
+    return kd_kl_loss(not_true_logits(student_logits, labels), not_true_logits(teacher_logits, labels), temperature)
 
 
 def logit_matching_loss(z: Tensor, target: Tensor, kind: str = "mse") -> Tensor:

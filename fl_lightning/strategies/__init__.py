@@ -1,12 +1,14 @@
 """Federated strategies, one algorithm per file."""
 
 from .base import ServerContext, Strategy
+from .ccvr import CCVR
 from .codistillation import Codistillation
 from .dsfl import DSFL
 from .fd import FD
 from .fedadam import FedAdam
 from .fedavg import FedAvg
 from .feddf import FedDF
+from .fedetf import FedETF
 from .fedgems import FedGEMS
 from .fedgen import FedGen
 from .fedgh import FedGH
@@ -17,6 +19,8 @@ from .fedktl import FedKTL
 from .fedl2g import FedL2G
 from .fedmd import FedMD
 from .fedmrl import FedMRL
+from .fednh import FedNH
+from .fedntd import FedNTD
 from .fedpcl import FedPCL
 from .fedproto import FedProto
 from .fedtgp import FedTGP
@@ -32,6 +36,7 @@ from .standalone import Standalone
 from .velo import Velo
 
 __all__ = [
+    "CCVR",
     "DSFL",
     "FD",
     "FML",
@@ -40,6 +45,7 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedDF",
+    "FedETF",
     "FedGEMS",
     "FedGen",
     "FedGH",
@@ -50,6 +56,8 @@ __all__ = [
     "FedL2G",
     "FedMD",
     "FedMRL",
+    "FedNH",
+    "FedNTD",
     "FedPCL",
     "FedProto",
     "FedTGP",
