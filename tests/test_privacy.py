@@ -533,6 +533,8 @@ REFUSED = {
     "digits_fedkd": "privacy cannot bound FedKD's upload 'mentee_update': a LowRankUpdate is no payload kind",
     "digits_heterofl": "privacy cannot bound HeteroFL's upload 'label_split': its torch.bool tensor 'classes'",
     "digits_fedhe_async": "privacy accounts synchronous rounds only",
+    "digits_ccvr": "privacy cannot bound CCVR's upload 'class_moments': its torch.int64 tensor 'labels'",
+    "digits_fednh": "privacy cannot bound FedNH's upload 'class_means': its torch.int64 tensor 'labels'",
 }
 
 

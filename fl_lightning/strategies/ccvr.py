@@ -61,6 +61,8 @@ class CCVR(FedAvg):
         (roles, weighted: as FedAvg)
     """
 
+    central_privacy = False  # the server calibrates on the clients' class moments, not on a noised sum
+
     state: CCVRState
     needs_split = True  # the classifier trains on features
 

@@ -79,6 +79,8 @@ class FedETF(FedAvg):
         (roles, weighted: as FedAvg)
     """
 
+    central_privacy = False  # its own aggregate averages the model and the scale without the noised sum
+
     state: FedETFState
     needs_split = True  # the projection is read apart from the features
 

@@ -74,6 +74,8 @@ class FedNH(FedAvg):
         (roles: as FedAvg; weighted: average by examples instead of uniformly)
     """
 
+    central_privacy = False  # the prototypes are smoothed towards count-weighted class means, not a noised sum
+
     state: FedNHState
     needs_split = True  # the representation is read apart from the head
 
