@@ -4,7 +4,7 @@ with no files and no network fails in one sentence naming the expected files and
 import dataclasses
 import hashlib
 import io
-import json
+import os
 import pickle
 import tarfile
 import urllib.error
@@ -42,8 +42,51 @@ def serve(monkeypatch, files: dict[str, bytes | Exception]) -> list[str]:
     return asked
 
 
+def hub_client(monkeypatch, handle) -> None:
+    """huggingface_hub's HTTP client (the one all its calls share) sends each request to ``handle``."""
+    import httpx2
+    from huggingface_hub import close_session, constants
+    from huggingface_hub.utils import _detect_agent, _http
+
+    def client():  # huggingface_hub's own client (its offline check, redirects, no timeout), another transport
+        return httpx2.Client(
+            event_hooks={"request": [_http.hf_request_event_hook]},
+            follow_redirects=True,
+            timeout=None,
+            transport=httpx2.MockTransport(handle),
+        )
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE") == "1")
+    # huggingface_hub asks the Hub once a day for its list of coding agents (for its User-Agent): not here
+    monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)
+    close_session()
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT_FACTORY", client)
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT", None)
+
+
+def loopback_only(request):
+    """Sends ``request`` on, if it is for 127.0.0.1: no test reaches the real Hub, whatever it is pointed at."""
+    import httpx2
+
+    assert request.url.host == "127.0.0.1", f"a test tried to reach {request.url}"
+    with httpx2.Client(trust_env=False) as client:  # no proxy between the test and its stand-in
+        response = client.send(request)
+        response.read()
+        return httpx2.Response(response.status_code, headers=response.headers, content=response.content)
+
+
 def offline(monkeypatch) -> list[str]:
-    return serve(monkeypatch, {})
+    """No network: urllib's downloads and huggingface_hub's requests fail as with no DNS; returns the URLs asked."""
+    import httpx2
+
+    asked = serve(monkeypatch, {})
+
+    def unreachable(request):
+        asked.append(str(request.url))
+        raise httpx2.ConnectError("[Errno -2] Name or service not known", request=request)
+
+    hub_client(monkeypatch, unreachable)
+    return asked
 
 
 # --- checksums -------------------------------------------------------------------------------------------
@@ -303,7 +346,29 @@ def png(value: int) -> bytes:
     return out.getvalue()
 
 
-def test_hub_files_are_pinned_checked_and_read_by_the_femnist_loader(tmp_path, monkeypatch):
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A stand-in of the Hub's API on 127.0.0.1 serving flwrlabs/femnist, with huggingface_hub pointed at it
+    (its endpoint and cache are read when it is imported, so its constants are set as HF_ENDPOINT would)."""
+    from hub_standin import HubStandIn
+    from huggingface_hub import constants
+
+    with HubStandIn("flwrlabs/femnist") as stand_in:
+        monkeypatch.setenv("HF_ENDPOINT", stand_in.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr(constants, "ENDPOINT", stand_in.url)
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", stand_in.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-home/hub"))
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home/token"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        hub_client(monkeypatch, loopback_only)
+        yield stand_in
+
+
+def test_hub_files_are_pinned_checked_and_read_by_the_femnist_loader(tmp_path, hub):
     from fl_lightning.data import FemnistData
 
     table = pd.DataFrame(
@@ -317,29 +382,22 @@ def test_hub_files_are_pinned_checked_and_read_by_the_femnist_loader(tmp_path, m
     table.to_parquet(parquet)
     blob = parquet.getvalue()
     commit = "c" * 40
-    api = "https://huggingface.co/api/datasets/flwrlabs/femnist"
-    listing = [
-        {"type": "file", "path": "data/train-00000-of-00001.parquet", "oid": "0" * 40,
-         "lfs": {"oid": hashlib.sha256(blob).hexdigest(), "size": len(blob), "pointerSize": 134}},
-        {"type": "file", "path": "README.md", "oid": download.git_blob_sha1(b"card")},
-        {"type": "directory", "path": "data", "oid": "1" * 40},
-    ]  # fmt: skip
-    file_url = f"https://huggingface.co/datasets/flwrlabs/femnist/resolve/{commit}/data/train-00000-of-00001.parquet"
-    asked = serve(
-        monkeypatch,
-        {
-            f"{api}/revision/main": json.dumps({"sha": commit}).encode(),
-            f"{api}/tree/{commit}?recursive=true": json.dumps(listing).encode(),
-            file_url: blob,
-        },
-    )
+    parquet_path = "data/train-00000-of-00001.parquet"
+    # three entries and a folder: the listing comes in two pages
+    files = {parquet_path: blob, "README.md": b"card", "data/notes.txt": b"not a parquet file"}
+    hub.refs.update({"main": commit, commit: commit})
+    hub.trees[commit] = files
     # downloads by default, as the Hub loader always did; 0.2 of each writer's 5 images: one test image each
     data = FemnistData(data_dir=str(tmp_path), test_fraction=0.2)
     data.setup(num_clients=4, seed=0)
-    assert asked[-1] == file_url and (tmp_path / "femnist/hub/REVISION").read_text().split() == [
-        "flwrlabs/femnist",
-        commit,
+    # main resolved to its commit first, the listing read page by page, the file fetched at that commit only
+    api = "/api/datasets/flwrlabs/femnist"
+    assert hub.asked[0] == f"GET {api}/revision/main"
+    assert [a for a in hub.asked if "/tree/" in a] == [f"GET {api}/tree/{commit}"] * 2
+    assert [a for a in hub.asked if "/resolve/" in a] == [
+        f"{method} /datasets/flwrlabs/femnist/resolve/{commit}/{parquet_path}" for method in ("HEAD", "GET")
     ]
+    assert (tmp_path / "femnist/hub/REVISION").read_text().split() == ["flwrlabs/femnist", commit]
     assert len(data.y) + len(data.test_y) == 20 and sorted(set(data.groups)) == ["w0", "w1", "w2", "w3"]
     # the loader's folder holds the verified files only (no download locks), and nothing is left staged
     assert sorted(p.name for p in (tmp_path / "femnist/hub").iterdir()) == ["REVISION", "train-00000-of-00001.parquet"]
@@ -350,12 +408,44 @@ def test_hub_files_are_pinned_checked_and_read_by_the_femnist_loader(tmp_path, m
     }
     with pytest.raises(ConfigError, match=f"is commit {commit}, not the requested {'d' * 40}"):
         FemnistData(data_dir=str(tmp_path), hub_revision="d" * 40).load()
-    # a corrupted Hub file: refused, nothing left where the loader reads
-    serve(monkeypatch, {f"{api}/tree/{'e' * 40}?recursive=true": json.dumps(listing).encode(),
-                        file_url.replace(commit, "e" * 40): blob[:-1]})  # fmt: skip
-    with pytest.raises(ConfigError, match="failed its sha256 check"):
-        sources.fetch("femnist", tmp_path / "fresh", revision="e" * 40)
+    # a corrupted Hub file (one byte changed, the Hub's headers unchanged): refused, nothing left where the
+    # loader reads
+    other = "e" * 40
+    hub.refs[other] = other
+    hub.trees[other] = files
+    hub.served[(other, parquet_path)] = blob[:-1] + bytes([blob[-1] ^ 1])
+    with pytest.raises(ConfigError, match="failed its sha256 check") as err:
+        sources.fetch("femnist", tmp_path / "fresh", revision=other)
+    assert "\n" not in str(err.value)
     assert not list((tmp_path / "fresh").rglob("*.parquet"))
+    assert not (tmp_path / "fresh/femnist").exists() and not (tmp_path / "fresh/.fetch").exists()
+
+
+def test_a_hub_revision_that_does_not_exist_is_named_in_one_sentence(tmp_path, hub):
+    hub.refs["main"] = "c" * 40
+    with pytest.raises(ConfigError, match=r"flwrlabs/femnist has no revision 'v9'; give one of its branches") as err:
+        sources.fetch("femnist", tmp_path, revision="v9")
+    assert "\n" not in str(err.value) and hub.asked == ["GET /api/datasets/flwrlabs/femnist/revision/v9"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hub_file_cut_short_is_a_network_error_and_leaves_nothing(tmp_path, hub):
+    commit = "c" * 40
+    hub.refs["main"] = commit
+    hub.trees[commit] = {"data/train.parquet": b"the published parquet bytes"}
+    hub.served[(commit, "data/train.parquet")] = b"the published"  # the connection dropped midway
+    with pytest.raises(download.NetworkError, match=r"file should be of size 27 but has size 13.*check the connection"):
+        sources.fetch("femnist", tmp_path / "data")
+    assert not (tmp_path / "data").exists()
+
+
+def test_hub_offline_mode_is_named_and_nothing_is_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    asked = offline(monkeypatch)
+    with pytest.raises(ConfigError, match=r"FEMNIST not found and could not be downloaded \(OfflineModeIsEnabled: "
+                       r"HF_HUB_OFFLINE is set\): expected .*flrun data fetch femnist"):  # fmt: skip
+        _vision("FemnistData")(tmp_path / "data")
+    assert asked == []
 
 
 # --- offline: one sentence per data set -------------------------------------------------------------------
@@ -412,7 +502,8 @@ def test_offline_every_data_set_fails_in_one_sentence_naming_files_and_fetch(tmp
     message = str(err.value)
     src = catalog.source(name)
     assert "\n" not in message and message.count(". ") == 0, message  # one sentence
-    assert f"{src.title} not found and could not be downloaded (URLError: [Errno -2]" in message
+    failure = "ConnectError" if src.hub else "URLError"  # huggingface_hub's client (httpx) or urllib
+    assert f"{src.title} not found and could not be downloaded ({failure}: [Errno -2]" in message
     assert f"expected {data_dir / src.layout}" in message
     assert f"`flrun data fetch {name} --data_dir {data_dir}`" in message
     assert len(asked) == 1  # one attempt, no retries

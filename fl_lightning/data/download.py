@@ -3,6 +3,11 @@ filter that refuses any member that would land outside the target folder.
 
 One attempt per file and no retries, so an offline machine fails at once with one sentence (the data
 set's own message, see :mod:`fl_lightning.data.sources`) instead of a page of retry noise.
+
+Hugging Face Hub data sets go through ``huggingface_hub`` (its endpoint, ``HF_ENDPOINT``, its token and offline
+mode): the revision is resolved to a commit first (one request: offline, a fetch fails there), the files are
+listed and downloaded at that commit, and each is checked here against the hash the listing gave before it is
+moved into place. huggingface_hub retries a listing or a download that fails midway, as it does for everyone.
 """
 
 from __future__ import annotations
@@ -11,21 +16,28 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import logging
 import os
+import shutil
 import tarfile
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from ..federation.errors import ConfigError
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
-HUB = "https://huggingface.co"
 
 
 class NetworkError(ConfigError):
@@ -140,6 +152,12 @@ def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:
     except ConfigError:
         part.unlink(missing_ok=True)
         raise
+    _accept(part, path, url, algorithm, expected)
+    return path
+
+
+def _accept(part: Path, path: Path, url: str, algorithm: str, expected: str) -> None:
+    """Renames the downloaded ``part`` to ``path`` if its checksum matches, else deletes it and says so."""
     actual = file_digest(part, algorithm)
     if actual != expected:
         part.unlink()
@@ -148,7 +166,6 @@ def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:
             "download is corrupt or not the published file, so it was deleted: run the fetch again."
         )
     part.replace(path)
-    return path
 
 
 def _download_into(out, url: str, path: Path) -> None:
@@ -223,43 +240,103 @@ def safe_extract(archive: Path, dest: Path) -> None:
         raise ConfigError(f"{archive} is not a readable tar archive ({err}); delete it and fetch again.") from None
 
 
-def hub_resolve(repo_id: str, revision: str) -> str:
-    """The commit id a Hub data set's ``revision`` (a branch or tag) points to now."""
-    url = f"{HUB}/api/datasets/{repo_id}/revision/{urllib.parse.quote(revision, safe='')}"
-    return str(_json(url)["sha"])
+def hub_commit(repo_id: str, revision: str) -> str:
+    """The commit id a Hub data set's ``revision`` (a branch, tag or commit) names now, through
+    ``huggingface_hub``; the first request of a Hub fetch, so an offline machine fails here, at once."""
+    api = _hub_api()
+    url = f"{api.endpoint}/api/datasets/{repo_id}/revision/{urllib.parse.quote(revision, safe='')}"
+    commit = _hub_call(url, lambda: api.dataset_info(repo_id, revision=revision).sha, repo_id, revision)
+    if not commit:
+        raise ConfigError(f"{url} named no commit for {repo_id} at {revision}; try again later.")
+    return commit
 
 
-def hub_files(repo_id: str, revision: str, folder: str = "") -> list[dict]:
-    """A Hub data set's files under ``folder`` at ``revision`` with their checksums (``lfs.oid`` is the
-    SHA-256 of large files, ``oid`` the git object id of small ones), from the Hub's paged tree listing."""
+def hub_files(repo_id: str, commit: str, folder: str = "") -> list[RepoFile]:
+    """A Hub data set's files under ``folder`` at ``commit`` with their checksums (``lfs.sha256`` for large
+    files, ``blob_id``, the git object id, for small ones), from the Hub's paged tree listing."""
+    from huggingface_hub.hf_api import RepoFile
+
+    api = _hub_api()
     where = f"/{urllib.parse.quote(folder)}" if folder else ""
-    url = f"{HUB}/api/datasets/{repo_id}/tree/{urllib.parse.quote(revision, safe='')}{where}?recursive=true"
-    entries = []
-    while url:
-        page, url = _json(url, with_next=True)
-        entries += [entry for entry in page if entry.get("type") == "file"]
-    return entries
+    url = f"{api.endpoint}/api/datasets/{repo_id}/tree/{commit}{where}?recursive=true"
+
+    def listing() -> list[RepoFile]:  # huggingface_hub follows the pages (Link: rel="next") as it is read
+        tree = api.list_repo_tree(repo_id, folder or None, recursive=True, revision=commit, repo_type="dataset")
+        return [entry for entry in tree if isinstance(entry, RepoFile)]
+
+    return _hub_call(url, listing, repo_id, commit)
 
 
-def hub_download(repo_id: str, revision: str, entry: dict, path: Path) -> Path:
-    """Downloads one file of :func:`hub_files` at the pinned ``revision``, checked against its listed hash."""
-    url = f"{HUB}/datasets/{repo_id}/resolve/{revision}/{urllib.parse.quote(entry['path'])}"
-    if entry.get("lfs"):
-        return download(url, path, sha256=entry["lfs"]["oid"])
-    return download(url, path, git_sha1=entry["oid"])
+def hub_download(repo_id: str, commit: str, entry: RepoFile, path: Path) -> Path:
+    """Downloads one file of :func:`hub_files` at ``commit`` to ``path``, checked against the hash the listing
+    gave (not huggingface_hub's), so that only the listed bytes reach ``path``; a file there that matches is kept.
+
+    ``huggingface_hub`` writes into ``<path>.part/`` (its own folder, with its metadata); the file is renamed
+    to ``path`` only after the checksum matched, and the folder is removed whatever happened.
+    """
+    from huggingface_hub import hf_hub_url
+
+    algorithm, expected = ("sha256", entry.lfs.sha256) if entry.lfs else ("git-sha1", entry.blob_id)
+    path = Path(path)
+    if path.is_file() and file_digest(path, algorithm) == expected:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    api = _hub_api()
+    url = hf_hub_url(repo_id, entry.path, repo_type="dataset", revision=commit, endpoint=api.endpoint)
+    part = path.with_name(path.name + ".part")
+
+    def fetched() -> str:
+        return str(api.hf_hub_download(repo_id, entry.path, repo_type="dataset", revision=commit, local_dir=part))
+
+    with lock_file(path.with_name(path.name + ".lock")):
+        if path.is_file() and file_digest(path, algorithm) == expected:
+            return path
+        try:
+            got = Path(_hub_call(url, fetched, repo_id, commit))
+            log.info("downloaded %s -> %s", url, path)
+            _accept(got, path, url, algorithm, expected)
+        finally:
+            shutil.rmtree(part, ignore_errors=True)
+    return path
 
 
-def _json(url: str, with_next: bool = False):
-    """The JSON at ``url``; with ``with_next`` also the next page's URL from a ``Link: <...>; rel="next"`` header."""
+def _hub_api() -> HfApi:
+    """A client of the Hub at huggingface_hub's endpoint (``HF_ENDPOINT``, read when huggingface_hub is imported)."""
+    from huggingface_hub import HfApi
+
+    return HfApi()
+
+
+def _hub_call(url: str, call: Callable[[], T], repo_id: str, revision: str) -> T:
+    """``call()``, with huggingface_hub's failures as this module's: the Hub unreachable, offline mode or an
+    HTTP error as a NetworkError (the same sentence as any download's), an unknown revision as a ConfigError;
+    the disk's errors stay OSErrors."""
+    import httpx2
+    from huggingface_hub.errors import (
+        FileMetadataError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RevisionNotFoundError,
+    )
+
     try:
-        with _open(url) as response:
-            data = json.loads(response.read().decode())
-            link = (getattr(response, "headers", None) or {}).get("Link") or ""
-        if not with_next:
-            return data
-        following = [part.split(";")[0].strip(" <>") for part in link.split(",") if 'rel="next"' in part]
-        return data, (following[0] if following else None)
-    except OSError as err:
+        return call()
+    except RevisionNotFoundError:
+        raise ConfigError(
+            f"the Hugging Face data set {repo_id} has no revision {revision!r}; give one of its branches, tags or "
+            "commit ids."
+        ) from None
+    except OfflineModeIsEnabled:
+        raise NetworkError(url, OfflineModeIsEnabled("HF_HUB_OFFLINE is set")) from None
+    except LocalEntryNotFoundError as err:  # hf_hub_download's "cannot reach the Hub": the reason is its cause
+        cause = err.__cause__ if isinstance(err.__cause__, Exception) else err
+        if isinstance(cause, OfflineModeIsEnabled):
+            cause = OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
+        raise NetworkError(url, cause) from None
+    except (httpx2.HTTPError, HfHubHTTPError, FileMetadataError) as err:
         raise NetworkError(url, err) from None
-    except ValueError as err:
-        raise ConfigError(f"{url} did not answer with JSON ({err}); try again later.") from None
+    except OSError as err:
+        if err.errno is None:  # huggingface_hub's "Consistency check failed": a download cut short
+            raise NetworkError(url, err) from None
+        raise

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..federation.errors import ConfigError
 from ..federation.files import atomic_write
 from .catalog import HubFiles, Source, source
-from .download import NetworkError, download, hub_download, hub_files, hub_resolve, lock_file, safe_extract
+from .download import NetworkError, download, hub_commit, hub_download, hub_files, lock_file, safe_extract
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,9 @@ def _check_revision(src: Source, data_dir: Path, revision: str | None) -> None:
     record = data_dir / src.hub.folder / "REVISION" if src.hub else None
     if revision is None or record is None or not record.is_file():
         return
-    fetched = record.read_text().split()[-1]
-    if fetched != revision:
+    names = record.read_text().split()[1:]  # the branch or tag fetched, if one was, then its commit
+    fetched = names[-1] if names else ""
+    if revision not in names:
         raise ConfigError(
             f"{src.title} in {record.parent} is commit {fetched}, not the requested {revision}; delete the folder "
             f"and run `flrun data fetch {src.name} --data_dir {data_dir} --revision {revision}`."
@@ -241,30 +242,30 @@ def _fetch_files(src: Source, data_dir: Path, revision: str | None) -> None:
 
 
 def _fetch_hub(hub: HubFiles, data_dir: Path, revision: str | None) -> None:
-    revision = revision or hub.revision
-    if revision is None:
-        revision = hub_resolve(hub.repo_id, "main")
+    folder = data_dir / hub.folder
+    asked = revision or hub.revision
+    commit = hub_commit(hub.repo_id, asked or "main")  # every file is then fetched at this one commit
+    if asked is None:
         log.warning(
             "%s has no pinned commit here (none could be found in public code); fetching its current commit %s, "
             "recorded in %s.",
             hub.repo_id,
-            revision,
-            data_dir / hub.folder / "REVISION",
+            commit,
+            folder / "REVISION",
         )
-    folder = data_dir / hub.folder
     entries = [
-        e
-        for e in hub_files(hub.repo_id, revision, hub.listing)
-        if any(fnmatch.fnmatch(e["path"], p) for p in hub.patterns)
+        e for e in hub_files(hub.repo_id, commit, hub.listing) if any(fnmatch.fnmatch(e.path, p) for p in hub.patterns)
     ]
     if not entries:
-        raise ConfigError(f"{hub.repo_id} at {revision} has no files matching {', '.join(hub.patterns)}.")
+        raise ConfigError(f"{hub.repo_id} at {commit} has no files matching {', '.join(hub.patterns)}.")
     staging = data_dir / ".fetch" / hub.folder
     for entry in entries:
-        hub_download(hub.repo_id, revision, entry, staging / Path(entry["path"]).name)
+        hub_download(hub.repo_id, commit, entry, staging / Path(entry.path).name)
     folder.mkdir(parents=True, exist_ok=True)
     for entry in entries:  # only the verified files reach the folder the loader reads (not download's locks)
-        name = Path(entry["path"]).name
+        name = Path(entry.path).name
         shutil.move(str(staging / name), folder / name)
     shutil.rmtree(data_dir / ".fetch", ignore_errors=True)
-    atomic_write(folder / "REVISION", f"{hub.repo_id} {revision}\n")
+    # the commit last (what _check_revision reads), after the branch or tag asked for, if one was
+    named = [asked] if asked is not None and asked != commit else []
+    atomic_write(folder / "REVISION", " ".join([hub.repo_id, *named, commit]) + "\n")
