@@ -12,6 +12,7 @@ from .fedgen import FedGen
 from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
+from .fedhkd import FedHKD
 from .fedkd import FedKD
 from .fedktl import FedKTL
 from .fedl2g import FedL2G
@@ -45,6 +46,7 @@ __all__ = [
     "FedGH",
     "FedGKT",
     "FedHe",
+    "FedHKD",
     "FedKD",
     "FedKTL",
     "FedL2G",
