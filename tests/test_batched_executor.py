@@ -428,6 +428,20 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
         assert torch.equal(batched_weights[name], value), name
 
 
+@pytest.mark.full  # two FedPAC runs; the mechanism is tested above on FD's step in the default suite
+def test_fedpac_s_frozen_part_steps_run_sequentially_with_the_reason_and_the_same_numbers(tmp_path):
+    """FedPAC freezes the head, then the extractor, by leaving its gradient None; its steps are not marked pure, so the
+    batched executor runs every fit as the sequential loop does and says why."""
+    sequential, weights = _run(tmp_path, "digits_fedpac.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_fedpac.yaml", "batched")
+    counts = batched["executor"]
+    assert counts["batched_fits"] == 0 and counts["sequential_fits"] > 0
+    assert counts["sequential_reasons"] == {"the step is not marked pure (@vmappable)": counts["sequential_fits"]}
+    assert batched["final"] == sequential["final"]
+    for name, value in weights.items():
+        assert torch.equal(batched_weights[name], value), name
+
+
 @pytest.mark.parametrize("recipe", marked_beyond(1, ["digits_fml.yaml", "digits_fedkd.yaml", "digits_fedmrl.yaml"]))
 def test_models_trained_together_run_one_client_at_a_time_and_the_summary_says_so(tmp_path, recipe):
     """FML's, FedKD's and FedMRL's fit_jointly trains two models per client outside loop.fit: the batched executor

@@ -126,7 +126,7 @@ METHODS = [
     "digits_fedadam", "digits_fedhe_async", "digits_ondevice_kd", "digits_periodic_codist", "digits_merged_codist",
     "digits_felo", "digits_velo", "digits_fedgh", "digits_lg_fedavg", "digits_fml", "digits_fedkd", "digits_fd",
     "digits_dsfl", "digits_fedmd", "digits_fedgems", "digits_fedgkt", "digits_fedgen", "digits_fedtgp",
-    "digits_fedl2g", "digits_fedmrl", "digits_fedktl", "digits_fedhkd",
+    "digits_fedl2g", "digits_fedmrl", "digits_fedktl", "digits_fedhkd", "digits_fedpac",
 ]  # fmt: skip
 
 

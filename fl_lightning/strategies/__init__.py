@@ -18,6 +18,7 @@ from .fedktl import FedKTL
 from .fedl2g import FedL2G
 from .fedmd import FedMD
 from .fedmrl import FedMRL
+from .fedpac import FedPAC
 from .fedpcl import FedPCL
 from .fedproto import FedProto
 from .fedtgp import FedTGP
@@ -52,6 +53,7 @@ __all__ = [
     "FedL2G",
     "FedMD",
     "FedMRL",
+    "FedPAC",
     "FedPCL",
     "FedProto",
     "FedTGP",
