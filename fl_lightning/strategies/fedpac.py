@@ -117,6 +117,13 @@ class FedPAC(PersonalModels, Strategy):
             {},
         )
 
+    def load_state_dict(self, saved: dict) -> None:
+        """The saved state; the clients' heads, which setup cannot build (it knows no client's head yet), are moved
+        to the run's device as the rest (checkpoints load on the CPU)."""
+        super().load_state_dict(saved)
+        device = self.state.prototypes.device
+        self.state.heads = {c: {k: v.to(device) for k, v in head.items()} for c, head in self.state.heads.items()}
+
     # ------------------------------------------------------------------ server -> client
     def configure_round(self, rnd: int, clients: list[ClientSpec]) -> list[ClientTask]:
         state = self.state
