@@ -2,7 +2,7 @@
 minimises the estimated test loss, a quadratic program on the simplex.
 
 Xu, Tong and Huang, "Personalized Federated Learning with Feature Alignment and Classifier Collaboration", ICLR
-2023 (Sec. 4.2): client i's new head is ``sum_j alpha_ij head_j``, with ``alpha_i`` minimising ``alpha^T P_i alpha``
+2023: client i's new head is ``sum_j alpha_ij head_j``, with ``alpha_i`` minimising ``alpha^T P_i alpha``
 over the simplex, ``P_i = diag(V) + D_i``: ``V_j`` the variance term of client j's features, ``D_i[j1, j2] = sum_c
 (h_i[c] - h_j1[c]) . (h_i[c] - h_j2[c])`` the bias term, ``h_j[c] = pi_jc mu_jc`` (class share times class mean).
 """

@@ -37,7 +37,7 @@ def soft_prediction_loss(head_soft: Tensor, global_soft: Tensor, available: Tens
     """The first distillation term: the head's soft predictions of the global mean representations against the
     global soft predictions, over the classes that have hyper-knowledge.
 
-    ``paper``: ``mean_j ||Q(G(H_j), T) - Q_j||_2`` over the R available classes (eq. 6's second term).
+    ``paper``: ``mean_j ||Q(G(H_j), T) - Q_j||_2`` over the R available classes (the objective's second term).
     ``official``: the official code's ``nn.KLDivLoss()(log Q(G(H)), Q)``, its default element-wise mean,
     ``sum_j sum_c Q_jc (log Q_jc - log Q(G(H_j))_c) / (R C)``.
 
@@ -58,7 +58,7 @@ def soft_prediction_loss(head_soft: Tensor, global_soft: Tensor, available: Tens
 def representation_loss(features: Tensor, labels: Tensor, global_means: Tensor, available: Tensor, distance: Distance):
     """The second term: each representation's distance to its class's global mean representation ``H_y``.
 
-    ``paper``: ``(1/B) sum_i ||R(x_i) - H_{y_i}||_2`` (eq. 6's third term); ``official``: the official code's
+    ``paper``: ``(1/B) sum_i ||R(x_i) - H_{y_i}||_2`` (the objective's third term); ``official``: the official code's
     ``MSELoss`` against a copy of the batch whose rows are ``H_y`` where the class has one, the sum of squares
     over ``B x D``. Rows whose class has no ``H`` count 0 but count in B either way; in a padded batch the padded
     rows are left out and B counts the real rows.
@@ -75,7 +75,7 @@ def representation_loss(features: Tensor, labels: Tensor, global_means: Tensor, 
 
 
 def privacy_noise(means: Tensor, max_norms: Tensor, counts: Tensor, sigma: float, generator: torch.Generator) -> Tensor:
-    """Gaussian noise for the mean representations (the paper's Gaussian mechanism, Sec. 3.3): class j's mean
+    """Gaussian noise for the mean representations (the paper's Gaussian mechanism): class j's mean
     over ``n_j`` representations of norm at most ``zeta_j`` changes by at most ``2 zeta_j / n_j`` when one
     example changes, so each of its entries gets ``N(0, (sigma 2 zeta_j / n_j)^2)``.
 

@@ -1,5 +1,5 @@
 """FedHKD: Chen and Vikalo, "The Best of Both Worlds: Accurate Global and Personalized Models through Federated
-Learning with Data-Free Hyper-Knowledge Distillation", ICLR 2023 (Sec. 3, Algorithm 1)."""
+Learning with Data-Free Hyper-Knowledge Distillation", ICLR 2023 (Sec. 3)."""
 
 from __future__ import annotations
 
@@ -51,14 +51,14 @@ class FedHKDState:
 class FedHKD(PersonalModels, Strategy):
     """FedAvg with data-free hyper-knowledge distillation: class means of representations and soft predictions.
 
-    Each round (Algorithm 1) a client loads its role's global model, trains it on ``CE + lam * mean_j
-    ||Q(G(H_j), T) - Q_j|| + gamma * mean_i ||R(x_i) - H_{y_i}||`` (eq. 6; cross-entropy alone until hyper-
-    knowledge exists), keeps the trained model as its personalized one, and uploads the model and its
+    Each round a client loads its role's global model, trains it on ``CE + lam * mean_j
+    ||Q(G(H_j), T) - Q_j|| + gamma * mean_i ||R(x_i) - H_{y_i}||`` (the paper's local objective; cross-entropy
+    alone until hyper-knowledge exists), keeps the trained model as its personalized one, and uploads the model and its
     hyper-knowledge: for each class j it holds, the mean representation ``h_j`` (plus Gaussian noise of scale
     ``sigma * 2 zeta_j / n_j``, the paper's privacy mechanism), the mean soft prediction ``q_j = mean
     softmax(G(R(x)) / T)`` (eval mode over its training data, after training) and its count ``n_j``:
     ``S x (D + C + 1)`` numbers with the labels. The server averages each role's models (FedAvg) and each class's
-    hyper-knowledge weighted by the counts (eq. 5), keeps a class nobody uploaded this round at its last value,
+    hyper-knowledge weighted by the counts, keeps a class nobody uploaded this round at its last value,
     and sends the ``R`` known classes (``R x (D + C)`` numbers with the labels) and the role's model.
 
     Across architectures (one role per architecture, every representation the same size D) each role's model is
@@ -73,7 +73,7 @@ class FedHKD(PersonalModels, Strategy):
         sigma: the privacy noise's multiplier of the sensitivity ``2 zeta_j / n_j`` (0: no noise).
         threshold: nu, a class is uploaded only if it holds at least this share of the client's examples (0:
             every class it holds, as the official code).
-        distance: ``paper`` (the L2 norms of eq. 6) or ``official`` (the code's KL divergence and MSE).
+        distance: ``paper`` (the L2 norms of the paper's objective) or ``official`` (the code's KL divergence and MSE).
         share_weights: average each role's models (the paper); ``false``: personal models only.
         weighted: average models by training examples (FedAvg); ``false``: uniformly (the official code).
         split: where the personalized models are evaluated: ``test`` (each client's local test split, as the
@@ -209,7 +209,7 @@ class FedHKD(PersonalModels, Strategy):
             present[labels] = True
             counts = torch.zeros(self.num_classes, dtype=torch.float64, device=device)
             counts[labels] = upload.vectors["counts"][:, 0].to(device, torch.float64)
-            for name, bank in banks.items():  # eq. 5: weighted by each client's count of the class
+            for name, bank in banks.items():  # weighted by each client's count of the class (the paper)
                 rows = upload.vectors[name].detach().to(device)
                 vectors = torch.zeros(self.num_classes, rows.shape[1], dtype=rows.dtype, device=device)
                 vectors[labels] = rows
@@ -238,7 +238,7 @@ class FedHKD(PersonalModels, Strategy):
 def distillation_step(
     lam: float, gamma: float, temperature: float, distance: Distance, means: Tensor, soft: Tensor, available: Tensor
 ):
-    """The client's step, eq. 6: ``CE + lam * soft-prediction term + gamma * representation term``, pure
+    """The client's step, the paper's objective: ``CE + lam * soft-prediction term + gamma * representation term``, pure
     (batched clients, CUDA graphs)."""
 
     @vmappable

@@ -1,5 +1,5 @@
 """FedPAC: Xu, Tong and Huang, "Personalized Federated Learning with Feature Alignment and Classifier Collaboration",
-ICLR 2023 (Sec. 4, Algorithm 1; the official code JianXu95/FedPAC)."""
+ICLR 2023 (the official code JianXu95/FedPAC)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class FedPACState:
 class FedPAC(PersonalModels, Strategy):
     """Shared feature extractors aligned to global prototypes, personal heads combined across clients.
 
-    Each round (Algorithm 1) a client loads the global feature extractor of its role and its own head (the
+    Each round a client loads the global feature extractor of its role and its own head (the
     combination the server made for it last time, or its own), computes its feature statistics ``V`` and ``h``
     (``knowledge/classifier_collaboration.py``) and, before training, its class prototypes; then trains in two
     stages: the head alone for ``head_epochs`` epochs (the features detached), then the extractor alone (the
