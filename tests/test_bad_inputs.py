@@ -491,6 +491,30 @@ CASES = [
         no_recipe=True,
     ),
     Case(
+        "FedHKD temperature zero",
+        ["--config", "recipes/digits_fedhkd.yaml", "--strategy.init_args.temperature", "0"],
+        ["FedHKD temperature must be > 0, got 0.0."],
+        no_recipe=True,
+    ),
+    Case(
+        "FedHKD feature sizes differ",
+        ["--config", "recipes/digits_fedhkd.yaml", "--models", HEADS_32_64],
+        ["FedHKD", "same feature size"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedPAC lam negative",
+        ["--config", "recipes/digits_fedpac.yaml", "--strategy.init_args.lam", "-1"],
+        ["FedPAC lam must be >= 0, got -1.0."],
+        no_recipe=True,
+    ),
+    Case(
+        "FedPAC feature sizes differ",
+        ["--config", "recipes/digits_fedpac.yaml", "--models", HEADS_32_64],
+        ["FedPAC", "same feature size"],
+        no_recipe=True,
+    ),
+    Case(
         "FedL2G warm-up covers every round",
         ["--config", "recipes/digits_fedl2g.yaml", "--strategy.init_args.warm_up_rounds", "40"],
         ["FedL2G's warm_up_rounds (40) cover all 40 rounds", "lower strategy.init_args.warm_up_rounds"],

@@ -330,6 +330,7 @@ FEDPCL_MLPS = (
             # the server's prototypes per class; on MLP roles: a client's CNN meets a max-pool near-tie in round 2 (see
             # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
             ("digits_fedtgp.yaml", FEDPROTO_MLPS),
+            ("digits_fedhkd.yaml", FEDPROTO_MLPS),  # global means and soft predictions per class, each role averaged
             ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
             # every client's prototypes as anchors; frozen backbones under the projection
             ("digits_fedpcl.yaml", FEDPCL_MLPS),
@@ -375,6 +376,7 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
             ("digits_fedproto.yaml", FEDPROTO_MLPS),  # prototypes indexed by label, the distance over the real rows
             ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
             ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
+            ("digits_fedhkd.yaml", FEDPROTO_MLPS),  # means indexed by label, both distances over the real rows
             ("digits_fedpcl.yaml", FEDPCL_MLPS),  # padded rows neither anchors nor contrasted
             ("digits_fedpcl.yaml", (*FEDPCL_MLPS, "--strategy.init_args.loss", "prototype_ce")),  # nor in the CE's mean
             ("digits_feddf.yaml", ()),
@@ -421,6 +423,20 @@ def test_an_unmarked_step_runs_sequentially_with_the_same_numbers(tmp_path, monk
     monkeypatch.setattr(fd, "vmappable", lambda step: step)  # applied at each client_update: unmarked
     sequential, weights = _run(tmp_path, "digits_fd.yaml", "sequential")
     batched, batched_weights = _run(tmp_path, "digits_fd.yaml", "batched")
+    counts = batched["executor"]
+    assert counts["batched_fits"] == 0 and counts["sequential_fits"] > 0
+    assert counts["sequential_reasons"] == {"the step is not marked pure (@vmappable)": counts["sequential_fits"]}
+    assert batched["final"] == sequential["final"]
+    for name, value in weights.items():
+        assert torch.equal(batched_weights[name], value), name
+
+
+@pytest.mark.full  # two FedPAC runs; the mechanism is tested above on FD's step in the default suite
+def test_fedpac_s_frozen_part_steps_run_sequentially_with_the_reason_and_the_same_numbers(tmp_path):
+    """FedPAC freezes the head, then the extractor, by leaving its gradient None; its steps are not marked pure, so the
+    batched executor runs every fit as the sequential loop does and says why."""
+    sequential, weights = _run(tmp_path, "digits_fedpac.yaml", "sequential")
+    batched, batched_weights = _run(tmp_path, "digits_fedpac.yaml", "batched")
     counts = batched["executor"]
     assert counts["batched_fits"] == 0 and counts["sequential_fits"] > 0
     assert counts["sequential_reasons"] == {"the step is not marked pure (@vmappable)": counts["sequential_fits"]}

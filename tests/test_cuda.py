@@ -26,6 +26,8 @@ SERVER_STATE = ["fedadam", "periodic_codist", "merged_codist", "heterofl", "fedk
 SERVER_STATE += ["velo", "fd", "fedgen", "fedtgp"]  # FedGen: its generator and Adam; FedTGP: its prototype network
 SERVER_STATE += ["fedl2g", "fedmrl"]
 SERVER_STATE += ["fedktl", "fedpcl"]  # FedKTL: its ETF, feature transformer and centroids; FedPCL: every client's set
+SERVER_STATE += ["fedhkd"]  # FedHKD: each role's model and the class means of representations and soft predictions
+SERVER_STATE += ["fedpac"]  # FedPAC: each role's extractor, the prototypes and every client's combined head
 
 
 def _argv(recipe: str, out: Path, rounds: int) -> list[str]:

@@ -20,6 +20,8 @@ CASES = [
     ("digits_fedgen", 10, "personal/test_acc", 0.7),  # 0.99 measured
     ("digits_fedproto", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_fedtgp", 10, "personal/test_acc", 0.7),  # 0.83 measured
+    ("digits_fedhkd", 5, "personal/test_acc", 0.7),  # 0.1 untrained
+    ("digits_fedpac", 10, "personal/test_acc", 0.7),  # 0.1 untrained
     ("digits_lg_fedavg", 10, "personal/test_acc", 0.7),  # 0.87 measured
     ("digits_fml", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_fedkd", 10, "personal/test_acc", 0.7),  # 0.91 measured

@@ -14,6 +14,7 @@ from .fedgen import FedGen
 from .fedgh import FedGH
 from .fedgkt import FedGKT
 from .fedhe import FedHe
+from .fedhkd import FedHKD
 from .fedkd import FedKD
 from .fedktl import FedKTL
 from .fedl2g import FedL2G
@@ -21,6 +22,7 @@ from .fedmd import FedMD
 from .fedmrl import FedMRL
 from .fednh import FedNH
 from .fedntd import FedNTD
+from .fedpac import FedPAC
 from .fedpcl import FedPCL
 from .fedproto import FedProto
 from .fedtgp import FedTGP
@@ -51,6 +53,7 @@ __all__ = [
     "FedGH",
     "FedGKT",
     "FedHe",
+    "FedHKD",
     "FedKD",
     "FedKTL",
     "FedL2G",
@@ -58,6 +61,7 @@ __all__ = [
     "FedMRL",
     "FedNH",
     "FedNTD",
+    "FedPAC",
     "FedPCL",
     "FedProto",
     "FedTGP",
