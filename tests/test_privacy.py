@@ -535,6 +535,8 @@ REFUSED = {
     "digits_fedhe_async": "privacy accounts synchronous rounds only",
     "digits_ccvr": "privacy cannot bound CCVR's upload 'class_moments': its torch.int64 tensor 'labels'",
     "digits_fednh": "privacy cannot bound FedNH's upload 'class_means': its torch.int64 tensor 'labels'",
+    "digits_fedhkd": "privacy cannot bound FedHKD's upload 'hyper_knowledge': it carries per-class counts",
+    "digits_fedpac": "privacy cannot bound FedPAC's upload 'local_prototypes': it carries per-class counts",
 }
 
 
