@@ -128,3 +128,73 @@ def test_flrun_flower_simulation_gives_flrun_fits_numbers(tmp_path):
     assert metrics_rows(tmp_path / "fit") == metrics_rows(tmp_path / "sim")
     summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert summary["flower"]["supernodes"] == 2 and summary["flower"]["messages"] == 3 * 2 * 2
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """The local addresses that processes ``pids`` listen on (TCP), from ``ss``."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids]
+
+
+def _in_groups(groups: set[int]) -> set[int]:
+    """Every process whose process group is one of ``groups`` (Loopback starts each command in its own)."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pid=,pgid="], capture_output=True, text=True, check=True).stdout
+    return {int(pid) for pid, pgid in (line.split() for line in out.splitlines()) if int(pgid) in groups}
+
+
+def _alive(pids: set[int]) -> set[int]:
+    import os
+
+    alive = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.add(pid)
+    return alive
+
+
+@pytest.mark.slow
+def test_the_loopback_deployment_listens_on_127_0_0_1_only_and_leaves_no_process(tmp_path):
+    """A SuperLink and 2 SuperNodes: every socket they listen on is on 127.0.0.1, and closing ends them all."""
+    import shutil
+    import time
+
+    from fl_lightning.flower.launch import Loopback
+
+    if shutil.which("ss") is None:
+        pytest.skip("ss (iproute2) is not installed: the test reads the listening sockets with it")
+    with Loopback(tmp_path, 2) as loopback:
+        groups = {process.pid for process in loopback.processes}
+        time.sleep(5)  # the SuperNodes connect (a SuperNode opens its own API when a run needs it)
+        pids = _in_groups(groups)
+        addresses = _listening(pids)
+        assert addresses and all(address.startswith("127.0.0.1:") for address in addresses), addresses
+    assert _alive(pids) == set() and _in_groups(groups) == set()
+
+
+@pytest.mark.slow
+def test_flrun_flower_on_a_loopback_deployment_gives_flrun_fits_numbers(tmp_path):
+    """SuperLink, 2 SuperNodes and the run submitted with flwr run: flrun fit's metrics bit for bit, the run's
+    files, and no Flower process left once the command returns."""
+    import subprocess
+
+    def flower_processes() -> set[str]:
+        out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+        return {line.split()[0] for line in out.splitlines() if str(tmp_path) in line or "flrun-flower-" in line}
+
+    before = flower_processes()
+    args = ["--config", str(ROOT / "recipes/digits_fedproto.yaml"), "--rounds", "2", "--runtime.progress", "false"]
+    assert run_cli("fit", *args, "--output_dir", str(tmp_path / "fit")) == 0
+    assert run_cli("flower", "--supernodes", "2", *args, "--output_dir", str(tmp_path / "loopback")) == 0
+    assert metrics_rows(tmp_path / "fit") == metrics_rows(tmp_path / "loopback")
+    summary = read_summary(tmp_path / "loopback")
+    assert summary["flower"]["supernodes"] == 2 and summary["flower"]["client_state_bytes"] > 0
+    assert {"config.yaml", "metrics.csv", "summary.json"} <= {p.name for p in (tmp_path / "loopback").iterdir()}
+    assert flower_processes() - before == set()

@@ -48,16 +48,14 @@ def run_flower(argv: list[str]) -> int:
         import flwr  # noqa: F401
     except ImportError:
         raise UserError('flrun flower needs Flower: pip install -e ".[flower]" (or pip install flwr).') from None
-    from ..flower.launch import run_simulated
+    from ..flower.launch import run_loopback, run_simulated
     from ..run.arguments import parse_fit
 
     _, init, _ = parse_fit(fit_args)  # a mistake in the recipe is answered before anything starts
     from ..flower.apps import check_deployable
 
     check_deployable(init)
-    if not simulation:
-        raise UserError("flrun flower runs with --simulation only in this version; a loopback deployment is to come.")
-    summary = run_simulated(fit_args, supernodes)
+    summary = run_simulated(fit_args, supernodes) if simulation else run_loopback(fit_args, supernodes)
     from ..tracking.progress import run_summary
 
     print(run_summary(summary))

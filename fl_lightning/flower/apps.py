@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 RECIPE = "flrun.recipe"  # the ConfigRecord of the query message, kept in each SuperNode's context
 NODE_WAIT_S = 120.0  # how long the ServerApp waits for the SuperNodes it expects to connect
+SCRATCH_ENV = "FLRUN_FLOWER_SCRATCH"  # where a SuperNode's process builds its run (a temporary folder when unset)
 
 
 def check_deployable(init: Any) -> None:
@@ -234,7 +236,8 @@ class _Node:
         from ..run.arguments import fit_from_argv
         from ..tracking import RoundProgress
 
-        self.folder = Path(tempfile.mkdtemp(prefix="flrun-flower-node-"))
+        # under the folder flrun flower removes at the end: a worker ended by Flower's engine runs no atexit
+        self.folder = Path(tempfile.mkdtemp(prefix="flrun-flower-node-", dir=os.environ.get(SCRATCH_ENV)))
         atexit.register(shutil.rmtree, self.folder, True)
         (self.folder / "recipe.yaml").write_text(recipe)
         served: list[FederationOrchestrator] = []
