@@ -60,15 +60,15 @@ def test_a_message_cannot_name_a_class_or_carry_an_object_outside_the_payload_ki
 class InProcessGrid:
     """Flower's grid for the ServerApp, handing each message to a ClientApp of SuperNode ``partition-id`` i."""
 
-    def __init__(self, supernodes: int):
+    def __init__(self, supernodes: int, node_args: dict[int, str] | None = None):
         from flwr.supercore.task_identity import TaskIdentity
 
         TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = 1  # what Flower's runtime sets
         self.app = client_app()
-        self.contexts = {
-            100 + i: Context(1, 100 + i, {"partition-id": i, "num-partitions": supernodes}, RecordDict(), {})
-            for i in range(supernodes)
-        }
+        self.contexts = {}
+        for i in range(supernodes):
+            config = {"partition-id": i, "num-partitions": supernodes, "fit-args": (node_args or {}).get(i, "")}
+            self.contexts[100 + i] = Context(1, 100 + i, config, RecordDict(), {})
         self.received: list[str] = []
 
     def get_node_ids(self):
@@ -112,6 +112,15 @@ def test_methods_a_deployment_cannot_give_are_refused_in_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match="clients on separate SuperNodes cannot share"):
         run_server(InProcessGrid(1), shared)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_supernode_that_partitioned_other_data_is_refused_before_any_training(tmp_path):
+    """A node option (fit-args in its node config) that changes what the data hold, not where they are."""
+    grid = InProcessGrid(2, node_args={1: "--data.init_args.test_fraction 0.3"})
+    args = ["--config", str(ROOT / "recipes/quickstart.yaml"), "--output_dir", str(tmp_path / "run")]
+    with pytest.raises(ConfigError, match=r"SuperNode\(s\) \[101\] partitioned other data than the server"):
+        run_server(grid, args)
+    assert grid.received == ["query", "query"]  # no task was sent
 
 
 def test_flrun_flower_refuses_a_bad_supernode_count(capsys):

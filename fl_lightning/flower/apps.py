@@ -77,8 +77,8 @@ class FlowerTransport:
         owners: partition id -> node id of each SuperNode.
     """
 
-    def __init__(self, grid: Grid, owners: dict[int, int]):
-        self.grid, self.owners = grid, owners
+    def __init__(self, grid: Grid, owners: dict[int, int], partitions: dict[int, str] | None = None):
+        self.grid, self.owners, self.partitions = grid, owners, partitions or {}
         self.traffic = {"messages": 0, "downlink_bytes": 0, "uplink_bytes": 0, "client_state_bytes": 0}
 
     def node_of(self, client_id: int) -> int:
@@ -89,6 +89,15 @@ class FlowerTransport:
         self, orchestrator: FederationOrchestrator, rnd: int, tasks: list[ClientTask], tally: RoundTally
     ) -> Iterator[ClientUpdate]:
         state = orchestrator.state
+        ours = (orchestrator.output.run_info or {}).get("partition_sha256")
+        other = {node: sha for node, sha in self.partitions.items() if sha != ours}
+        if other:  # a SuperNode whose data differ would train other clients than the server evaluates
+            raise ConfigError(
+                f"SuperNode(s) {sorted(other)} partitioned other data than the server (partition SHA-256 "
+                f"{next(iter(other.values()))[:12]} vs {str(ours)[:12]}); give every node the same data set files, "
+                "and node options (fit-args) that say where the files are, not what they hold."
+            )
+        self.partitions = {}  # checked once
         for task in tasks:
             state.ledger.record(rnd, "downlink", task.downlink)
         shares: dict[int, list[int]] = {}
@@ -158,13 +167,15 @@ def _wait_for_nodes(grid: Grid, expected: int | None) -> list[int]:
         time.sleep(0.5)
 
 
-def _owners(grid: Grid, nodes: list[int], recipe: str) -> dict[int, int]:
-    """Sends each SuperNode the recipe (its ClientApp builds the run from it) and returns partition id -> node id."""
+def _owners(grid: Grid, nodes: list[int], recipe: str) -> tuple[dict[int, int], dict[int, str]]:
+    """Sends each SuperNode the recipe (its ClientApp builds the run from it); returns partition id -> node id,
+    and node id -> the SHA-256 of the data partition the node built."""
     messages = []
     for node in nodes:
         content = RecordDict({RECIPE: ConfigRecord({"text": recipe})})
         messages.append(Message(content, dst_node_id=node, message_type="query", group_id="setup"))
     owners: dict[int, int] = {}
+    partitions: dict[int, str] = {}
     counts = set()
     for reply in grid.send_and_receive(messages):
         if reply.has_error():
@@ -175,12 +186,13 @@ def _owners(grid: Grid, nodes: list[int], recipe: str) -> dict[int, int]:
         assert isinstance(info, ConfigRecord)
         owners[int(str(info["partition-id"]))] = reply.metadata.src_node_id
         counts.add(int(str(info["num-partitions"])))
+        partitions[reply.metadata.src_node_id] = str(info["partition-sha256"])
     if counts != {len(nodes)} or sorted(owners) != list(range(len(nodes))):
         raise ConfigError(
             f"the {len(nodes)} SuperNodes report partition ids {sorted(owners)} of {sorted(counts)} partitions; give "
             f"each one node config partition-id=0..{len(nodes) - 1} and num-partitions={len(nodes)}."
         )
-    return owners
+    return owners, partitions
 
 
 def run_server(grid: Grid, argv: list[str], expected_nodes: int | None = None) -> dict[str, Any]:
@@ -191,7 +203,7 @@ def run_server(grid: Grid, argv: list[str], expected_nodes: int | None = None) -
     _, init, resolved = parse_fit(argv)
     check_deployable(init)
     nodes = _wait_for_nodes(grid, expected_nodes)
-    transport = FlowerTransport(grid, _owners(grid, nodes, resolved))
+    transport = FlowerTransport(grid, *_owners(grid, nodes, resolved))
     with remote_clients(RemoteClients(transport=transport)):
         summary = fit_from_argv(argv)
     # beside the ledger's bytes (what the payloads hold), the bytes of the records Flower carried: arrays' data
@@ -232,7 +244,7 @@ def server_app(
 class _Node:
     """A SuperNode's side of the run: the run built from the recipe, its orchestrator serving tasks."""
 
-    def __init__(self, recipe: str):
+    def __init__(self, recipe: str, node_args: list[str]):
         from ..run.arguments import fit_from_argv
         from ..tracking import RoundProgress
 
@@ -247,7 +259,7 @@ class _Node:
             return {}
 
         argv = ["--config", str(self.folder / "recipe.yaml"), "--output_dir", str(self.folder / "run")]
-        argv += ["--logger", "csv", "--runtime.progress", "false", "--resume", "null"]
+        argv += ["--logger", "csv", "--runtime.progress", "false", "--resume", "null", *node_args]
         with remote_clients(RemoteClients(serve=serve)):
             fit_from_argv(argv)
         self.orchestrator = served[0]
@@ -289,14 +301,18 @@ _NODES: dict[str, _Node] = {}  # per recipe: a process keeps its built run acros
 
 
 def _node(context: Context) -> _Node:
+    import shlex
+
     config = context.state.get(RECIPE)
     if not isinstance(config, ConfigRecord):
         raise RuntimeError("this SuperNode received a task before the run's recipe")
     recipe = str(config["text"])
-    key = hashlib.sha256(recipe.encode()).hexdigest()
+    # the node's own flrun fit options (node config fit-args), e.g. where this machine keeps the data set's files
+    node_args = shlex.split(str(context.node_config.get("fit-args", "")))
+    key = hashlib.sha256("\0".join([recipe, *node_args]).encode()).hexdigest()
     if key not in _NODES:
         _NODES.clear()  # another run's: one at a time per process
-        _NODES[key] = _Node(recipe)
+        _NODES[key] = _Node(recipe, node_args)
     return _NODES[key]
 
 
@@ -307,10 +323,11 @@ def client_app() -> ClientApp:
     @app.query()
     def query(message: Message, context: Context) -> Message:
         context.state[RECIPE] = message.content[RECIPE]
-        _node(context)  # built now: a recipe this node cannot run fails before the first round
+        built = _node(context)  # built now: a recipe this node cannot run fails before the first round
         config = context.node_config
         partition, partitions = int(str(config.get("partition-id", 0))), int(str(config.get("num-partitions", 1)))
-        info = ConfigRecord({"partition-id": partition, "num-partitions": partitions})
+        sha = str((built.orchestrator.output.run_info or {}).get("partition_sha256"))
+        info = ConfigRecord({"partition-id": partition, "num-partitions": partitions, "partition-sha256": sha})
         return Message(RecordDict({"node": info}), reply_to=message)
 
     @app.train()
