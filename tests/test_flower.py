@@ -207,3 +207,21 @@ def test_flrun_flower_on_a_loopback_deployment_gives_flrun_fits_numbers(tmp_path
     assert summary["flower"]["supernodes"] == 2 and summary["flower"]["client_state_bytes"] > 0
     assert {"config.yaml", "metrics.csv", "summary.json"} <= {p.name for p in (tmp_path / "loopback").iterdir()}
     assert flower_processes() - before == set()
+
+
+def test_a_stopped_loopback_run_is_reported_by_its_servers_sentence():
+    from fl_lightning.flower.launch import _failure
+
+    log = (
+        "Traceback (most recent call last):\n  File 'apps.py', line 118, in updates\n"
+        "RuntimeError: round 6: SuperNode 123 did not return its clients' updates (no reply).\n"
+        "ERROR :     Exit Code: 201\n"
+    )
+    error = _failure(log)
+    assert isinstance(error, RuntimeError)
+    assert (
+        str(error) == "the loopback run stopped: round 6: SuperNode 123 did not return its clients' updates (no reply)."
+    )
+    refused = _failure("fl_lightning.federation.errors.ConfigError: asynchronous rounds (schedule) simulate ...\n")
+    assert isinstance(refused, ConfigError) and str(refused).startswith("asynchronous rounds (schedule)")
+    assert "log ends with:\nsomething else" in str(_failure("something else"))

@@ -291,6 +291,9 @@ class _Node:
                 kept = client_states.get(cid)
                 answer["state"] = kept
                 answer["state_bytes"] = records.put(context.state, name, kept) if kept else 0
+                if not kept:  # a state the client emptied goes from the node's copy too
+                    for part in (f"{name}.arrays", f"{name}.structure"):
+                        context.state.pop(part, None)
             answers.append(answer)
             if answer["error"] is not None:  # one process stops at the first failing client
                 break

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..federation.errors import ConfigError
 from .apps import SCRATCH_ENV, client_app, server_app
 
 
@@ -61,9 +63,9 @@ build-backend = "hatchling.build"
 name = "flrun-recipe"
 version = "1.0.0"
 description = "A fl-lightning recipe as Flower apps"
-# fl-lightning itself is installed beside Flower on every machine (Flower installs an app's other dependencies
-# per run from a package index)
-dependencies = ["flwr>=1.42"]
+# none: Flower would install what they need into a per-run environment ahead of this one's packages (flwr's own
+# dependencies included), and the run must use the torch, numpy and fl-lightning installed beside Flower
+dependencies = []
 
 [tool.flwr.app]
 publisher = "fl-lightning"
@@ -180,6 +182,21 @@ class Loopback:
         self.close()
 
 
+_RAISED = re.compile(r"^(?:[\w.]+\.)?(ConfigError|Diverged|UserError|\w*Error): (.+)$", re.MULTILINE)
+
+
+def _failure(log: str) -> Exception:
+    """What stopped the ServerApp, from ``flwr run``'s log: its error's sentence (a recipe's mistake as the
+    ConfigError it was), else the log's end."""
+    raised = _RAISED.findall(log)
+    if raised:
+        kind, sentence = raised[-1]
+        if kind in ("ConfigError", "UserError", "Diverged"):
+            return ConfigError(sentence)
+        return RuntimeError(f"the loopback run stopped: {sentence}")
+    return RuntimeError(f"the loopback run ended without its summary; flwr run's log ends with:\n{log[-2000:]}")
+
+
 def run_loopback(fit_args: list[str], supernodes: int) -> dict[str, Any]:
     """Runs ``flrun fit <fit_args>`` as Flower apps on a loopback deployment that this call starts and ends;
     returns the run's summary."""
@@ -199,8 +216,7 @@ def run_loopback(fit_args: list[str], supernodes: int) -> dict[str, Any]:
             loopback.submit(app, run_config)
         summary_file = root / "summary.json"
         if not summary_file.is_file() or "flower" not in json.loads(summary_file.read_text()):
-            tail = (folder / "flwr-run.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the loopback run ended without its summary; flwr run's log ends with:\n{tail}")
+            raise _failure((folder / "flwr-run.log").read_text(errors="replace"))
         return json.loads(summary_file.read_text())
     finally:
         shutil.rmtree(folder, ignore_errors=True)
