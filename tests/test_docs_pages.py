@@ -207,7 +207,7 @@ def check_flower(folder: Path, log: str) -> None:
     from conftest import metrics_rows
 
     fit = metrics_rows(folder / "runs/fedproto_fit")
-    assert len(fit) == 3
+    assert fit and fit[-1]["round"] == "3"
     for run in ("fedproto_simulation", "fedproto_loopback"):  # the page: the same metrics.csv, bit for bit
         assert metrics_rows(folder / "runs" / run) == fit, run
         flower = _summary(folder, f"runs/{run}")["flower"]

@@ -111,6 +111,9 @@ def test_methods_a_deployment_cannot_give_are_refused_in_one_sentence(tmp_path):
     shared = ["--config", str(ROOT / "recipes/quickstart.yaml"), "--training.optimizer_state", "shared", *out]
     with pytest.raises(ConfigError, match="clients on separate SuperNodes cannot share"):
         run_server(InProcessGrid(1), shared)
+    resumed = ["--config", str(ROOT / "recipes/quickstart.yaml"), "--resume", "auto", *out]
+    with pytest.raises(ConfigError, match="^flrun flower starts new runs only"):
+        run_server(InProcessGrid(1), resumed)
     assert not (tmp_path / "run").exists()
 
 

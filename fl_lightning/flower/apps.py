@@ -60,6 +60,11 @@ def check_deployable(init: Any) -> None:
             f"training.optimizer_state {init.training.optimizer_state} continues one optimizer state from client to "
             "client, which clients on separate SuperNodes cannot share; use reset or per_client with flrun flower."
         )
+    if init.resume is not None:
+        raise ConfigError(
+            "flrun flower starts new runs only: the clients' states of a stopped run lived in its SuperNodes' Flower "
+            "contexts, which a new deployment does not have; leave out --resume (or continue the run with flrun fit)."
+        )
     if init.runtime.devices > 1 or init.runtime.executor == "batched":
         raise ConfigError(
             "each SuperNode runs its clients' tasks one after another, so runtime.devices above 1 and runtime.executor "
