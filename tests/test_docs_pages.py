@@ -46,6 +46,8 @@ class Page:
     # the local Slurm cluster and are skipped, with its reason, where it cannot start
     stand_ins: dict[str, str] = field(default_factory=dict)
     slurm: dict[str, str] = field(default_factory=dict)
+    # an optional extra the page's commands need (the module it installs): the page is skipped, saying so, without it
+    needs: tuple[str, str] | None = None
 
 
 def _summary(folder: Path, run: str) -> dict:
@@ -225,6 +227,16 @@ def check_privacy(folder: Path, log: str) -> None:
     assert quoted == [final(run, "global/test_acc") for run in ("runs/dp/none", "runs/dp/clip", "runs/dp/eps8")]
     quoted = _quoted(page, r"reach a test accuracy of #3 without privacy and #3 with it")
     assert quoted == [final(run, "personal/test_acc") for run in ("runs/dp/fd", "runs/dp/fd_local")]
+def check_flower(folder: Path, log: str) -> None:
+    from conftest import metrics_rows
+
+    fit = metrics_rows(folder / "runs/fedproto_fit")
+    assert fit and fit[-1]["round"] == "3"
+    for run in ("fedproto_simulation", "fedproto_loopback"):  # the page: the same metrics.csv, bit for bit
+        assert metrics_rows(folder / "runs" / run) == fit, run
+        flower = _summary(folder, f"runs/{run}")["flower"]
+        assert flower["supernodes"] == 2 and flower["client_state_bytes"] > 0
+    assert (folder / "flower_report.html").is_file()
 
 
 def check_wandb(folder: Path, log: str) -> None:
@@ -292,6 +304,19 @@ PAGES: dict[str, Page] = {
             "\\n' > job.sh && sbatch --wait --array 1-2%1 job.sh",
         },
         check=check_gpus_and_slurm,
+    ),
+    "docs/howto/flower.md": Page(
+        skipped={
+            'pip install -e ".[flower]"': "installs the package: the tests run in the environment it made",
+            "flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key": (
+                "a SuperLink for other machines, with your certificates"
+            ),
+            "flower-supernode --superlink superlink.example.org:8000 --root-certificates ca.crt --node-config "
+            "'partition-id=0 num-partitions=2 fit-args=\"--data.init_args.data_dir /data\"'": "a site's machine",
+            "flwr run . my-federation": "submits to your federation's SuperLink",
+        },
+        check=check_flower,
+        needs=("flwr", 'pip install -e ".[flower]"'),
     ),
     "docs/howto/lightning_module.md": Page(check=check_lightning_module),
     "docs/howto/new_method.md": Page(check=check_new_method),
@@ -386,6 +411,11 @@ def _cases():
 @pytest.mark.parametrize("name", _cases())
 def test_the_page_runs_as_written(name, tmp_path, request):
     page = PAGES[name]
+    if page.needs is not None:
+        import importlib.util
+
+        if importlib.util.find_spec(page.needs[0]) is None:
+            pytest.skip(f"{name} needs the {page.needs[0]} package: {page.needs[1]}")
     folder = _clone_root(tmp_path)
     if name != "README.md" and page.slow:  # the pages with nothing to run need no quickstart run
         shutil.copytree(request.getfixturevalue("after_readme"), folder / "runs/quickstart/seed0")

@@ -22,6 +22,7 @@ from ..run.arguments import USAGE as USAGE_FIT
 from .data import run_data
 from .diagnostics import show_messages
 from .errors import Terminated, error_status, guarded_output, stopped_by_sigterm
+from .flower import run_flower
 from .models import run_models
 from .report import run_report
 from .studies import run_sweep_command, run_table
@@ -33,6 +34,7 @@ USAGE = """usage: flrun COMMAND [options]    (flrun --version: the installed ver
 
 commands:
   fit      run a federated experiment from a recipe: flrun fit -c recipes/quickstart.yaml
+  flower   a recipe as Flower apps: flrun flower -c RECIPE [--supernodes N] [--simulation]
   models   list the registered model builders with their parameter counts (--json; --count builds them)
   data     flrun data inspect --config RECIPE: per-client statistics and a client-by-class chart
            flrun data fetch DATASET [--data_dir data]: download and verify a data set (on a machine online)
@@ -135,6 +137,7 @@ def _fit_help() -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "report": run_report,
     "fit": run_fit,
+    "flower": run_flower,
     "models": run_models,
     "data": run_data,
     "sweep": run_sweep_command,

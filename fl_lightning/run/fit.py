@@ -42,6 +42,7 @@ from .options import ExecutionPlan, RoundPlan, RunOutput
 from .orchestrator import FederationOrchestrator
 from .privacy import Privacy, dp_accounting_module
 from .provenance import hardware, versions
+from .remote import current_remote
 from .robustness import Faults, Robustness
 from .run_dir import (
     check_no_results,
@@ -274,6 +275,7 @@ def _run(
     if checkpoint is not None:
         run_info, rewrite_config = _resumed_identity(checkpoint, run_info, output, plan)
     output = dataclasses.replace(output, run_info=run_info)
+    remote = current_remote()  # clients in other processes (Flower), or this process's client side of such a run
     orchestrator = FederationOrchestrator(
         strategy=experiment.strategy,
         clients=experiment.clients,
@@ -288,6 +290,7 @@ def _run(
         schedule=experiment.schedule,
         evaluation=experiment.evaluation,
         privacy=experiment.privacy,
+        transport=remote.transport if remote is not None else None,
     )
     if checkpoint is not None:  # the server state set up for this recipe against the one saved
         check_shapes(checkpoint, "strategy", experiment.strategy.state_dict())
@@ -300,7 +303,10 @@ def _run(
         config = output.config if rewrite_config else None
         _write_run_dir(files, lock, run_info["run_id"], checkpoint, orchestrator.state, partition, config)
     _start_loggers(output, name, checkpoint, experiment.data)
-    summary = orchestrator.run_rounds(checkpoint)
+    if remote is not None and remote.serve is not None:  # a client side: it runs the tasks it receives, no rounds
+        summary = remote.serve(orchestrator)
+    else:
+        summary = orchestrator.run_rounds(checkpoint)
     leave_ranks()
     for run_logger in output.loggers:
         run_logger.log_files([files.last_checkpoint])

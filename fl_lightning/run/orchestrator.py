@@ -42,6 +42,7 @@ from .asynchrony import AsynchronousRounds, AsynchronousSchedule
 from .client_store import CLIENTS_DIR
 from .options import ExecutionPlan, RoundPlan, RunOutput
 from .privacy import Privacy, PrivacyMechanism
+from .remote import ClientTransport
 from .robustness import FIX, LOWER_RATES, Diverged, Robustness, nonfinite_metrics, nonfinite_parts, poison
 from .sharding import ShardedPhases
 from .state import RunState
@@ -65,6 +66,8 @@ class FederationOrchestrator:
         schedule: asynchronous mode (simulated clock and client speeds); synchronous rounds when None.
         evaluation: which clients a personalized evaluation covers (all of them at every evaluation by default).
         privacy: differential privacy of every client upload (``privacy.py``); none when None.
+        transport: clients in other processes (Flower's SuperNodes, ``run/remote.py``): each phase's tasks go
+            through it instead of the local loop; the rest of the round is this loop's, as always.
 
     Example::
 
@@ -94,6 +97,7 @@ class FederationOrchestrator:
         schedule: AsynchronousSchedule | None = None,
         evaluation: PersonalEvaluation | None = None,
         privacy: Privacy | None = None,
+        transport: ClientTransport | None = None,
     ):
         self.strategy, self.clients, self.sampler = strategy, clients, sampler
         self.loop, self.data, self.seed = loop, data, seed
@@ -106,6 +110,7 @@ class FederationOrchestrator:
         self.state = RunState(client_dir, output.run_info, output.config, memory, loop.fabric.device, self.ranks.rank)
         self.evaluator = Evaluator(loop, data, clients, self.state.client_states, evaluation, seed)
         self.schedule = schedule
+        self.transport = transport
         batched = execution.executor == "batched"
         self.batched = BatchedExecutor(loop, execution.batch_clients, execution.lockstep) if batched else None
         self.sharded = (
@@ -311,7 +316,9 @@ class FederationOrchestrator:
                 task.phase = phase.name
             num_tasks += len(tasks)
             self.progress.start_phase(phase.name, len(tasks))
-            if self.sharded is None:
+            if self.transport is not None:  # the clients run elsewhere; their updates come back in task order
+                updates = self.transport.updates(self, rnd, tasks, tally)
+            elif self.sharded is None:
                 updates = self._client_updates(rnd, tasks, tally)
             else:  # this rank trains its share; every rank gets every update, in task order (sharding.py)
                 updates = self.sharded.updates(rnd, tasks, self._client_updates, tally, self.progress)
@@ -346,6 +353,11 @@ class FederationOrchestrator:
             if update is not None:  # a lost update sends nothing
                 self.state.ledger.record(rnd, "uplink", update.uplink)
                 yield update
+
+    def run_client(self, rnd: int, task: ClientTask, tally: RoundTally) -> ClientUpdate | None:
+        """Runs one client's task as this loop does (its downlink recorded, faults, the client's state kept): the
+        client side of a transport (``run/remote.py``) runs each task it receives with it."""
+        return self._run_client(rnd, task, tally)
 
     def _run_client(self, rnd: int, task: ClientTask, tally: RoundTally, stream: int = 0) -> ClientUpdate | None:
         """Runs one client's task with its own random streams (``stream`` > 0: one of several in a round).
