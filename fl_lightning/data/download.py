@@ -7,13 +7,9 @@ set's own message, see :mod:`fl_lightning.data.sources`) instead of a page of re
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import tarfile
 import urllib.error
 import urllib.parse
@@ -21,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from ..federation.errors import ConfigError
+from ..federation.files import lock_file
 
 log = logging.getLogger(__name__)
 
@@ -97,36 +94,6 @@ def download(
         if path.is_file() and file_digest(path, algorithm) == expected:
             return path
         return _fetch(url, path, algorithm, expected)
-
-
-@contextlib.contextmanager
-def lock_file(path: Path):
-    """Holds an exclusive lock on ``path`` and removes the file when done (succeeded or failed), so that no
-    ``.lock`` file stays behind. A process that waited on a file its holder removed locks a file nobody else
-    sees: it notices (the path no longer names what it holds) and locks the current one instead."""
-    while True:
-        lock = path.open("ab")
-        flock_if_supported(lock)
-        try:
-            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        lock.close()
-    try:
-        yield lock
-    finally:
-        path.unlink(missing_ok=True)  # while still held: the next process then opens a new file
-        lock.close()
-
-
-def flock_if_supported(lock) -> None:
-    """Waits for the exclusive lock on ``lock``; on a file system without flock, goes on without it."""
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    except OSError as err:
-        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
 
 
 def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:
