@@ -38,6 +38,8 @@ def check_model_memory(models: dict[str, ModelSpec], roles: list[str], context: 
 def model_bytes(spec: ModelSpec, context: dict[str, Any]) -> int | None:
     """Bytes of the parameters and buffers of ``spec``'s model, built on the meta device; None for a builder that is
     not the package's own, a pretrained one, or one that cannot be built there (the real build says why)."""
+    if "." in spec.builder:  # a dotted path names a user's builder: its module is imported once, by the build
+        return None
     try:
         fn = resolve_builder(spec.builder)
         if not is_ours(inspect.getsourcefile(fn) or "") or "fetch_weights" in inspect.signature(fn).parameters:
