@@ -269,6 +269,47 @@ def test_wandb_without_account_is_one_sentence(tmp_path):
     assert "wandb login" in lines[0] and "WANDB_MODE=offline" in lines[0]
 
 
+def test_an_unknown_wandb_mode_is_one_sentence_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """WANDB_MODE=bogus (or a mode: W&B does not know): one sentence naming the variable, its value and the valid
+    modes, exit 2, before the run folder or a sweep's study is made; not pydantic's trace from inside wandb.init."""
+    from fl_lightning.federation.errors import ConfigError
+    from fl_lightning.tracking import WandbLogger
+
+    recipe = write_recipe(tmp_path / "r.yaml", rounds=1)
+    for value in ("bogus", "", "OFFLINE"):
+        monkeypatch.setenv("WANDB_MODE", value)
+        out = tmp_path / f"run{value}"
+        assert run_cli("fit", "--config", str(recipe), "--logger", "wandb", "--output_dir", str(out)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "Traceback" not in err, err
+        assert f"WANDB_MODE is {value!r}, which W&B does not know" in err
+        assert "online, offline, disabled, shared, dryrun or run (or unset it)." in err
+        assert not out.exists()
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(
+        yaml.safe_dump(
+            {"base": str(recipe), "metric": "global/test_acc", "n_trials": 1, "logger": "wandb",
+             "parameters": {"seed": {"type": "categorical", "choices": [0]}}, "output_dir": str(tmp_path / "sw")}
+        )
+    )  # fmt: skip
+    assert run_cli("sweep", "--config", str(sweep)) == 2
+    assert "WANDB_MODE is 'OFFLINE', which W&B does not know" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(ConfigError, match=r"^the wandb logger's mode is 'bogus', which W&B does not know; set it to"):
+        WandbLogger(mode="bogus")  # type: ignore[arg-type]
+
+
+def test_the_wandb_modes_named_are_those_wandb_accepts():
+    import typing
+
+    from wandb.sdk.wandb_settings import Settings
+
+    from fl_lightning.tracking.loggers import WANDB_MODES
+
+    assert sorted(WANDB_MODES) == sorted(typing.get_args(Settings.model_fields["mode"].annotation))
+
+
 def test_version_and_the_short_config_option(tmp_path, capsys):
     import json
 

@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from fl_lightning.data import catalog, download, sources
+from fl_lightning.federation import files
 from fl_lightning.federation.errors import ConfigError
 
 
@@ -161,7 +162,7 @@ def test_a_download_on_a_file_system_without_locks_goes_on_without_one(tmp_path,
     def no_flock(file, operation):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr(download.fcntl, "flock", no_flock)
+    monkeypatch.setattr(files.fcntl, "flock", no_flock)  # the lock download takes (files.lock_file)
     good = b"the published bytes"
     serve(monkeypatch, {"https://example.org/f.bin": good})
     path = download.download("https://example.org/f.bin", tmp_path / "f.bin", sha256=hashlib.sha256(good).hexdigest())
@@ -303,8 +304,8 @@ def test_a_process_that_waited_on_a_removed_lock_file_locks_the_current_one(tmp_
     import threading
 
     path = tmp_path / "f.lock"
-    held, second = [], download.lock_file(path)
-    first = download.lock_file(path)
+    held, second = [], files.lock_file(path)
+    first = files.lock_file(path)
     first.__enter__()
     waiter = threading.Thread(target=lambda: held.append(second.__enter__()))
     waiter.start()

@@ -227,6 +227,8 @@ def check_privacy(folder: Path, log: str) -> None:
     assert quoted == [final(run, "global/test_acc") for run in ("runs/dp/none", "runs/dp/clip", "runs/dp/eps8")]
     quoted = _quoted(page, r"reach a test accuracy of #3 without privacy and #3 with it")
     assert quoted == [final(run, "personal/test_acc") for run in ("runs/dp/fd", "runs/dp/fd_local")]
+
+
 def check_flower(folder: Path, log: str) -> None:
     from conftest import metrics_rows
 

@@ -102,9 +102,10 @@ def test_bad_settings_are_refused_in_one_sentence():
 
 
 def test_a_short_run_learns_and_counts_every_example(tmp_path):
-    """Learning measured against the same run untrained: client learning rate 0 and no server epochs."""
+    """Learning measured against the same run untrained: client learning rate 0 and no server epochs. Two rounds of
+    20 local steps (the recipe's 10 left 0.217 against 0.099, a margin of 0.118 for the 0.1 asked): 0.358."""
     recipe = ["--config", str(ROOT / "recipes" / "digits_fedgkt.yaml"), "--rounds", "2", "--eval_every", "2"]
-    recipe += ["--runtime.progress", "false"]
+    recipe += ["--training.local_steps", "20", "--runtime.progress", "false"]
     assert run_cli("fit", *recipe, "--output_dir", str(tmp_path / "g")) == 0
     frozen = ["--training.optimizer.init_args.lr", "0", "--strategy.init_args.server_epochs", "0"]
     assert run_cli("fit", *recipe, *frozen, "--output_dir", str(tmp_path / "untrained")) == 0

@@ -182,6 +182,66 @@ def test_two_sweeps_that_create_one_study_at_once_do_not_both_define_it(tmp_path
     assert set(recorded["parameters"]) == {"training.optimizer.init_args.lr"}
 
 
+# One process opening a new SQLite study database, started with others at once. Optuna checks every table, then makes
+# the missing ones: the first check sleeps a second, so that every process finds the tables missing (as two sweeps
+# started together may); then all but one would fail on "table ... already exists" unless they take turns. `plain`
+# opens the database as optuna-dashboard does, without the sweep's lock.
+_OPEN_AT_ONCE = """
+import sys, time
+from pathlib import Path
+
+from sqlalchemy.dialects.sqlite.base import SQLiteDialect
+
+database, ready, count, kind = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+has_table, slept = SQLiteDialect.has_table, []
+
+def checked_slowly(self, *args, **kwargs):
+    found = has_table(self, *args, **kwargs)
+    if not found and not slept:
+        slept.append(True)
+        time.sleep(1)
+    return found
+
+SQLiteDialect.has_table = checked_slowly
+import optuna
+from fl_lightning.sweep.spec import SweepSpec
+from fl_lightning.sweep.storage import open_or_create_study
+
+(ready / sys.argv[5]).touch()
+end = time.monotonic() + 600
+while len(list(ready.iterdir())) < count and time.monotonic() < end:
+    time.sleep(0.01)
+url = f"sqlite:///{database}"
+if kind == "plain":
+    optuna.storages.RDBStorage(url)
+else:
+    spec = SweepSpec(base="b.yaml", parameters={}, metric="global/test_acc", storage=url, study_name="s")
+    print("made" if open_or_create_study(spec)[1] else "opened")
+"""
+
+
+def test_processes_that_open_a_new_sqlite_study_database_at_once_all_open_it(tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    database = tmp_path / "sweep" / "study.db"
+    kinds = ["sweep", "sweep", "sweep", "plain"]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_AT_ONCE, str(database), str(ready), str(len(kinds)), kind, str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for i, kind in enumerate(kinds)
+    ]
+    results = [(p.communicate(timeout=600), p.returncode) for p in processes]
+    sweeps = [(out.strip(), err) for ((out, err), code), kind in zip(results, kinds) if kind == "sweep"]
+    assert all(out in ("made", "opened") for out, _ in sweeps), [err for _, err in sweeps]
+    assert sorted(out for out, _ in sweeps) == ["made", "opened", "opened"]  # one study, made once
+    assert sorted(path.name for path in database.parent.iterdir()) == ["study.db"]  # the lock file removed
+
+
 # ---------------------------------------------------------------------------------------------- ranks the machine holds
 def test_more_cpu_ranks_than_cores_are_refused_before_any_starts(tmp_path, capsys):
     cores = len(os.sched_getaffinity(0))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
+from ..distributed.capacity import allocating
 from ..models import FeatureClassifier, ModelSpec
 from .seeded_init import SeededInitializer
 from .steps import ModelSlot, StepFn, training_step
@@ -66,6 +67,7 @@ class LocalLoop:
         self.slots: dict[str, ModelSlot[ClientModule]] = {}
         self.phase_start: dict[str, dict] = {}  # optimizer states every client of a phase starts from
         self._initializers: dict[str, SeededInitializer] = {}  # per role, for fresh_weights
+        self.sizes: dict[str, int] = {}  # bytes of each role's weights (build_slots), named if a copy cannot be made
         self.graphs: StepGraphs | None = None  # runtime.cuda_graphs: client fits replay their steps (client/graphs/)
         self.helpers: dict[
             tuple, ModelSlot[torch.nn.Module]
@@ -79,17 +81,23 @@ class LocalLoop:
         client's until then."""
         return self.fit_runner is not None
 
-    def build_slots(self, models: dict[str, ModelSpec], roles: list[str], seed: int, **context) -> None:
+    def build_slots(
+        self, models: dict[str, ModelSpec], roles: list[str], seed: int, sizes: dict[str, int] | None = None, **context
+    ) -> None:
         """Builds one module per role (weights seeded per role) and its optimizer, once per run. Every role is one
-        of ``models`` (``fit`` checks that before any data is loaded)."""
+        of ``models`` (``fit`` checks that before any data is loaded); ``sizes``: the roles' weights in bytes as
+        estimated, where known, named if memory runs out (:attr:`sizes` then holds the built ones')."""
         self.specs, self.context = models, context
         for role in roles:
             torch.manual_seed(role_seed(seed, role))
-            module = self._wrapped(role, models[role].build(**context))
-            # device and precision from Fabric; its wrapper's .module is the module given
-            module = cast("ClientModule", self.fabric.setup_module(module).module)
-            optimizer = module.configure_optimizers()
+            size = (sizes or {}).get(role)
+            with allocating(f"the model of role {role!r} (builder {models[role].builder})", size):
+                module = self._wrapped(role, models[role].build(**context))
+                # device and precision from Fabric; its wrapper's .module is the module given
+                module = cast("ClientModule", self.fabric.setup_module(module).module)
+                optimizer = module.configure_optimizers()
             self.slots[role] = ModelSlot(module, optimizer, [g["lr"] for g in optimizer.param_groups])
+            self.sizes[role] = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
     def _wrapped(self, role: str, model: torch.nn.Module) -> ClientModule:
         """A built model in its module wrapper: the built-in steps, or a user's LightningModule's own."""

@@ -12,12 +12,8 @@ moved into place. huggingface_hub retries a listing or a download that fails mid
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import logging
-import os
 import shutil
 import tarfile
 import urllib.error
@@ -28,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ..federation.errors import ConfigError
+from ..federation.files import lock_file
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -109,36 +106,6 @@ def download(
         if path.is_file() and file_digest(path, algorithm) == expected:
             return path
         return _fetch(url, path, algorithm, expected)
-
-
-@contextlib.contextmanager
-def lock_file(path: Path):
-    """Holds an exclusive lock on ``path`` and removes the file when done (succeeded or failed), so that no
-    ``.lock`` file stays behind. A process that waited on a file its holder removed locks a file nobody else
-    sees: it notices (the path no longer names what it holds) and locks the current one instead."""
-    while True:
-        lock = path.open("ab")
-        flock_if_supported(lock)
-        try:
-            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        lock.close()
-    try:
-        yield lock
-    finally:
-        path.unlink(missing_ok=True)  # while still held: the next process then opens a new file
-        lock.close()
-
-
-def flock_if_supported(lock) -> None:
-    """Waits for the exclusive lock on ``lock``; on a file system without flock, goes on without it."""
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    except OSError as err:
-        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
 
 
 def _fetch(url: str, path: Path, algorithm: str, expected: str) -> Path:

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..federation.errors import ConfigError
-from ..federation.files import atomic_write
+from ..federation.files import atomic_write, lock_file
 from .catalog import HubFiles, Source, source
-from .download import NetworkError, download, hub_commit, hub_download, hub_files, lock_file, safe_extract
+from .download import NetworkError, download, hub_commit, hub_download, hub_files, safe_extract
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Whether this machine can hold the processes a command would start, answered before any starts: the ranks of
 ``flrun fit --runtime.devices N`` (a CPU rank per core at most, no more than the free memory holds), and the
 worker processes of ``flrun sweep --n_jobs K`` and runs of ``flrun table --n_jobs K`` (no more than the free
-memory holds).
+memory holds), and whether a run's models fit the memory that is free or its address-space limit (RLIMIT_AS,
+``ulimit -v``).
 
 Each is a process that imports torch and loads the data set, so it needs at least the memory this process
 holds once it has read the recipe (torch imported, no data loaded yet), measured here rather than assumed. Too
@@ -11,12 +12,16 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..federation.errors import ConfigError
+from ..federation.errors import ConfigError, allocation_bytes, is_allocation_failure
 
 MB = 1024 * 1024
+SMALLER_MODEL = "use a smaller model (models.<role>.args)"
+OWN_STATES = "keep fewer clients' states in memory (runtime.client_state_memory_mb) or use a smaller model"
 
 
 def check_capacity(devices: int, accelerator: str = "auto") -> None:
@@ -85,6 +90,54 @@ def available_memory() -> int | None:
         return None
     limit = _cgroup_room()
     return free if limit is None else min(free, limit)
+
+
+def address_space_room() -> int | None:
+    """Bytes by which this process's address space may still grow under its soft RLIMIT_AS (``ulimit -v``, a job
+    scheduler's memory limit); None without such a limit or where it cannot be read."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        size = _fields(Path("/proc/self/status").read_text())["VmSize"] * 1024
+    except (OSError, KeyError):
+        return None
+    return max(soft - size, 0)
+
+
+def memory_room() -> tuple[int, str] | None:
+    """The bytes this process may still allocate, and what sets that: the free memory (within the cgroup's limit)
+    or the address-space limit, the smaller; None where neither can be read."""
+    rooms = [
+        (room, why)
+        for room, why in (
+            (available_memory(), "memory are free"),
+            (address_space_room(), "are left under this process's address-space limit (RLIMIT_AS, ulimit -v)"),
+        )
+        if room is not None
+    ]
+    return min(rooms) if rooms else None
+
+
+@contextlib.contextmanager
+def allocating(what: str, size: int | None = None, fix: str = SMALLER_MODEL) -> Iterator[None]:
+    """Makes ``what`` (``"the model of role 'global' (builder digits_mlp)"``) of ``size`` bytes where known: an
+    allocation that fails in the block ends as one sentence (ConfigError) naming it, its size (else the size of
+    the allocation that failed) and ``fix``, not the allocator's trace."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as err:
+        if not is_allocation_failure(err):
+            raise
+        room = memory_room()
+        size = size or allocation_bytes(err)  # the whole thing's size, else the allocation that failed
+        request = f" ({size // MB:,} MB)" if size else ""
+        left = f"; {room[0] // MB:,} MB {room[1]}" if room else ""
+        raise ConfigError(
+            f"there was not enough memory for {what}{request}{left}; {fix}, or run where more memory is free."
+        ) from None
 
 
 def _cgroup_room() -> int | None:

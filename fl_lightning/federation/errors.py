@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Sequence
 
 
@@ -28,3 +29,29 @@ def bad_choice(key: str, value: object, choices: Sequence[str], where: str = "")
     close = difflib.get_close_matches(str(value).lower(), [c.lower() for c in choices], n=1)
     hint = f" (did you mean {choices[[c.lower() for c in choices].index(close[0])]!r}?)" if close else ""
     return ConfigError(f"{key} {str(value)[:80]!r}{where} is not one of {', '.join(choices)}{hint}.")
+
+
+# what PyTorch's allocators say when memory runs out: the CPU's (a RuntimeError from c10's alloc_cpu.cpp) and
+# CUDA's (torch.OutOfMemoryError, a RuntimeError); a MemoryError is Python's own
+_ALLOCATION_FAILED = ("DefaultCPUAllocator", "can't allocate memory", "out of memory", "not enough memory")
+_CPU_BYTES = re.compile(r"allocate (\d+) bytes")
+_CUDA_BYTES = re.compile(r"[Tt]ried to allocate ([\d.]+) (GiB|MiB|KiB|B)\b")
+
+
+def is_allocation_failure(err: BaseException) -> bool:
+    """Whether ``err`` is memory that could not be allocated (Python's MemoryError, PyTorch's allocators)."""
+    if isinstance(err, MemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in _ALLOCATION_FAILED)
+
+
+def allocation_bytes(err: BaseException) -> int | None:
+    """The size of the allocation that failed, where the allocator's message gives it."""
+    text = str(err)
+    found = _CPU_BYTES.search(text)
+    if found:
+        return int(found.group(1))
+    found = _CUDA_BYTES.search(text)
+    if found:
+        return int(float(found.group(1)) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[found.group(2)])
+    return None

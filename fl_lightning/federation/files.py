@@ -13,12 +13,16 @@ Example::
     atomic_write(Path("report.html"), page)
     with replacing(Path("chart.png")) as f:  # writers that want a file object
         fig.savefig(f, format="png")
+
+:func:`lock_file` makes processes take turns at one thing (a download, the tables of a new SQLite database) and
+leaves no lock file behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import signal
 import stat
@@ -225,3 +229,33 @@ def _deliver(number: int, handler: Any) -> None:
         signal.raise_signal(number)  # the default action: the process ends by the signal
         return
     handler(number, None)
+
+
+@contextlib.contextmanager
+def lock_file(path: Path):
+    """Holds an exclusive lock on ``path`` and removes the file when done (succeeded or failed), so that no
+    ``.lock`` file stays behind. A process that waited on a file its holder removed locks a file nobody else
+    sees: it notices (the path no longer names what it holds) and locks the current one instead."""
+    while True:
+        lock = path.open("ab")
+        flock_if_supported(lock)
+        try:
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        yield lock
+    finally:
+        path.unlink(missing_ok=True)  # while still held: the next process then opens a new file
+        lock.close()
+
+
+def flock_if_supported(lock) -> None:
+    """Waits for the exclusive lock on ``lock``; on a file system without flock, goes on without it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, is_allocation_failure
 
 USER_CODE_STATUS = 3  # flrun's exit status when the user's own code raised (2: a mistake in the input)
 
@@ -106,7 +106,7 @@ def described(err: BaseException) -> str:
 def converted(err: BaseException, what: str) -> BaseException:
     """What to raise for ``err``, raised under the boundary ``what`` ("model builder mymod.build"): a
     :class:`UserCodeError` when the user's code raised it, else ``err`` itself (ours: a ConfigError, a bug)."""
-    if isinstance(err, (ConfigError, UserCodeError, MemoryError)) or not isinstance(err, Exception):
+    if isinstance(err, (ConfigError, UserCodeError)) or is_allocation_failure(err) or not isinstance(err, Exception):
         return err
     if not raised_in_user_code(err.__traceback__):
         return err
@@ -119,7 +119,7 @@ def converted(err: BaseException, what: str) -> BaseException:
 @contextlib.contextmanager
 def calling(what: str) -> Iterator[None]:
     """Runs the user's code of the block: what it raises ends as ``UserCodeError("your {what} raised ...")``
-    (ConfigError, UserCodeError, MemoryError and errors of our own code pass through unchanged)."""
+    (ConfigError, UserCodeError, a failed allocation and errors of our own code pass through unchanged)."""
     try:
         yield
     except Exception as err:  # noqa: BLE001 - whatever the user's code raises

@@ -62,8 +62,9 @@ def check_deployable(init: Any) -> None:
         )
     if getattr(init, "privacy", None) is not None:
         raise ConfigError(
-            "privacy is accounted by the process that samples the clients and noises their uploads in one run, and "
-            "flrun flower does not carry it to the SuperNodes yet; remove the privacy section (or run it with flrun fit)."
+            "privacy is accounted by the process that samples the clients and noises their uploads in one run, "
+            "and flrun flower does not carry it to the SuperNodes yet; remove the privacy section (or run it with "
+            "flrun fit)."
         )
     if init.resume is not None:
         raise ConfigError(

@@ -38,6 +38,7 @@ from ..strategies.base import roles_to_build
 from ..tracking import RunFiles, RunLock, RunLogger, resolve_loggers
 from .asynchrony import AsynchronousSchedule
 from .checkpoint import check_shapes, load_checkpoint
+from .memory import check_model_memory
 from .options import ExecutionPlan, RoundPlan, RunOutput
 from .orchestrator import FederationOrchestrator
 from .privacy import Privacy, dp_accounting_module
@@ -338,14 +339,14 @@ def _setup_loop(experiment: _Experiment, fabric: Any, rounds: int, cuda_graphs: 
     """Builds one model per role and the loop that trains them, each checked against the strategy and the data."""
     data, strategy, roles = experiment.data, experiment.strategy, experiment.population.roles()
     loop = LocalLoop(fabric, experiment.training, rounds)
-    loop.build_slots(
-        experiment.models,
-        roles_to_build(roles, strategy),
-        experiment.seed,
-        num_classes=data.num_classes,
+    context = {
+        "num_classes": data.num_classes,
         **data.input_sizes(),
-        fetch_weights=fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
-    )
+        "fetch_weights": fetch_pretrained,  # pretrained builders (vit_b16) fetch their pinned weights once
+    }
+    roles_built = roles_to_build(roles, strategy)
+    sizes = check_model_memory(experiment.models, roles_built, context)  # before the first model is allocated
+    loop.build_slots(experiment.models, roles_built, experiment.seed, sizes, **context)
     check_model_parts(loop.slots, type(strategy).__name__, strategy.needs_split)
     check_models_fit_data(loop.slots, data.num_classes, data.x, input_roles=roles)
     if cuda_graphs:

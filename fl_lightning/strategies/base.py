@@ -34,6 +34,7 @@ from ..client.evaluation import Evaluator
 from ..client.loop import LocalLoop
 from ..client.steps import StepFn
 from ..data import FederatedData
+from ..distributed.capacity import OWN_STATES, allocating
 from ..federation.bounds import Bounded
 from ..federation.errors import ConfigError
 from ..federation.schedules import round_progress
@@ -158,7 +159,8 @@ class ServerContext:
         """
         if client_id is None:
             return clone_state(self.model(role).state_dict())
-        return self._loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, Stream.CLIENT_INIT))
+        with allocating(f"client {client_id}'s own model of role {role!r}", self._loop.sizes.get(role), OWN_STATES):
+            return self._loop.fresh_weights(role, derive_seed(self.seed, 0, client_id, Stream.CLIENT_INIT))
 
     def own_weights(self, client: ClientSpec, stored: StateDict | None, role: Role | None = None) -> StateDict:
         """A personalized client's stored weights, or its own initial ones of ``role`` (its first role when

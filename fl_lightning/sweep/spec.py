@@ -31,6 +31,7 @@ import yaml
 from ..federation.errors import ConfigError, bad_choice
 from ..federation.files import check_folder_name, path_problem
 from ..run.safe_yaml import read_file
+from ..tracking.loggers import check_wandb_mode
 from .metric import check_metric, test_metric_warning, varies_between_evaluations
 from .space_checks import check_parameter
 from .storage_check import check_storage
@@ -186,6 +187,8 @@ def _validate(spec: SweepSpec) -> None:
         raise ConfigError("the sweep has no parameters to search; give `parameters: {dotted.key: {type: ...}}`.")
     if spec.storage is not None:
         check_storage(spec.storage)
+    if spec.logger == "wandb" or (isinstance(spec.logger, list) and "wandb" in spec.logger):
+        check_wandb_mode(None)  # WANDB_MODE: before the study is made, not in every trial
     for key in ("n_trials", "heartbeat_interval", "grace_period"):
         value = getattr(spec, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -3,9 +3,11 @@ the retry of trials whose process died, and counting trials by state (``n_trials
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
+from ..federation.files import lock_file
 from .spec import SweepSpec
 
 
@@ -86,11 +88,11 @@ def open_or_create_study(spec: SweepSpec, epoch: int = 0, worker: int = 0, creat
         if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
         else "failed_trial_callback"
     )
-    from sqlalchemy.exc import IntegrityError
+    from sqlalchemy.exc import DatabaseError, IntegrityError
 
     for attempt in range(3):
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _schema_lock(url):
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 storage = optuna.storages.RDBStorage(
                     url,
@@ -100,8 +102,11 @@ def open_or_create_study(spec: SweepSpec, epoch: int = 0, worker: int = 0, creat
                     **{stale_key: retry_callback(spec)},
                 )
             break
-        except IntegrityError:  # another process (a worker, optuna-dashboard) made the new schema at the same time
-            if attempt == 2:
+        # a process that does not take the lock (optuna-dashboard, any client of a server database) made the new
+        # schema at the same time: a table ("already exists") or version row of it is there now; the next attempt
+        # finds it and makes the rest
+        except DatabaseError as err:
+            if attempt == 2 or not (isinstance(err, IntegrityError) or "already exists" in str(err)):
                 raise
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # the sweep prints each trial's outcome itself
     study = dict(
@@ -113,6 +118,21 @@ def open_or_create_study(spec: SweepSpec, epoch: int = 0, worker: int = 0, creat
         return optuna.create_study(**study, direction=spec.direction), True
     except optuna.exceptions.DuplicatedStudyError:
         return optuna.load_study(**study), False
+
+
+def _schema_lock(url: str) -> contextlib.AbstractContextManager:
+    """An SQLite database file's tables are made by one process at a time (a lock file beside it, removed after):
+    Optuna checks for each table and then makes it, so two processes opening a new database at once (a sweep's
+    workers, two sweeps started together) both found it missing, and one failed on "table ... already exists"."""
+    from sqlalchemy.engine import make_url
+
+    from .storage_check import in_memory
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or in_memory(url) or not parsed.database:
+        return contextlib.nullcontext()  # a server's clients share no folder (the retry covers them)
+    database = Path(parsed.database)
+    return lock_file(database.with_name(f".{database.name}.lock"))
 
 
 def _make_sqlite_folder(url: str) -> None:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # wandb is imported when the logger starts, not with the pack
     from wandb.sdk.wandb_run import Run
 
 WandbMode = Literal["online", "offline", "disabled", "shared"]
+# every mode wandb.init accepts (its Settings.mode; a test holds this to the installed wandb): "dryrun" is an old
+# name of "offline" and "run" of "online"
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 
 class RunLogger:
@@ -78,6 +81,7 @@ class WandbLogger(RunLogger):
         self.project, self.entity, self.group = project, entity, group
         self.tags, self.mode, self.log_checkpoints = tags or [], mode, log_checkpoints
         self.run: Run | None = None
+        check_wandb_mode(mode)  # here, before the run folder is written, not in wandb.init's 20-line trace
 
     @property
     def started(self) -> Run:
@@ -148,6 +152,15 @@ class WandbLogger(RunLogger):
 
     def state_dict(self):
         return {"run_id": self.run.id} if self.run is not None else {}
+
+
+def check_wandb_mode(mode: str | None) -> None:
+    """Raises ConfigError for a mode (``mode``, else the environment's ``WANDB_MODE``) that wandb.init refuses."""
+    given, value = ("the wandb logger's mode", mode) if mode is not None else ("WANDB_MODE", os.getenv("WANDB_MODE"))
+    if value is not None and value not in WANDB_MODES:
+        valid = ", ".join(WANDB_MODES[:-1]) + f" or {WANDB_MODES[-1]}"
+        unset = " (or unset it)" if mode is None else ""
+        raise ConfigError(f"{given} is {value!r}, which W&B does not know; set it to {valid}{unset}.")
 
 
 def shown_path(path: str | Path) -> str:
