@@ -2,7 +2,6 @@
 Velo's logit targets before its CVAE, FedHe's reset period and logit-loss average; each checked on
 numbers computed by hand."""
 
-import copy
 import math
 from types import SimpleNamespace
 
@@ -19,7 +18,7 @@ from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.knowledge.codistill import mixup
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import Codistillation, FedGH, FedHe, Velo
+from fl_lightning.strategies import Codistillation, FedGH, Velo
 from fl_lightning.strategies.felo import received_targets
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
@@ -189,70 +188,3 @@ def test_velo_sends_features_with_their_own_classes_once_the_cvae_exists():
     assert downlink["class_knowledge"].labels[:3].tolist() == [0, 1, -1]
     assert downlink["class_features"].labels[:3].tolist() == [0, -1, -1]
     assert downlink["class_knowledge"].nbytes + downlink["class_features"].nbytes == 10 * (10 + 1 + 4 + 1) * 4
-
-
-# ---------------------------------------------------------------------------------------------- FedHe
-def _logit_update(client, value):
-    logits = torch.zeros(10, 10)
-    logits[0] = value
-    labels = torch.tensor([0] + [-1] * 9, dtype=torch.int32)
-    return ClientUpdate(client, 1, {"class_logits": ClassStatistics("class_logits", {"logits": logits}, labels)})
-
-
-def test_fedhe_asynchronous_reset_collapses_once_per_period_and_resumes():
-    strategy = FedHe(reset_every=2)
-    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])])
-    c = server.clients
-    strategy.aggregate(1, iter([_logit_update(c[0], 1.0)]))
-    for client, value in ((c[1], 3.0), (c[2], 5.0)):  # two arrivals of the reset round, one at a time
-        strategy.aggregate(2, iter([_logit_update(client, value)]))
-    assert strategy.state.bank.counts[0].item() == 3.0  # not collapsed after each arrival
-    assert strategy.state.bank.mean()[0, 0].item() == pytest.approx(3.0)  # (1 + 3 + 5) / 3
-    strategy.aggregate(3, iter([_logit_update(c[3], 9.0)]))  # round 2's end: collapse to 3 weighted once
-    resumed = FedHe(reset_every=2)
-    method_env(resumed, CONSTANT, [Tier("all", ["m"])])
-    resumed.load_state_dict(copy.deepcopy(strategy.state_dict()))  # as a checkpoint would
-    for s in (strategy, resumed):
-        s.aggregate(3, iter([_logit_update(c[0], 11.0)]))  # same period: no second collapse
-        assert s.state.bank.counts[0].item() == 3.0
-        assert s.state.bank.mean()[0, 0].item() == pytest.approx((3.0 + 9.0 + 11.0) / 3)
-
-    synchronous = FedHe(reset_every=2)  # one aggregation per round: the reset as before
-    method_env(synchronous, CONSTANT, [Tier("all", ["m"])])
-    synchronous.aggregate(1, iter([_logit_update(c[0], 1.0)]))
-    synchronous.aggregate(2, iter([_logit_update(c[1], 3.0), _logit_update(c[2], 5.0)]))
-    synchronous.aggregate(3, iter([_logit_update(c[3], 9.0), _logit_update(c[0], 11.0)]))
-    assert torch.equal(synchronous.state.bank.sums, strategy.state.bank.sums)
-
-
-@pytest.mark.parametrize("plus_one", [True, False])
-def test_fedhe_uploads_class_logit_sums_over_counts_plus_one(plus_one):
-    """Eq. 8: a client uploads p_y / (V_y + 1), the sum of class y's logits over their count plus one (the
-    official code's V_y without ``plus_one``); the constant model's logits are 0..9 for every input."""
-    strategy = FedHe(plus_one=plus_one)
-    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=ONE_FROZEN_BATCH)
-    client = server.clients[0]
-    y = server.data.y[server.data.clients[client.id].train]
-    counts = torch.bincount(y, minlength=10).float()
-    update = client_update(strategy, server, strategy.configure_round(1, [client])[0])
-    upload = update.sent("class_logits", ClassStatistics)
-    present = counts > 0
-    assert int(present.sum()) >= 2 and int(counts.max()) >= 2  # several classes, and V_y + 1 differs from V_y
-    assert upload.labels[present].tolist() == torch.arange(10)[present].tolist()
-    expected = counts[present, None] * torch.arange(10.0) / (counts[present, None] + (1 if plus_one else 0))
-    assert torch.allclose(upload.vectors["logits"][present], expected)
-
-
-@pytest.mark.parametrize("average", ["batch", "available"])
-def test_fedhe_logit_loss_is_averaged_over_the_whole_batch(average):
-    strategy = FedHe(alpha=1.0, logit_average=average)
-    server = method_env(strategy, CONSTANT, [Tier("all", ["m"])], training=ONE_FROZEN_BATCH)
-    strategy.aggregate(1, iter([_logit_update(server.clients[3], 0.0)]))  # a server logit for class 0 only
-    labels = [server.data.y[server.data.clients[c.id].train] for c in server.clients]
-    client, y = next((c, y) for c, y in zip(server.clients, labels) if 0 < (y == 0).sum() < len(y))
-    z = torch.arange(10.0)  # the constant model's logits for every input
-    ce = (torch.logsumexp(z, 0) - z[y]).mean().item()
-    mse = sum(j * j for j in range(10)) / 10  # MSE(z, 0) of a class-0 sample: 28.5
-    share = (y == 0).float().mean().item() if average == "batch" else 1.0  # eq. 13: 1/|D| over all samples
-    loss = client_update(strategy, server, strategy.configure_round(2, [client])[0]).metrics["m/loss"]
-    assert loss == pytest.approx(ce + mse * share, rel=1e-5)
