@@ -18,7 +18,7 @@ from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.knowledge.codistill import mixup
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import Codistillation, FedGH, Velo
+from fl_lightning.strategies import Codistillation, Velo
 from fl_lightning.strategies.felo import received_targets
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
@@ -28,52 +28,6 @@ ONE_FROZEN_BATCH = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
 
 
 # ---------------------------------------------------------------------------------------------- FedGH
-def test_fedgh_takes_one_header_step_per_lar_in_order():
-    strategy = FedGH(header_lr=0.1)
-    server = method_env(strategy, MLP, [Tier("all", ["m"])])
-    strategy.state.header = {"weight": torch.zeros(10, 8), "bias": torch.zeros(10)}
-    reps = torch.eye(8)[:2]  # LAR of class 0 = e0, LAR of class 1 = e1
-    lars = ClassStatistics("lars", {"representations": reps}, torch.tensor([0, 1], dtype=torch.int32))
-    strategy.aggregate(1, iter([ClientUpdate(server.clients[0], 1, {"lars": lars})]))
-    # step 1 (e0, class 0): logits 0, softmax 0.1 each; grad = p - onehot(0); W[:, 0] = b = -0.1 grad
-    first = -0.1 * (torch.full((10,), 0.1) - F.one_hot(torch.tensor(0), 10))
-    # step 2 (e1, class 1): logits = W e1 + b = b = first; grad = softmax(first) - onehot(1)
-    p1 = math.exp(-0.01) / (math.exp(0.09) + 9 * math.exp(-0.01))
-    second = -0.1 * (F.softmax(first, 0) - F.one_hot(torch.tensor(1), 10))
-    assert strategy.state.header["weight"][1, 1].item() == pytest.approx(0.1 * (1 - p1), rel=1e-5)  # 0.0901
-    assert torch.allclose(strategy.state.header["weight"][:, 0], first)
-    assert torch.allclose(strategy.state.header["weight"][:, 1], second)
-    assert torch.allclose(strategy.state.header["bias"], first + second)
-    assert torch.equal(strategy.state.header["weight"][:, 2:], torch.zeros(10, 6))
-
-    per_client = FedGH(header_lr=0.1, header_update="per_client")  # one step on the mean loss (before)
-    method_env(per_client, MLP, [Tier("all", ["m"])])
-    per_client.state.header = {"weight": torch.zeros(10, 8), "bias": torch.zeros(10)}
-    per_client.aggregate(1, iter([ClientUpdate(server.clients[0], 1, {"lars": lars})]))
-    assert per_client.state.header["weight"][1, 1].item() == pytest.approx(0.1 * 0.9 / 2)
-
-
-def test_fedgh_evaluates_each_clients_locally_trained_model():
-    training = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=3, batch_size=16)
-    strategy = FedGH()
-    server = method_env(strategy, MLP, [Tier("all", ["m"])], training=training)
-    client = server.clients[0]
-    state = {}
-    client_update(strategy, server, strategy.configure_round(1, [client])[0], state)
-    trained = {k: v.clone() for k, v in server._loop.slots["m"].module.model.state_dict().items()}
-    strategy.aggregate(1, iter([]))  # the header is unchanged without uploads: it is still the initial one
-    role, weights = strategy.personal_weights(client, state)
-    assert role == "m" and weights.keys() == trained.keys()
-    assert all(torch.equal(weights[k], trained[k]) for k in trained)  # extractor and header after training
-    assert not torch.equal(weights["head.weight"], strategy.state.header["weight"])
-
-    option = FedGH(evaluate_with="global_header")
-    method_env(option, MLP, [Tier("all", ["m"])], training=training)
-    _, global_header = option.personal_weights(client, state)
-    assert torch.equal(global_header["head.weight"], option.state.header["weight"])
-    assert torch.equal(global_header["features.1.weight"], trained["features.1.weight"])
-
-
 # ------------------------------------------------------------------------------------- codistillation
 def test_mixup_is_a_convex_combination_with_the_drawn_lambda():
     x = torch.randn(8, 1, 4, 4)

@@ -3,14 +3,14 @@
 import csv
 
 import torch
-from conftest import ROOT, client_update, method_env, read_summary, run_cli
+from conftest import ROOT, method_env, read_summary, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import FedGH, Felo
+from fl_lightning.strategies import Felo
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
 FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)
@@ -36,23 +36,6 @@ def test_felo_averages_weights_only_within_an_architecture():
         torch.allclose(v, torch.full_like(v, 3.25)) for v in strategy.state.global_weights["a"].values()
     )  # (1 + 12) / 4
     assert all(torch.allclose(v, torch.full_like(v, 10.0)) for v in strategy.state.global_weights["b"].values())
-
-
-def test_fedgh_lars_are_class_means_of_representations():
-    models = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
-    strategy = FedGH(header_lr=0.0)
-    server = method_env(strategy, models, [Tier("all", ["m"])], training=FROZEN)
-    task = strategy.configure_round(1, [server.clients[1]])[0]
-    update = client_update(strategy, server, task)
-    lars = update.uplink["lars"]
-    module = server._loop.slots["m"].module.eval()
-    idx = server.data.clients[1].train
-    with torch.no_grad():
-        reps = module.features(server.data.x[idx])
-    y = server.data.y[idx]
-    for row, label in zip(lars.vectors["representations"], lars.labels.tolist()):
-        assert torch.allclose(row, reps[y == label].mean(0), atol=1e-6)
-    assert lars.nbytes == len(lars.labels) * (8 + 1) * 4  # S x (D + 1) numbers
 
 
 def _rows(out):
@@ -95,9 +78,6 @@ def test_merged_codist_with_alpha_one_is_exactly_fedadam(tmp_path):
 
 
 def test_ledger_uplink_per_round_matches_the_papers_sizes(tmp_path):
-    fedgh = _rows(_fit(tmp_path, "digits_fedgh.yaml", "fedgh", "--rounds", "1"))
-    assert int(fedgh[0]["comm/round_uplink_bytes"]) == 15 * 2 * (64 + 1) * 4  # S(D+1) per client, S = 2 classes
-    assert int(fedgh[0]["comm/round_downlink_bytes"]) == 15 * (64 * 10 + 10) * 4  # the header
     felo_out = _fit(tmp_path, "digits_felo.yaml", "felo", "--rounds", "1")
     knowledge = 10 * (64 + 10 + 1) * 4  # class features, class logits and labels
     summary = read_summary(felo_out)
