@@ -13,18 +13,13 @@ from conftest import (
 )
 from test_fedavg import LARGE_BYTES, SMALL_BYTES, TWO_MLPS, weights_upload
 
-from fl_lightning.client import LocalTraining
 from fl_lightning.federation.population import Tier
 from fl_lightning.models import ModelSpec
 from fl_lightning.strategies import (
     FedAdam,
 )
 
-CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, 1, ..., 9)
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
-FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)
-# one step on all of a client's data, weights unchanged: the reported loss is the loss of that batch
-ONE_FROZEN_BATCH = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_steps=1, batch_size=10_000)
 
 
 def test_fedadam_takes_an_adam_step_on_theta_minus_the_average():

@@ -11,7 +11,6 @@ from conftest import (
     write_recipe,
 )
 
-from fl_lightning.client import LocalTraining
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.models import ModelSpec
@@ -19,11 +18,7 @@ from fl_lightning.strategies import (
     FedAvg,
 )
 
-CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, 1, ..., 9)
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
-FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)
-# one step on all of a client's data, weights unchanged: the reported loss is the loss of that batch
-ONE_FROZEN_BATCH = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_steps=1, batch_size=10_000)
 
 
 def test_fedavg_per_role_cohorts_are_drawn_from_each_pool():

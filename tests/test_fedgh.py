@@ -22,11 +22,8 @@ from fl_lightning.strategies import (
     FedGH,
 )
 
-CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, 1, ..., 9)
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
 FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)
-# one step on all of a client's data, weights unchanged: the reported loss is the loss of that batch
-ONE_FROZEN_BATCH = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_steps=1, batch_size=10_000)
 
 
 def test_fedgh_lars_are_class_means_of_representations():

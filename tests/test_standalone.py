@@ -19,10 +19,6 @@ from fl_lightning.strategies import (
 )
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, 1, ..., 9)
-MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
-FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)
-# one step on all of a client's data, weights unchanged: the reported loss is the loss of that batch
-ONE_FROZEN_BATCH = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_steps=1, batch_size=10_000)
 
 
 def test_standalone_client_continues_its_own_model_with_nothing_sent():

@@ -1,6 +1,5 @@
-"""Issue 9's fidelity fixes: FedGH's evaluated model and header step, codistillation's augmentation,
-Velo's logit targets before its CVAE, FedHe's reset period and logit-loss average; each checked on
-numbers computed by hand."""
+"""Codistillation, the server-side distillation both codistillation methods share: mixup and random flips of
+the distillation examples, when it augments, and the targets the teachers give each step."""
 
 from types import SimpleNamespace
 
@@ -8,21 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fl_lightning.client import LocalTraining
 from fl_lightning.data.transforms import random_flips
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.knowledge.codistill import mixup
-from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import Codistillation
-
-CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}
-MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
-# one step on all of a client's data, weights unchanged: the reported loss is the loss of that batch
-ONE_FROZEN_BATCH = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_steps=1, batch_size=10_000)
+from fl_lightning.strategies import (
+    Codistillation,
+)
 
 
-# ---------------------------------------------------------------------------------------------- FedGH
-# ------------------------------------------------------------------------------------- codistillation
 def test_mixup_is_a_convex_combination_with_the_drawn_lambda():
     x = torch.randn(8, 1, 4, 4)
     mixed, lam, partner = mixup(x, torch.Generator().manual_seed(3), 2.0)
@@ -88,6 +80,3 @@ def test_teachers_label_the_mixed_flipped_examples_of_each_step():
     plain = Codistillation(steps=3, batch_size=5, augment=False)
     plain.run(server, linear, ("small", "large"), x, 0.0, torch.Generator().manual_seed(1))
     assert all(any(torch.equal(row, example) for example in x) for row in seen["small"][0][0])  # raw examples
-
-
-# ----------------------------------------------------------------------------------------------- Velo
