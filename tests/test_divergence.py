@@ -1,4 +1,5 @@
-"""Non-finite client updates and metrics: ``divergence: stop`` (exit 2, one sentence) or ``drop`` (issue 12 item 8)."""
+"""Non-finite client updates and metrics: ``divergence: stop`` ends the run with exit 2 and one sentence naming the
+round, client and part; ``drop`` leaves the client out of the round's aggregate and counts it."""
 
 import csv
 import math
@@ -52,7 +53,8 @@ def test_quickstart_with_lr_1e6_stops_with_exit_2_and_one_sentence(tmp_path, cap
         ("digits_fedadam.yaml", ["--strategy.init_args.server_lr", "1e6"]),
     ],
 )
-def test_issue_cases_end_with_exit_2(tmp_path, capsys, recipe, override):
+def test_each_kind_of_blow_up_ends_with_exit_2(tmp_path, capsys, recipe, override):
+    """Client weights, a loss past the limit and a server step that blow up each stop the run with exit 2."""
     out = tmp_path / "run"
     args = ["--rounds", "2", "--output_dir", str(out), "--runtime.progress", "false"]
     assert run_cli("fit", "--config", str(ROOT / "recipes" / recipe), *override, *args) == 2

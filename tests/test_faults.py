@@ -1,4 +1,5 @@
-"""Faults injected into the simulation: crash, nan, straggle, drop_upload (issue 12 item 9)."""
+"""Faults injected into the simulation (crash, nan, straggle, drop_upload): seeded per round and client, limited to
+the chosen clients, and counted in the metrics and summary as the clients they remove from a round."""
 
 import csv
 
