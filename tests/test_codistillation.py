@@ -10,9 +10,7 @@ import torch.nn.functional as F
 from fl_lightning.data.transforms import random_flips
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.knowledge.codistill import mixup
-from fl_lightning.strategies import (
-    Codistillation,
-)
+from fl_lightning.strategies import Codistillation
 
 
 def test_mixup_is_a_convex_combination_with_the_drawn_lambda():

@@ -5,19 +5,12 @@ import math
 
 import pytest
 import torch
-from conftest import (
-    check_resume,
-    client_update,
-    method_env,
-    read_summary,
-)
+from conftest import check_resume, client_update, method_env, read_summary
 from test_fedavg import LARGE_BYTES, SMALL_BYTES, TWO_MLPS, weights_upload
 
 from fl_lightning.federation.population import Tier
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import (
-    FedAdam,
-)
+from fl_lightning.strategies import FedAdam
 
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
 

@@ -3,20 +3,12 @@ way, and a run that resumes exactly."""
 
 import pytest
 import torch
-from conftest import (
-    check_resume,
-    client_update,
-    method_env,
-    metrics_rows,
-    write_recipe,
-)
+from conftest import check_resume, client_update, method_env, metrics_rows, write_recipe
 
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import (
-    FedAvg,
-)
+from fl_lightning.strategies import FedAvg
 
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
 

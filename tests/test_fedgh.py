@@ -6,21 +6,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    check_resume,
-    client_update,
-    method_env,
-    metrics_rows,
-)
+from conftest import check_resume, client_update, method_env, metrics_rows
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import (
-    FedGH,
-)
+from fl_lightning.strategies import FedGH
 
 MLP = {"m": ModelSpec("digits_mlp", {"hidden": 8})}
 FROZEN = LocalTraining(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), local_epochs=1, batch_size=16)

@@ -4,21 +4,13 @@ every period, the models sent each way, and a run with a codistillation round th
 import math
 
 import torch
-from conftest import (
-    check_resume,
-    client_update,
-    method_env,
-    metrics_rows,
-)
+from conftest import check_resume, client_update, method_env, metrics_rows
 from test_fedavg import LARGE_BYTES, SMALL_BYTES, TWO_MLPS
 
 from fl_lightning.data import DigitsData
 from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights
-from fl_lightning.strategies import (
-    Codistillation,
-    PeriodicCodist,
-)
+from fl_lightning.strategies import Codistillation, PeriodicCodist
 
 TIERS = [Tier("high", ["small", "large"], count=2), Tier("low", ["small"])]
 # the distillation leaves the students where the teachers are: what enters is the FedAdam step alone

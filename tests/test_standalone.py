@@ -2,21 +2,12 @@
 and a run that resumes exactly (the personal models are checkpointed)."""
 
 import torch
-from conftest import (
-    check_resume,
-    client_update,
-    method_env,
-    phase_tasks,
-    read_summary,
-    write_recipe,
-)
+from conftest import check_resume, client_update, method_env, phase_tasks, read_summary, write_recipe
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.federation.population import Tier
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import (
-    Standalone,
-)
+from fl_lightning.strategies import Standalone
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, 1, ..., 9)
 

@@ -6,13 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    check_resume,
-    client_update,
-    method_env,
-    metrics_rows,
-    read_summary,
-)
+from conftest import check_resume, client_update, method_env, metrics_rows, read_summary
 from test_felo import KL_FROM_UNIFORM, _client_with_some_class_zero, _server_knows_class_zero, cross_entropy_of
 
 from fl_lightning.client import LocalTraining
@@ -20,9 +14,7 @@ from fl_lightning.federation.population import Tier
 from fl_lightning.federation.types import ClientUpdate, ModelWeights
 from fl_lightning.knowledge.class_stats import ClassStatistics
 from fl_lightning.models import ModelSpec
-from fl_lightning.strategies import (
-    Velo,
-)
+from fl_lightning.strategies import Velo
 from fl_lightning.strategies.felo import received_targets
 
 CONSTANT = {"m": ModelSpec("conftest.constant_logits_model")}  # logits = head bias = (0, 1, ..., 9)
