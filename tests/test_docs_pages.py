@@ -79,10 +79,11 @@ def check_readme(folder: Path, log: str) -> None:
     terminal = Terminal.open(folder)
     for seed in (1, 2):
         terminal.bash(f"flrun fit --config recipes/quickstart.yaml --seed {seed} --output_dir runs/seed{seed}", "seed")
-    measured = [read_summary(folder / path)["final"]["global/test_acc"] for path in (run, "runs/seed1", "runs/seed2")]
+    seeds = (run, folder / "runs/seed1", folder / "runs/seed2")
+    measured = [read_summary(path)["final"]["global/test_acc"] for path in seeds]
     assert list((folder / "runs/qs-seed1/wandb").glob("offline-run-*")), "--logger wandb logged no W&B run"
     assert (folder / "runs/inspect/quickstart_seed0.png").is_file() and (folder / "report.html").is_file()
-    _check_the_end_of_run_example(read_summary(folder / str(run)))
+    _check_the_end_of_run_example(read_summary(run))
     quoted = _quoted("README.md", r"\(#3 on a CPU; #3 and #3 with `--seed 1` and `--seed 2`")
     assert [f"{value:.3f}" for value in measured] == quoted
 
