@@ -1,3 +1,4 @@
+import csv
 import json
 import os
 import signal
@@ -144,20 +145,34 @@ def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
 
 
-def metrics_rows(run: Path) -> list[dict[str, str]]:
-    """metrics.csv's rows without the wall-clock columns (``time/``: elapsed seconds differ between any two runs)."""
-    import csv
+def metrics_rows(output_dir: Path, *, timings: bool = False) -> list[dict[str, str]]:
+    """The rows of a run's metrics.csv, each a dict of column -> text, without the wall-clock columns (``time/``:
+    elapsed seconds differ between any two runs) unless ``timings``."""
+    with open(output_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    if timings:
+        return rows
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in csv.DictReader(f)]
+
+def fit_recipe(output_dir: Path, recipe: str | Path, *argv: str) -> Path:
+    """Runs ``flrun fit`` on ``recipe`` (a file, or the name of one under recipes/) into ``output_dir``, with the
+    progress display off and ``argv`` added; asserts that it succeeds and returns ``output_dir``."""
+    config = Path(recipe) if isinstance(recipe, Path) else ROOT / "recipes" / f"{recipe.removesuffix('.yaml')}.yaml"
+    argv = ("--config", str(config), "--output_dir", str(output_dir), "--runtime.progress", "false", *argv)
+    code = run_cli("fit", *argv)
+    assert code == 0, f"flrun fit {' '.join(argv)} exited with {code}"
+    return output_dir
 
 
 def assert_same(a, b, where: str = "") -> None:
-    """Nested states equal bit for bit: tensors of the same dtype, shape and values; dicts with the same keys."""
+    """Nested states equal bit for bit: tensors of the same dtype, shape and values; dicts with the same keys;
+    lists and tuples of the same length; plain values equal."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {list(a)} != {list(b)}"
         for key in a:
             assert_same(a[key], b[key], f"{where}/{key}")
     elif isinstance(a, (list, tuple)):
@@ -165,7 +180,7 @@ def assert_same(a, b, where: str = "") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{where}[{i}]")
     else:
-        assert a == b, where
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # what a stopped and resumed run's last checkpoint holds as the uninterrupted run's does (its elapsed time aside)
@@ -182,21 +197,23 @@ RESUMED_STATE = (
 )
 
 
-def assert_resumed_equals(resumed: Path, whole: Path) -> None:
-    """A stopped and resumed run equals the uninterrupted one: every metrics.csv row, value for value (the
-    wall-clock columns aside); summary.json's final and best metrics, traffic, faults and local trainings; and the last
-    checkpoint's server state (the models the strategy holds), optimizers, client states, traffic ledger,
-    generators and history (without elapsed seconds)."""
+def assert_resumed_equals(resumed_dir: Path, uninterrupted_dir: Path) -> None:
+    """A run stopped and resumed into ``resumed_dir`` equals the uninterrupted one: every metrics.csv row, value for
+    value (the wall-clock columns aside); summary.json's final and best metrics, traffic, faults and local trainings;
+    and the last checkpoint's server state (the models the strategy holds), optimizers, client states, traffic
+    ledger, generators and history (without elapsed seconds)."""
     from fl_lightning.run.checkpoint import load_checkpoint
     from fl_lightning.run.client_store import load_client_states
 
-    rows = metrics_rows(whole)
-    assert rows and metrics_rows(resumed) == rows
-    first, second = read_summary(whole), read_summary(resumed)
+    resumed, whole = metrics_rows(resumed_dir), metrics_rows(uninterrupted_dir)
+    assert len(resumed) == len(whole) > 0
+    for got, want in zip(resumed, whole):
+        assert got == want, f"round {want.get('round')}: {set(got.items()) ^ set(want.items())}"
+    first, second = read_summary(uninterrupted_dir), read_summary(resumed_dir)
     for key in ("final", "best", "best_round", "comm", "faults", "ranks", "rounds", "complete", "per_client_acc"):
         assert first.get(key) == second.get(key), key
-    a = load_checkpoint(whole / "checkpoints" / "last.ckpt")
-    b = load_checkpoint(resumed / "checkpoints" / "last.ckpt")
+    a = load_checkpoint(uninterrupted_dir / "checkpoints" / "last.ckpt")
+    b = load_checkpoint(resumed_dir / "checkpoints" / "last.ckpt")
     for key in (*RESUMED_STATE, "schedule", "train_flops"):
         assert_same(a.get(key), b.get(key), key)
 
@@ -205,6 +222,18 @@ def assert_resumed_equals(resumed: Path, whole: Path) -> None:
 
     assert_same(history(a), history(b), "history")
     assert_same(load_client_states(a), load_client_states(b), "client states")
+
+
+def check_resume(tmp_path: Path, recipe: str | Path, *argv: str, stop_after: int = 1) -> Path:
+    """Fits ``recipe`` uninterrupted into ``tmp_path/full`` and, into ``tmp_path/cut``, stopped after round
+    ``stop_after`` (--stop_after) then resumed (--resume auto); asserts the two are equal
+    (:func:`assert_resumed_equals`) and returns the uninterrupted run's folder."""
+    full = fit_recipe(tmp_path / "full", recipe, *argv)
+    fit_recipe(tmp_path / "cut", recipe, *argv, "--stop_after", str(stop_after))
+    assert read_summary(tmp_path / "cut")["rounds"] == stop_after  # really stopped early
+    fit_recipe(tmp_path / "cut", recipe, *argv, "--resume", "auto")
+    assert_resumed_equals(tmp_path / "cut", full)
+    return full
 
 
 def constant_logits_model(num_classes: int = 10, in_channels: int = 1):

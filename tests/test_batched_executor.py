@@ -1,4 +1,4 @@
-"""runtime.executor batched: clients of one architecture trained as one vmapped computation (issue 11 item 1).
+"""runtime.executor batched: clients of one architecture trained as one vmapped computation.
 
 Batched and sequential runs of the same recipe and seed must give every client and the server the same
 weights to float tolerance (vmapped convolutions use other kernels, so not bit for bit; each tensor within a

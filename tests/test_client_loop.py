@@ -1,3 +1,6 @@
+"""The local training loop: batch streams that visit every example once per epoch, learning-rate schedules, the
+loop equal to a hand-written SGD loop, and drop_last's full batches."""
+
 import copy
 
 import torch

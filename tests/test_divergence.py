@@ -1,20 +1,15 @@
-"""Non-finite client updates and metrics: ``divergence: stop`` (exit 2, one sentence) or ``drop`` (issue 12 item 8)."""
+"""Non-finite client updates and metrics: ``divergence: stop`` ends the run with exit 2 and one sentence naming the
+round, client and part; ``drop`` leaves the client out of the round's aggregate and counts it."""
 
-import csv
 import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, read_summary, run_cli, write_recipe
+from conftest import ROOT, metrics_rows, read_summary, run_cli, write_recipe
 
 from fl_lightning.federation.types import ClientSpec, ClientUpdate, ModelWeights, TensorPayload
 from fl_lightning.run.robustness import all_finite, nonfinite_metrics, nonfinite_parts
-
-
-def _rows(out):
-    with open(out / "metrics.csv") as f:
-        return list(csv.DictReader(f))
 
 
 def test_quickstart_with_lr_1e6_stops_with_exit_2_and_one_sentence(tmp_path, capsys):
@@ -52,7 +47,8 @@ def test_quickstart_with_lr_1e6_stops_with_exit_2_and_one_sentence(tmp_path, cap
         ("digits_fedadam.yaml", ["--strategy.init_args.server_lr", "1e6"]),
     ],
 )
-def test_issue_cases_end_with_exit_2(tmp_path, capsys, recipe, override):
+def test_each_kind_of_blow_up_ends_with_exit_2(tmp_path, capsys, recipe, override):
+    """Client weights, a loss past the limit and a server step that blow up each stop the run with exit 2."""
     out = tmp_path / "run"
     args = ["--rounds", "2", "--output_dir", str(out), "--runtime.progress", "false"]
     assert run_cli("fit", "--config", str(ROOT / "recipes" / recipe), *override, *args) == 2
@@ -81,7 +77,7 @@ def test_a_later_divergence_keeps_the_last_good_checkpoint_and_summary(tmp_path,
     assert summary["diverged"] and summary["diverged_round"] == 2 and summary["rounds"] == 1
     assert summary["final_round"] == 1 and math.isfinite(summary["final"]["global/test_acc"])
     assert (out / "checkpoints" / "last.ckpt").exists()
-    assert [r["round"] for r in _rows(out)] == ["1"]
+    assert [r["round"] for r in metrics_rows(out)] == ["1"]
 
 
 def test_drop_policy_skips_every_nonfinite_update_and_keeps_the_server_state(tmp_path):
@@ -91,7 +87,7 @@ def test_drop_policy_skips_every_nonfinite_update_and_keeps_the_server_state(tmp
         tmp_path / "r.yaml", eval_every=1, divergence="drop", training={"optimizer": optimizer, "local_steps": 5}
     )
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out)) == 0
-    rows = _rows(out)
+    rows = metrics_rows(out)
     # 4 of 8 clients per round, every one diverges: aggregate never runs and the server keeps its weights
     assert [r["faults/dropped_nonfinite"] for r in rows] == ["4"] * 4
     assert [r["faults/phases_without_updates"] for r in rows] == ["1"] * 4

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, metrics_rows, read_summary
 from doc_blocks import Terminal, command_words, commands, page_blocks, without_skipped
 from local_slurm import why_not
 from test_docs_images import results_are_recorded
@@ -48,10 +48,6 @@ class Page:
     slurm: dict[str, str] = field(default_factory=dict)
     # an optional extra the page's commands need (the module it installs): the page is skipped, saying so, without it
     needs: tuple[str, str] | None = None
-
-
-def _summary(folder: Path, run: str) -> dict:
-    return json.loads((folder / run / "summary.json").read_text())
 
 
 # The vector instructions of PyTorch's CPU kernels (AVX2, AVX512, ...): float sums round in another order on
@@ -83,10 +79,11 @@ def check_readme(folder: Path, log: str) -> None:
     terminal = Terminal.open(folder)
     for seed in (1, 2):
         terminal.bash(f"flrun fit --config recipes/quickstart.yaml --seed {seed} --output_dir runs/seed{seed}", "seed")
-    measured = [_summary(folder, path)["final"]["global/test_acc"] for path in (run, "runs/seed1", "runs/seed2")]
+    seeds = (run, folder / "runs/seed1", folder / "runs/seed2")
+    measured = [read_summary(path)["final"]["global/test_acc"] for path in seeds]
     assert list((folder / "runs/qs-seed1/wandb").glob("offline-run-*")), "--logger wandb logged no W&B run"
     assert (folder / "runs/inspect/quickstart_seed0.png").is_file() and (folder / "report.html").is_file()
-    _check_the_end_of_run_example(_summary(folder, str(run)))
+    _check_the_end_of_run_example(read_summary(run))
     quoted = _quoted("README.md", r"\(#3 on a CPU; #3 and #3 with `--seed 1` and `--seed 2`")
     assert [f"{value:.3f}" for value in measured] == quoted
 
@@ -118,9 +115,9 @@ def check_tutorial(folder: Path, log: str) -> None:
     _check_the_table_plan(log, "It lists the 63 runs (21 recipes x 3 seeds)", "docs/tutorial.md")
     _run_the_sweep_file_comment(folder)
     # the numbers last: on a CPU whose kernels the page does not quote, the test ends at the first of them
-    skewed = _summary(runs, "alpha0.1")["final"]["global/test_acc"]
+    skewed = read_summary(runs / "alpha0.1")["final"]["global/test_acc"]
     assert _quoted("docs/tutorial.md", r"final test accuracy drops to #3") == [f"{skewed:.3f}"]
-    kd, alone = (_summary(runs, name)["final"]["target/test_acc"] for name in ("ondevice_kd", "strong_only"))
+    kd, alone = (read_summary(runs / name)["final"]["target/test_acc"] for name in ("ondevice_kd", "strong_only"))
     pattern = r"target model reaches #3 with distillation .* and #3 when the four"
     assert _quoted("docs/tutorial.md", pattern) == [f"{kd:.3f}", f"{alone:.3f}"]
     quoted = _quoted("docs/tutorial.md", r"\(validation accuracy #4; on the test set, #4\)")
@@ -154,44 +151,44 @@ def check_paper_tables(folder: Path, log: str) -> None:
 
 def check_new_method(folder: Path, log: str) -> None:
     assert "FD" in (folder / "runs/fd/config.yaml").read_text()
-    assert 0.0 < _summary(folder, "runs/fd")["final"]["personal/test_acc"] <= 1.0
+    assert 0.0 < read_summary(folder / "runs/fd")["final"]["personal/test_acc"] <= 1.0
 
 
 def check_own_data(folder: Path, log: str) -> None:
     assert (folder / "runs/inspect/my_data_seed0.png").is_file()
-    final = _summary(folder, "runs/my_data/seed0")["final"]
+    final = read_summary(folder / "runs/my_data/seed0")["final"]
     assert final["global/test_acc"] > 0.8 and "global/val_acc" in final  # real digits; the val split is there
     assert "fl_lightning.data.NpzData" in (folder / "runs/my_data/seed0/config.yaml").read_text()
-    assert _summary(folder, "runs/my_data/short")["rounds"] == 10
+    assert read_summary(folder / "runs/my_data/short")["rounds"] == 10
     # the table (breast cancer: its larger class is 63 %), the digits as images and as a datasets copy, the wine
     for run, least in (("my_table", 0.85), ("my_images", 0.8), ("my_hub", 0.8), ("my_wine", 0.8)):
-        assert _summary(folder, f"runs/{run}")["final"]["global/test_acc"] > least, run
+        assert read_summary(folder / f"runs/{run}")["final"]["global/test_acc"] > least, run
     assert "my_wine.WineData" in (folder / "runs/my_wine/config.yaml").read_text()
 
 
 def check_own_model(folder: Path, log: str) -> None:
     assert "my_models.tiny_cnn" in (folder / "runs/tiny_cnn/config.yaml").read_text()
-    assert _summary(folder, "runs/tiny_cnn")["final"]["global/test_acc"] > 0.5
+    assert read_summary(folder / "runs/tiny_cnn")["final"]["global/test_acc"] > 0.5
 
 
 def check_lightning_module(folder: Path, log: str) -> None:
     """The page says the run gives the built-in quickstart's numbers: the README's run is in the folder."""
-    ours, builtin = _summary(folder, "runs/lightning"), _summary(folder, "runs/quickstart/seed0")
+    ours, builtin = read_summary(folder / "runs/lightning"), read_summary(folder / "runs/quickstart/seed0")
     assert ours["final"] == builtin["final"] and ours["best"] == builtin["best"]
 
 
 def check_gpus_and_slurm(folder: Path, log: str) -> None:
     """Every way past one process the page shows ran the quickstart recipe to the README run's numbers."""
-    builtin = _summary(folder, "runs/quickstart/seed0")
+    builtin = read_summary(folder / "runs/quickstart/seed0")
     runs = ["runs/torchrun", "runs/two_machines"]
     runs += [run for run in ("runs/srun", "runs/chain") if (folder / run / "summary.json").exists()]
     for run in runs:
-        assert _summary(folder, run)["final"] == builtin["final"], run
+        assert read_summary(folder / run)["final"] == builtin["final"], run
 
 
 def check_python_api(folder: Path, log: str) -> None:
     for run in ("runs/notebook/seed0", "runs/notebook/batch16", "runs/notebook/batch32"):
-        assert _summary(folder, run)["rounds"] == 5
+        assert read_summary(folder / run)["rounds"] == 5
     page = (ROOT / "docs/howto/python_api.md").read_text()
     said = re.search(r"print\(err\)  # (.*?); \.\.\.", page).group(1)
     assert said in log  # the error the page shows is the one printed
@@ -203,7 +200,7 @@ def check_sweep_on_validation(folder: Path, log: str) -> None:
 
     assert (trials("my_sweep"), trials("quick")) == (20, 10)
     for seed in (0, 1, 2):
-        assert _summary(folder, f"runs/my_sweep_best/seed{seed}")["rounds"] == 40
+        assert read_summary(folder / f"runs/my_sweep_best/seed{seed}")["rounds"] == 40
     assert (folder / "report.html").is_file()
 
 
@@ -213,11 +210,11 @@ def check_privacy(folder: Path, log: str) -> None:
     text = " ".join((ROOT / page).read_text().split())
 
     def final(run: str, metric: str) -> str:
-        return f"{_summary(folder, run)['final'][metric]:.3f}"
+        return f"{read_summary(folder / run)['final'][metric]:.3f}"
 
-    central = _summary(folder, "runs/dp/eps8")["privacy"]
-    local = _summary(folder, "runs/dp/fd_local")["privacy"]
-    assert _summary(folder, "runs/dp/clip")["privacy"]["epsilon"] is None  # no noise: no guarantee
+    central = read_summary(folder / "runs/dp/eps8")["privacy"]
+    local = read_summary(folder / "runs/dp/fd_local")["privacy"]
+    assert read_summary(folder / "runs/dp/clip")["privacy"]["epsilon"] is None  # no noise: no guarantee
     said = re.search(r"noise multiplier of (\d\.\d{3}), spends epsilon (\d\.\d{3})", text).groups()
     assert said == (f"{central['noise_multiplier']:.3f}", f"{central['epsilon']:.3f}")
     assert (central["sampling_rate"], central["steps"], central["where"]) == (0.5, 20, "server")
@@ -230,13 +227,11 @@ def check_privacy(folder: Path, log: str) -> None:
 
 
 def check_flower(folder: Path, log: str) -> None:
-    from conftest import metrics_rows
-
     fit = metrics_rows(folder / "runs/fedproto_fit")
     assert fit and fit[-1]["round"] == "3"
     for run in ("fedproto_simulation", "fedproto_loopback"):  # the page: the same metrics.csv, bit for bit
         assert metrics_rows(folder / "runs" / run) == fit, run
-        flower = _summary(folder, f"runs/{run}")["flower"]
+        flower = read_summary(folder / f"runs/{run}")["flower"]
         assert flower["supernodes"] == 2 and flower["client_state_bytes"] > 0
     assert (folder / "flower_report.html").is_file()
 

@@ -5,8 +5,6 @@ and the run resumes. Slurm tests are skipped, with the reason, where Slurm canno
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_recipe
+from conftest import ROOT, metrics_rows, read_summary, write_recipe
 
 from fl_lightning.distributed import launch
 
@@ -24,15 +22,10 @@ FLRUN = str(Path(sys.executable).parent / "flrun")
 ROUNDS = 30  # long enough (seconds) for an agent to be killed mid-run
 
 
-def _rows(run: Path) -> list[dict[str, str]]:
-    with open(run / "metrics.csv") as f:  # elapsed seconds differ between any two runs
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in csv.DictReader(f)]
-
-
 def _assert_same_numbers(one: Path, other: Path) -> None:
     """Every metrics.csv row and the summary's results of ``other`` equal one process's ``one``."""
-    assert _rows(one) == _rows(other)
-    first, second = (json.loads((run / "summary.json").read_text()) for run in (one, other))
+    assert metrics_rows(one) == metrics_rows(other)
+    first, second = read_summary(one), read_summary(other)
     for key in ("final", "best", "comm", "rounds", "diverged"):
         assert first[key] == second[key], key
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import read_summary, run_cli, write_recipe
+from conftest import fit_recipe, read_summary, write_recipe
 from torch import nn
 
 from fl_lightning.federation.types import (
@@ -66,11 +66,7 @@ def test_load_exchanged_keeps_the_frozen_part_and_refuses_foreign_keys():
 
 
 def _fit(tmp_path, name, **changes):
-    out = tmp_path / name
-    assert (
-        run_cli("fit", "--config", str(write_recipe(tmp_path / f"{name}.yaml", **changes)), "--output_dir", str(out))
-        == 0
-    )
+    out = fit_recipe(tmp_path / name, write_recipe(tmp_path / f"{name}.yaml", **changes))
     summary = read_summary(out)
     return summary, load_checkpoint(out / "checkpoints" / "last.ckpt")["strategy"].get("global_weights")
 

@@ -1,19 +1,13 @@
-"""Faults injected into the simulation: crash, nan, straggle, drop_upload (issue 12 item 9)."""
-
-import csv
+"""Faults injected into the simulation (crash, nan, straggle, drop_upload): seeded per round and client, limited to
+the chosen clients, and counted in the metrics and summary as the clients they remove from a round."""
 
 import pytest
-from conftest import ROOT, assert_resumed_equals, read_summary, run_cli, write_recipe
+from conftest import ROOT, assert_resumed_equals, metrics_rows, read_summary, run_cli, write_recipe
 
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.run.robustness import Faults
 
 CLIENTS, ROUNDS = 8, 4
-
-
-def _rows(out):
-    with open(out / "metrics.csv") as f:
-        return list(csv.DictReader(f))
 
 
 def _model_bytes():
@@ -67,7 +61,7 @@ def test_each_lost_update_kind_is_counted_and_sends_no_uplink(tmp_path, kind):
     faults = Faults(**{kind: 0.4})
     expected = [sum(faults.draw(0, r, c) == kind for c in range(CLIENTS)) for r in range(1, ROUNDS + 1)]
     assert 0 < sum(expected) < CLIENTS * ROUNDS  # the rate hits some tasks, not all
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [int(r[f"faults/{kind}"]) for r in rows] == expected
     size = _model_bytes()
     # every client receives the model; only the survivors' uploads reach the server
@@ -85,7 +79,7 @@ def test_nan_fault_stops_by_default_and_is_dropped_with_the_drop_policy(tmp_path
     assert code == 0
     faults = Faults(nan=0.3)
     expected = [sum(faults.draw(0, r, c) == "nan" for c in range(CLIENTS)) for r in range(1, ROUNDS + 1)]
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [int(r["faults/nan"]) for r in rows] == expected
     assert [int(r["faults/dropped_nonfinite"]) for r in rows] == expected
 
@@ -93,7 +87,7 @@ def test_nan_fault_stops_by_default_and_is_dropped_with_the_drop_policy(tmp_path
 def test_a_round_without_any_update_keeps_the_server_state(tmp_path):
     code, out = _run(tmp_path, faults={"crash": 1.0})
     assert code == 0
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["faults/phases_without_updates"] for r in rows] == ["1"] * ROUNDS
     assert [r["faults/crash"] for r in rows] == [str(CLIENTS)] * ROUNDS
     assert len({r["global/test_acc"] for r in rows}) == 1  # never aggregated: the initial model each time

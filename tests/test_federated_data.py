@@ -1,3 +1,6 @@
+"""Federated digits data: the bundled set and its fixed test split, the sizes and disjointness of the server,
+unlabeled and local splits, partitions deterministic by seed, bad fractions refused, and pooled test sets."""
+
 import numpy as np
 import pytest
 import torch

@@ -1,12 +1,11 @@
 """FedGen: the generator's losses, the server step, the trained generator reaching clients, sizes sent."""
 
-import csv
 import io
 import math
 
 import pytest
 import torch
-from conftest import ROOT, client_update, method_env, run_cli
+from conftest import ROOT, client_update, method_env, metrics_rows, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.federation.errors import ConfigError
@@ -205,7 +204,7 @@ def test_heads_must_match_and_options_must_be_in_range():
 
 
 def _round_bytes(out):
-    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    rows = metrics_rows(out)
     return [(int(r["comm/round_downlink_bytes"]), int(r["comm/round_uplink_bytes"])) for r in rows]
 
 

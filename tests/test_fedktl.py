@@ -1,7 +1,6 @@
 """FedKTL: the ETF, the ArcFace logits and the MMD by hand, the server's alignment and generation with a small
 random generator, what each side sends (and the ledger's bytes), evaluation against the ETF, and its checks."""
 
-import csv
 import json
 import math
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import TINY, client_update, method_env, run_cli
+from conftest import TINY, client_update, method_env, metrics_rows, run_cli
 
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.federation.population import Tier
@@ -187,8 +186,7 @@ def test_the_ledger_counts_what_each_round_sends(tmp_path):
     assert run_cli("fit", "--config", str(tmp_path / "r.yaml"), "--output_dir", str(tmp_path / "run")) == 0
     clients = json.loads((tmp_path / "run" / "partition.json").read_text())["clients"]
     rows = sum(sum(1 for n in client["class_counts"] if n) for client in clients)
-    with open(tmp_path / "run" / "metrics.csv") as f:
-        metrics = list(csv.DictReader(f))
+    metrics = metrics_rows(tmp_path / "run")
     assert [int(r["comm/round_uplink_bytes"]) for r in metrics] == [rows * (C + 1) * 4] * 2
     fixed = C * C + D * L + L  # the ETF and the projection, every round
     down = [4 * fixed * 4, 4 * (fixed + C * (64 + L)) * 4]  # from round 2 the images and latents too

@@ -2,13 +2,12 @@
 set held out of training, warm-up rounds, the bytes sent."""
 
 import copy
-import csv
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, client_update, method_env, run_cli
+from conftest import ROOT, client_update, method_env, metrics_rows, run_cli
 from torch import nn
 
 from fl_lightning.client import ClientContext, LocalTraining
@@ -208,7 +207,6 @@ def test_the_ledger_counts_the_vectors_down_and_one_gradient_per_studied_class_u
     tiny += ["--training.local_steps", "1", "--rounds", "3", "--eval_every", "1", "--runtime.progress", "false"]
     code = run_cli("fit", "--config", str(ROOT / "recipes/digits_fedl2g.yaml"), *tiny, "--output_dir", str(out))
     assert code == 0
-    with open(out / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = metrics_rows(out)
     assert [int(r["comm/round_downlink_bytes"]) for r in rows] == [15 * 10 * 10 * 4] * 3
     assert [int(r["comm/round_uplink_bytes"]) for r in rows] == [15 * (10 + 1) * 4] * 3

@@ -1,12 +1,11 @@
 """FedMRL: the fused representation and the Matryoshka losses by hand, the projector that stays with its client,
 the small model's average, the fused model that gets evaluated, the bytes sent."""
 
-import csv
 import math
 
 import pytest
 import torch
-from conftest import ROOT, client_update, method_env, run_cli
+from conftest import ROOT, client_update, method_env, metrics_rows, run_cli
 from torch import nn
 
 from fl_lightning.client import LocalTraining
@@ -154,7 +153,6 @@ def test_the_ledger_counts_the_small_model_each_way_per_client_and_round(tmp_pat
     assert code == 0
     # digits_mlp(hidden=32, depth=1): Linear(64, 32) and the head Linear(32, 10); 6 clients, every round
     small = (64 * 32 + 32) + (32 * 10 + 10)
-    with open(out / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = metrics_rows(out)
     assert [int(r["comm/round_downlink_bytes"]) for r in rows] == [6 * small * 4] * 2
     assert [int(r["comm/round_uplink_bytes"]) for r in rows] == [6 * small * 4] * 2

@@ -1,14 +1,13 @@
 """FedPCL: the prototype-wise contrastive losses by hand, the frozen-backbone model, the prototypes exchanged (and
 their bytes in the ledger), and nearest-prototype evaluation."""
 
-import csv
 import json
 import math
 
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TINY, client_update, method_env, read_summary, run_cli
+from conftest import ROOT, TINY, client_update, method_env, metrics_rows, read_summary, run_cli
 
 from fl_lightning.federation.errors import ConfigError
 from fl_lightning.federation.population import Tier
@@ -212,8 +211,7 @@ def test_the_ledger_counts_the_prototypes_each_way(tmp_path):
     held = [{c for c, n in enumerate(client["class_counts"]) if n} for client in clients]
     rows = sum(len(classes) for classes in held)  # M: every client's set, S_j rows each
     union = len(set().union(*held))  # R: the classes of the global prototypes
-    with open(tmp_path / "run" / "metrics.csv") as f:
-        metrics = list(csv.DictReader(f))
+    metrics = metrics_rows(tmp_path / "run")
     assert [int(r["comm/round_uplink_bytes"]) for r in metrics] == [rows * (D + 1) * 4] * 2
     down = 4 * (union * (D + 1) + rows * (D + 2)) * 4  # each of 4 clients: the global set and every client's
     assert [int(r["comm/round_downlink_bytes"]) for r in metrics] == [0, down]

@@ -1,11 +1,10 @@
 """FedTGP: the adaptive margin, the margin contrastive loss, the server's trainable prototypes, sizes sent."""
 
-import csv
 import math
 
 import pytest
 import torch
-from conftest import ROOT, client_update, method_env, run_cli
+from conftest import ROOT, client_update, method_env, metrics_rows, run_cli
 
 from fl_lightning.client import LocalTraining
 from fl_lightning.federation.errors import ConfigError
@@ -152,7 +151,7 @@ def test_ledger_counts_the_class_prototypes_each_way_per_round(tmp_path):
     argv += ["--eval_every", "1", "--runtime.progress", "false", "--training.local_steps", "1"]
     argv += ["--strategy.init_args.server_epochs", "1"]
     assert run_cli("fit", *argv) == 0
-    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    rows = metrics_rows(out)
     sent = [(int(r["comm/round_downlink_bytes"]), int(r["comm/round_uplink_bytes"])) for r in rows]
     clients, row = 15, (64 + 1) * 4  # every client every round; a prototype of D = 64 floats and its int32 label
     # each client holds 2 classes (pathological partition): 2 rows up; the server sends all C rows from round 2

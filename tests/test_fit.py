@@ -1,13 +1,12 @@
 """End to end through the CLI entry point on the real digits data."""
 
-import csv
 import json
 import struct
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_resumed_equals, read_summary, run_cli, write_recipe
+from conftest import ROOT, assert_resumed_equals, metrics_rows, read_summary, run_cli, write_recipe
 
 
 def _final_metrics(summary):
@@ -44,7 +43,7 @@ def test_run_files_and_metrics_rows(tmp_path):
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out)) == 0
     for name in ("config.yaml", "metrics.csv", "summary.json", "partition.json", "checkpoints/last.ckpt"):
         assert (out / name).is_file(), name
-    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    rows = metrics_rows(out)
     assert [int(r["round"]) for r in rows] == [2, 4]  # eval_every 2 of 4 rounds
     summary = read_summary(out)
     assert set(summary) >= {"final", "best", "comm", "rounds", "seed", "wall_time_s"}
@@ -166,7 +165,7 @@ def test_a_loss_monitor_picks_the_lowest_loss_and_a_resume_may_change_the_monito
     common = ("fit", "--config", str(recipe))
     loss = ("--monitor", "global/test_loss")
     assert run_cli(*common, "--output_dir", str(tmp_path / "full"), *loss) == 0
-    rows = list(csv.DictReader((tmp_path / "full/metrics.csv").open()))
+    rows = metrics_rows(tmp_path / "full")
     losses = {int(r["round"]): float(r["global/test_loss"]) for r in rows}
     full = read_summary(tmp_path / "full")
     assert full["best_round"] == min(losses, key=losses.get) and full["best"]["global/test_loss"] == min(
@@ -375,8 +374,8 @@ def test_wandb_offline_and_tensorboard_log_the_values_of_metrics_csv(tmp_path, m
     recipe = write_recipe(tmp_path / "r.yaml", rounds=2, eval_every=1)
     out = tmp_path / "run"
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(out), "--logger", "[wandb, tensorboard]") == 0
-    with open(out / "metrics.csv") as f:
-        rows = {int(row.pop("round")): {k: float(v) for k, v in row.items()} for row in csv.DictReader(f)}
+    every = metrics_rows(out, timings=True)  # the wall-clock columns are logged too
+    rows = {int(row.pop("round")): {k: float(v) for k, v in row.items()} for row in every}
     assert sorted(rows) == [1, 2] and "global/test_acc" in rows[2]
     import wandb
 

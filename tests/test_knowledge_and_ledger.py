@@ -1,3 +1,6 @@
+"""Weighted averages of weights (by hand, in float64, by blocks of one flat buffer, refused on mismatched
+architectures), payload sizes in bytes, and the ledger's counts per round, direction and payload."""
+
 import pytest
 import torch
 from torch import nn

@@ -19,7 +19,7 @@ def test_class_sums_per_class_and_their_counts():
     values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     sums, counts = class_sums(values, torch.tensor([0, 1, 0]), num_classes=3)
     assert torch.equal(sums, torch.tensor([[6.0, 8.0], [3.0, 4.0], [0.0, 0.0]]))
-    assert counts.tolist() == [2, 1, 0]  # FedHe's division by the counts plus one: test_fidelity.py
+    assert counts.tolist() == [2, 1, 0]  # FedHe's division by the counts plus one: test_fedhe.py
 
 
 def test_class_bank_averages_every_stored_upload():

@@ -1,3 +1,6 @@
+"""Models and populations: ResNet-20's parameter counts, ModelSpec by name, tier assignments (contiguous,
+interleaved, cyclic) and their sizes, and the sampler's fraction, tiers and seed."""
+
 import numpy as np
 import pytest
 

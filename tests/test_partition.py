@@ -1,3 +1,6 @@
+"""Partitioners: IID, Dirichlet, pathological and natural-id partitions that cover every example once, are
+deterministic by seed, follow their label skew and sizes, and refuse impossible settings saying how to fix them."""
+
 import numpy as np
 import pytest
 

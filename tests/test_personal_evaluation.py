@@ -1,31 +1,24 @@
 """Personalized evaluation that scales: skipping clients that never trained, a seeded sample per round."""
 
-import csv
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, read_summary, run_cli
+from conftest import ROOT, fit_recipe, metrics_rows, read_summary, run_cli
 
 FEDHE = ["--config", str(ROOT / "recipes" / "digits_fedhe.yaml"), "--runtime.progress", "false", "--seed", "0"]
 
 
 def _fit(run: Path, *argv: str) -> dict:
-    assert run_cli("fit", *FEDHE, "--output_dir", str(run), *argv) == 0
-    return read_summary(run)
-
-
-def _rows(run: Path) -> list[dict]:
-    """metrics.csv without the wall-clock column."""
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in csv.DictReader(f)]
+    """digits_fedhe at seed 0 with ``argv``: its summary."""
+    return read_summary(fit_recipe(run, "digits_fedhe", "--seed", "0", *argv))
 
 
 def test_skipping_untrained_clients_evaluates_the_trained_ones_and_says_how_many(tmp_path):
     argv = ["--rounds", "2", "--eval_every", "1", "--population.num_clients", "30"]
     argv += ["--sampler.init_args.num_per_round", "3", "--evaluation.untrained", "skip"]
     summary = _fit(tmp_path / "run", *argv)
-    rows = _rows(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run")
     assert float(rows[0]["personal/clients_evaluated"]) == 3.0  # round 1: the 3 clients that trained
     trained = {int(k) for k in summary["per_client_acc"]}
     assert 3 < len(trained) <= 6 and float(rows[1]["personal/clients_evaluated"]) == len(trained)
@@ -39,11 +32,11 @@ def test_a_seeded_sample_per_round_and_every_client_after_the_last(tmp_path):
     every = _fit(tmp_path / "every", *argv)
     sampled = _fit(tmp_path / "sampled", *argv, "--evaluation.sample", "4")
     again = _fit(tmp_path / "again", *argv, "--evaluation.sample", "4")
-    rows = _rows(tmp_path / "sampled")
+    rows = metrics_rows(tmp_path / "sampled")
     assert [r["personal/clients_evaluated"] for r in rows] == ["4.0", "4.0", ""]  # the last row covers all 12
     assert sampled["final"] == every["final"] and len(sampled["per_client_acc"]) == 12
-    assert rows == _rows(tmp_path / "again")  # the same seed draws the same samples
-    full_rows = _rows(tmp_path / "every")
+    assert rows == metrics_rows(tmp_path / "again")  # the same seed draws the same samples
+    full_rows = metrics_rows(tmp_path / "every")
     assert rows[0]["personal/test_acc"] != full_rows[0]["personal/test_acc"]  # 4 clients, not 12
     assert again["final"] == every["final"]
 

@@ -30,7 +30,7 @@ def _assert_identical_runs(one: Path, two: Path) -> dict:
         assert_same(first[key], second[key], key)
     assert_same(first["rng"]["torch"], second["rng"]["torch"], "torch generator")
     assert_same(load_client_states(first), load_client_states(second), "client states")
-    summary_one, summary_two = (json.loads((run / "summary.json").read_text()) for run in (one, two))
+    summary_one, summary_two = read_summary(one), read_summary(two)
     for key in ("final", "best", "comm", "per_client_acc", "faults", "rounds", "diverged"):
         assert summary_one.get(key) == summary_two.get(key), key
     # rank 0 alone wrote the run directory: the same files as one process (client file names are random)

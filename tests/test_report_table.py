@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import ROOT, read_summary, run_cli
+from conftest import fit_recipe, read_summary, run_cli
 from test_report import Page
 
 PAPER = "paper-001 (Lim et al., on-device KD)"
@@ -17,9 +17,8 @@ def _reference(table, column, metric, value, row="CIFAR-10"):
 
 
 def _fit(recipe, seed, out, reference):
-    argv = ["fit", "--config", str(ROOT / f"recipes/{recipe}.yaml"), "--seed", str(seed), "--rounds", "2"]
-    argv += ["--eval_every", "1", "--output_dir", str(out), "--runtime.progress", "false", "--reference", reference]
-    assert run_cli(*argv) == 0
+    """Two rounds of ``recipe`` at ``seed`` into ``out``, measuring the table cell ``reference``."""
+    fit_recipe(out, recipe, "--seed", str(seed), "--rounds", "2", "--eval_every", "1", "--reference", reference)
 
 
 @pytest.fixture(scope="module")

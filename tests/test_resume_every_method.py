@@ -4,19 +4,12 @@ Server state (banks, server optimizers, Velo's CVAE) is saved as plain tensors a
 also checks that each strategy's state survives the round trip through a checkpoint.
 """
 
-import json
-from pathlib import Path
-
 import pytest
-from conftest import ROOT, assert_resumed_equals, run_cli
+from conftest import ROOT, assert_resumed_equals, read_summary, run_cli
 
 pytestmark = pytest.mark.slow  # two runs of every digits recipe (test_fit covers resume in the default suite)
 
 DIGITS_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("digits_*.yaml"))
-
-
-def _final(run: Path) -> dict:
-    return json.loads((run / "summary.json").read_text())["final"]
 
 
 @pytest.mark.parametrize("recipe", DIGITS_RECIPES)
@@ -26,5 +19,5 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, recipe):
     assert run_cli("fit", *common, "--output_dir", str(tmp_path / "full")) == 0
     assert run_cli("fit", *common, "--output_dir", str(tmp_path / "cut"), "--stop_after", "2") == 0
     assert run_cli("fit", *common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto") == 0
-    assert _final(tmp_path / "full")
+    assert read_summary(tmp_path / "full")["final"]
     assert_resumed_equals(tmp_path / "cut", tmp_path / "full")

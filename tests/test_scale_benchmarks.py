@@ -1,4 +1,7 @@
-"""benchmarks/overhead.py's minimal loop and benchmarks/population.py (issue 14 items 4 and 5)."""
+"""The scale benchmarks run and print what they measure: benchmarks/overhead.py's minimal loop trains on the
+examples fl_lightning's batches hold, benchmarks/population.py prints one JSON line per population, the peer
+benchmark uses pfl-research's simple CNN and times each side, and the sweep-workers benchmark times the same trials
+with one and two workers."""
 
 import importlib.util
 import json

@@ -4,12 +4,11 @@ drains a phase without aggregation, so a method needs no phase-name comparison a
 from __future__ import annotations
 
 import ast
-import csv
 from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import ROOT, read_summary, run_cli, write_recipe
+from conftest import ROOT, metrics_rows, read_summary, run_cli, write_recipe
 
 from fl_lightning.federation.types import ClientSpec, ClientTask, ClientUpdate
 from fl_lightning.strategies import FedAvg, Standalone
@@ -147,7 +146,7 @@ def test_the_orchestrator_runs_and_drains_a_phase_without_aggregation(tmp_path):
     TRAINED_AGAIN.clear()
     recipe = write_recipe(tmp_path / "r.yaml", strategy={"class_path": "test_strategy_protocol.TwoPhases"})
     assert run_cli("fit", "--config", str(recipe), "--output_dir", str(tmp_path / "run")) == 0
-    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    rows = metrics_rows(tmp_path / "run")
     assert [int(r["round"]) for r in rows] == [2, 4]
     sampled = 4  # 8 clients, fraction 0.5
     assert {phase for _, _, phase in TRAINED_AGAIN} == {"again"} and all(i % 2 == 0 for _, i, _ in TRAINED_AGAIN)

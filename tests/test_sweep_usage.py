@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, read_summary, run_cli, write_recipe
+from conftest import ROOT, metrics_rows, read_summary, run_cli, write_recipe
 from test_sweep import LR, write_sweep
 
 from fl_lightning.federation.errors import ConfigError
@@ -196,7 +196,7 @@ def test_a_sweep_tuned_on_a_validation_split_reports_the_best_trials_test_score(
     best = next(r for r in trials(root) if int(r["trial"]) == result["best_trial"])
     summary = read_summary(tmp_path / best["output_dir"])
     assert summary["monitor"] == "global/val_acc"
-    rows = list(csv.DictReader((tmp_path / best["output_dir"] / "metrics.csv").open()))
+    rows = metrics_rows(tmp_path / best["output_dir"])
     best_row = max(rows, key=lambda r: float(r["global/val_acc"]))  # the round with the best val score
     assert result["best_value"] == pytest.approx(float(best_row["global/val_acc"]))
     assert result["best_test"] == {

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, read_summary, run_cli, write_recipe
+from conftest import ROOT, metrics_rows, read_summary, run_cli, write_recipe
 from test_report import REPORT_TAGS, Page
 from torch import nn
 
@@ -29,11 +29,6 @@ def mlp_step_flops(hidden, batch=BATCH, inputs=64, classes=10):
 
 def mlp_bytes(hidden, inputs=64, classes=10):
     return 4 * (inputs * hidden + hidden + hidden * classes + classes)  # float32 weights and biases
-
-
-def rows(run):
-    with open(run / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
 
 
 # ------------------------------------------------------------------ the compute estimate
@@ -84,7 +79,7 @@ def runs(tmp_path_factory):
 
 
 def test_a_runs_compute_is_each_roles_step_flops_times_the_steps_its_clients_took(runs):
-    fedavg = rows(runs / "fedavg" / "seed0")
+    fedavg = metrics_rows(runs / "fedavg" / "seed0")
     per_round = PER_ROUND * STEPS * mlp_step_flops(32)
     assert [int(r["compute/train_flops"]) for r in fedavg] == [per_round, 2 * per_round]
     assert [float(r["compute/gflops_per_client"]) for r in fedavg] == pytest.approx(
@@ -93,19 +88,19 @@ def test_a_runs_compute_is_each_roles_step_flops_times_the_steps_its_clients_too
     summary = read_summary(runs / "fedavg" / "seed0")
     assert summary["compute"] == {"train_flops": 2 * per_round, "step_flops": {"global": mlp_step_flops(32)}}
     # FML trains both of a client's models on each batch (fit_jointly): both roles' steps count
-    fml = rows(runs / "fml" / "seed0")
+    fml = metrics_rows(runs / "fml" / "seed0")
     both = PER_ROUND * STEPS * (mlp_step_flops(32) + mlp_step_flops(8))
     assert [int(r["compute/train_flops"]) for r in fml] == [both, 2 * both]
 
 
 def test_the_traffic_per_client_is_the_ledgers_bytes_over_the_population(runs):
     # FedAvg: each sampled client receives the global model and sends its own back
-    fedavg = rows(runs / "fedavg" / "seed0")
+    fedavg = metrics_rows(runs / "fedavg" / "seed0")
     per_round = 2 * PER_ROUND * mlp_bytes(32)
     assert [float(r["comm/mib_per_client"]) for r in fedavg] == pytest.approx(
         [per_round / CLIENTS / MIB, 2 * per_round / CLIENTS / MIB]
     )
-    fml = rows(runs / "fml" / "seed0")  # FML exchanges the shared (meme) model only
+    fml = metrics_rows(runs / "fml" / "seed0")  # FML exchanges the shared (meme) model only
     assert float(fml[-1]["comm/mib_per_client"]) == pytest.approx(2 * 2 * PER_ROUND * mlp_bytes(8) / CLIENTS / MIB)
 
 
@@ -117,10 +112,10 @@ def test_the_compute_and_traffic_columns_resume_exactly_and_the_batched_executor
     assert run_cli(*common, "--output_dir", str(tmp_path / "cut"), "--resume", "auto") == 0
     assert run_cli(*common, "--output_dir", str(tmp_path / "batched"), "--runtime.executor", "batched") == 0
     columns = ("compute/train_flops", "compute/gflops_per_client", "comm/mib_per_client")
-    whole = [[r[c] for c in columns] for r in rows(tmp_path / "whole")]
+    whole = [[r[c] for c in columns] for r in metrics_rows(tmp_path / "whole")]
     assert whole[-1][0] == str(3 * PER_ROUND * STEPS * mlp_step_flops(32))
-    assert [[r[c] for c in columns] for r in rows(tmp_path / "cut")] == whole
-    assert [[r[c] for c in columns] for r in rows(tmp_path / "batched")] == whole
+    assert [[r[c] for c in columns] for r in metrics_rows(tmp_path / "cut")] == whole
+    assert [[r[c] for c in columns] for r in metrics_rows(tmp_path / "batched")] == whole
 
 
 def test_the_compute_per_client_and_round_is_a_metric_a_table_cell_can_name(runs):
@@ -145,7 +140,8 @@ def test_a_model_that_cannot_run_on_meta_tensors_is_named_and_the_run_records_no
     out = tmp_path / "run"
     assert run_cli("fit", "--config", str(write_recipe(tmp_path / "r.yaml", rounds=2)), "--output_dir", str(out)) == 0
     assert read_summary(out)["compute"] == {"train_flops": None, "step_flops": {}, "not_counted": {"global": "no data"}}
-    assert not any(k.startswith("compute/") for k in rows(out)[0])  # a role's steps without their cost: no total
+    columns = metrics_rows(out)[0]
+    assert not any(k.startswith("compute/") for k in columns)  # a role's steps without their cost: no total
 
 
 # ------------------------------------------------------------------ the figure's data
@@ -163,7 +159,7 @@ def test_a_reports_tradeoff_holds_each_method_and_seed_at_the_ledgers_points_and
         assert curve.rounds == [1.0, 2.0]
         assert curve.mib == pytest.approx([per_round, 2 * per_round])
         assert curve.gflops == pytest.approx([flops, 2 * flops])
-        accuracies = [float(r["global/test_acc"]) for r in rows(runs / "fedavg" / f"seed{seed}")]
+        accuracies = [float(r["global/test_acc"]) for r in metrics_rows(runs / "fedavg" / f"seed{seed}")]
         assert curve.metric == "global/test_acc" and curve.acc == accuracies
     # the paper's points: CO/c/r 30 KiB per sampled client and round over the recipe's 2 rounds and 4 of 8
     # clients a round, at its 0.8; and 0.5 reached after 90 KiB in all, over 8 clients
@@ -240,7 +236,7 @@ def test_runs_without_compute_or_population_are_named_not_drawn(runs, tmp_path):
 
     shutil.copytree(runs, tmp_path / "runs")
     old = tmp_path / "runs" / "fml" / "seed0" / "metrics.csv"  # as a run written before the compute estimate
-    table = rows(old.parent)
+    table = metrics_rows(old.parent)
     with open(old, "w", newline="") as f:
         writer = csv.DictWriter(f, [k for k in table[0] if not k.startswith("compute/")], extrasaction="ignore")
         writer.writeheader()
@@ -311,7 +307,7 @@ def test_a_paper_table_draws_each_settings_methods_with_the_papers_points(tmp_pa
     cifar10 = table["tradeoffs"][0]["setting"]
     fedgh = next(m for m in cifar10.methods if m.label == "FedGH")
     (curve,) = fedgh.curves
-    traffic = [(float(r["comm/uplink_bytes"]) + float(r["comm/downlink_bytes"])) / 15 / MIB for r in rows(run)]
+    traffic = [(float(r["comm/uplink_bytes"]) + float(r["comm/downlink_bytes"])) / 15 / MIB for r in metrics_rows(run)]
     assert curve.mib == pytest.approx(traffic) and curve.rounds == [1.0, 2.0]
     assert [p.acc for p in fedgh.paper] == [0.976, 0.9]
     assert [p.mib for p in fedgh.paper] == pytest.approx([23.45 * 2 / 1024, 468.91 / 15 / 1024])

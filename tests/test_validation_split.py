@@ -1,11 +1,9 @@
 """Global models scored on the clients' pooled local val splits when the data has a val share: what a sweep
 tunes on instead of the test set."""
 
-import csv
-
 import pytest
 import torch
-from conftest import ROOT, method_env, run_cli
+from conftest import ROOT, method_env, metrics_rows, read_summary, run_cli
 
 from fl_lightning.client.evaluation import Evaluator
 from fl_lightning.data import DigitsData
@@ -48,11 +46,9 @@ def test_a_run_with_a_val_share_writes_val_scores_and_may_monitor_them(tmp_path)
     argv = ["fit", "--config", str(ROOT / "recipes/quickstart.yaml"), "--rounds", "3", "--eval_every", "1"]
     argv += ["--data.init_args.local_split", "[0.8, 0.2, 0.0]", "--monitor", "global/val_acc"]
     assert run_cli(*argv, "--output_dir", str(out), "--runtime.progress", "false") == 0
-    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    rows = metrics_rows(out)
     assert all(0 <= float(r["global/val_acc"]) <= 1 and float(r["global/val_loss"]) > 0 for r in rows)
-    import json
-
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_summary(out)
     best = max(rows, key=lambda r: float(r["global/val_acc"]))  # the first of equals: > keeps the earlier
     assert summary["best_round"] == int(best["round"])
     assert summary["best"]["global/test_acc"] == pytest.approx(float(best["global/test_acc"]))
