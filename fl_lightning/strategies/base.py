@@ -312,6 +312,16 @@ class ServerContext:
                 f"(clients {several[:5]} list several)."
             )
 
+    def require_one_architecture(self) -> None:
+        """Every client trains one model, the same role for all: a method its paper defines for one architecture
+        (FedNTD, FedETF, CCVR, FedNH)."""
+        self.require_one_role_per_client()
+        if len(self.roles) != 1:
+            raise ConfigError(
+                f"{self.method} is defined for one architecture: every client must train the same model, but the "
+                f"tiers train {self.roles}; list one role in every tier."
+            )
+
     def require_private_and_shared_role(self, shared: str, word: str) -> None:
         """Every client lists exactly two roles: its private model's and the shared ``shared`` role (FML's
         meme, FedKD's mentee; ``word`` names it in the message)."""

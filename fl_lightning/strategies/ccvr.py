@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..client.evaluation import Evaluator
 from ..federation.bounds import Positive, PositiveInt
-from ..federation.errors import ConfigError
 from ..federation.types import (
     ClientSpec,
     ClientTask,
@@ -83,12 +82,7 @@ class CCVR(FedAvg):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client()
-        if len(self.roles) != 1:
-            raise ConfigError(
-                f"CCVR is defined for one architecture: every client must train the same model, but the tiers "
-                f"train {self.roles}; list one role in every tier."
-            )
+        server.require_one_architecture()
         self.state = CCVRState(self.state.global_weights, {})
         self.num_classes = server.data.num_classes
 

@@ -16,7 +16,6 @@ from ..client.evaluation import Evaluator
 from ..client.joint import fit_jointly
 from ..client.steps import vmappable
 from ..federation.bounds import NonNegativeInt, Positive, PositiveInt
-from ..federation.errors import ConfigError
 from ..federation.padding import real_labels
 from ..federation.types import (
     ClientSpec,
@@ -101,12 +100,7 @@ class FedETF(FedAvg):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client()
-        if len(self.roles) != 1:
-            raise ConfigError(
-                f"FedETF is defined for one architecture: every client must train the same model, but the tiers "
-                f"train {self.roles}; list one role in every tier."
-            )
+        server.require_one_architecture()
         self.num_classes = server.data.num_classes
         generator = torch.Generator().manual_seed(server.seed)
         etf = simplex_etf(self.num_classes, generator)

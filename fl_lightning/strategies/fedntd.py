@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from ..client.context import ClientContext
 from ..client.steps import vmappable
 from ..federation.bounds import NonNegative, Positive
-from ..federation.errors import ConfigError
 from ..federation.types import ClientTask, ClientUpdate, ModelWeights, Role, load_exchanged
 from ..knowledge.distillation import not_true_distillation_loss
 from ..models.base import FeatureClassifier
@@ -49,12 +48,7 @@ class FedNTD(FedAvg):
 
     def setup(self, server: ServerContext) -> None:
         super().setup(server)
-        server.require_one_role_per_client()
-        if len(self.roles) != 1:
-            raise ConfigError(
-                f"FedNTD is defined for one architecture: every client must train the same model, but the tiers "
-                f"train {self.roles}; list one role in every tier."
-            )
+        server.require_one_architecture()
 
     def client_update(self, task: ClientTask, ctx: ClientContext) -> ClientUpdate:
         role = task.client.roles[0]
