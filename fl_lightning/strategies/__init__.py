@@ -28,6 +28,7 @@ from .fedproto import FedProto
 from .fedtgp import FedTGP
 from .felo import Felo
 from .fml import FML
+from .fpl import FPL
 from .heterofl import HeteroFL
 from .lg_fedavg import LGFedAvg
 from .merged_codist import MergedCodist
@@ -42,6 +43,7 @@ __all__ = [
     "DSFL",
     "FD",
     "FML",
+    "FPL",
     "MOON",
     "Codistillation",
     "FedAdam",
