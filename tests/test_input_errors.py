@@ -18,7 +18,7 @@ from conftest import TINY
 
 STRATEGIES = (
     "CCVR, DSFL, FD, FedAdam, FedAvg, FedDF, FedETF, FedGEMS, FedGen, FedGH, FedGKT, FedHe, FedHKD, FedKD, "
-    "FedKTL, FedL2G, FedMD, FedMRL, FedNH, FedNTD, FedPAC, FedPCL, FedProto, FedTGP, Felo, FML, FPL, "
+    "FedKTL, FedL2G, FedMD, FedMRL, FedNH, FedNTD, FedPAC, FedPCL, FedProto, FedSA, FedTGP, Felo, FML, FPL, "
     "HeteroFL, LGFedAvg, MergedCodist, MOON, OnDeviceKD, PeriodicCodist, Standalone, Velo"
 )
 SGD_OPTIONS = "lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused"

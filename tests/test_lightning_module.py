@@ -127,7 +127,7 @@ METHODS = [
     "digits_felo", "digits_velo", "digits_fedgh", "digits_lg_fedavg", "digits_fml", "digits_fedkd", "digits_fd",
     "digits_dsfl", "digits_fedmd", "digits_fedgems", "digits_fedgkt", "digits_fedgen", "digits_fedtgp",
     "digits_fedl2g", "digits_fedmrl", "digits_fedktl", "digits_fedntd", "digits_fedetf", "digits_ccvr", "digits_fednh",
-    "digits_fedhkd", "digits_fedpac", "digits_fpl",
+    "digits_fedhkd", "digits_fedpac", "digits_fpl", "digits_fedsa",
 ]  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from .fedntd import FedNTD
 from .fedpac import FedPAC
 from .fedpcl import FedPCL
 from .fedproto import FedProto
+from .fedsa import FedSA
 from .fedtgp import FedTGP
 from .felo import Felo
 from .fml import FML
@@ -66,6 +67,7 @@ __all__ = [
     "FedPAC",
     "FedPCL",
     "FedProto",
+    "FedSA",
     "FedTGP",
     "Felo",
     "HeteroFL",
