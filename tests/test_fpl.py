@@ -130,6 +130,42 @@ def test_client_uploads_the_class_means_of_its_last_epoch_s_training_representat
     assert torch.allclose(sent.vectors["prototypes"], torch.stack([h[y == k].mean(0) for k in classes]), atol=1e-5)
 
 
+def test_the_uploaded_prototypes_are_the_last_epoch_s(monkeypatch):
+    """Trained for two epochs (the model moves), the upload is the class means of the second epoch's training-mode
+    representations, each taken before its step, and not those of both epochs."""
+    import fl_lightning.strategies.fpl as fpl
+
+    seen, original = [], fpl.ce_step
+
+    def recording(module, batch, i):  # the round-1 step (not marked pure: the sequential loop), its records kept
+        loss, record = original(module, batch, i)
+        seen.append(tuple(t.detach().clone() for t in record))
+        return loss, record
+
+    monkeypatch.setattr(fpl, "ce_step", recording)
+    strategy = FPL()
+    training = LocalTraining(optimizer=lambda params: torch.optim.SGD(params, lr=0.5), local_epochs=2, batch_size=16)
+    server = method_env(strategy, MLP, [Tier("all", ["m"])], training=training)
+    client = server.clients[0]
+    sent = client_update(strategy, server, strategy.configure_round(1, [client])[0]).uplink["local_prototypes"]
+    per_epoch = len(seen) // 2
+    assert per_epoch == -(-len(server.data.clients[client.id].train) // 16) and len(seen) == 2 * per_epoch
+
+    def means(records):
+        y, h = torch.cat([r[0] for r in records]), torch.cat([r[1] for r in records])
+        return torch.stack([h[y == k].mean(0) for k in sent.labels.tolist()])
+
+    assert torch.allclose(sent.vectors["prototypes"], means(seen[per_epoch:]), atol=1e-6)
+    assert not torch.allclose(sent.vectors["prototypes"], means(seen), atol=1e-3)
+    # with drop_last an epoch is its full batches only: the last epoch's are still the upload
+    seen.clear()
+    training.drop_last = True
+    sent = client_update(strategy, server, strategy.configure_round(1, [client])[0]).uplink["local_prototypes"]
+    per_epoch = len(seen) // 2
+    assert per_epoch == len(server.data.clients[client.id].train) // 16 and len(seen) == 2 * per_epoch
+    assert torch.allclose(sent.vectors["prototypes"], means(seen[per_epoch:]), atol=1e-6)
+
+
 def test_prototype_terms_enter_the_client_loss_once_clusters_exist():
     losses = {}
     for weight in (0.0, 1.0):

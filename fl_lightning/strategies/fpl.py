@@ -111,7 +111,7 @@ class FPL(FedAvg):
         records: list[tuple] = []
         stats = ctx.fit(role, step_fn=step, on_record=records.append)
         # the last local epoch's steps (the official code's prototypes): their training-mode representations
-        last = records[-ctx.epoch_steps(ctx.num_examples()) :]
+        last = records[-epoch_length(ctx) :]
         collector = ClassStatsCollector(self.num_classes, {"prototypes": self.feature_dim}, device)
         for y, h in last:
             collector.add(y, prototypes=h.detach().float())
@@ -154,6 +154,13 @@ class FPL(FedAvg):
         self.state.clusters, self.state.cluster_labels = clusters, cluster_labels  # this round's uploads only
         classes = len(torch.unique(cluster_labels))
         return {"server/classes_with_prototype": float(classes), "server/clusters_per_class": len(clusters) / classes}
+
+
+def epoch_length(ctx: ClientContext) -> int:
+    """The steps of one pass over the client's training split, as its batches are drawn (``drop_last``: full batches
+    only, at least one)."""
+    n = ctx.num_examples()
+    return max(1, n // ctx.batch_size) if ctx.loop.training.drop_last else ctx.epoch_steps(n)
 
 
 @vmappable
