@@ -1,4 +1,4 @@
-"""FPL: Huang, Ye, Shao, Du, "Rethinking Federated Learning with Domain Shift: A Prototype View", CVPR 2023 (the
+"""FPL: Huang et al., "Rethinking Federated Learning with Domain Shift: A Prototype View", CVPR 2023 (the
 official code WenkeHuang/RethinkFL)."""
 
 from __future__ import annotations
