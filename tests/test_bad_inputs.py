@@ -515,6 +515,30 @@ CASES = [
         no_recipe=True,
     ),
     Case(
+        "FPL tau zero",
+        ["--config", "recipes/digits_fpl.yaml", "--strategy.init_args.tau", "0"],
+        ["FPL tau must be > 0, got 0.0."],
+        no_recipe=True,
+    ),
+    Case(
+        "FPL feature sizes differ",
+        ["--config", "recipes/digits_fpl.yaml", "--models", HEADS_32_64],
+        ["FPL", "same feature size"],
+        no_recipe=True,
+    ),
+    Case(
+        "FedSA momentum above one",
+        ["--config", "recipes/digits_fedsa.yaml", "--strategy.init_args.momentum", "1.5"],
+        ["FedSA momentum must be in [0, 1], got 1.5."],
+        no_recipe=True,
+    ),
+    Case(
+        "FedSA feature sizes differ",
+        ["--config", "recipes/digits_fedsa.yaml", "--models", HEADS_32_64],
+        ["FedSA", "same feature size"],
+        no_recipe=True,
+    ),
+    Case(
         "FedL2G warm-up covers every round",
         ["--config", "recipes/digits_fedl2g.yaml", "--strategy.init_args.warm_up_rounds", "40"],
         ["FedL2G's warm_up_rounds (40) cover all 40 rounds", "lower strategy.init_args.warm_up_rounds"],

@@ -331,6 +331,8 @@ FEDPCL_MLPS = (
             # FEDPROTO_MLPS below), whose 1.5e-5 in its conv weights the server's 100 epochs carry into its prototypes
             ("digits_fedtgp.yaml", FEDPROTO_MLPS),
             ("digits_fedhkd.yaml", FEDPROTO_MLPS),  # global means and soft predictions per class, each role averaged
+            ("digits_fpl.yaml", FEDPROTO_MLPS),  # cluster prototypes; the last epoch's representations as records
+            ("digits_fedsa.yaml", FEDPROTO_MLPS),  # the anchors and the head's logits of them; prototypes as records
             ("digits_fedl2g.yaml", ("--strategy.init_args.warm_up_rounds", "0")),  # guiding vectors per class
             # every client's prototypes as anchors; frozen backbones under the projection
             ("digits_fedpcl.yaml", FEDPCL_MLPS),
@@ -377,6 +379,8 @@ def test_distillation_steps_and_masked_logits_train_batched(tmp_path, monkeypatc
             ("digits_fedgen.yaml", FEDPROTO_MLPS),  # labels of generated rows: PAD in padded rows (real_labels)
             ("digits_fedtgp.yaml", FEDPROTO_MLPS),  # as FedProto
             ("digits_fedhkd.yaml", FEDPROTO_MLPS),  # means indexed by label, both distances over the real rows
+            ("digits_fpl.yaml", FEDPROTO_MLPS),  # clusters compared by label, both losses over the real rows
+            ("digits_fedsa.yaml", FEDPROTO_MLPS),  # anchors indexed by label, the MSE and the CE over the real rows
             ("digits_fedpcl.yaml", FEDPCL_MLPS),  # padded rows neither anchors nor contrasted
             ("digits_fedpcl.yaml", (*FEDPCL_MLPS, "--strategy.init_args.loss", "prototype_ce")),  # nor in the CE's mean
             ("digits_feddf.yaml", ()),

@@ -46,6 +46,8 @@ CASES = [
     ("digits_fedtgp", 10, "personal/test_acc", 0.7),  # 0.83 measured
     ("digits_fedhkd", 5, "personal/test_acc", 0.7),  # 0.1 untrained
     ("digits_fedpac", 10, "personal/test_acc", 0.7),  # 0.1 untrained
+    ("digits_fedsa", 10, "personal/test_acc", 0.8),  # 0.99 measured at round 10
+    ("digits_fpl", 10, "mlp/test_acc", 0.7),  # 0.905 measured after the recipe's 20 rounds (0.872 without prototypes)
     ("digits_lg_fedavg", 10, "personal/test_acc", 0.7),  # 0.87 measured
     ("digits_fml", 10, "personal/test_acc", 0.7),  # 0.86 measured
     ("digits_fedkd", 10, "personal/test_acc", 0.7),  # 0.91 measured

@@ -25,9 +25,11 @@ from .fedntd import FedNTD
 from .fedpac import FedPAC
 from .fedpcl import FedPCL
 from .fedproto import FedProto
+from .fedsa import FedSA
 from .fedtgp import FedTGP
 from .felo import Felo
 from .fml import FML
+from .fpl import FPL
 from .heterofl import HeteroFL
 from .lg_fedavg import LGFedAvg
 from .merged_codist import MergedCodist
@@ -42,6 +44,7 @@ __all__ = [
     "DSFL",
     "FD",
     "FML",
+    "FPL",
     "MOON",
     "Codistillation",
     "FedAdam",
@@ -64,6 +67,7 @@ __all__ = [
     "FedPAC",
     "FedPCL",
     "FedProto",
+    "FedSA",
     "FedTGP",
     "Felo",
     "HeteroFL",
